@@ -1,0 +1,143 @@
+// The Python module gossip_ext._C. Thin: argument conversion only; the Python package builds the
+// user-facing API on top. The torch ops (torch.ops.gossip_ext.*) register themselves when this
+// library loads.
+#include <pybind11/chrono.h>
+#include <pybind11/stl.h>
+#include <torch/csrc/utils/pybind.h>
+
+#include "common/error.h"
+#include "engine/gossip_engine.h"
+#include "engine/simulate.h"
+#include "topology/graph.h"
+#include "topology/mixing.h"
+#include "transport/inproc/inproc_transport.h"
+
+namespace py = pybind11;
+
+namespace gossip {
+namespace {
+
+void bind_topology(py::module_& m) {
+  py::enum_<GraphKind>(m, "GraphKind")
+      .value("NPeerDynamicDirectedExponential", GraphKind::kNPeerDynamicDirectedExponential)
+      .value("DynamicDirectedExponential", GraphKind::kDynamicDirectedExponential)
+      .value("DynamicBipartiteExponential", GraphKind::kDynamicBipartiteExponential)
+      .value("DynamicDirectedLinear", GraphKind::kDynamicDirectedLinear)
+      .value("DynamicBipartiteLinear", GraphKind::kDynamicBipartiteLinear)
+      .value("Ring", GraphKind::kRing)
+      .value("Hypercube", GraphKind::kHypercube)
+      .value("Custom", GraphKind::kCustom);
+
+  py::class_<GraphOptions>(m, "GraphOptions")
+      .def(py::init([](GraphKind kind, int peers_per_itr,
+                       std::vector<std::vector<int>> phone_books) {
+             return GraphOptions{kind, peers_per_itr, std::move(phone_books)};
+           }),
+           py::arg("kind"), py::arg("peers_per_itr") = 1,
+           py::arg("phone_books") = std::vector<std::vector<int>>{})
+      .def_readonly("kind", &GraphOptions::kind)
+      .def_readonly("peers_per_itr", &GraphOptions::peers_per_itr)
+      .def_readonly("phone_books", &GraphOptions::phone_books);
+
+  py::class_<Graph>(m, "Graph")
+      .def(py::init<GraphOptions, int>(), py::arg("options"), py::arg("world_size"))
+      .def_property_readonly("world_size", &Graph::world_size)
+      .def_property_readonly("period", &Graph::period)
+      .def_property_readonly("is_regular", &Graph::is_regular)
+      .def_property_readonly("is_bipartite", &Graph::is_bipartite)
+      .def_property_readonly("is_dynamic", &Graph::is_dynamic)
+      .def_property_readonly("pairs_symmetrically", &Graph::pairs_symmetrically)
+      .def("phone_book", &Graph::phone_book, py::arg("rank"))
+      .def("out_peers", &Graph::out_peers, py::arg("rank"), py::arg("round"))
+      .def("in_peers", &Graph::in_peers, py::arg("rank"), py::arg("round"));
+
+  py::enum_<MixingKind>(m, "MixingKind")
+      .value("Uniform", MixingKind::kUniform)
+      .value("SelfWeight", MixingKind::kSelfWeight);
+
+  py::class_<MixingOptions>(m, "MixingOptions")
+      .def(py::init([](MixingKind kind, double self_weight) {
+             MixingOptions options{kind, self_weight};
+             validate(options);
+             return options;
+           }),
+           py::arg("kind"), py::arg("self_weight") = 0.5)
+      .def_readonly("kind", &MixingOptions::kind)
+      .def_readonly("self_weight", &MixingOptions::self_weight);
+
+  m.def(
+      "mixing_weights",
+      [](const MixingOptions& options, int num_out_peers) {
+        const MixingWeights w = mixing_weights(options, num_out_peers);
+        return py::make_tuple(w.self_weight, w.peer_weight);
+      },
+      py::arg("options"), py::arg("num_out_peers"));
+}
+
+void bind_engine(py::module_& m) {
+  py::class_<EngineOptions>(m, "EngineOptions")
+      .def(py::init([](GraphOptions graph, MixingOptions mixing, bool push_sum,
+                       bool allow_lazy_mixing, std::chrono::milliseconds timeout) {
+             return EngineOptions{std::move(graph), mixing, push_sum, allow_lazy_mixing, timeout};
+           }),
+           py::arg("graph"), py::arg("mixing"), py::arg("push_sum") = true,
+           py::arg("allow_lazy_mixing") = true,
+           py::arg("timeout") = std::chrono::milliseconds(std::chrono::minutes(5)));
+
+  py::class_<Work, std::shared_ptr<Work>>(m, "Work")
+      .def("is_completed", &Work::is_completed, py::call_guard<py::gil_scoped_release>())
+      .def("wait", &Work::wait, py::arg("timeout"), py::call_guard<py::gil_scoped_release>());
+
+  py::class_<Transport, std::shared_ptr<Transport>>(m, "Transport")
+      .def_property_readonly("rank", &Transport::rank)
+      .def_property_readonly("world_size", &Transport::world_size)
+      .def_property_readonly("name", &Transport::name);
+
+  py::class_<InProcHub, std::shared_ptr<InProcHub>>(m, "InProcHub")
+      .def(py::init<int>(), py::arg("world_size"))
+      .def_property_readonly("world_size", &InProcHub::world_size);
+
+  py::class_<InProcTransport, Transport, std::shared_ptr<InProcTransport>>(m, "InProcTransport")
+      .def(py::init<std::shared_ptr<InProcHub>, int>(), py::arg("hub"), py::arg("rank"));
+
+  py::class_<GossipEngine>(m, "GossipEngine")
+      .def(py::init<const std::vector<at::Tensor>&, const std::vector<std::string>&,
+                    std::shared_ptr<Transport>, EngineOptions>(),
+           py::arg("params"), py::arg("names"), py::arg("transport"), py::arg("options"))
+      .def("start_round", &GossipEngine::start_round, py::call_guard<py::gil_scoped_release>())
+      .def("finish_round", &GossipEngine::finish_round, py::call_guard<py::gil_scoped_release>())
+      .def("try_finish_round", &GossipEngine::try_finish_round,
+           py::call_guard<py::gil_scoped_release>())
+      .def_property_readonly("in_flight", &GossipEngine::in_flight)
+      .def_property_readonly("round", &GossipEngine::round)
+      .def_property_readonly("lazy_mixing", &GossipEngine::lazy_mixing)
+      .def_property_readonly("rank", &GossipEngine::rank)
+      .def_property_readonly("world_size", &GossipEngine::world_size)
+      .def("flat_buffers",
+           [](const GossipEngine& engine) {
+             std::vector<at::Tensor> flats;
+             for (const FlatParameterGroup& group : engine.groups()) flats.push_back(group.flat);
+             return flats;
+           })
+      .def("ps_weight", &GossipEngine::ps_weight)
+      .def("ps_numerators", &GossipEngine::ps_numerators);
+
+  m.def("simulate", &simulate, py::arg("values"), py::arg("rounds"), py::arg("options"),
+        py::call_guard<py::gil_scoped_release>());
+}
+
+}  // namespace
+}  // namespace gossip
+
+PYBIND11_MODULE(_C, m) {
+  m.doc() = "gossip_ext compiled engine (see the gossip_ext package for the public API)";
+  py::register_exception_translator([](std::exception_ptr error) {
+    try {
+      if (error) std::rethrow_exception(error);
+    } catch (const gossip::TimeoutError& e) {
+      PyErr_SetString(PyExc_TimeoutError, e.what());
+    }
+  });
+  gossip::bind_topology(m);
+  gossip::bind_engine(m);
+}

@@ -1,0 +1,33 @@
+// Flat parameter buffers: the parameters of each dtype moved into one contiguous buffer, each
+// parameter becoming a view of it (as FSDP's flat parameters and DDP's gradient_as_bucket_view).
+//
+// A gossip round then reads and writes one buffer per dtype with no gather/scatter copies, and the
+// optimizer, which holds the same Parameter objects, updates the buffer through the views.
+// Replacing a parameter's storage afterwards (param.data = t) would silently detach it from
+// gossip; check_views() detects that and fails loudly.
+#pragma once
+
+#include <string>
+#include <vector>
+
+#include <ATen/core/Tensor.h>
+
+namespace gossip {
+
+struct FlatParameterGroup {
+  at::Tensor flat;                    // 1-D, contiguous, the group's dtype and device
+  std::vector<at::Tensor> params;     // each a view of `flat` after flattening
+  std::vector<std::string> names;
+  std::vector<int64_t> offsets;       // element offset of params[i] in `flat`
+
+  // Throws if a parameter no longer views `flat` at its offset, naming the parameter.
+  void check_views() const;
+};
+
+// Groups `params` by dtype in order of first appearance, copies their values into one flat buffer
+// per group and makes every parameter a view of it. Validates the arguments: at least one
+// parameter, floating dtypes only, one device, dense, no tensor listed twice.
+std::vector<FlatParameterGroup> flatten_parameters(const std::vector<at::Tensor>& params,
+                                                   const std::vector<std::string>& names);
+
+}  // namespace gossip

@@ -1,0 +1,163 @@
+#include "engine/gossip_engine.h"
+
+#include <ATen/ops/empty.h>
+#include <ATen/ops/empty_like.h>
+#include <ATen/ops/full.h>
+#include <c10/util/Exception.h>
+
+#include "kernels/push_sum.h"
+
+namespace gossip {
+namespace {
+
+// Elements of `dtype` that hold the weight's 8-byte-aligned slot at the tail of a message.
+int64_t weight_slot_elements(at::ScalarType dtype) {
+  return 8 / static_cast<int64_t>(c10::elementSize(dtype));
+}
+
+int64_t round_up(int64_t value, int64_t multiple) {
+  return (value + multiple - 1) / multiple * multiple;
+}
+
+}  // namespace
+
+GossipEngine::GossipEngine(const std::vector<at::Tensor>& params,
+                           const std::vector<std::string>& names,
+                           std::shared_ptr<Transport> transport, EngineOptions options)
+    : transport_(std::move(transport)),
+      options_(std::move(options)),
+      graph_(options_.graph, transport_ ? transport_->world_size() : 1) {
+  TORCH_CHECK_VALUE(transport_ != nullptr, "gossip_ext: transport must not be None");
+  TORCH_CHECK_VALUE(options_.timeout.count() > 0, "gossip_ext: timeout must be positive, got ",
+                    options_.timeout.count(), " ms");
+  validate(options_.mixing);
+  TORCH_CHECK_VALUE(options_.push_sum || graph_.pairs_symmetrically(),
+                    "gossip_ext: push_sum=False (push-pull averaging, D-PSGD) needs a graph that "
+                    "pairs nodes symmetrically in every round, but ",
+                    graph_kind_name(graph_.kind()), " at world size ", graph_.world_size(),
+                    " does not; use DynamicBipartiteExponentialGraph, "
+                    "DynamicBipartiteLinearGraph, HypercubeGraph or RingGraph(peers_per_itr=2)");
+  groups_ = flatten_parameters(params, names);
+  lazy_ = !options_.push_sum ||
+          (options_.allow_lazy_mixing && options_.mixing.kind == MixingKind::kUniform &&
+           graph_.is_regular());
+
+  for (const FlatParameterGroup& group : groups_) {
+    if (group.flat.scalar_type() == at::kDouble) weight_dtype_ = at::kDouble;
+  }
+  const at::TensorOptions device = groups_[0].flat.options();
+  weight_ = at::full({1}, 1.0, device.dtype(weight_dtype_));
+  for (const FlatParameterGroup& group : groups_) {
+    const at::ScalarType dtype = group.flat.scalar_type();
+    const int64_t numel = group.flat.numel();
+    const int64_t slot = weight_slot_elements(dtype);
+    const int64_t message_numel = lazy_ ? numel : round_up(numel, slot) + slot;
+    at::Tensor message = at::empty({message_numel}, device.dtype(dtype));
+    message.zero_();  // padding bytes travel too: keep them deterministic
+    send_.push_back(message);
+    recv_.emplace_back();
+  }
+}
+
+at::Tensor GossipEngine::weight_slot(const at::Tensor& message) const {
+  const int64_t weight_bytes = static_cast<int64_t>(c10::elementSize(weight_dtype_));
+  const int64_t total_bytes = message.numel() * static_cast<int64_t>(message.element_size());
+  return message.view(at::kByte).narrow(0, total_bytes - 8, weight_bytes).view(weight_dtype_);
+}
+
+std::shared_ptr<Work> GossipEngine::start_round() {
+  TORCH_CHECK(work_ == nullptr, "gossip_ext: gossip round ", round_,
+              " is still in flight; finish it before starting another");
+  for (const FlatParameterGroup& group : groups_) group.check_views();
+
+  const int rank = transport_->rank();
+  const std::vector<int> out_peers = graph_.out_peers(rank, round_);
+  in_peers_ = graph_.in_peers(rank, round_);
+  const MixingWeights weights = mixing_weights(options_.mixing, static_cast<int>(out_peers.size()));
+
+  std::vector<PeerMessage> sends;
+  std::vector<PeerMessage> recvs;
+  for (size_t g = 0; g < groups_.size(); ++g) {
+    const at::Tensor& flat = groups_[g].flat;
+    const at::Tensor& message = send_[g];
+    if (!out_peers.empty()) {
+      const at::Tensor body = message.narrow(0, 0, flat.numel());
+      if (lazy_) {
+        ops::scale_into(flat, body, weights.peer_weight, std::nullopt);
+      } else {
+        ops::scale_into(flat, body, weights.peer_weight, weight_);
+        weight_slot(message).copy_(weight_.mul(weights.peer_weight));
+      }
+    }
+    for (int peer : out_peers) sends.push_back({peer, message});
+    std::vector<at::Tensor>& buffers = recv_[g];
+    while (buffers.size() < in_peers_.size()) buffers.push_back(at::empty_like(message));
+    for (size_t j = 0; j < in_peers_.size(); ++j) recvs.push_back({in_peers_[j], buffers[j]});
+  }
+
+  if (lazy_) {
+    self_scale_ = weights.self_weight;
+  } else {
+    weight_.mul_(weights.self_weight);
+  }
+  work_ = transport_->exchange(std::move(sends), std::move(recvs), round_);
+  return work_;
+}
+
+void GossipEngine::finish_round() {
+  if (work_ == nullptr) return;
+  work_->wait(options_.timeout);
+  absorb();
+}
+
+bool GossipEngine::try_finish_round() {
+  if (work_ == nullptr) return true;
+  if (!work_->is_completed()) return false;
+  absorb();
+  return true;
+}
+
+void GossipEngine::absorb() {
+  const size_t num_received = in_peers_.size();
+  std::optional<at::Tensor> new_weight;
+  if (!lazy_) {
+    at::Tensor sum = weight_.clone();
+    for (size_t j = 0; j < num_received; ++j) sum.add_(weight_slot(recv_[0][j]));
+    new_weight = sum;
+  }
+  for (size_t g = 0; g < groups_.size(); ++g) {
+    const at::Tensor& flat = groups_[g].flat;
+    std::vector<at::Tensor> received;
+    received.reserve(num_received);
+    for (size_t j = 0; j < num_received; ++j) {
+      received.push_back(recv_[g][j].narrow(0, 0, flat.numel()));
+    }
+    if (lazy_) {
+      ops::absorb_(flat, received, self_scale_, std::nullopt, std::nullopt);
+    } else {
+      ops::absorb_(flat, received, 1.0, weight_, new_weight);
+    }
+  }
+  if (new_weight.has_value()) weight_.copy_(*new_weight);
+  self_scale_ = 1.0;
+  work_.reset();
+  ++round_;
+}
+
+at::Tensor GossipEngine::ps_weight() const {
+  if (lazy_) return at::full({1}, self_scale_, weight_.options());
+  return weight_.clone();
+}
+
+std::vector<at::Tensor> GossipEngine::ps_numerators() const {
+  const at::Tensor weight = ps_weight();
+  std::vector<at::Tensor> numerators;
+  for (const FlatParameterGroup& group : groups_) {
+    at::Tensor x = at::empty_like(group.flat);
+    ops::scale_into(group.flat, x, 1.0, weight);
+    numerators.push_back(x);
+  }
+  return numerators;
+}
+
+}  // namespace gossip

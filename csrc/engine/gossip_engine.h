@@ -1,0 +1,114 @@
+// GossipEngine: one rank's side of push-sum gossip over a Transport (DESIGN.md section 1).
+//
+// The engine owns the flat parameter buffers (the model's parameters become views of them) and
+// runs the round state machine:
+//
+//   idle --start_round()--> in flight --finish_round() / try_finish_round()--> idle, round + 1
+//
+// Note [Push-sum state]
+// ~~~~~~~~~~~~~~~~~~~~~
+// The parameters always hold the de-biased value z = x / w, which is what forward, backward and
+// the optimizer use; the numerator x = w * z is never stored. A round with mixing weights
+// (self, peer) then is:
+//   start:   send peer * w * z (and peer * w when the weight travels) to every out-peer;
+//            keep w <- self * w. z is unchanged: the kept share self*x over self*w is still z.
+//   finish:  w_new = w + sum of received weights;
+//            z <- (w * z + sum of received numerators) / w_new        (one fused kernel pass)
+// If the optimizer changes z while a round is in flight (overlap, bounded asynchrony), the kept
+// share is w * z_current: the local update lands in the numerator, as in SGP.
+// Lazy mixing: with uniform mixing on a regular graph every w stays exactly 1, so the weight is
+// neither sent nor stored and finish is z <- self * z + sum of received.
+// Push-pull (push_sum = false, D-PSGD): the same arithmetic without a weight on a graph that
+// pairs nodes symmetrically, which makes the mixing doubly stochastic.
+//
+// Messages: one per out-peer and dtype group, laid out as [numerators | padding | weight], the
+// weight (when it travels) in the engine's weight dtype at an 8-byte-aligned tail.
+//
+// Thread-safety: an engine is used by one thread at a time.
+//
+// Usage:
+//   gossip::GossipEngine engine(params, names, transport, options);
+//   for (...) {
+//     engine.finish_round();   // before the forward reads the parameters
+//     ... forward, backward, optimizer step ...
+//     engine.start_round();    // after the step
+//   }
+#pragma once
+
+#include <chrono>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include <ATen/core/Tensor.h>
+
+#include "engine/flat_parameters.h"
+#include "topology/graph.h"
+#include "topology/mixing.h"
+#include "transport/transport.h"
+
+namespace gossip {
+
+struct EngineOptions {
+  GraphOptions graph;
+  MixingOptions mixing;
+  // true: push-sum (SGP). false: push-pull averaging (D-PSGD); needs a symmetric pairing graph.
+  bool push_sum = true;
+  // Skip the weight when it provably stays 1 (uniform mixing on a regular graph). The Python layer
+  // turns this off for the modes whose reference algebra sends the weight.
+  bool allow_lazy_mixing = true;
+  // How long finish_round() waits for a peer before raising gossip::TimeoutError.
+  std::chrono::milliseconds timeout = std::chrono::minutes(5);
+};
+
+class GossipEngine {
+ public:
+  // Flattens `params` (see flatten_parameters) and validates the options against the transport's
+  // world size; throws ValueError/TypeError naming the bad argument.
+  GossipEngine(const std::vector<at::Tensor>& params, const std::vector<std::string>& names,
+               std::shared_ptr<Transport> transport, EngineOptions options);
+
+  // Posts the messages of the current round and returns its Work. Throws if a round is already in
+  // flight or a parameter no longer views its flat buffer.
+  std::shared_ptr<Work> start_round();
+  // Waits for the round in flight (at most the timeout) and absorbs it; a no-op when idle.
+  void finish_round();
+  // Absorbs the round in flight if all its messages have arrived. Never blocks. Returns true when
+  // no round is in flight afterwards.
+  bool try_finish_round();
+
+  bool in_flight() const { return work_ != nullptr; }
+  // Rounds completed so far; the round in flight, if any, has this number.
+  int64_t round() const { return round_; }
+  bool lazy_mixing() const { return lazy_; }
+  const Graph& graph() const { return graph_; }
+  int rank() const { return transport_->rank(); }
+  int world_size() const { return transport_->world_size(); }
+  const std::vector<FlatParameterGroup>& groups() const { return groups_; }
+
+  // The push-sum weight w of this node's share (1 under lazy mixing when idle), a one-element
+  // tensor; and the numerators x = w * z, one tensor per dtype group.
+  at::Tensor ps_weight() const;
+  std::vector<at::Tensor> ps_numerators() const;
+
+ private:
+  void absorb();
+  at::Tensor weight_slot(const at::Tensor& message) const;
+
+  std::vector<FlatParameterGroup> groups_;
+  std::shared_ptr<Transport> transport_;
+  EngineOptions options_;
+  Graph graph_;
+  bool lazy_ = true;
+  int64_t round_ = 0;
+
+  at::ScalarType weight_dtype_ = at::kFloat;
+  at::Tensor weight_;                            // [1]; unused under lazy mixing
+  std::vector<at::Tensor> send_;                 // one message buffer per group
+  std::vector<std::vector<at::Tensor>> recv_;    // [group][in-peer] message buffers
+  std::vector<int> in_peers_;                    // of the round in flight
+  double self_scale_ = 1.0;                      // lazy mixing: the kept share of the round in flight
+  std::shared_ptr<Work> work_;                   // of the round in flight
+};
+
+}  // namespace gossip

@@ -1,0 +1,69 @@
+#include "engine/simulate.h"
+
+#include <exception>
+#include <thread>
+
+#include <ATen/ops/empty.h>
+#include <c10/core/GradMode.h>
+#include <c10/util/Exception.h>
+
+#include "transport/inproc/inproc_transport.h"
+
+namespace gossip {
+
+at::Tensor simulate(const at::Tensor& values, int64_t rounds, const EngineOptions& options) {
+  TORCH_CHECK_VALUE(values.dim() == 2 && values.size(0) >= 1 && values.size(1) >= 1,
+                    "gossip_ext.simulate: values must be a 2-D tensor [n, d] with n, d >= 1, got "
+                    "shape ",
+                    values.sizes());
+  TORCH_CHECK_TYPE(at::isFloatingType(values.scalar_type()),
+                   "gossip_ext.simulate: values must be floating point, got ",
+                   values.scalar_type());
+  TORCH_CHECK_VALUE(values.device().is_cpu(), "gossip_ext.simulate: values must be on the CPU, got ",
+                    values.device());
+  TORCH_CHECK_VALUE(rounds >= 0, "gossip_ext.simulate: rounds must be >= 0, got ", rounds);
+
+  const int n = static_cast<int>(values.size(0));
+  const at::Tensor initial = values.detach();
+  at::Tensor result = at::empty({rounds + 1, values.size(0), values.size(1)}, initial.options());
+  result[0].copy_(initial);
+
+  // Engines are built here, on the calling thread, so bad options raise before any thread starts.
+  auto hub = std::make_shared<InProcHub>(n);
+  std::vector<std::unique_ptr<GossipEngine>> engines;
+  std::vector<at::Tensor> params;
+  for (int i = 0; i < n; ++i) {
+    params.push_back(initial[i].clone());
+    engines.push_back(std::make_unique<GossipEngine>(
+        std::vector<at::Tensor>{params[i]}, std::vector<std::string>{"values[" + std::to_string(i) + "]"},
+        std::make_shared<InProcTransport>(hub, i), options));
+  }
+
+  std::vector<std::exception_ptr> errors(n);
+  std::vector<std::thread> threads;
+  threads.reserve(n);
+  for (int i = 0; i < n; ++i) {
+    threads.emplace_back([&, i] {
+      try {
+        c10::NoGradGuard no_grad;
+        for (int64_t t = 0; t < rounds; ++t) {
+          engines[i]->start_round();
+          engines[i]->finish_round();
+          result[t + 1][i].copy_(params[i]);
+        }
+      } catch (const std::exception& e) {
+        errors[i] = std::current_exception();
+        hub->abort("gossip_ext.simulate: stopped because rank " + std::to_string(i) +
+                   " failed: " + e.what());
+      }
+    });
+  }
+  for (std::thread& thread : threads) thread.join();
+  // A rank woken by another rank's failure reports that failure too, so the first error says why.
+  for (const std::exception_ptr& error : errors) {
+    if (error) std::rethrow_exception(error);
+  }
+  return result;
+}
+
+}  // namespace gossip

@@ -1,0 +1,103 @@
+// The op schemas of the gossip_ext library, their argument checks and their Meta kernels.
+// One implementation per backend lives beside this file: push_sum_cpu.cpp, cuda/push_sum_cuda.cu.
+#include <c10/core/ScalarType.h>
+#include <ATen/core/dispatch/Dispatcher.h>
+#include <torch/library.h>
+
+#include "kernels/push_sum.h"
+
+namespace gossip {
+namespace {
+
+bool is_supported_dtype(at::ScalarType dtype) {
+  return dtype == at::kFloat || dtype == at::kDouble || dtype == at::kHalf ||
+         dtype == at::kBFloat16;
+}
+
+void check_buffer(const at::Tensor& t, const char* arg, const at::Tensor& like) {
+  TORCH_CHECK_TYPE(is_supported_dtype(t.scalar_type()), "gossip_ext: ", arg,
+                   " must be float32, float64, float16 or bfloat16, got ", t.scalar_type());
+  TORCH_CHECK_VALUE(t.is_contiguous(), "gossip_ext: ", arg, " must be contiguous");
+  TORCH_CHECK_VALUE(t.scalar_type() == like.scalar_type(), "gossip_ext: ", arg, " has dtype ",
+                    t.scalar_type(), " but expected ", like.scalar_type());
+  TORCH_CHECK_VALUE(t.numel() == like.numel(), "gossip_ext: ", arg, " has ", t.numel(),
+                    " elements but expected ", like.numel());
+  TORCH_CHECK_VALUE(t.device() == like.device(), "gossip_ext: ", arg, " is on ", t.device(),
+                    " but expected ", like.device());
+}
+
+void check_weight(const std::optional<at::Tensor>& weight, const char* arg,
+                  const at::Tensor& like) {
+  if (!weight.has_value()) return;
+  const at::Tensor& w = *weight;
+  TORCH_CHECK_TYPE(w.scalar_type() == at::kFloat || w.scalar_type() == at::kDouble,
+                   "gossip_ext: ", arg, " must be float32 or float64, got ", w.scalar_type());
+  TORCH_CHECK_VALUE(w.numel() == 1, "gossip_ext: ", arg, " must have one element, got ",
+                    w.numel());
+  TORCH_CHECK_VALUE(w.device() == like.device(), "gossip_ext: ", arg, " is on ", w.device(),
+                    " but the buffers are on ", like.device());
+}
+
+}  // namespace
+
+void check_scale_into_args(const at::Tensor& src, const at::Tensor& out,
+                           const std::optional<at::Tensor>& weight) {
+  check_buffer(src, "src", src);
+  check_buffer(out, "out", src);
+  check_weight(weight, "weight", src);
+}
+
+void check_absorb_args(const at::Tensor& x, at::TensorList received,
+                       const std::optional<at::Tensor>& self_weight,
+                       const std::optional<at::Tensor>& new_weight) {
+  check_buffer(x, "x", x);
+  for (const at::Tensor& r : received) check_buffer(r, "received[i]", x);
+  check_weight(self_weight, "self_weight", x);
+  check_weight(new_weight, "new_weight", x);
+}
+
+namespace ops {
+
+void scale_into(const at::Tensor& src, const at::Tensor& out, double alpha,
+                const std::optional<at::Tensor>& weight) {
+  static auto op = c10::Dispatcher::singleton()
+                       .findSchemaOrThrow("gossip_ext::scale_into", "")
+                       .typed<void(const at::Tensor&, const at::Tensor&, double,
+                                   const std::optional<at::Tensor>&)>();
+  op.call(src, out, alpha, weight);
+}
+
+void absorb_(const at::Tensor& x, at::TensorList received, double alpha,
+             const std::optional<at::Tensor>& self_weight,
+             const std::optional<at::Tensor>& new_weight) {
+  static auto op = c10::Dispatcher::singleton()
+                       .findSchemaOrThrow("gossip_ext::absorb_", "")
+                       .typed<void(const at::Tensor&, at::TensorList, double,
+                                   const std::optional<at::Tensor>&,
+                                   const std::optional<at::Tensor>&)>();
+  op.call(x, received, alpha, self_weight, new_weight);
+}
+
+}  // namespace ops
+
+TORCH_LIBRARY(gossip_ext, m) {
+  m.def("scale_into(Tensor src, Tensor(a!) out, float alpha, Tensor? weight=None) -> ()");
+  m.def(
+      "absorb_(Tensor(a!) x, Tensor[] received, float alpha, Tensor? self_weight=None, "
+      "Tensor? new_weight=None) -> ()");
+}
+
+// Fake-tensor kernels: the ops return nothing and mutate in place, so checking is all there is.
+TORCH_LIBRARY_IMPL(gossip_ext, Meta, m) {
+  m.impl("scale_into", [](const at::Tensor& src, const at::Tensor& out, double,
+                          const std::optional<at::Tensor>& weight) {
+    check_scale_into_args(src, out, weight);
+  });
+  m.impl("absorb_", [](const at::Tensor& x, at::TensorList received, double,
+                       const std::optional<at::Tensor>& self_weight,
+                       const std::optional<at::Tensor>& new_weight) {
+    check_absorb_args(x, received, self_weight, new_weight);
+  });
+}
+
+}  // namespace gossip

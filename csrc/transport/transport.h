@@ -1,0 +1,56 @@
+// The Transport interface: how one rank exchanges one gossip round's messages with its peers.
+//
+// A round is posted in one call (exchange), so a transport can batch it: NCCL puts every send and
+// receive inside one ncclGroupStart/End, gloo posts all receives before the sends. exchange()
+// returns at once with a Work; the receive buffers are valid after the Work completes, and the
+// send buffers must stay untouched until then (the Work keeps every tensor alive).
+//
+// Messages between two ranks with the same tag are delivered in the order they were posted.
+//
+// Implementations, one per translation unit, chosen by the build:
+//   inproc/         N ranks as threads of one process (tests, large simulations)
+//   process_group/  a torch c10d ProcessGroup handed in from Python (gloo, CPU tensors)
+//   nccl/           an own NCCL communicator on an own CUDA stream (CUDA builds only)
+#pragma once
+
+#include <chrono>
+#include <cstdint>
+#include <exception>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include <ATen/core/Tensor.h>
+
+namespace gossip {
+
+struct PeerMessage {
+  int peer;
+  at::Tensor buffer;
+};
+
+// One posted round. Modelled on c10d::Work: wait() blocks until completion or throws;
+// is_completed() never blocks.
+class Work {
+ public:
+  virtual ~Work() = default;
+  // True once every message has arrived (or the work failed). Never blocks.
+  virtual bool is_completed() = 0;
+  // Blocks until every message has arrived; throws gossip::TimeoutError naming the peers still
+  // missing if that takes longer than `timeout`, or the transport's error if it failed.
+  virtual void wait(std::chrono::milliseconds timeout) = 0;
+};
+
+class Transport {
+ public:
+  virtual ~Transport() = default;
+  virtual int rank() const = 0;
+  virtual int world_size() const = 0;
+  // Sends every `sends[i].buffer` to `sends[i].peer` and receives into every `recvs[j].buffer`
+  // from `recvs[j].peer`. `round` names the round in tags and error messages.
+  virtual std::shared_ptr<Work> exchange(std::vector<PeerMessage> sends,
+                                         std::vector<PeerMessage> recvs, int64_t round) = 0;
+  virtual std::string name() const = 0;
+};
+
+}  // namespace gossip

@@ -1,0 +1,61 @@
+"""Builds gossip_ext._C with torch.utils.cpp_extension and ninja.
+
+Sources come from the folder layout (tools/sources.py, shared with CMakeLists.txt): every .cpp
+under csrc/, plus the .cu files and the NCCL transport in a CUDA build. A CUDA build is chosen
+when the installed torch has CUDA and nvcc is found; GOSSIP_EXT_CUDA=0 or 1 forces the choice.
+"""
+
+import os
+import sys
+
+from setuptools import find_packages, setup
+
+ROOT = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, os.path.join(ROOT, "tools"))
+
+import sources  # noqa: E402  (tools/sources.py)
+import torch  # noqa: E402
+from torch.utils.cpp_extension import (  # noqa: E402
+    CUDA_HOME,
+    BuildExtension,
+    CppExtension,
+    CUDAExtension,
+)
+
+
+def _want_cuda() -> bool:
+    forced = os.environ.get("GOSSIP_EXT_CUDA")
+    if forced is not None:
+        if forced not in ("0", "1"):
+            raise ValueError(f"GOSSIP_EXT_CUDA must be 0 or 1, got {forced!r}")
+        return forced == "1"
+    return torch.version.cuda is not None and CUDA_HOME is not None
+
+
+def _extension():
+    cuda = _want_cuda()
+    files = [os.path.relpath(f, ROOT) for f in sources.extension_sources(ROOT, cuda=cuda)]
+    cxx_flags = ["-O3", "-fvisibility=hidden"]
+    include_dirs = [os.path.join(ROOT, "csrc")]
+    if cuda:
+        return CUDAExtension(
+            "gossip_ext._C",
+            files,
+            include_dirs=include_dirs,
+            define_macros=[("GOSSIP_WITH_CUDA", "1")],
+            extra_compile_args={"cxx": cxx_flags, "nvcc": ["-O3", "--use_fast_math"]},
+            libraries=["nccl"],
+        )
+    return CppExtension(
+        "gossip_ext._C",
+        files,
+        include_dirs=include_dirs,
+        extra_compile_args={"cxx": cxx_flags},
+    )
+
+
+setup(
+    packages=find_packages(include=["gossip_ext", "gossip_ext.*"]),
+    ext_modules=[_extension()],
+    cmdclass={"build_ext": BuildExtension.with_options(use_ninja=True)},
+)
