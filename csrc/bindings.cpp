@@ -11,6 +11,7 @@
 #include "topology/graph.h"
 #include "topology/mixing.h"
 #include "transport/inproc/inproc_transport.h"
+#include "transport/process_group/process_group_transport.h"
 
 namespace py = pybind11;
 
@@ -100,6 +101,11 @@ void bind_engine(py::module_& m) {
   py::class_<InProcTransport, Transport, std::shared_ptr<InProcTransport>>(m, "InProcTransport")
       .def(py::init<std::shared_ptr<InProcHub>, int>(), py::arg("hub"), py::arg("rank"));
 
+  // Its destructor joins the progress thread, which never takes the GIL.
+  py::class_<ProcessGroupTransport, Transport, std::shared_ptr<ProcessGroupTransport>>(
+      m, "ProcessGroupTransport")
+      .def(py::init<c10::intrusive_ptr<c10d::ProcessGroup>>(), py::arg("process_group"));
+
   py::class_<GossipEngine>(m, "GossipEngine")
       .def(py::init<const std::vector<at::Tensor>&, const std::vector<std::string>&,
                     std::shared_ptr<Transport>, EngineOptions>(),
@@ -120,7 +126,8 @@ void bind_engine(py::module_& m) {
              return flats;
            })
       .def("ps_weight", &GossipEngine::ps_weight)
-      .def("ps_numerators", &GossipEngine::ps_numerators);
+      .def("ps_numerators", &GossipEngine::ps_numerators)
+      .def("restore", &GossipEngine::restore, py::arg("round"), py::arg("ps_weight"));
 
   m.def("simulate", &simulate, py::arg("values"), py::arg("rounds"), py::arg("options"),
         py::call_guard<py::gil_scoped_release>());

@@ -1,13 +1,14 @@
 """gossip_ext: decentralized data-parallel training for PyTorch.
 
 Stochastic Gradient Push (SGP) and its relatives as a compiled C++/CUDA engine with a thin Python
-layer. This release holds the engine core: topologies, mixing weights, fused push-sum kernels
-(``torch.ops.gossip_ext``) and :func:`simulate`.
+layer: :class:`GossipDataParallel` (the module wrapper), the gossip graphs and mixing weights,
+the fused push-sum kernels (``torch.ops.gossip_ext``) and :func:`simulate`.
 """
 
 import torch  # noqa: F401  (loads libtorch before the extension)
 
 from gossip_ext import _C  # noqa: F401  (registers torch.ops.gossip_ext)
+from gossip_ext.distributed import GossipDataParallel
 from gossip_ext.graphs import (
     CustomGraph,
     DynamicBipartiteExponentialGraph,
@@ -25,6 +26,7 @@ from gossip_ext.simulate import simulate
 __version__ = "0.1.0"
 
 __all__ = [
+    "GossipDataParallel",
     "CustomGraph",
     "DynamicBipartiteExponentialGraph",
     "DynamicBipartiteLinearGraph",

@@ -66,6 +66,7 @@ at::Tensor GossipEngine::weight_slot(const at::Tensor& message) const {
 }
 
 std::shared_ptr<Work> GossipEngine::start_round() {
+  throw_if_failed();
   TORCH_CHECK(work_ == nullptr, "gossip_ext: gossip round ", round_,
               " is still in flight; finish it before starting another");
   for (const FlatParameterGroup& group : groups_) group.check_views();
@@ -104,17 +105,33 @@ std::shared_ptr<Work> GossipEngine::start_round() {
   return work_;
 }
 
+void GossipEngine::throw_if_failed() const {
+  if (failure_) std::rethrow_exception(failure_);
+}
+
+void GossipEngine::wait_or_fail(const std::function<bool()>& wait) {
+  try {
+    if (wait()) absorb();
+  } catch (...) {
+    failure_ = std::current_exception();
+    throw;
+  }
+}
+
 void GossipEngine::finish_round() {
+  throw_if_failed();
   if (work_ == nullptr) return;
-  work_->wait(options_.timeout);
-  absorb();
+  wait_or_fail([&] {
+    work_->wait(options_.timeout);
+    return true;
+  });
 }
 
 bool GossipEngine::try_finish_round() {
+  throw_if_failed();
   if (work_ == nullptr) return true;
-  if (!work_->is_completed()) return false;
-  absorb();
-  return true;
+  wait_or_fail([&] { return work_->is_completed(); });
+  return work_ == nullptr;
 }
 
 void GossipEngine::absorb() {
@@ -158,6 +175,20 @@ std::vector<at::Tensor> GossipEngine::ps_numerators() const {
     numerators.push_back(x);
   }
   return numerators;
+}
+
+
+void GossipEngine::restore(int64_t round, double ps_weight) {
+  throw_if_failed();
+  TORCH_CHECK(work_ == nullptr, "gossip_ext: cannot restore a checkpoint while gossip round ",
+              round_, " is in flight");
+  TORCH_CHECK_VALUE(round >= 0, "gossip_ext: checkpoint round must be >= 0, got ", round);
+  TORCH_CHECK_VALUE(ps_weight > 0.0, "gossip_ext: checkpoint ps_weight must be > 0, got ",
+                    ps_weight);
+  TORCH_CHECK_VALUE(!lazy_ || ps_weight == 1.0, "gossip_ext: checkpoint ps_weight is ", ps_weight,
+                    " but this configuration uses lazy mixing, where it is always 1");
+  round_ = round;
+  weight_.fill_(ps_weight);
 }
 
 }  // namespace gossip

@@ -36,6 +36,8 @@
 #pragma once
 
 #include <chrono>
+#include <exception>
+#include <functional>
 #include <memory>
 #include <string>
 #include <vector>
@@ -72,6 +74,8 @@ class GossipEngine {
   // flight or a parameter no longer views its flat buffer.
   std::shared_ptr<Work> start_round();
   // Waits for the round in flight (at most the timeout) and absorbs it; a no-op when idle.
+  // A failed or timed-out round leaves the engine failed: every later call raises the same error,
+  // since the parameters can no longer be trusted to hold a consistent share of the mass.
   void finish_round();
   // Absorbs the round in flight if all its messages have arrived. Never blocks. Returns true when
   // no round is in flight afterwards.
@@ -91,8 +95,14 @@ class GossipEngine {
   at::Tensor ps_weight() const;
   std::vector<at::Tensor> ps_numerators() const;
 
+  // Restores the state a checkpoint saved (round() and ps_weight()); the engine must be idle and
+  // the parameters already hold the checkpoint's de-biased values.
+  void restore(int64_t round, double ps_weight);
+
  private:
   void absorb();
+  void wait_or_fail(const std::function<bool()>& wait);
+  void throw_if_failed() const;
   at::Tensor weight_slot(const at::Tensor& message) const;
 
   std::vector<FlatParameterGroup> groups_;
@@ -109,6 +119,7 @@ class GossipEngine {
   std::vector<int> in_peers_;                    // of the round in flight
   double self_scale_ = 1.0;                      // lazy mixing: the kept share of the round in flight
   std::shared_ptr<Work> work_;                   // of the round in flight
+  std::exception_ptr failure_;                   // set once a round fails; sticky
 };
 
 }  // namespace gossip

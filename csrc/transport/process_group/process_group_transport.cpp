@@ -1,0 +1,195 @@
+#include "transport/process_group/process_group_transport.h"
+
+#include <algorithm>
+#include <map>
+
+#include "common/error.h"
+
+namespace gossip {
+namespace {
+
+constexpr int64_t kMaxMessagesPerPeer = 64;
+
+}  // namespace
+
+// One posted round: its c10d Work objects in posting order (receives first) and their progress.
+class ProcessGroupWork final : public Work {
+ public:
+  struct Entry {
+    int peer;
+    bool is_recv;
+    c10::intrusive_ptr<c10d::Work> work;
+  };
+
+  ProcessGroupWork(int rank, int64_t round, std::vector<Entry> entries,
+                   std::vector<at::Tensor> keep_alive)
+      : rank_(rank),
+        round_(round),
+        entries_(std::move(entries)),
+        keep_alive_(std::move(keep_alive)) {}
+
+  bool is_completed() override {
+    std::lock_guard<std::mutex> lock(mutex_);
+    return finished_;
+  }
+
+  void wait(std::chrono::milliseconds timeout) override {
+    std::unique_lock<std::mutex> lock(mutex_);
+    if (!changed_.wait_for(lock, timeout, [&] { return finished_; })) {
+      std::vector<int> missing = pending_peers_locked(/*receives=*/true);
+      std::vector<int> unsent = pending_peers_locked(/*receives=*/false);
+      lock.unlock();
+      abort_pending();
+      throw TimeoutError(detail::str_cat(
+          "gossip_ext: rank ", rank_, " timed out after ", timeout.count(), " ms in gossip round ",
+          round_, " waiting for messages from peers ", missing,
+          unsent.empty() ? "" : detail::str_cat(" (sends to peers ", unsent, " not completed)"),
+          ". A peer may have died, stalled or left the training loop."));
+    }
+    if (error_) std::rethrow_exception(error_);
+  }
+
+  // Runs on the progress thread.
+  void progress() {
+    for (size_t i = 0; i < entries_.size(); ++i) {
+      const Entry& entry = entries_[i];
+      try {
+        // c10d reports an aborted Work by returning false.
+        if (!entry.work->wait()) throw std::runtime_error("the operation was aborted");
+      } catch (const std::exception& e) {
+        finish(std::make_exception_ptr(std::runtime_error(detail::str_cat(
+            "gossip_ext: rank ", rank_, " failed to ", entry.is_recv ? "receive from" : "send to",
+            " peer ", entry.peer, " in gossip round ", round_, ": ", e.what()))));
+        return;
+      }
+      std::lock_guard<std::mutex> lock(mutex_);
+      completed_ = i + 1;
+    }
+    finish(nullptr);
+  }
+
+  // Releases a progress thread blocked on this round (timeout or shutdown).
+  void abort_pending() {
+    size_t first;
+    {
+      std::lock_guard<std::mutex> lock(mutex_);
+      first = completed_;
+    }
+    for (size_t i = first; i < entries_.size(); ++i) {
+      try {
+        entries_[i].work->abort();
+      } catch (const std::exception&) {
+        // Aborting is best effort: the work may have completed or failed meanwhile.
+      }
+    }
+  }
+
+ private:
+  void finish(std::exception_ptr error) {
+    {
+      std::lock_guard<std::mutex> lock(mutex_);
+      error_ = std::move(error);
+      finished_ = true;
+      keep_alive_.clear();
+    }
+    changed_.notify_all();
+  }
+
+  std::vector<int> pending_peers_locked(bool receives) const {
+    std::vector<int> peers;
+    for (size_t i = completed_; i < entries_.size(); ++i) {
+      if (entries_[i].is_recv == receives &&
+          std::find(peers.begin(), peers.end(), entries_[i].peer) == peers.end()) {
+        peers.push_back(entries_[i].peer);
+      }
+    }
+    return peers;
+  }
+
+  const int rank_;
+  const int64_t round_;
+  const std::vector<Entry> entries_;
+  std::mutex mutex_;
+  std::condition_variable changed_;
+  std::vector<at::Tensor> keep_alive_;  // every buffer of the round, until it completes
+  size_t completed_ = 0;
+  bool finished_ = false;
+  std::exception_ptr error_;
+};
+
+ProcessGroupTransport::ProcessGroupTransport(c10::intrusive_ptr<c10d::ProcessGroup> group)
+    : group_(std::move(group)) {
+  GOSSIP_CHECK_ARG(group_, "gossip_ext: process_group must not be None");
+  progress_ = std::thread([this] { progress_loop(); });
+}
+
+ProcessGroupTransport::~ProcessGroupTransport() {
+  std::deque<std::shared_ptr<ProcessGroupWork>> pending;
+  {
+    std::lock_guard<std::mutex> lock(mutex_);
+    stopping_ = true;
+    pending = queue_;
+  }
+  for (const auto& work : pending) work->abort_pending();
+  queued_.notify_all();
+  progress_.join();
+}
+
+std::string ProcessGroupTransport::name() const {
+  return "process_group(" + group_->getBackendName() + ")";
+}
+
+std::shared_ptr<Work> ProcessGroupTransport::exchange(std::vector<PeerMessage> sends,
+                                                      std::vector<PeerMessage> recvs,
+                                                      int64_t round) {
+  // Tag of the k-th message between this rank and `peer` in this round, in posting order.
+  std::map<int, int64_t> sent_to, received_from;
+  auto tag = [round](std::map<int, int64_t>& count, int peer) {
+    const int64_t k = count[peer]++;
+    TORCH_CHECK(k < kMaxMessagesPerPeer, "gossip_ext: more than ", kMaxMessagesPerPeer,
+                " messages to one peer in one round");
+    return static_cast<int>((round * kMaxMessagesPerPeer + k) & 0x7fffffff);
+  };
+
+  std::vector<ProcessGroupWork::Entry> entries;
+  std::vector<at::Tensor> keep_alive;
+  for (PeerMessage& m : recvs) {
+    TORCH_CHECK(m.buffer.device().is_cpu(), "gossip_ext: the process-group transport needs CPU ",
+                "buffers, got one on ", m.buffer.device());
+    std::vector<at::Tensor> tensors{m.buffer};
+    entries.push_back({m.peer, true, group_->recv(tensors, m.peer, tag(received_from, m.peer))});
+    keep_alive.push_back(m.buffer);
+  }
+  for (PeerMessage& m : sends) {
+    TORCH_CHECK(m.buffer.device().is_cpu(), "gossip_ext: the process-group transport needs CPU ",
+                "buffers, got one on ", m.buffer.device());
+    std::vector<at::Tensor> tensors{m.buffer};
+    entries.push_back({m.peer, false, group_->send(tensors, m.peer, tag(sent_to, m.peer))});
+    keep_alive.push_back(m.buffer);
+  }
+  auto work = std::make_shared<ProcessGroupWork>(rank(), round, std::move(entries),
+                                                 std::move(keep_alive));
+  {
+    std::lock_guard<std::mutex> lock(mutex_);
+    queue_.push_back(work);
+  }
+  queued_.notify_one();
+  return work;
+}
+
+void ProcessGroupTransport::progress_loop() {
+  while (true) {
+    std::shared_ptr<ProcessGroupWork> work;
+    {
+      std::unique_lock<std::mutex> lock(mutex_);
+      queued_.wait(lock, [&] { return stopping_ || !queue_.empty(); });
+      if (queue_.empty()) return;  // stopping, nothing left
+      work = queue_.front();
+    }
+    work->progress();
+    std::lock_guard<std::mutex> lock(mutex_);
+    queue_.pop_front();
+  }
+}
+
+}  // namespace gossip

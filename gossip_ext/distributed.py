@@ -1,0 +1,371 @@
+"""GossipDataParallel: data-parallel training by gossip instead of all-reduce."""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import warnings
+from datetime import timedelta
+from typing import Any, Iterator, Mapping
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from gossip_ext import _C
+from gossip_ext.graphs import GraphBase, NPeerDynamicDirectedExponentialGraph
+from gossip_ext.mixing import MixingBase, UniformMixing
+
+__all__ = ["GossipDataParallel"]
+
+logger = logging.getLogger(__name__)
+
+
+def _check_type(name: str, value, expected, what: str) -> None:
+    if isinstance(value, bool) and expected is not bool:
+        raise TypeError(f"{name} must be {what}, got {value!r}")
+    if not isinstance(value, expected):
+        raise TypeError(f"{name} must be {what}, got {type(value).__name__} {value!r}")
+
+
+class GossipDataParallel(nn.Module):
+    """Data-parallel training where workers average parameters with a few peers per step.
+
+    Instead of an all-reduce of gradients every step (DistributedDataParallel), every worker
+    takes its own optimizer step and then gossips: it sends a share of its parameters to one or
+    a few peers of a rotating graph and absorbs what its in-peers sent before its next forward
+    (Stochastic Gradient Push, Assran et al., ICML 2019). The compiled engine holds the
+    parameters in one flat buffer per dtype, so a round needs no copies.
+
+    .. note::
+        Call :meth:`transfer_params` after every ``optimizer.step()``, or let
+        :meth:`register_optimizer` do it through the optimizer's step hook. The round is then
+        absorbed by the next forward (synchronous SGP), by the next :meth:`transfer_params`
+        (``overlap=True``), or by the first forward that finds it finished (``synch_freq > 0``).
+
+    .. note::
+        The parameters always hold the de-biased values ``z = x / w`` that forward and the
+        optimizer use. Do not replace a parameter's storage (``param.data = t``) after wrapping:
+        gossip would no longer reach it, and the next round raises. Copy into it instead.
+
+    .. note::
+        Construction broadcasts the parameters of rank 0 to every rank (as DDP does), so that all
+        workers start from the same point.
+
+    Args:
+        module (nn.Module): the model; its parameters must be floating point, on one device.
+        graph (GraphBase, optional): the gossip graph
+            (default: ``NPeerDynamicDirectedExponentialGraph(peers_per_itr=1)``).
+        mixing (MixingBase, optional): mixing weights (default: ``UniformMixing()``).
+        push_sum (bool): push-sum (SGP) if True; push-pull averaging (D-PSGD) if False, which
+            needs a graph that pairs nodes symmetrically (default: True).
+        overlap (bool): absorb each round one step later, so that it runs during the next
+            forward, backward and step (default: False).
+        synch_freq (int): bounded asynchrony: a forward absorbs a finished round without waiting,
+            and blocks only after ``synch_freq`` consecutive forwards found it unfinished; 0 is
+            synchronous (default: 0).
+        nprocs_per_node (int): processes per machine: gradients are averaged inside each machine,
+            one process per machine gossips, and the others receive its parameters before every
+            forward (default: 1).
+        process_group (ProcessGroup, optional): the group to train in (default: the default
+            group). Gossip runs over it with point-to-point messages (gloo: CPU tensors).
+        comm_device (torch.device, optional): where messages are staged; only the CPU for now
+            (default: the parameters' device).
+        timeout (timedelta): how long a round waits for a peer before raising TimeoutError
+            naming the peers (default: 5 minutes).
+        verbose (bool): log every round at INFO level (default: False).
+
+    Example::
+
+        >>> dist.init_process_group("gloo")
+        >>> model = gossip_ext.GossipDataParallel(nn.Linear(10, 1))
+        >>> opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        >>> for x, y in loader:
+        ...     loss = nn.functional.mse_loss(model(x), y)
+        ...     opt.zero_grad(); loss.backward(); opt.step()
+        ...     model.transfer_params()
+    """
+
+    def __init__(
+        self,
+        module: nn.Module,
+        *,
+        graph: GraphBase | None = None,
+        mixing: MixingBase | None = None,
+        push_sum: bool = True,
+        overlap: bool = False,
+        synch_freq: int = 0,
+        nprocs_per_node: int = 1,
+        process_group: dist.ProcessGroup | None = None,
+        comm_device: torch.device | str | None = None,
+        timeout: timedelta = timedelta(minutes=5),
+        verbose: bool = False,
+    ):
+        super().__init__()
+        graph = NPeerDynamicDirectedExponentialGraph() if graph is None else graph
+        mixing = UniformMixing() if mixing is None else mixing
+        _check_type("module", module, nn.Module, "an nn.Module")
+        _check_type("graph", graph, GraphBase, "a gossip_ext graph")
+        _check_type("mixing", mixing, MixingBase, "a gossip_ext mixing")
+        _check_type("push_sum", push_sum, bool, "a bool")
+        _check_type("overlap", overlap, bool, "a bool")
+        _check_type("synch_freq", synch_freq, int, "an int")
+        _check_type("nprocs_per_node", nprocs_per_node, int, "an int")
+        _check_type("timeout", timeout, timedelta, "a datetime.timedelta")
+        if synch_freq < 0:
+            raise ValueError(f"synch_freq must be >= 0, got {synch_freq}")
+        if overlap and synch_freq > 0:
+            raise ValueError(
+                f"overlap=True and synch_freq={synch_freq} are two different schedules for "
+                "absorbing rounds; choose one"
+            )
+        if nprocs_per_node < 1:
+            raise ValueError(f"nprocs_per_node must be >= 1, got {nprocs_per_node}")
+        if timeout <= timedelta(0):
+            raise ValueError(f"timeout must be positive, got {timeout}")
+        if not dist.is_available() or not dist.is_initialized():
+            raise RuntimeError(
+                "GossipDataParallel needs torch.distributed: call "
+                "torch.distributed.init_process_group() first (torchrun sets it up)"
+            )
+
+        self.module = module
+        self.graph = graph
+        self.mixing = mixing
+        self.push_sum = push_sum
+        self.overlap = overlap
+        self.synch_freq = synch_freq
+        self.nprocs_per_node = nprocs_per_node
+        self.verbose = verbose
+        self.process_group = dist.group.WORLD if process_group is None else process_group
+
+        named = list(module.named_parameters())
+        params = [p for _, p in named]
+        if not params:
+            raise ValueError("module has no parameters; there is nothing to gossip")
+        device = params[0].device
+        if comm_device is not None and torch.device(comm_device) != torch.device("cpu"):
+            raise ValueError(f"comm_device must be None or 'cpu', got {comm_device!r}")
+        if device.type != "cpu":
+            raise ValueError(
+                f"parameters are on {device}; this build gossips CPU parameters over gloo"
+            )
+
+        world_size = dist.get_world_size(self.process_group)
+        rank = dist.get_rank(self.process_group)
+        if world_size % nprocs_per_node != 0:
+            raise ValueError(
+                f"nprocs_per_node ({nprocs_per_node}) must divide the world size ({world_size})"
+            )
+        self.gossip_world_size = world_size // nprocs_per_node
+        # Validates the graph for this world size on every rank, before any communication.
+        graph.schedule(self.gossip_world_size)
+        if not push_sum and not graph.pairs_symmetrically(self.gossip_world_size):
+            raise ValueError(
+                f"push_sum=False (push-pull averaging, D-PSGD) needs a graph that pairs nodes "
+                f"symmetrically in every round, but {graph!r} does not at world size "
+                f"{self.gossip_world_size}"
+            )
+
+        self._node_group = None
+        gossip_group = self.process_group
+        self.is_gossip_leader = True
+        if nprocs_per_node > 1:
+            gossip_group = self._make_hierarchy(rank, world_size)
+
+        with torch.no_grad():
+            for p in params:
+                dist.broadcast(p, dist.get_global_rank(self.process_group, 0),
+                               group=self.process_group)
+
+        self._engine = None
+        if self.is_gossip_leader:
+            options = _C.EngineOptions(
+                graph._options(), mixing._options(), push_sum=push_sum, timeout=timeout
+            )
+            transport = _C.ProcessGroupTransport(gossip_group)
+            self._engine = _C.GossipEngine(params, [n for n, _ in named], transport, options)
+        if self.gossip_world_size == 1:
+            warnings.warn(
+                "GossipDataParallel: there is one gossiping process, so gossip does nothing "
+                "and this trains like a single process",
+                stacklevel=2,
+            )
+
+        self._unfinished_forwards = 0  # bounded asynchrony: forwards that found a round running
+        self._sync_gradients = True
+        self._backward_callback_queued = False
+        if self._node_group is not None:
+            for p in params:
+                if p.requires_grad:
+                    p.register_post_accumulate_grad_hook(self._on_grad_ready)
+
+    # ----------------------------------------------------------------------------- hierarchy
+
+    def _make_hierarchy(self, rank: int, world_size: int) -> dist.ProcessGroup:
+        m = self.nprocs_per_node
+        to_global = [dist.get_global_rank(self.process_group, r) for r in range(world_size)]
+        # new_group is collective: every rank creates every group, in the same order.
+        for node in range(world_size // m):
+            group = dist.new_group([to_global[node * m + i] for i in range(m)])
+            if rank // m == node:
+                self._node_group = group
+                self._node_leader = to_global[node * m]
+        leaders = dist.new_group([to_global[node * m] for node in range(world_size // m)])
+        self.is_gossip_leader = rank % m == 0
+        return leaders
+
+    def _on_grad_ready(self, _param: torch.Tensor) -> None:
+        # The first gradient of a backward queues one callback that runs when the whole backward
+        # has finished: the end of backward, detected by the autograd engine itself.
+        if self._sync_gradients and not self._backward_callback_queued:
+            self._backward_callback_queued = True
+            torch.autograd.Variable._execution_engine.queue_callback(self._average_node_gradients)
+
+    def _average_node_gradients(self) -> None:
+        self._backward_callback_queued = False
+        grads = [p.grad for p in self.module.parameters() if p.grad is not None]
+        if not grads:
+            return
+        flat = torch.cat([g.reshape(-1) for g in grads])
+        dist.all_reduce(flat, group=self._node_group)
+        flat.div_(self.nprocs_per_node)
+        offset = 0
+        for g in grads:
+            g.copy_(flat[offset : offset + g.numel()].view_as(g))
+            offset += g.numel()
+
+    def _receive_node_parameters(self) -> None:
+        with torch.no_grad():
+            for p in self.module.parameters():
+                dist.broadcast(p, self._node_leader, group=self._node_group)
+            for b in self.module.buffers():
+                dist.broadcast(b, self._node_leader, group=self._node_group)
+
+    # ----------------------------------------------------------------------------- training
+
+    def forward(self, *inputs: Any, **kwargs: Any) -> Any:
+        if self._engine is not None:
+            if not self.training:
+                # Evaluation sees every message sent so far (the reference forgets to absorb).
+                self._engine.finish_round()
+            elif self.synch_freq > 0:
+                self._absorb_bounded()
+            elif not self.overlap:
+                self._engine.finish_round()
+        if self._node_group is not None:
+            self._receive_node_parameters()
+        return self.module(*inputs, **kwargs)
+
+    def _absorb_bounded(self) -> None:
+        if self._engine.try_finish_round():
+            self._unfinished_forwards = 0
+            return
+        self._unfinished_forwards += 1
+        if self._unfinished_forwards > self.synch_freq:
+            self._engine.finish_round()
+            self._unfinished_forwards = 0
+
+    def transfer_params(self) -> None:
+        """Starts a gossip round with the parameters the optimizer step just produced.
+
+        Call it after every ``optimizer.step()`` (or use :meth:`register_optimizer`). Under
+        ``overlap=True`` it first absorbs the round started one step earlier; under
+        ``synch_freq > 0`` it starts nothing while a round is still in flight.
+        """
+        if self._engine is None:
+            return
+        if self.synch_freq > 0:
+            if not self._engine.try_finish_round():
+                return
+        else:
+            self._engine.finish_round()
+        self._engine.start_round()
+        if self.verbose:
+            logger.info("gossip round %d started", self._engine.round)
+
+    def register_optimizer(self, optimizer: torch.optim.Optimizer):
+        """Calls :meth:`transfer_params` after every ``optimizer.step()``; returns the hook's
+        handle (``handle.remove()`` undoes it)."""
+        _check_type("optimizer", optimizer, torch.optim.Optimizer, "a torch.optim.Optimizer")
+        return optimizer.register_step_post_hook(lambda *_: self.transfer_params())
+
+    @contextlib.contextmanager
+    def no_sync(self) -> Iterator[None]:
+        """Gradient accumulation: backwards inside skip the node-local gradient averaging of
+        ``nprocs_per_node > 1`` (as DDP's no_sync). Do not step the optimizer inside."""
+        previous = self._sync_gradients
+        self._sync_gradients = False
+        try:
+            yield
+        finally:
+            self._sync_gradients = previous
+
+    def sync_comms(self) -> None:
+        """Waits for the round in flight, if any, and absorbs it."""
+        if self._engine is not None:
+            self._engine.finish_round()
+
+    def block(self) -> None:
+        """Absorbs the round in flight and waits until every rank has done the same."""
+        self.sync_comms()
+        dist.barrier(group=self.process_group)
+
+    def unbias(self) -> None:
+        """Kept for SGP compatibility. The parameters here always hold de-biased values, so
+        there is nothing to do."""
+
+    # ----------------------------------------------------------------------------- push-sum state
+
+    @property
+    def ps_weight(self) -> float:
+        """This worker's push-sum weight ``w`` (1 under lazy mixing when no round is in flight)."""
+        return 1.0 if self._engine is None else float(self._engine.ps_weight().item())
+
+    @property
+    def gossip_round(self) -> int:
+        """Gossip rounds completed by this worker."""
+        return 0 if self._engine is None else int(self._engine.round)
+
+    def ps_numerator(self) -> dict[str, torch.Tensor]:
+        """The push-sum numerators ``x = w * z``, one new tensor per parameter name."""
+        weight = self.ps_weight
+        return {name: p.detach() * weight for name, p in self.module.named_parameters()}
+
+    def get_extra_state(self) -> dict[str, Any]:
+        self.sync_comms()
+        return {
+            "gossip_round": self.gossip_round,
+            "ps_weight": self.ps_weight,
+            "gossip_world_size": self.gossip_world_size,
+            "graph": repr(self.graph),
+            "mixing": repr(self.mixing),
+        }
+
+    def set_extra_state(self, state: Mapping[str, Any]) -> None:
+        for key, mine in (
+            ("gossip_world_size", self.gossip_world_size),
+            ("graph", repr(self.graph)),
+            ("mixing", repr(self.mixing)),
+        ):
+            if state.get(key) != mine:
+                raise ValueError(
+                    f"load_state_dict: the checkpoint was saved with {key}={state.get(key)!r}, "
+                    f"but this model has {key}={mine!r}"
+                )
+        if self._engine is not None:
+            self._engine.finish_round()
+            self._engine.restore(int(state["gossip_round"]), float(state["ps_weight"]))
+
+    def state_dict(self, *args, **kwargs):
+        """The module's state under ``module.`` after finishing gossip in flight, plus the
+        push-sum state under ``_extra_state`` needed to resume.
+
+        To load the weights into the plain module::
+
+            sd = {k.removeprefix("module."): v for k, v in state.items()
+                  if k.startswith("module.")}
+            plain_model.load_state_dict(sd)
+        """
+        self.sync_comms()
+        return super().state_dict(*args, **kwargs)

@@ -1,0 +1,37 @@
+#!/usr/bin/env bash
+# Runs every test of gossip_ext on a fresh machine: installs what is missing (torch, ninja, pytest,
+# GoogleTest), builds the extension and the C++ tests, then runs ctest and pytest. Exits non-zero
+# if anything fails. CPU only; the GPU tests skip visibly where no GPU is present.
+set -euo pipefail
+cd "$(dirname "${BASH_SOURCE[0]}")/.."
+
+PYTHON=${PYTHON:-python3}
+TORCH_VERSION=${GOSSIP_TORCH_VERSION:-2.13.0}
+
+step() { printf '\n== %s\n' "$*"; }
+
+step "Python dependencies"
+if ! "$PYTHON" -c "import torch, sys; sys.exit(torch.__version__.split('+')[0] != '$TORCH_VERSION')" 2>/dev/null; then
+  "$PYTHON" -m pip install "torch==$TORCH_VERSION"
+fi
+"$PYTHON" -m pip install --quiet ninja pytest "setuptools>=64" wheel
+
+step "GoogleTest"
+if [ ! -f /usr/include/gtest/gtest.h ]; then
+  SUDO=""
+  [ "$(id -u)" -eq 0 ] || SUDO="sudo"
+  $SUDO apt-get update -qq
+  $SUDO apt-get install -y -qq libgtest-dev cmake ninja-build
+fi
+
+step "Build the extension (gossip_ext._C)"
+MAX_JOBS=${MAX_JOBS:-$(nproc)} "$PYTHON" -m pip install --no-build-isolation --no-deps -e .
+
+step "Build and run the C++ tests (ctest)"
+TORCH_CMAKE=$("$PYTHON" -c 'import torch; print(torch.utils.cmake_prefix_path)')
+cmake -S . -B build/cmake -G Ninja -DCMAKE_PREFIX_PATH="$TORCH_CMAKE" >/dev/null
+cmake --build build/cmake -j "$(nproc)"
+ctest --test-dir build/cmake --output-on-failure -j "$(nproc)"
+
+step "Python tests (pytest)"
+"$PYTHON" -m pytest tests -q
