@@ -193,6 +193,7 @@ class GossipDataParallel(nn.Module):
             )
 
         self._unfinished_forwards = 0  # bounded asynchrony: forwards that found a round running
+        self._start_deferred = False  # bounded asynchrony: a round owed by transfer_params()
         self._sync_gradients = True
         self._backward_callback_queued = False
         if self._node_group is not None:
@@ -257,32 +258,49 @@ class GossipDataParallel(nn.Module):
             self._receive_node_parameters()
         return self.module(*inputs, **kwargs)
 
+    # Bounded asynchrony (synch_freq > 0). A round is owed for every transfer_params() call, on
+    # every rank alike, so all ranks run the same rounds and nobody waits for a round its peer
+    # skipped; only when a round starts and when it is absorbed depend on timing. A start that
+    # finds the previous round unfinished is deferred to the first forward that finds it done.
+
     def _absorb_bounded(self) -> None:
-        if self._engine.try_finish_round():
-            self._unfinished_forwards = 0
-            return
-        self._unfinished_forwards += 1
-        if self._unfinished_forwards > self.synch_freq:
+        if self._engine.in_flight:
+            if self._engine.try_finish_round():
+                self._unfinished_forwards = 0
+            else:
+                self._unfinished_forwards += 1
+                if self._unfinished_forwards > self.synch_freq:
+                    self._engine.finish_round()
+                    self._unfinished_forwards = 0
+        if self._start_deferred and not self._engine.in_flight:
+            self._start_deferred = False
+            self._engine.start_round()
+
+    def _transfer_bounded(self) -> None:
+        if self._start_deferred:  # a round is already owed: wait, and start it now
             self._engine.finish_round()
-            self._unfinished_forwards = 0
+            self._engine.start_round()
+        self._start_deferred = not self._engine.try_finish_round()
+        if not self._start_deferred:
+            self._engine.start_round()
 
     def transfer_params(self) -> None:
         """Starts a gossip round with the parameters the optimizer step just produced.
 
         Call it after every ``optimizer.step()`` (or use :meth:`register_optimizer`). Under
         ``overlap=True`` it first absorbs the round started one step earlier; under
-        ``synch_freq > 0`` it starts nothing while a round is still in flight.
+        ``synch_freq > 0``, if the previous round is still in flight, the new round starts at the
+        first forward that finds the previous one finished.
         """
         if self._engine is None:
             return
         if self.synch_freq > 0:
-            if not self._engine.try_finish_round():
-                return
+            self._transfer_bounded()
         else:
             self._engine.finish_round()
-        self._engine.start_round()
+            self._engine.start_round()
         if self.verbose:
-            logger.info("gossip round %d started", self._engine.round)
+            logger.info("gossip round %d in flight", self._engine.round)
 
     def register_optimizer(self, optimizer: torch.optim.Optimizer):
         """Calls :meth:`transfer_params` after every ``optimizer.step()``; returns the hook's
@@ -302,8 +320,13 @@ class GossipDataParallel(nn.Module):
             self._sync_gradients = previous
 
     def sync_comms(self) -> None:
-        """Waits for the round in flight, if any, and absorbs it."""
-        if self._engine is not None:
+        """Waits for the round in flight, and any round still owed, and absorbs them."""
+        if self._engine is None:
+            return
+        self._engine.finish_round()
+        if self._start_deferred:
+            self._start_deferred = False
+            self._engine.start_round()
             self._engine.finish_round()
 
     def block(self) -> None:
@@ -321,6 +344,11 @@ class GossipDataParallel(nn.Module):
     def ps_weight(self) -> float:
         """This worker's push-sum weight ``w`` (1 under lazy mixing when no round is in flight)."""
         return 1.0 if self._engine is None else float(self._engine.ps_weight().item())
+
+    @property
+    def round_in_flight(self) -> bool:
+        """Whether a gossip round has been started and not yet absorbed."""
+        return self._engine is not None and bool(self._engine.in_flight)
 
     @property
     def gossip_round(self) -> int:

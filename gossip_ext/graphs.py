@@ -8,6 +8,7 @@ world size is computed by the compiled engine, identically on every rank, with n
 from __future__ import annotations
 
 import functools
+import operator
 from typing import Sequence
 
 from gossip_ext import _C
@@ -188,7 +189,7 @@ class CustomGraph(GraphBase):
     def __init__(self, phone_books: Sequence[Sequence[int]], peers_per_itr: int = 1):
         super().__init__(peers_per_itr)
         try:
-            self.phone_books = tuple(tuple(int(p) for p in book) for book in phone_books)
+            self.phone_books = tuple(tuple(operator.index(p) for p in book) for book in phone_books)
         except TypeError as error:
             raise TypeError(
                 f"phone_books must be a sequence of sequences of ints, got {phone_books!r}"

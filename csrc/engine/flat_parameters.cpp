@@ -8,12 +8,12 @@
 namespace gossip {
 
 void FlatParameterGroup::check_views() const {
-  const auto* base = static_cast<const char*>(flat.const_data_ptr());
-  const int64_t item_size = static_cast<int64_t>(flat.element_size());
   for (size_t i = 0; i < params.size(); ++i) {
     const at::Tensor& p = params[i];
+    // Storage identity and offset, not data pointers: an empty tensor has a null data pointer.
     const bool views_flat = p.scalar_type() == flat.scalar_type() && p.is_contiguous() &&
-                            p.const_data_ptr() == base + offsets[i] * item_size;
+                            p.storage().is_alias_of(flat.storage()) &&
+                            p.storage_offset() == flat.storage_offset() + offsets[i];
     TORCH_CHECK(views_flat, "gossip_ext: parameter '", names[i],
                 "' no longer views its flat gossip buffer: its storage was replaced after "
                 "wrapping (for example `param.data = t`), so gossip would no longer reach it. "

@@ -1,5 +1,7 @@
 // The op schemas of the gossip_ext library, their argument checks and their Meta kernels.
 // One implementation per backend lives beside this file: push_sum_cpu.cpp, cuda/push_sum_cuda.cu.
+#include <string>
+
 #include <c10/core/ScalarType.h>
 #include <ATen/core/dispatch/Dispatcher.h>
 #include <torch/library.h>
@@ -14,14 +16,15 @@ bool is_supported_dtype(at::ScalarType dtype) {
          dtype == at::kBFloat16;
 }
 
-void check_buffer(const at::Tensor& t, const char* arg, const at::Tensor& like) {
+void check_buffer(const at::Tensor& t, const std::string& arg, const at::Tensor& like) {
   TORCH_CHECK_TYPE(is_supported_dtype(t.scalar_type()), "gossip_ext: ", arg,
                    " must be float32, float64, float16 or bfloat16, got ", t.scalar_type());
   TORCH_CHECK_VALUE(t.is_contiguous(), "gossip_ext: ", arg, " must be contiguous");
   TORCH_CHECK_VALUE(t.scalar_type() == like.scalar_type(), "gossip_ext: ", arg, " has dtype ",
                     t.scalar_type(), " but expected ", like.scalar_type());
-  TORCH_CHECK_VALUE(t.numel() == like.numel(), "gossip_ext: ", arg, " has ", t.numel(),
-                    " elements but expected ", like.numel());
+  // sym_numel: the Meta kernels also run on fake tensors with symbolic sizes (torch.compile).
+  TORCH_CHECK_VALUE(t.sym_numel() == like.sym_numel(), "gossip_ext: ", arg, " has ",
+                    t.sym_numel(), " elements but expected ", like.sym_numel());
   TORCH_CHECK_VALUE(t.device() == like.device(), "gossip_ext: ", arg, " is on ", t.device(),
                     " but expected ", like.device());
 }
@@ -32,8 +35,8 @@ void check_weight(const std::optional<at::Tensor>& weight, const char* arg,
   const at::Tensor& w = *weight;
   TORCH_CHECK_TYPE(w.scalar_type() == at::kFloat || w.scalar_type() == at::kDouble,
                    "gossip_ext: ", arg, " must be float32 or float64, got ", w.scalar_type());
-  TORCH_CHECK_VALUE(w.numel() == 1, "gossip_ext: ", arg, " must have one element, got ",
-                    w.numel());
+  TORCH_CHECK_VALUE(w.sym_numel() == 1, "gossip_ext: ", arg, " must have one element, got ",
+                    w.sym_numel());
   TORCH_CHECK_VALUE(w.device() == like.device(), "gossip_ext: ", arg, " is on ", w.device(),
                     " but the buffers are on ", like.device());
 }
@@ -51,7 +54,9 @@ void check_absorb_args(const at::Tensor& x, at::TensorList received,
                        const std::optional<at::Tensor>& self_weight,
                        const std::optional<at::Tensor>& new_weight) {
   check_buffer(x, "x", x);
-  for (const at::Tensor& r : received) check_buffer(r, "received[i]", x);
+  for (size_t i = 0; i < received.size(); ++i) {
+    check_buffer(received[i], "received[" + std::to_string(i) + "]", x);
+  }
   check_weight(self_weight, "self_weight", x);
   check_weight(new_weight, "new_weight", x);
 }

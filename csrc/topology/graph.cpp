@@ -97,6 +97,9 @@ Graph::Graph(GraphOptions options, int world_size)
   }
   if (world_size == 1) {
     // A single node has nobody to talk to: gossip is a no-op, whatever the graph.
+    GOSSIP_CHECK_ARG(options_.kind != GraphKind::kCustom || options_.phone_books[0].empty(), name,
+                     ": node 0 of a one-node graph can have no peers, got ",
+                     options_.phone_books[0]);
     phone_books_.assign(1, {});
     return;
   }
@@ -209,8 +212,10 @@ void Graph::validate_and_index() {
 }
 
 int Graph::slot(int64_t round, int g) const {
+  // Reduce the round first: round * peers_per_itr would overflow for rounds near 2^63.
+  const int64_t length = phone_book_length_;
   const int64_t p = options_.peers_per_itr;
-  return static_cast<int>(positive_mod(g + round * p, phone_book_length_));
+  return static_cast<int>(positive_mod(g + (round % length) * p, length));
 }
 
 const std::vector<int>& Graph::phone_book(int rank) const {

@@ -1,0 +1,321 @@
+"""torch.ops.gossip_ext.scale_into and absorb_ against plain-PyTorch references computed in fp64."""
+
+import pytest
+import torch
+from torch.library import opcheck
+
+import gossip_ext  # noqa: F401  (registers torch.ops.gossip_ext)
+
+scale_into = torch.ops.gossip_ext.scale_into
+absorb_ = torch.ops.gossip_ext.absorb_
+
+DTYPES = [torch.float32, torch.float64, torch.float16, torch.bfloat16]
+# Sizes around the CPU kernels' block (512) and parallel grain (32768 elements).
+SIZES = [1, 7, 1023, 70001]
+# (rtol, atol) against the fp64 reference: one rounding to the storage dtype, fp32 accumulation
+# for 16-bit types, values of magnitude a few units.
+TOLERANCE = {
+    torch.float64: (1e-12, 1e-12),
+    torch.float32: (2e-6, 2e-6),
+    torch.float16: (1e-3, 1e-3),
+    torch.bfloat16: (8e-3, 8e-3),
+}
+
+
+def _name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def _randn(numel: int, dtype: torch.dtype, seed: int) -> torch.Tensor:
+    generator = torch.Generator().manual_seed(seed)
+    return torch.randn(numel, dtype=torch.float64, generator=generator).to(dtype)
+
+
+def _weight(value: float, dtype) -> torch.Tensor | None:
+    return None if dtype is None else torch.tensor([value], dtype=dtype)
+
+
+def _value(weight: torch.Tensor | None) -> float:
+    return 1.0 if weight is None else weight.item()
+
+
+def reference_scale_into(src, alpha, weight) -> torch.Tensor:
+    return (alpha * _value(weight)) * src.to(torch.float64)
+
+
+def reference_absorb(x, received, alpha, self_weight, new_weight) -> torch.Tensor:
+    acc = alpha * _value(self_weight) * x.to(torch.float64)
+    for r in received:
+        acc = acc + r.to(torch.float64)
+    return acc / _value(new_weight)
+
+
+def _assert_close(actual: torch.Tensor, expected: torch.Tensor, dtype: torch.dtype) -> None:
+    rtol, atol = TOLERANCE[dtype]
+    assert actual.dtype == dtype
+    torch.testing.assert_close(actual.to(torch.float64), expected, rtol=rtol, atol=atol)
+
+
+@pytest.mark.parametrize(
+    "weight_dtype",
+    [None, torch.float32, torch.float64],
+    ids=lambda d: "noweight" if d is None else f"w{_name(d)}",
+)
+@pytest.mark.parametrize("dtype", DTYPES, ids=_name)
+@pytest.mark.parametrize("numel", SIZES)
+def test_scale_into_matches_reference(numel, dtype, weight_dtype):
+    src = _randn(numel, dtype, seed=numel)
+    src_before = src.clone()
+    out = torch.full((numel,), float("nan"), dtype=dtype)
+    weight = _weight(0.7, weight_dtype)
+    alpha = 1.0 / 3.0
+    scale_into(src, out, alpha, weight)
+    _assert_close(out, reference_scale_into(src, alpha, weight), dtype)
+    assert torch.equal(src, src_before)
+    if weight is not None:
+        assert weight.item() == torch.tensor(0.7, dtype=weight_dtype).item()
+
+
+def test_scale_into_identity_is_exact():
+    # alpha = 1 and no weight: a plain copy, bit for bit, in every dtype.
+    for dtype in DTYPES:
+        src = _randn(1023, dtype, seed=3)
+        out = torch.empty_like(src)
+        scale_into(src, out, 1.0)
+        assert torch.equal(out, src), dtype
+
+
+@pytest.mark.parametrize(
+    "weights",
+    [
+        (None, None),
+        (torch.float32, None),
+        (None, torch.float32),
+        (torch.float32, torch.float32),
+        (torch.float64, torch.float64),
+        (torch.float32, torch.float64),
+    ],
+    ids=lambda w: "-".join("none" if d is None else _name(d) for d in w),
+)
+@pytest.mark.parametrize("num_received", [0, 1, 3])
+@pytest.mark.parametrize("dtype", DTYPES, ids=_name)
+@pytest.mark.parametrize("numel", SIZES)
+def test_absorb_matches_reference(numel, dtype, num_received, weights):
+    x = _randn(numel, dtype, seed=numel)
+    x_before = x.clone()
+    received = [_randn(numel, dtype, seed=100 + numel + j) for j in range(num_received)]
+    received_before = [r.clone() for r in received]
+    self_weight = _weight(0.7, weights[0])
+    new_weight = _weight(1.3, weights[1])
+    alpha = 0.6
+    absorb_(x, received, alpha, self_weight, new_weight)
+    expected = reference_absorb(x_before, received_before, alpha, self_weight, new_weight)
+    _assert_close(x, expected, dtype)
+    for r, before in zip(received, received_before):
+        assert torch.equal(r, before)
+
+
+def test_absorb_keyword_arguments_and_scalar_weights():
+    x = _randn(129, torch.float64, seed=1)
+    expected_input = x.clone()
+    received = [_randn(129, torch.float64, seed=2)]
+    # Zero-dimensional weights hold one element too.
+    sw = torch.tensor(0.25, dtype=torch.float64)
+    nw = torch.tensor(2.0, dtype=torch.float32)
+    absorb_(x, received, alpha=1.0, self_weight=sw, new_weight=nw)
+    expected = reference_absorb(expected_input, received, 1.0, sw, nw)
+    torch.testing.assert_close(x, expected, rtol=1e-14, atol=1e-14)
+
+
+def test_contiguous_buffers_of_any_shape_are_flat():
+    src = _randn(15, torch.float32, seed=4).reshape(3, 5)
+    out = torch.empty(15, dtype=torch.float32)
+    scale_into(src, out, 2.0)
+    torch.testing.assert_close(out, 2.0 * src.reshape(-1), rtol=0, atol=0)
+    x = torch.ones(15, dtype=torch.float32)
+    absorb_(x, [src], 0.5)
+    torch.testing.assert_close(x, 0.5 + src.reshape(-1), rtol=0, atol=0)
+
+
+def test_absorb_16bit_accumulates_in_float32():
+    # 1 + 4 * 2^-12 is 1 in float16 if each addition rounds to float16 (half an ulp each time),
+    # but 1 + 2^-10 (exactly representable) when the sum is accumulated in float32.
+    x = torch.ones(8, dtype=torch.float16)
+    tiny = torch.full((8,), 2.0**-12, dtype=torch.float16)
+    absorb_(x, [tiny, tiny, tiny, tiny], 1.0)
+    assert torch.equal(x, torch.full((8,), 1 + 2.0**-10, dtype=torch.float16))
+
+
+# --- argument errors ---------------------------------------------------------------------------
+
+
+def _f32(numel: int = 7) -> torch.Tensor:
+    return torch.zeros(numel, dtype=torch.float32)
+
+
+@pytest.mark.parametrize(
+    "args, error, pattern",
+    [
+        (
+            (_f32(), _f32().double(), 1.0),
+            ValueError,
+            r"gossip_ext: out has dtype Double but expected Float",
+        ),
+        ((_f32(), _f32(6), 1.0), ValueError, r"gossip_ext: out has 6 elements but expected 7"),
+        (
+            (_f32(), torch.empty(7, device="meta"), 1.0),
+            ValueError,
+            r"gossip_ext: out is on meta but expected cpu",
+        ),
+        ((_f32(14)[::2], _f32(), 1.0), ValueError, r"gossip_ext: src must be contiguous"),
+        ((_f32(), _f32(14)[::2], 1.0), ValueError, r"gossip_ext: out must be contiguous"),
+        (
+            (torch.zeros(7, dtype=torch.int32), torch.zeros(7, dtype=torch.int32), 1.0),
+            TypeError,
+            r"gossip_ext: src must be float32, float64, float16 or bfloat16, got Int",
+        ),
+        (
+            (torch.zeros(7, dtype=torch.complex64), _f32(), 1.0),
+            TypeError,
+            r"gossip_ext: src must be float32, float64, float16 or bfloat16, got ComplexFloat",
+        ),
+        (
+            (_f32(), _f32(), 1.0, torch.ones(2)),
+            ValueError,
+            r"gossip_ext: weight must have one element, got 2",
+        ),
+        (
+            (_f32(), _f32(), 1.0, torch.ones(0)),
+            ValueError,
+            r"gossip_ext: weight must have one element, got 0",
+        ),
+        (
+            (_f32(), _f32(), 1.0, torch.ones(1, dtype=torch.float16)),
+            TypeError,
+            r"gossip_ext: weight must be float32 or float64, got Half",
+        ),
+        (
+            (_f32(), _f32(), 1.0, torch.ones(1, dtype=torch.int64)),
+            TypeError,
+            r"gossip_ext: weight must be float32 or float64, got Long",
+        ),
+        (
+            (_f32(), _f32(), 1.0, torch.ones(1, device="meta")),
+            ValueError,
+            r"gossip_ext: weight is on meta but the buffers are on cpu",
+        ),
+    ],
+    ids=lambda v: None,
+)
+def test_scale_into_argument_errors(args, error, pattern):
+    with pytest.raises(error, match=pattern):
+        scale_into(*args)
+
+
+@pytest.mark.parametrize(
+    "args, error, pattern",
+    [
+        (
+            (torch.zeros(7, dtype=torch.int64), [], 1.0),
+            TypeError,
+            r"gossip_ext: x must be float32, float64, float16 or bfloat16, got Long",
+        ),
+        ((_f32(14)[::2], [], 1.0), ValueError, r"gossip_ext: x must be contiguous"),
+        (
+            (_f32(), [_f32(), _f32().double()], 1.0),
+            ValueError,
+            r"gossip_ext: received\[.*\] has dtype Double but expected Float",
+        ),
+        (
+            (_f32(), [_f32(8)], 1.0),
+            ValueError,
+            r"gossip_ext: received\[.*\] has 8 elements but expected 7",
+        ),
+        (
+            (_f32(), [torch.empty(7, device="meta")], 1.0),
+            ValueError,
+            r"gossip_ext: received\[.*\] is on meta but expected cpu",
+        ),
+        (
+            (_f32(), [_f32(14)[::2]], 1.0),
+            ValueError,
+            r"gossip_ext: received\[.*\] must be contiguous",
+        ),
+        (
+            (_f32(), [], 1.0, torch.ones(2)),
+            ValueError,
+            r"gossip_ext: self_weight must have one element, got 2",
+        ),
+        (
+            (_f32(), [], 1.0, None, torch.ones(2)),
+            ValueError,
+            r"gossip_ext: new_weight must have one element, got 2",
+        ),
+        (
+            (_f32(), [], 1.0, None, torch.ones(1, dtype=torch.bfloat16)),
+            TypeError,
+            r"gossip_ext: new_weight must be float32 or float64, got BFloat16",
+        ),
+        (
+            (_f32(), [], 1.0, torch.ones(1, device="meta")),
+            ValueError,
+            r"gossip_ext: self_weight is on meta but the buffers are on cpu",
+        ),
+    ],
+    ids=lambda v: None,
+)
+def test_absorb_argument_errors(args, error, pattern):
+    x_before = args[0].clone()
+    with pytest.raises(error, match=pattern):
+        absorb_(*args)
+    if args[0].device.type == "cpu" and args[0].is_contiguous():
+        assert torch.equal(args[0], x_before)  # nothing written before the checks failed
+
+
+# --- opcheck -----------------------------------------------------------------------------------
+
+# opcheck's default set, one at a time so that a failure names the sub-test. Every input below is
+# a plain tensor that does not require grad (the ops have no autograd formula by design: gossip
+# runs under no_grad).
+OPCHECK_UTILS = [
+    "test_schema",
+    "test_autograd_registration",
+    "test_faketensor",
+    "test_aot_dispatch_static",
+    "test_aot_dispatch_dynamic",
+]
+
+
+def _scale_into_samples():
+    for dtype in (torch.float32, torch.float64, torch.bfloat16):
+        src = _randn(33, dtype, seed=5)
+        yield (src, torch.empty_like(src), 0.5)
+        yield (src, torch.empty_like(src), 0.5, torch.tensor([0.75]))
+        yield (src, torch.empty_like(src), 2.0, torch.tensor([0.75], dtype=torch.float64))
+
+
+def _absorb_samples():
+    for dtype in (torch.float32, torch.float64, torch.float16):
+        received = [_randn(33, dtype, seed=7 + j) for j in range(3)]
+        yield (_randn(33, dtype, seed=6), [], 0.5)
+        yield (_randn(33, dtype, seed=6), received[:1], 0.5)
+        yield (_randn(33, dtype, seed=6), received, 1.0, torch.tensor([0.7]), torch.tensor([1.3]))
+        yield (
+            _randn(33, dtype, seed=6),
+            received,
+            1.0,
+            None,
+            torch.tensor([2.0], dtype=torch.float64),
+        )
+
+
+@pytest.mark.parametrize("test_util", OPCHECK_UTILS)
+def test_opcheck_scale_into(test_util):
+    for args in _scale_into_samples():
+        opcheck(scale_into.default, args, test_utils=test_util)
+
+
+@pytest.mark.parametrize("test_util", OPCHECK_UTILS)
+def test_opcheck_absorb(test_util):
+    for args in _absorb_samples():
+        opcheck(absorb_.default, args, test_utils=test_util)
