@@ -117,6 +117,7 @@ void bind_engine(py::module_& m) {
       .def_property_readonly("in_flight", &GossipEngine::in_flight)
       .def_property_readonly("round", &GossipEngine::round)
       .def_property_readonly("lazy_mixing", &GossipEngine::lazy_mixing)
+      .def_property_readonly("bytes_sent", &GossipEngine::bytes_sent)
       .def_property_readonly("rank", &GossipEngine::rank)
       .def_property_readonly("world_size", &GossipEngine::world_size)
       .def("flat_buffers",

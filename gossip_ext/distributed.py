@@ -351,6 +351,11 @@ class GossipDataParallel(nn.Module):
         return self._engine is not None and bool(self._engine.in_flight)
 
     @property
+    def bytes_sent(self) -> int:
+        """Bytes of gossip messages this worker has sent so far (0 on a non-gossiping process)."""
+        return 0 if self._engine is None else int(self._engine.bytes_sent)
+
+    @property
     def gossip_round(self) -> int:
         """Gossip rounds completed by this worker."""
         return 0 if self._engine is None else int(self._engine.round)

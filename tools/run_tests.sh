@@ -14,7 +14,7 @@ step "Python dependencies"
 if ! "$PYTHON" -c "import torch, sys; sys.exit(torch.__version__.split('+')[0] != '$TORCH_VERSION')" 2>/dev/null; then
   "$PYTHON" -m pip install "torch==$TORCH_VERSION"
 fi
-"$PYTHON" -m pip install --quiet ninja pytest "setuptools>=64" wheel
+"$PYTHON" -m pip install --quiet ninja pytest "setuptools>=64" wheel matplotlib tqdm
 
 step "GoogleTest"
 if [ ! -f /usr/include/gtest/gtest.h ]; then

@@ -91,6 +91,7 @@ std::shared_ptr<Work> GossipEngine::start_round() {
       }
     }
     for (int peer : out_peers) sends.push_back({peer, message});
+    bytes_sent_ += static_cast<int64_t>(out_peers.size() * message.nbytes());
     std::vector<at::Tensor>& buffers = recv_[g];
     while (buffers.size() < in_peers_.size()) buffers.push_back(at::empty_like(message));
     for (size_t j = 0; j < in_peers_.size(); ++j) recvs.push_back({in_peers_[j], buffers[j]});

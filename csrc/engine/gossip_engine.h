@@ -85,6 +85,8 @@ class GossipEngine {
   // Rounds completed so far; the round in flight, if any, has this number.
   int64_t round() const { return round_; }
   bool lazy_mixing() const { return lazy_; }
+  // Bytes this rank has posted to its peers so far, every message counted once per peer.
+  int64_t bytes_sent() const { return bytes_sent_; }
   const Graph& graph() const { return graph_; }
   int rank() const { return transport_->rank(); }
   int world_size() const { return transport_->world_size(); }
@@ -111,6 +113,7 @@ class GossipEngine {
   Graph graph_;
   bool lazy_ = true;
   int64_t round_ = 0;
+  int64_t bytes_sent_ = 0;
 
   at::ScalarType weight_dtype_ = at::kFloat;
   at::Tensor weight_;                            // [1]; unused under lazy mixing

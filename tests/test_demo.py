@@ -1,0 +1,36 @@
+"""The README's main job, python -m gossip_ext.demo, on a short run."""
+
+import pytest
+
+from gossip_ext import demo
+
+
+def test_demo_trains_every_mode_and_writes_the_plot(tmp_path, capsys):
+    plot = tmp_path / "demo.png"
+    results = demo.main(
+        ["--workers", "2", "--steps", "80", "--quiet", "--plot", str(plot), "--log-every", "20"]
+    )
+    assert list(results) == list(demo.MODES)
+    for mode, r in results.items():
+        # Ten classes: chance is 0.1. Every mode must really learn.
+        assert r["accuracy"] > 0.5, (mode, r["accuracy"])
+        assert r["history"]["step"] == [0, 20, 40, 60, 79]
+    param_bytes = sum(p.numel() * 4 for p in demo.make_model().parameters())
+    # Two workers, one peer per round, lazy mixing: one float32 message of the parameters a step.
+    assert results["sgp"]["bytes_per_step"] == param_bytes
+    assert results["ddp"]["bytes_per_step"] == pytest.approx(param_bytes)  # 2 (n-1)/n = 1
+    assert results["ddp"]["consensus"] == 0.0
+    # Two workers with weights 1/2: synchronous gossip is exact averaging.
+    assert results["sgp"]["consensus"] < 1e-6
+    assert plot.stat().st_size > 10_000
+    out = capsys.readouterr().out
+    assert "consensus" in out and str(plot) in out
+
+
+def test_demo_rejects_bad_flags(capsys):
+    with pytest.raises(SystemExit):
+        demo.parse_args(["--modes", "sgp,allreduce"])
+    assert "allreduce" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        demo.parse_args(["--workers", "0"])
+    assert "--workers must be >= 1, got 0" in capsys.readouterr().err
