@@ -44,7 +44,6 @@ def _extension():
             include_dirs=include_dirs,
             define_macros=[("GOSSIP_WITH_CUDA", "1")],
             extra_compile_args={"cxx": cxx_flags, "nvcc": ["-O3", "--use_fast_math"]},
-            libraries=["nccl"],
         )
     return CppExtension(
         "gossip_ext._C",

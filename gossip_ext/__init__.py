@@ -26,18 +26,18 @@ from gossip_ext.simulate import simulate
 __version__ = "0.1.0"
 
 __all__ = [
-    "GossipDataParallel",
     "CustomGraph",
     "DynamicBipartiteExponentialGraph",
     "DynamicBipartiteLinearGraph",
     "DynamicDirectedExponentialGraph",
     "DynamicDirectedLinearGraph",
+    "GossipDataParallel",
     "GraphBase",
     "HypercubeGraph",
-    "NPeerDynamicDirectedExponentialGraph",
-    "RingGraph",
     "MixingBase",
     "MixingWeights",
+    "NPeerDynamicDirectedExponentialGraph",
+    "RingGraph",
     "SelfWeightMixing",
     "UniformMixing",
     "simulate",

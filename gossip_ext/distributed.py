@@ -5,8 +5,9 @@ from __future__ import annotations
 import contextlib
 import logging
 import warnings
+from collections.abc import Iterator, Mapping
 from datetime import timedelta
-from typing import Any, Iterator, Mapping
+from typing import Any
 
 import torch
 import torch.distributed as dist

@@ -9,20 +9,20 @@ from __future__ import annotations
 
 import functools
 import operator
-from typing import Sequence
+from collections.abc import Sequence
 
 from gossip_ext import _C
 
 __all__ = [
-    "GraphBase",
-    "NPeerDynamicDirectedExponentialGraph",
-    "DynamicDirectedExponentialGraph",
-    "DynamicBipartiteExponentialGraph",
-    "DynamicDirectedLinearGraph",
-    "DynamicBipartiteLinearGraph",
-    "RingGraph",
-    "HypercubeGraph",
     "CustomGraph",
+    "DynamicBipartiteExponentialGraph",
+    "DynamicBipartiteLinearGraph",
+    "DynamicDirectedExponentialGraph",
+    "DynamicDirectedLinearGraph",
+    "GraphBase",
+    "HypercubeGraph",
+    "NPeerDynamicDirectedExponentialGraph",
+    "RingGraph",
 ]
 
 

@@ -7,7 +7,7 @@ from typing import NamedTuple
 
 from gossip_ext import _C
 
-__all__ = ["MixingBase", "MixingWeights", "UniformMixing", "SelfWeightMixing"]
+__all__ = ["MixingBase", "MixingWeights", "SelfWeightMixing", "UniformMixing"]
 
 
 class MixingWeights(NamedTuple):

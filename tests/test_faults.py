@@ -4,10 +4,10 @@ import time
 from datetime import timedelta
 
 import torch
+from multiprocess import run_ranks
 from torch import nn
 
 import gossip_ext
-from multiprocess import run_ranks
 
 
 def _one_rank_stalls(rank: int, world_size: int, stall_s: float) -> dict:

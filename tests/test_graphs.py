@@ -5,6 +5,7 @@ import random
 import re
 
 import pytest
+from graph_kinds import KIND_OF
 from reference import (
     BIPARTITE_KINDS,
     graph_phone_books,
@@ -29,15 +30,6 @@ from gossip_ext import (
     UniformMixing,
 )
 
-KIND_OF = {
-    NPeerDynamicDirectedExponentialGraph: "npeer_exponential",
-    DynamicDirectedExponentialGraph: "directed_exponential",
-    DynamicBipartiteExponentialGraph: "bipartite_exponential",
-    DynamicDirectedLinearGraph: "directed_linear",
-    DynamicBipartiteLinearGraph: "bipartite_linear",
-    RingGraph: "ring",
-    HypercubeGraph: "hypercube",
-}
 GRAPH_CLASSES = list(KIND_OF)
 WORLD_SIZES = list(range(1, 18)) + [32, 64]
 

@@ -5,6 +5,7 @@ from datetime import timedelta
 
 import pytest
 import torch
+from graph_kinds import KIND_OF
 from reference import graph_phone_books, pairs_symmetrically, reference_gossip, reference_push_sum
 
 import gossip_ext
@@ -21,15 +22,6 @@ from gossip_ext import (
     UniformMixing,
 )
 
-KIND_OF = {
-    NPeerDynamicDirectedExponentialGraph: "npeer_exponential",
-    DynamicDirectedExponentialGraph: "directed_exponential",
-    DynamicBipartiteExponentialGraph: "bipartite_exponential",
-    DynamicDirectedLinearGraph: "directed_linear",
-    DynamicBipartiteLinearGraph: "bipartite_linear",
-    RingGraph: "ring",
-    HypercubeGraph: "hypercube",
-}
 GRAPHS = [
     NPeerDynamicDirectedExponentialGraph(),
     NPeerDynamicDirectedExponentialGraph(2),

@@ -10,7 +10,7 @@ round depends on timing: a node absorbs round r only once every in-peer has sent
 
 from __future__ import annotations
 
-from typing import Callable, Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 

@@ -33,5 +33,8 @@ cmake -S . -B build/cmake -G Ninja -DCMAKE_PREFIX_PATH="$TORCH_CMAKE" >/dev/null
 cmake --build build/cmake -j "$(nproc)"
 ctest --test-dir build/cmake --output-on-failure -j "$(nproc)"
 
+step "Compile the CUDA sources (nvcc; needs no GPU)"
+bash tools/check_cuda_sources.sh
+
 step "Python tests (pytest)"
 "$PYTHON" -m pytest tests -q

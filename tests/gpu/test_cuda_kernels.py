@@ -1,0 +1,71 @@
+"""The CUDA kernels against their CPU twins. Skipped, visibly, where there is no GPU."""
+
+import pytest
+import torch
+
+import gossip_ext  # noqa: F401  (registers torch.ops.gossip_ext)
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+
+DTYPES = [torch.float32, torch.float64, torch.float16, torch.bfloat16]
+SIZES = [1, 7, 1023, 70001, (1 << 20) + 3]
+TOLERANCE = {torch.float32: 1e-6, torch.float64: 1e-12, torch.float16: 1e-3, torch.bfloat16: 1e-2}
+
+
+def _random(n, dtype, offset=0):
+    # `offset` elements in, so the buffer is not 16-byte aligned: the scalar path.
+    return torch.randn(n + offset, dtype=torch.float64)[offset:].to(dtype)
+
+
+def _weight(value, dtype):
+    return torch.tensor([value], dtype=dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("n", SIZES)
+@pytest.mark.parametrize("offset", [0, 1])
+@pytest.mark.parametrize("weight_dtype", [None, torch.float32, torch.float64])
+def test_scale_into_matches_cpu(dtype, n, offset, weight_dtype):
+    src = _random(n, dtype, offset)
+    weight = None if weight_dtype is None else _weight(0.7, weight_dtype)
+    want = torch.empty_like(src)
+    torch.ops.gossip_ext.scale_into(src, want, 0.25, weight)
+    out = torch.empty_like(src, device="cuda")
+    cuda_weight = None if weight is None else weight.cuda()
+    torch.ops.gossip_ext.scale_into(src.cuda(), out, 0.25, cuda_weight)
+    tol = TOLERANCE[dtype]
+    torch.testing.assert_close(out.cpu(), want, rtol=tol, atol=tol)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("n", SIZES)
+@pytest.mark.parametrize("offset", [0, 1])
+@pytest.mark.parametrize("num_received", [0, 1, 3, 8, 11])  # 11: more than one launch
+@pytest.mark.parametrize("weighted", [False, True])
+def test_absorb_matches_cpu(dtype, n, offset, num_received, weighted):
+    x = _random(n, dtype, offset)
+    received = [_random(n, dtype, offset) for _ in range(num_received)]
+    self_weight = _weight(0.4, torch.float32) if weighted else None
+    new_weight = _weight(0.4 + 0.3 * num_received, torch.float64) if weighted else None
+    want = x.clone()
+    torch.ops.gossip_ext.absorb_(want, received, 0.5, self_weight, new_weight)
+    got = x.cuda()
+    torch.ops.gossip_ext.absorb_(
+        got,
+        [r.cuda() for r in received],
+        0.5,
+        None if self_weight is None else self_weight.cuda(),
+        None if new_weight is None else new_weight.cuda(),
+    )
+    tol = TOLERANCE[dtype] * (num_received + 1)
+    torch.testing.assert_close(got.cpu(), want, rtol=tol, atol=tol)
+
+
+def test_kernels_run_on_the_current_stream():
+    x = torch.ones(1 << 20, device="cuda")
+    r = torch.ones_like(x)
+    stream = torch.cuda.Stream()
+    with torch.cuda.stream(stream):
+        torch.ops.gossip_ext.absorb_(x, [r], 0.5)
+    stream.synchronize()
+    assert torch.all(x == 1.5)
