@@ -181,12 +181,16 @@ def plot(results: dict, path: str) -> None:
     for mode, r in results.items():
         h = r["history"]
         ax_loss.plot(h["step"], h["loss"], label=mode)
-        if any(c > 0 for c in h["consensus"]):  # all-reduce keeps workers identical: nothing to draw
+        # All-reduce keeps workers identical: a log plot has nothing to draw for it.
+        if any(c > 0 for c in h["consensus"]):
             ax_cons.plot(h["step"], h["consensus"], label=mode)
     ax_loss.set(xlabel="step", ylabel="training loss (mean over workers)", title="Loss")
-    ax_cons.set(xlabel="step", ylabel="consensus distance",
-                title="Consensus distance (DDP: exactly 0)",
-                yscale="log")
+    ax_cons.set(
+        xlabel="step",
+        ylabel="consensus distance",
+        title="Consensus distance (DDP: exactly 0)",
+        yscale="log",
+    )
     for ax in (ax_loss, ax_cons):
         ax.grid(alpha=0.3)
         ax.legend()
@@ -202,19 +206,35 @@ def parse_args(argv=None):
         "D-PSGD and DDP all-reduce, and compare them.",
     )
     parser.add_argument("--workers", type=int, default=4, help="worker processes (default: 4)")
-    parser.add_argument("--steps", type=int, default=300, help="training steps per mode "
-                        "(default: 300)")
-    parser.add_argument("--batch-size", type=int, default=32,
-                        help="samples per worker and step (default: 32)")
+    parser.add_argument(
+        "--steps", type=int, default=300, help="training steps per mode (default: 300)"
+    )
+    parser.add_argument(
+        "--batch-size", type=int, default=32, help="samples per worker and step (default: 32)"
+    )
     parser.add_argument("--lr", type=float, default=0.05, help="SGD learning rate (default: 0.05)")
-    parser.add_argument("--samples", type=int, default=8000,
-                        help="training samples, split across the workers (default: 8000)")
-    parser.add_argument("--modes", default=",".join(MODES),
-                        help=f"comma-separated subset of {','.join(MODES)} (default: all)")
-    parser.add_argument("--log-every", type=int, default=10,
-                        help="steps between loss and consensus samples (default: 10)")
-    parser.add_argument("--plot", default=os.path.join(tempfile.gettempdir(), "gossip_demo.png"),
-                        help="where to write the PNG plot (default: %(default)s)")
+    parser.add_argument(
+        "--samples",
+        type=int,
+        default=8000,
+        help="training samples, split across the workers (default: 8000)",
+    )
+    parser.add_argument(
+        "--modes",
+        default=",".join(MODES),
+        help=f"comma-separated subset of {','.join(MODES)} (default: all)",
+    )
+    parser.add_argument(
+        "--log-every",
+        type=int,
+        default=10,
+        help="steps between loss and consensus samples (default: 10)",
+    )
+    parser.add_argument(
+        "--plot",
+        default=os.path.join(tempfile.gettempdir(), "gossip_demo.png"),
+        help="where to write the PNG plot (default: %(default)s)",
+    )
     parser.add_argument("--seed", type=int, default=0, help="random seed (default: 0)")
     parser.add_argument("--quiet", action="store_true", help="no progress bars")
     args = parser.parse_args(argv)
@@ -234,8 +254,11 @@ def main(argv=None) -> dict:
     args = parse_args(argv)
     with tempfile.TemporaryDirectory() as tmp, mp.Manager() as manager:
         results = manager.dict()
-        mp.spawn(worker, args=(args.workers, os.path.join(tmp, "store"), args, results),
-                 nprocs=args.workers)
+        mp.spawn(
+            worker,
+            args=(args.workers, os.path.join(tmp, "store"), args, results),
+            nprocs=args.workers,
+        )
         results = {mode: results[mode] for mode in args.modes}
     print_table(results, args.workers)
     plot(results, args.plot)

@@ -21,6 +21,8 @@ __all__ = ["GossipDataParallel"]
 
 logger = logging.getLogger(__name__)
 
+_BROADCAST_BUCKET_BYTES = 250 * 1024 * 1024  # DDP's bucket size for module-state broadcasts
+
 
 def _check_type(name: str, value, expected, what: str) -> None:
     if isinstance(value, bool) and expected is not bool:
@@ -176,8 +178,9 @@ class GossipDataParallel(nn.Module):
 
         with torch.no_grad():
             for p in params:
-                dist.broadcast(p, dist.get_global_rank(self.process_group, 0),
-                               group=self.process_group)
+                dist.broadcast(
+                    p, dist.get_global_rank(self.process_group, 0), group=self.process_group
+                )
 
         self._engine = None
         if self.is_gossip_leader:
@@ -211,8 +214,7 @@ class GossipDataParallel(nn.Module):
         for node in range(world_size // m):
             group = dist.new_group([to_global[node * m + i] for i in range(m)])
             if rank // m == node:
-                self._node_group = group
-                self._node_leader = to_global[node * m]
+                self._node_group = group  # its group rank 0 is the node's gossiping process
         leaders = dist.new_group([to_global[node * m] for node in range(world_size // m)])
         self.is_gossip_leader = rank % m == 0
         return leaders
@@ -238,11 +240,10 @@ class GossipDataParallel(nn.Module):
             offset += g.numel()
 
     def _receive_node_parameters(self) -> None:
-        with torch.no_grad():
-            for p in self.module.parameters():
-                dist.broadcast(p, self._node_leader, group=self._node_group)
-            for b in self.module.buffers():
-                dist.broadcast(b, self._node_leader, group=self._node_group)
+        # One coalesced broadcast (as DDP syncs module states) instead of one per tensor.
+        tensors = [p.detach() for p in self.module.parameters()]
+        tensors += [b.detach() for b in self.module.buffers()]
+        dist._broadcast_coalesced(self._node_group, tensors, _BROADCAST_BUCKET_BYTES, 0)
 
     # ----------------------------------------------------------------------------- training
 

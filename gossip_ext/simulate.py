@@ -61,6 +61,7 @@ def simulate(
         raise TypeError(f"push_sum must be a bool, got {push_sum!r}")
     if values.dim() == 2:
         graph.schedule(values.shape[0])  # the graph's own ValueError for this world size
-    options = _C.EngineOptions(graph._options(), mixing._options(), push_sum=push_sum,
-                               timeout=timeout)
+    options = _C.EngineOptions(
+        graph._options(), mixing._options(), push_sum=push_sum, timeout=timeout
+    )
     return _C.simulate(values, rounds, options)

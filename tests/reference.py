@@ -1,4 +1,4 @@
-"""The test oracle: push-sum gossip in plain Python and PyTorch, written from DESIGN.md sections 1-2.
+"""The test oracle: push-sum gossip in plain Python and PyTorch, from DESIGN.md sections 1-2.
 
 Nothing here imports gossip_ext or follows its code. Graphs are built from their definitions in
 DESIGN.md section 2 with integer arithmetic only; a round is the column-stochastic mixing matrix

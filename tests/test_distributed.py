@@ -3,18 +3,21 @@
 
 from __future__ import annotations
 
+import functools
+import itertools
 import os
+import time
 import warnings
 
 import pytest
+import reference
 import torch
 import torch.distributed as dist
+from multiprocess import run_ranks
 from torch import nn
+from training_reference import ABSORB, START, STEP, replay
 
 import gossip_ext
-import reference
-from multiprocess import run_ranks
-from training_reference import ABSORB, START, STEP, replay
 
 D = 4  # features of the toy regression
 LR = 0.05
@@ -46,13 +49,13 @@ def _self_weight(rank: int) -> float:
 
 
 MODES = {
-    "sync": dict(),
-    "overlap": dict(overlap=True),
-    "bounded_async": dict(synch_freq=2),
-    "push_pull": dict(push_sum=False, graph=gossip_ext.RingGraph(peers_per_itr=2)),
+    "sync": {},
+    "overlap": {"overlap": True},
+    "bounded_async": {"synch_freq": 2},
+    "push_pull": {"push_sum": False, "graph": gossip_ext.RingGraph(peers_per_itr=2)},
     # Different kept shares per rank: column- but not row-stochastic, so the weights change.
-    "self_weight": dict(mixing=None),
-    "mixed_dtypes": dict(),
+    "self_weight": {"mixing": None},
+    "mixed_dtypes": {},
 }
 
 
@@ -82,12 +85,12 @@ def _train_all_modes(rank: int, world_size: int, steps: int) -> dict:
         torch.manual_seed(0)
         module = MixedPrecisionLinear() if mode == "mixed_dtypes" else nn.Linear(D, 1)
         if mode == "self_weight":
-            kwargs = dict(mixing=gossip_ext.SelfWeightMixing(_self_weight(rank)))
+            kwargs = {"mixing": gossip_ext.SelfWeightMixing(_self_weight(rank))}
         model = gossip_ext.GossipDataParallel(module, **kwargs)
         opt = torch.optim.SGD(model.parameters(), lr=LR)
         events = []
         for _ in range(steps):
-            out = _observed(model, lambda: model(x[rank]), events)
+            out = _observed(model, functools.partial(model, x[rank]), events)
             loss = ((out - y[rank]) ** 2).mean()
             opt.zero_grad()
             loss.backward()
@@ -143,7 +146,10 @@ def test_every_mode_matches_the_simulator(world_size):
         for rank in range(world_size):
             for got, want in zip(results[rank]["final"], expected[rank]):
                 torch.testing.assert_close(
-                    got.to(torch.float64), want, rtol=1e-5, atol=1e-5,
+                    got.to(torch.float64),
+                    want,
+                    rtol=1e-5,
+                    atol=1e-5,
                     msg=lambda m, mode=mode, rank=rank: f"{mode}, rank {rank}: {m}",
                 )
         if mode == "sync":
@@ -153,6 +159,101 @@ def test_every_mode_matches_the_simulator(world_size):
             weights = [r["ps_weight"] for r in results]
             assert any(abs(w - 1.0) > 1e-3 for w in weights), weights  # the weight travelled
             assert sum(weights) == pytest.approx(world_size, abs=1e-5)
+
+
+# Bounded asynchrony under timing skew. Each cycle of SKEW_CYCLE steps, rank 0 sleeps before
+# one transfer_params, so the rank that receives from it finds the round unfinished: its next
+# forward goes on without absorbing, and its next transfer_params must defer its start. Then the
+# other ranks sleep before one forward, long enough for rank 0's message to land, so that forward
+# absorbs the late round and takes up the deferred start.
+SKEW_CYCLE = 4
+SKEW_SLOW_SEND = 0.05  # seconds rank 0 sleeps before transfer_params
+SKEW_SLOW_FORWARD = 0.15  # seconds the other ranks sleep before a forward
+
+
+def _skewed_bounded_async(rank: int, world_size: int, steps: int) -> dict:
+    x, y = _data(world_size)
+    torch.manual_seed(0)
+    module = nn.Linear(D, 1)
+    model = gossip_ext.GossipDataParallel(module, synch_freq=2)
+    opt = torch.optim.SGD(model.parameters(), lr=LR)
+    calls = []  # (call, events it logged), to tell which call started or absorbed a round
+
+    def observe(name, call):
+        events = []
+        result = _observed(model, call, events)
+        calls.append((name, events))
+        return result
+
+    for step in range(steps):
+        if rank != 0 and step % SKEW_CYCLE == 2:
+            time.sleep(SKEW_SLOW_FORWARD)
+        out = observe("forward", lambda: model(x[rank]))
+        loss = ((out - y[rank]) ** 2).mean()
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        calls.append(("step", [STEP]))
+        if rank == 0 and step % SKEW_CYCLE == 0:
+            time.sleep(SKEW_SLOW_SEND)
+        observe("transfer_params", model.transfer_params)
+    observe("sync_comms", model.sync_comms)
+    return {
+        "init": [p.detach().clone() for p in _fresh_init("sync")],
+        "final": [p.detach().clone() for p in module.parameters()],
+        "calls": calls,
+        "rounds": model.gossip_round,
+    }
+
+
+def test_bounded_asynchrony_under_timing_skew_matches_the_simulator():
+    world_size, steps = 4, 4 * SKEW_CYCLE
+    per_rank = run_ranks(world_size, _skewed_bounded_async, steps)
+    events = [[e for _, logged in r["calls"] for e in logged] for r in per_rank]
+
+    # (c) Timing moves starts and absorbs, never the rounds: one per transfer_params, everywhere.
+    assert [e.count(START) for e in events] == [steps] * world_size
+    assert [e.count(ABSORB) for e in events] == [steps] * world_size
+    assert [r["rounds"] for r in per_rank] == [steps] * world_size
+
+    # (a) Asynchrony really happened; none of these can happen in synchronous SGP, where every
+    # forward absorbs the round in flight and every transfer_params starts one.
+    calls = [c for r in per_rank for c in r["calls"]]
+    # A transfer_params found the previous round unfinished and deferred its start...
+    assert any(name == "transfer_params" and START not in logged for name, logged in calls)
+    # ...and a later forward absorbed that round and started the owed one.
+    assert any(name == "forward" and logged == [ABSORB, START] for name, logged in calls)
+    # A forward went on without waiting for the round in flight: a step with a round in flight.
+    stepped_in_flight = any(
+        a == START and b == STEP for e in events for a, b in itertools.pairwise(e)
+    )
+    assert stepped_in_flight, events
+
+    # (b) Whatever the timing was, the result is the simulator's replay of the logged events.
+    x, y = _data(world_size)
+    books = reference.graph_phone_books("npeer_exponential", world_size, 1)
+
+    def grad_fn(i, z):
+        weight, bias = (t.requires_grad_() for t in z)
+        _loss(weight, bias, x[i].to(torch.float64), y[i].to(torch.float64)).backward()
+        return [weight.grad, bias.grad]
+
+    expected = replay(
+        init=[r["init"] for r in per_rank],
+        grad_fn=grad_fn,
+        lr=LR,
+        events=events,
+        out_peers=lambda i, r: reference.out_peers(books, 1, i, r),
+    )
+    for rank in range(world_size):
+        for got, want in zip(per_rank[rank]["final"], expected[rank]):
+            torch.testing.assert_close(
+                got.to(torch.float64),
+                want,
+                rtol=1e-5,
+                atol=1e-5,
+                msg=lambda m, rank=rank: f"rank {rank}: {m}",
+            )
 
 
 def _two_rank_full_batch(rank: int, world_size: int) -> list[torch.Tensor]:
@@ -209,8 +310,12 @@ def _pure_gossip(rank: int, world_size: int, steps: int) -> dict:
             model.sync_comms()
             weights.append(model.ps_weight)
     model.sync_comms()
-    return {"init": init, "final": [p.detach().clone() for p in module.parameters()],
-            "ps_weight_after_first": weights[0], "ps_weight": model.ps_weight}
+    return {
+        "init": init,
+        "final": [p.detach().clone() for p in module.parameters()],
+        "ps_weight_after_first": weights[0],
+        "ps_weight": model.ps_weight,
+    }
 
 
 def test_non_lazy_push_sum_converges_to_the_exact_mean():

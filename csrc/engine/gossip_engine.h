@@ -56,8 +56,10 @@ struct EngineOptions {
   MixingOptions mixing;
   // true: push-sum (SGP). false: push-pull averaging (D-PSGD); needs a symmetric pairing graph.
   bool push_sum = true;
-  // Skip the weight when it provably stays 1 (uniform mixing on a regular graph). The Python layer
-  // turns this off for the modes whose reference algebra sends the weight.
+  // Skip the weight when it provably stays 1 (uniform mixing on a regular graph). This holds under
+  // overlap and bounded asynchrony too: one round at most is in flight, and the kept share
+  // w * z_current (Note [Push-sum state]) needs no weight other than the known mixing share.
+  // false forces the weight onto the wire, e.g. to test the non-lazy path with uniform mixing.
   bool allow_lazy_mixing = true;
   // How long finish_round() waits for a peer before raising gossip::TimeoutError.
   std::chrono::milliseconds timeout = std::chrono::minutes(5);
