@@ -39,5 +39,6 @@ def test_a_stalled_peer_raises_timeout_naming_the_peer_and_round():
     r = results[0]
     assert r["error"] is not None, "the forward did not time out"
     assert "peers [1]" in r["error"] and "round 0" in r["error"], r["error"]
-    assert 0.9 <= r["elapsed"] < 3.0, r["elapsed"]
+    # Within the 1 s timeout plus scheduling slack on a loaded machine: no hang.
+    assert 0.9 <= r["elapsed"] < 10.0, r["elapsed"]
     assert r["repeated"] == r["error"]
