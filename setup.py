@@ -35,7 +35,10 @@ def _want_cuda() -> bool:
 def _extension():
     cuda = _want_cuda()
     files = [os.path.relpath(f, ROOT) for f in sources.extension_sources(ROOT, cuda=cuda)]
-    cxx_flags = ["-O3", "-fvisibility=hidden"]
+    # -fopenmp: at::parallel_for runs in parallel only where the caller is compiled with OpenMP
+    # (torch ships and loads libgomp itself).
+    cxx_flags = ["-O3", "-fvisibility=hidden", "-fopenmp"]
+    link_flags = ["-fopenmp"]
     include_dirs = [os.path.join(ROOT, "csrc")]
     if cuda:
         return CUDAExtension(
@@ -44,12 +47,14 @@ def _extension():
             include_dirs=include_dirs,
             define_macros=[("GOSSIP_WITH_CUDA", "1")],
             extra_compile_args={"cxx": cxx_flags, "nvcc": ["-O3", "--use_fast_math"]},
+            extra_link_args=link_flags,
         )
     return CppExtension(
         "gossip_ext._C",
         files,
         include_dirs=include_dirs,
         extra_compile_args={"cxx": cxx_flags},
+        extra_link_args=link_flags,
     )
 
 

@@ -78,11 +78,13 @@ void bind_topology(py::module_& m) {
 void bind_engine(py::module_& m) {
   py::class_<EngineOptions>(m, "EngineOptions")
       .def(py::init([](GraphOptions graph, MixingOptions mixing, bool push_sum,
-                       bool allow_lazy_mixing, std::chrono::milliseconds timeout) {
-             return EngineOptions{std::move(graph), mixing, push_sum, allow_lazy_mixing, timeout};
+                       bool allow_lazy_mixing, bool send_in_place,
+                       std::chrono::milliseconds timeout) {
+             return EngineOptions{std::move(graph), mixing,        push_sum,
+                                  allow_lazy_mixing, send_in_place, timeout};
            }),
            py::arg("graph"), py::arg("mixing"), py::arg("push_sum") = true,
-           py::arg("allow_lazy_mixing") = true,
+           py::arg("allow_lazy_mixing") = true, py::arg("send_in_place") = false,
            py::arg("timeout") = std::chrono::milliseconds(std::chrono::minutes(5)));
 
   py::class_<Work, std::shared_ptr<Work>>(m, "Work")
@@ -115,6 +117,7 @@ void bind_engine(py::module_& m) {
       .def("try_finish_round", &GossipEngine::try_finish_round,
            py::call_guard<py::gil_scoped_release>())
       .def_property_readonly("in_flight", &GossipEngine::in_flight)
+      .def_property_readonly("params_hold_numerators", &GossipEngine::params_hold_numerators)
       .def_property_readonly("round", &GossipEngine::round)
       .def_property_readonly("lazy_mixing", &GossipEngine::lazy_mixing)
       .def_property_readonly("bytes_sent", &GossipEngine::bytes_sent)

@@ -52,6 +52,12 @@ class GossipDataParallel(nn.Module):
         gossip would no longer reach it, and the next round raises. Copy into it instead.
 
     .. note::
+        Synchronous modes send the parameters in place, which saves a model copy: between
+        :meth:`transfer_params` and the next forward they hold the share being gossiped.
+        :meth:`sync_comms`, ``state_dict()`` and evaluation forwards absorb the round first; call
+        :meth:`sync_comms` before reading the parameters yourself in that window.
+
+    .. note::
         Construction broadcasts the parameters of rank 0 to every rank (as DDP does), so that all
         workers start from the same point.
 
@@ -184,8 +190,14 @@ class GossipDataParallel(nn.Module):
 
         self._engine = None
         if self.is_gossip_leader:
+            # Synchronous modes leave the parameters alone while a round is in flight, so the
+            # engine may send them in place (no send buffer; Note [Sending in place]).
             options = _C.EngineOptions(
-                graph._options(), mixing._options(), push_sum=push_sum, timeout=timeout
+                graph._options(),
+                mixing._options(),
+                push_sum=push_sum,
+                send_in_place=not overlap and synch_freq == 0,
+                timeout=timeout,
             )
             transport = _C.ProcessGroupTransport(gossip_group)
             self._engine = _C.GossipEngine(params, [n for n, _ in named], transport, options)
@@ -364,6 +376,8 @@ class GossipDataParallel(nn.Module):
 
     def ps_numerator(self) -> dict[str, torch.Tensor]:
         """The push-sum numerators ``x = w * z``, one new tensor per parameter name."""
+        if self._engine is not None and self._engine.params_hold_numerators:
+            return {name: p.detach().clone() for name, p in self.module.named_parameters()}
         weight = self.ps_weight
         return {name: p.detach() * weight for name, p in self.module.named_parameters()}
 

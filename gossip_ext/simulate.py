@@ -61,7 +61,13 @@ def simulate(
         raise TypeError(f"push_sum must be a bool, got {push_sum!r}")
     if values.dim() == 2:
         graph.schedule(values.shape[0])  # the graph's own ValueError for this world size
+    # Each simulated rank finishes a round before touching its values again: the engine may send
+    # them in place, as synchronous training does.
     options = _C.EngineOptions(
-        graph._options(), mixing._options(), push_sum=push_sum, timeout=timeout
+        graph._options(),
+        mixing._options(),
+        push_sum=push_sum,
+        send_in_place=True,
+        timeout=timeout,
     )
     return _C.simulate(values, rounds, options)

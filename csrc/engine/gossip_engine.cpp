@@ -41,6 +41,7 @@ GossipEngine::GossipEngine(const std::vector<at::Tensor>& params,
   lazy_ = !options_.push_sum ||
           (options_.allow_lazy_mixing && options_.mixing.kind == MixingKind::kUniform &&
            graph_.is_regular());
+  in_place_ = options_.send_in_place && lazy_ && options_.mixing.kind == MixingKind::kUniform;
 
   for (const FlatParameterGroup& group : groups_) {
     if (group.flat.scalar_type() == at::kDouble) weight_dtype_ = at::kDouble;
@@ -52,10 +53,14 @@ GossipEngine::GossipEngine(const std::vector<at::Tensor>& params,
     const int64_t numel = group.flat.numel();
     const int64_t slot = weight_slot_elements(dtype);
     const int64_t message_numel = lazy_ ? numel : round_up(numel, slot) + slot;
+    recv_.emplace_back();
+    if (in_place_) {
+      send_.push_back(at::Tensor());  // the flat buffer itself is sent
+      continue;
+    }
     at::Tensor message = at::empty({message_numel}, device.dtype(dtype));
     message.zero_();  // padding bytes travel too: keep them deterministic
     send_.push_back(message);
-    recv_.emplace_back();
   }
 }
 
@@ -80,8 +85,11 @@ std::shared_ptr<Work> GossipEngine::start_round() {
   std::vector<PeerMessage> recvs;
   for (size_t g = 0; g < groups_.size(); ++g) {
     const at::Tensor& flat = groups_[g].flat;
-    const at::Tensor& message = send_[g];
-    if (!out_peers.empty()) {
+    const at::Tensor& message = in_place_ ? flat : send_[g];
+    if (in_place_) {
+      // Uniform mixing: the kept share and the sent share are both self_weight * z.
+      if (!out_peers.empty()) flat.mul_(weights.self_weight);
+    } else if (!out_peers.empty()) {
       const at::Tensor body = message.narrow(0, 0, flat.numel());
       if (lazy_) {
         ops::scale_into(flat, body, weights.peer_weight, std::nullopt);
@@ -93,12 +101,15 @@ std::shared_ptr<Work> GossipEngine::start_round() {
     for (int peer : out_peers) sends.push_back({peer, message});
     bytes_sent_ += static_cast<int64_t>(out_peers.size() * message.nbytes());
     std::vector<at::Tensor>& buffers = recv_[g];
-    while (buffers.size() < in_peers_.size()) buffers.push_back(at::empty_like(message));
+    while (buffers.size() < in_peers_.size()) {
+      buffers.push_back(in_place_ ? at::empty_like(flat) : at::empty_like(message));
+    }
     for (size_t j = 0; j < in_peers_.size(); ++j) recvs.push_back({in_peers_[j], buffers[j]});
   }
 
   if (lazy_) {
-    self_scale_ = weights.self_weight;
+    self_scale_ = in_place_ ? 1.0 : weights.self_weight;
+    lazy_weight_ = weights.self_weight;
   } else {
     weight_.mul_(weights.self_weight);
   }
@@ -158,12 +169,13 @@ void GossipEngine::absorb() {
   }
   if (new_weight.has_value()) weight_.copy_(*new_weight);
   self_scale_ = 1.0;
+  lazy_weight_ = 1.0;
   work_.reset();
   ++round_;
 }
 
 at::Tensor GossipEngine::ps_weight() const {
-  if (lazy_) return at::full({1}, self_scale_, weight_.options());
+  if (lazy_) return at::full({1}, lazy_weight_, weight_.options());
   return weight_.clone();
 }
 
@@ -171,6 +183,10 @@ std::vector<at::Tensor> GossipEngine::ps_numerators() const {
   const at::Tensor weight = ps_weight();
   std::vector<at::Tensor> numerators;
   for (const FlatParameterGroup& group : groups_) {
+    if (params_hold_numerators()) {
+      numerators.push_back(group.flat.clone());
+      continue;
+    }
     at::Tensor x = at::empty_like(group.flat);
     ops::scale_into(group.flat, x, 1.0, weight);
     numerators.push_back(x);

@@ -21,6 +21,14 @@
 // Push-pull (push_sum = false, D-PSGD): the same arithmetic without a weight on a graph that
 // pairs nodes symmetrically, which makes the mixing doubly stochastic.
 //
+// Note [Sending in place]
+// ~~~~~~~~~~~~~~~~~~~~~~~
+// With EngineOptions::send_in_place under lazy mixing, start scales the flat buffer itself by the
+// uniform share and posts it to every out-peer; finish adds what arrived. While the round is in
+// flight the parameters hold the numerator of the kept share (share * z, weight = share), not z:
+// the transport reads them until the round completes, so they must not be read or updated until
+// finish_round(). The synchronous training loop guarantees this: the forward finishes the round.
+//
 // Messages: one per out-peer and dtype group, laid out as [numerators | padding | weight], the
 // weight (when it travels) in the engine's weight dtype at an 8-byte-aligned tail.
 //
@@ -61,6 +69,11 @@ struct EngineOptions {
   // w * z_current (Note [Push-sum state]) needs no weight other than the known mixing share.
   // false forces the weight onto the wire, e.g. to test the non-lazy path with uniform mixing.
   bool allow_lazy_mixing = true;
+  // Synchronous modes only (nothing touches the parameters between start_round() and
+  // finish_round()). Under lazy mixing the share kept equals the share sent, so the engine scales
+  // the parameters in place and sends them directly, without a send buffer: one model copy less.
+  // See Note [Sending in place].
+  bool send_in_place = false;
   // How long finish_round() waits for a peer before raising gossip::TimeoutError.
   std::chrono::milliseconds timeout = std::chrono::minutes(5);
 };
@@ -84,6 +97,8 @@ class GossipEngine {
   bool try_finish_round();
 
   bool in_flight() const { return work_ != nullptr; }
+  // True while the parameters hold numerators, not de-biased values (Note [Sending in place]).
+  bool params_hold_numerators() const { return in_place_ && in_flight(); }
   // Rounds completed so far; the round in flight, if any, has this number.
   int64_t round() const { return round_; }
   bool lazy_mixing() const { return lazy_; }
@@ -114,6 +129,7 @@ class GossipEngine {
   EngineOptions options_;
   Graph graph_;
   bool lazy_ = true;
+  bool in_place_ = false;
   int64_t round_ = 0;
   int64_t bytes_sent_ = 0;
 
@@ -122,7 +138,8 @@ class GossipEngine {
   std::vector<at::Tensor> send_;                 // one message buffer per group
   std::vector<std::vector<at::Tensor>> recv_;    // [group][in-peer] message buffers
   std::vector<int> in_peers_;                    // of the round in flight
-  double self_scale_ = 1.0;                      // lazy mixing: the kept share of the round in flight
+  double self_scale_ = 1.0;                      // lazy mixing: applied to z when absorbing
+  double lazy_weight_ = 1.0;                     // lazy mixing: w of this node's share
   std::shared_ptr<Work> work_;                   // of the round in flight
   std::exception_ptr failure_;                   // set once a round fails; sticky
 };

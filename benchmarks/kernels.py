@@ -1,0 +1,378 @@
+"""Push-sum kernels: gossip_ext's fused ops against the unfused torch op chain and a plain copy.
+
+    python benchmarks/kernels.py --device cpu --sizes 1e6 1e7 2.5e7 --dtypes float32 bfloat16
+
+For every dtype and size (elements of the flat buffer), in the same run, this times:
+
+- fused: the op a gossip round runs, ``torch.ops.gossip_ext.scale_into`` (out = alpha * w * src,
+  the send buffer) or ``torch.ops.gossip_ext.absorb_`` with k received messages and the de-bias
+  (x = (alpha * ws * x + sum r) / wn), one pass over memory;
+- unfused: the same arithmetic as the chain of torch ops a plain-PyTorch push-sum runs
+  (scale_into: ``torch.mul(src, w, out=out); out.mul_(alpha)``; absorb: ``x.mul_(ws * alpha)``,
+  ``x.add_(r)`` for each r, ``x.div_(wn)``), one pass per op, the weights as 0-dim tensors
+  (torch's scalar fast path; ``--weight-shape 1`` passes the engine's [1]-shaped ones);
+- copy: ``dst.copy_(src)`` of the same n elements, which reads n and writes n: the bandwidth
+  ceiling of a one-pass op.
+
+Bandwidth counts the bytes the op must move: scale_into reads n and writes n elements, absorb_
+reads (k + 1) n and writes n. "fused/copy" is the fused op's GB/s over the copy's GB/s;
+"speedup" is the unfused chain's time over the fused op's. Times are medians over interleaved
+rounds of torch.utils.benchmark.Timer.blocked_autorange medians (which synchronizes the GPU).
+Goals (from the issue): fused >= 0.8x the copy's bandwidth and >= 2x faster than the unfused
+chain. With every op bandwidth-bound, the chain moves 2x (scale_into), 7/3 = 2.33x (absorb_,
+k = 1) and 13/5 = 2.6x (absorb_, k = 3) the fused op's bytes: those are its speedup ceilings.
+The three are timed in interleaved rounds (--rounds), so that a drift of the machine's memory
+bandwidth (other tenants) hits them alike.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import platform
+import statistics
+import subprocess
+import sys
+from datetime import UTC, datetime
+
+import torch
+from torch.utils.benchmark import Timer
+
+import gossip_ext  # noqa: F401  (registers torch.ops.gossip_ext)
+
+RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "RESULTS.md")
+RESULTS_TITLE = "# gossip_ext benchmark results\n"
+DTYPES = {
+    "float32": torch.float32,
+    "bfloat16": torch.bfloat16,
+    "float16": torch.float16,
+    "float64": torch.float64,
+}
+ALPHA = 0.5  # the uniform mixing share of one out-peer
+GOAL_COPY_FRACTION = 0.8
+GOAL_SPEEDUP = 2.0
+
+
+class Case:
+    """One op at one (dtype, size): the fused and unfused callables and the bytes they move."""
+
+    def __init__(self, name: str, fused, unfused, passes: int):
+        self.name = name
+        self.fused = fused
+        self.unfused = unfused
+        self.passes = passes  # elements read + written, in units of n
+
+
+def make_cases(
+    n: int, dtype: torch.dtype, device: torch.device, weight_shape: str
+) -> tuple[list[Case], object]:
+    """Buffers of n elements and the cases that run over them; returns (cases, copy callable)."""
+    gen = torch.Generator(device="cpu").manual_seed(0)
+
+    def buffer() -> torch.Tensor:
+        return torch.randn(n, generator=gen, dtype=torch.float32).to(device=device, dtype=dtype)
+
+    def weight(value: float) -> torch.Tensor:
+        # The engine's push-sum weight: a one-element float32 tensor on the buffers' device.
+        return torch.full((1,), value, dtype=torch.float32, device=device)
+
+    def scalar(w: torch.Tensor) -> torch.Tensor:
+        # The unfused chain gets the weight as a 0-dim view: torch then treats it as a scalar, so
+        # a bfloat16 buffer stays bfloat16 (a [1]-shaped float32 weight would promote every op of
+        # the chain to a float32 result cast back on store, a slow path: see --weight-shape).
+        return w if weight_shape == "1" else w.view(())
+
+    src, out, x = buffer(), torch.empty(n, dtype=dtype, device=device), buffer()
+    received = [buffer() for _ in range(3)]
+    w = weight(0.75)
+    w_chain = scalar(w)
+    ops = torch.ops.gossip_ext
+
+    def scale_fused():
+        ops.scale_into(src, out, ALPHA, w)
+
+    def scale_unfused():
+        torch.mul(src, w_chain, out=out)
+        out.mul_(ALPHA)
+
+    cases = [Case("scale_into", scale_fused, scale_unfused, passes=2)]
+    for k in (1, 3):
+        rs = received[:k]
+        ws = weight(0.5)  # the kept share of the weight
+        wn = weight(0.5 + 0.5 * k)  # kept share + k received weights: x stays O(1) when repeated
+
+        def absorb_fused(rs=rs, ws=ws, wn=wn):
+            ops.absorb_(x, rs, ALPHA, ws, wn)
+
+        def absorb_unfused(rs=rs, ws=scalar(ws), wn=scalar(wn)):  # noqa: B008 (bound per k)
+            x.mul_(ws * ALPHA)
+            for r in rs:
+                x.add_(r)
+            x.div_(wn)
+
+        cases.append(Case(f"absorb_ k={k}", absorb_fused, absorb_unfused, passes=k + 2))
+
+    dst = torch.empty_like(src)
+
+    def copy():
+        dst.copy_(src)
+
+    check_equivalence(cases, x, out, dtype)
+    return cases, copy
+
+
+def check_equivalence(cases: list[Case], x: torch.Tensor, out: torch.Tensor, dtype) -> None:
+    """Fused and unfused must compute the same thing before their times are compared."""
+    tol = (
+        {"atol": 1e-5, "rtol": 1e-5}
+        if dtype in (torch.float32, torch.float64)
+        else {"atol": 3e-2, "rtol": 3e-2}
+    )
+    for case in cases:
+        target = out if case.name == "scale_into" else x
+        start = x.clone()
+        case.fused()
+        fused = target.clone()
+        x.copy_(start)
+        case.unfused()
+        unfused = target.clone()
+        x.copy_(start)
+        if not torch.allclose(fused.float(), unfused.float(), **tol):
+            diff = (fused.float() - unfused.float()).abs().max().item()
+            raise RuntimeError(
+                f"{case.name} ({dtype}): fused and unfused results differ by up to {diff:g}"
+            )
+
+
+def median_seconds(fn, threads: int, min_run_time: float) -> float:
+    timer = Timer(stmt="fn()", globals={"fn": fn}, num_threads=threads)
+    return timer.blocked_autorange(min_run_time=min_run_time).median
+
+
+def interleaved_medians(fns: dict, threads: int, min_run_time: float, rounds: int) -> dict:
+    """Times every callable in turn, `rounds` times over, and returns each one's median over the
+    rounds: a slow drift of the machine (other tenants' memory traffic) then hits fused, unfused
+    and copy alike instead of whichever happened to run during it."""
+    for fn in fns.values():
+        fn()  # warm-up: first touch of the output pages, lazy initialisation
+    samples = {name: [] for name in fns}
+    for _ in range(rounds):
+        for name, fn in fns.items():
+            samples[name].append(median_seconds(fn, threads, min_run_time / rounds))
+    return {name: statistics.median(times) for name, times in samples.items()}
+
+
+def run(args) -> list[dict]:
+    device = torch.device(args.device)
+    rows = []
+    for dtype_name in args.dtypes:
+        dtype = DTYPES[dtype_name]
+        size = torch.tensor([], dtype=dtype).element_size()
+        for n in args.sizes:
+            cases, copy = make_cases(n, dtype, device, args.weight_shape)
+            fns = {"copy": copy}
+            for case in cases:
+                fns[(case.name, "fused")] = case.fused
+                fns[(case.name, "unfused")] = case.unfused
+            t = interleaved_medians(fns, args.threads, args.min_run_time, args.rounds)
+            copy_gbs = 2 * n * size / t["copy"] / 1e9
+            for case in cases:
+                fused_s, unfused_s = t[(case.name, "fused")], t[(case.name, "unfused")]
+                fused_gbs = case.passes * n * size / fused_s / 1e9
+                rows.append(
+                    {
+                        "op": case.name,
+                        "dtype": dtype_name,
+                        "n": n,
+                        "fused_ms": 1e3 * fused_s,
+                        "unfused_ms": 1e3 * unfused_s,
+                        "copy_ms": 1e3 * t["copy"],
+                        "fused_gbs": fused_gbs,
+                        "unfused_gbs": case.passes * n * size / unfused_s / 1e9,
+                        "copy_gbs": copy_gbs,
+                        "of_copy": fused_gbs / copy_gbs,
+                        "speedup": unfused_s / fused_s,
+                    }
+                )
+            del cases, copy, fns
+    return rows
+
+
+def format_elements(n: int) -> str:
+    return f"{n / 1e6:g}M" if n >= 1e6 else f"{n / 1e3:g}K" if n >= 1e3 else str(n)
+
+
+def format_table(rows: list[dict]) -> str:
+    header = (
+        "| op | dtype | elements | fused ms | unfused ms | copy ms | fused GB/s | unfused GB/s "
+        f"| copy GB/s | fused/copy BW (goal >= {GOAL_COPY_FRACTION}) "
+        f"| speedup over unfused (goal >= {GOAL_SPEEDUP:g}) | goals |"
+    )
+    lines = [header, "|" + "---|" * 12]
+    for r in rows:
+        met = [r["of_copy"] >= GOAL_COPY_FRACTION, r["speedup"] >= GOAL_SPEEDUP]
+        verdict = (
+            "met"
+            if all(met)
+            else "missed: "
+            + ", ".join(what for what, ok in zip(("bandwidth", "speedup"), met) if not ok)
+        )
+        lines.append(
+            f"| {r['op']} | {r['dtype']} | {format_elements(r['n'])} | {r['fused_ms']:.3f} "
+            f"| {r['unfused_ms']:.3f} | {r['copy_ms']:.3f} | {r['fused_gbs']:.1f} "
+            f"| {r['unfused_gbs']:.1f} | {r['copy_gbs']:.1f} | {r['of_copy']:.2f}x "
+            f"| {r['speedup']:.2f}x | {verdict} |"
+        )
+    return "\n".join(lines)
+
+
+def summary(rows: list[dict]) -> str:
+    bw = sum(r["of_copy"] >= GOAL_COPY_FRACTION for r in rows)
+    sp = sum(r["speedup"] >= GOAL_SPEEDUP for r in rows)
+    return (
+        f"Goals: fused >= {GOAL_COPY_FRACTION}x copy bandwidth in {bw}/{len(rows)} rows "
+        f"({'met' if bw == len(rows) else 'missed'}); fused >= {GOAL_SPEEDUP:g}x the unfused "
+        f"chain in {sp}/{len(rows)} rows ({'met' if sp == len(rows) else 'missed'}).\n"
+        "Speedup ceilings if every op is bandwidth-bound: scale_into 2x (the chain moves 4n "
+        "against 2n), absorb_ k=1 2.33x (7n/3n), k=3 2.6x (13n/5n)."
+    )
+
+
+def machine(device: torch.device) -> str:
+    try:
+        lscpu = subprocess.run(["lscpu"], capture_output=True, text=True, check=True).stdout
+        name = next(
+            line.split(":", 1)[1].strip() for line in lscpu.splitlines() if "Model name" in line
+        )
+    except (OSError, subprocess.CalledProcessError, StopIteration):
+        name = platform.processor() or "unknown CPU"
+    text = f"{name}, {os.cpu_count()} cores, {platform.system()}"
+    if device.type == "cuda":
+        text += f"; GPU {torch.cuda.get_device_name(device)}"
+    return text
+
+
+def record(table: str, goals: str, args, command: str) -> None:
+    device = torch.device(args.device)
+    where = device.type
+    if device.type == "cpu":
+        where += f", {args.threads} thread{'s' if args.threads > 1 else ''}"
+    section = (
+        f"\n## Push-sum kernels, {where} ({datetime.now(UTC):%Y-%m-%d %H:%M} UTC)\n\n"
+        f"Machine: {machine(device)}; torch {torch.__version__}.\n"
+        f"Command: `{command}`\n\n{table}\n\n{goals}\n"
+    )
+    if not os.path.exists(RESULTS):
+        with open(RESULTS, "x") as f:
+            f.write(RESULTS_TITLE)
+    with open(RESULTS, "a") as f:
+        f.write(section)
+
+
+def parse_args(argv=None):
+    parser = argparse.ArgumentParser(
+        description="Times gossip_ext's fused push-sum kernels against the unfused torch op "
+        "chain and a plain copy of the same bytes, and prints the ratios.",
+    )
+    parser.add_argument(
+        "--device", default="cpu", help="cpu, or cuda (a CUDA build and a GPU) (default: cpu)"
+    )
+    parser.add_argument(
+        "--sizes",
+        type=float,
+        nargs="+",
+        default=[1e6, 1e7, 2.5e7],
+        help="buffer sizes in elements (default: 1e6 1e7 2.5e7)",
+    )
+    parser.add_argument(
+        "--dtypes",
+        nargs="+",
+        default=["float32", "bfloat16"],
+        choices=sorted(DTYPES),
+        help="buffer dtypes (default: float32 bfloat16)",
+    )
+    parser.add_argument(
+        "--threads",
+        type=int,
+        default=torch.get_num_threads(),
+        help="CPU threads for every op, torch.set_num_threads (default: %(default)s, torch's)",
+    )
+    parser.add_argument(
+        "--weight-shape",
+        choices=["scalar", "1"],
+        default="scalar",
+        help="how the unfused chain gets the push-sum weights: 0-dim tensors, which torch "
+        "treats as scalars (its fast path), or the engine's one-element [1] tensors, which make "
+        "a bfloat16 chain compute in float32 and cast back (default: scalar)",
+    )
+    parser.add_argument(
+        "--min-run-time",
+        type=float,
+        default=0.5,
+        help="seconds each measurement runs at least, split over the rounds (default: 0.5)",
+    )
+    parser.add_argument(
+        "--rounds",
+        type=int,
+        default=5,
+        help="interleaved rounds of fused, unfused and copy; each time is the median over the "
+        "rounds of blocked_autorange medians (default: 5)",
+    )
+    parser.add_argument(
+        "--no-record",
+        action="store_true",
+        help="do not append the results to benchmarks/RESULTS.md",
+    )
+    args = parser.parse_args(argv)
+    args.sizes = [int(s) for s in args.sizes]
+    if any(s < 1 for s in args.sizes):
+        parser.error(f"--sizes must be >= 1, got {args.sizes}")
+    if args.threads < 1:
+        parser.error(f"--threads must be >= 1, got {args.threads}")
+    if args.rounds < 1:
+        parser.error(f"--rounds must be >= 1, got {args.rounds}")
+    if args.min_run_time <= 0:
+        parser.error(f"--min-run-time must be positive, got {args.min_run_time}")
+    try:
+        device = torch.device(args.device)
+    except RuntimeError:
+        parser.error(f"--device must be cpu or cuda, got {args.device!r}")
+    if device.type not in ("cpu", "cuda"):
+        parser.error(f"--device must be cpu or cuda, got {args.device!r}")
+    if device.type == "cuda" and not torch.cuda.is_available():
+        parser.error(f"--device {args.device}: torch {torch.__version__} sees no CUDA GPU")
+    return args
+
+
+def check_build(device: torch.device) -> None:
+    """Exits with a clear message when this build of the extension has no kernels for device."""
+    probe = torch.zeros(1, device=device)
+    try:
+        torch.ops.gossip_ext.scale_into(probe, torch.empty_like(probe), 1.0, None)
+    except NotImplementedError:
+        sys.exit(
+            f"benchmarks/kernels.py: this build of gossip_ext has no {device.type} kernels "
+            "(rebuild with a CUDA torch and nvcc, see setup.py)"
+        )
+
+
+def main(argv=None) -> list[dict]:
+    args = parse_args(argv)
+    check_build(torch.device(args.device))
+    torch.set_num_threads(args.threads)
+    rows = run(args)
+    table = format_table(rows)
+    device = torch.device(args.device)
+    print(f"\nPush-sum kernels on {device.type} ({machine(device)}), torch {torch.__version__}")
+    print(table)
+    goals = summary(rows)
+    print("\n" + goals)
+    if not args.no_record:
+        command = " ".join(["python", "benchmarks/kernels.py", *sys.argv[1:]])
+        record(table, goals, args, command)
+        print(f"appended to {RESULTS}")
+    return rows
+
+
+if __name__ == "__main__":
+    main()
