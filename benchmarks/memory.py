@@ -375,11 +375,13 @@ def composition(world_size: int) -> str:
     )
     return (
         f"What gossip_ext's extra memory is made of (GossipEngine, world size {world_size}, "
-        f"{graph!r}): the send buffer, one model copy, allocated and zeroed at wrap time; a "
-        f"receive buffer per in-peer, {in_peers} here, allocated by the first round. The flat "
+        f"{graph!r}): a receive buffer per in-peer, {in_peers} here, allocated by the first "
+        f"round. Synchronous modes send the parameters in place (Note [Sending in place]), so "
+        f"they need no send buffer; overlap and bounded asynchrony keep one, a model copy, "
+        f"because the optimizer updates the parameters while the round is in flight. The flat "
         f"parameter buffer takes over the parameters' storage one parameter at a time (at most "
         f"one parameter is held twice while wrapping), so it adds nothing. Expected steady "
-        f"extra: 1 + {in_peers} = {1 + in_peers} copies."
+        f"extra: {in_peers} copies (synchronous), 1 + {in_peers} (overlap)."
     )
 
 
