@@ -458,3 +458,36 @@ def test_requires_an_initialized_process_group():
     assert not dist.is_initialized()
     with pytest.raises(RuntimeError, match="init_process_group"):
         gossip_ext.GossipDataParallel(nn.Linear(2, 1))
+
+
+def _accumulate_with_no_sync(rank: int, world_size: int) -> dict:
+    torch.manual_seed(0)
+    module = nn.Linear(D, 1)
+    model = gossip_ext.GossipDataParallel(module, nprocs_per_node=2)
+    x = torch.full((1, D), float(rank + 1))
+    with model.no_sync():
+        model(x).sum().backward()
+    local = module.weight.grad.clone()
+    module.weight.grad = None
+    model(x).sum().backward()
+    averaged = module.weight.grad.clone()
+    model.block()  # absorbs nothing in flight and meets every rank
+    numerators = model.ps_numerator()
+    return {
+        "local": local,
+        "averaged": averaged,
+        "numerators": numerators,
+        "weight": module.weight.detach().clone(),
+    }
+
+
+def test_no_sync_skips_node_gradient_averaging():
+    results = run_ranks(4, _accumulate_with_no_sync)
+    for rank, r in enumerate(results):
+        # d(sum(w x + b))/dw = x: inside no_sync each process keeps its own gradient ...
+        torch.testing.assert_close(r["local"], torch.full((1, D), float(rank + 1)))
+        # ... outside, the gradient is the mean over the node's two processes.
+        node_mean = float(2 * (rank // 2) + 1.5)
+        torch.testing.assert_close(r["averaged"], torch.full((1, D), node_mean))
+        # No round in flight and lazy mixing: the numerators are the parameters.
+        torch.testing.assert_close(r["numerators"]["weight"], r["weight"])
