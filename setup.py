@@ -32,6 +32,20 @@ def _want_cuda() -> bool:
     return torch.version.cuda is not None and CUDA_HOME is not None
 
 
+def _nccl_flags() -> tuple[list[str], list[str]]:
+    """Include dirs and link args for NCCL: NCCL_HOME if set, else the nvidia-nccl wheel that
+    CUDA builds of torch depend on (it ships libnccl.so.2 without the unversioned link)."""
+    home = os.environ.get("NCCL_HOME")
+    if home:
+        lib = os.path.join(home, "lib")
+        return [os.path.join(home, "include")], [f"-L{lib}", "-lnccl", f"-Wl,-rpath,{lib}"]
+    import nvidia.nccl  # only CUDA builds need it
+
+    root = os.path.dirname(nvidia.nccl.__file__)
+    lib = os.path.join(root, "lib")
+    return [os.path.join(root, "include")], [f"-L{lib}", "-l:libnccl.so.2", f"-Wl,-rpath,{lib}"]
+
+
 def _extension():
     cuda = _want_cuda()
     files = [os.path.relpath(f, ROOT) for f in sources.extension_sources(ROOT, cuda=cuda)]
@@ -41,13 +55,14 @@ def _extension():
     link_flags = ["-fopenmp"]
     include_dirs = [os.path.join(ROOT, "csrc")]
     if cuda:
+        nccl_include, nccl_link = _nccl_flags()
         return CUDAExtension(
             "gossip_ext._C",
             files,
-            include_dirs=include_dirs,
+            include_dirs=include_dirs + nccl_include,
             define_macros=[("GOSSIP_WITH_CUDA", "1")],
             extra_compile_args={"cxx": cxx_flags, "nvcc": ["-O3", "--use_fast_math"]},
-            extra_link_args=link_flags,
+            extra_link_args=link_flags + nccl_link,
         )
     return CppExtension(
         "gossip_ext._C",

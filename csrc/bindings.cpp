@@ -12,6 +12,9 @@
 #include "topology/mixing.h"
 #include "transport/inproc/inproc_transport.h"
 #include "transport/process_group/process_group_transport.h"
+#ifdef GOSSIP_WITH_CUDA
+#include "transport/nccl/nccl_bindings.h"
+#endif
 
 namespace py = pybind11;
 
@@ -151,4 +154,8 @@ PYBIND11_MODULE(_C, m) {
   });
   gossip::bind_topology(m);
   gossip::bind_engine(m);
+#ifdef GOSSIP_WITH_CUDA
+  // The one backend switch of the module: the NCCL transport exists only in CUDA builds.
+  gossip::bind_nccl_transport(m);
+#endif
 }

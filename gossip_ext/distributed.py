@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import itertools
 import logging
 import warnings
 from collections.abc import Iterator, Mapping
@@ -22,6 +23,34 @@ __all__ = ["GossipDataParallel"]
 logger = logging.getLogger(__name__)
 
 _BROADCAST_BUCKET_BYTES = 250 * 1024 * 1024  # DDP's bucket size for module-state broadcasts
+
+
+# Numbers the NCCL transports of this process, for their store prefixes (see _nccl_transport).
+_NCCL_TRANSPORTS = itertools.count()
+
+
+def _choose_nccl(device: torch.device, comm_device) -> bool:
+    """NCCL for CUDA parameters; the process-group transport (gloo) for CPU parameters."""
+    requested = None if comm_device is None else torch.device(comm_device)
+    if device.type == "cpu":
+        if requested is not None and requested.type != "cpu":
+            raise ValueError(
+                f"comm_device={comm_device!r} needs CUDA parameters, but they are on the CPU"
+            )
+        return False
+    if device.type != "cuda":
+        raise ValueError(f"parameters are on {device}; gossip_ext supports CPU and CUDA")
+    if requested is not None and requested.type == "cpu":
+        raise ValueError(
+            "comm_device='cpu' (gossip of CUDA parameters through host buffers over gloo) is "
+            "not supported by this release; leave comm_device=None to gossip over NCCL"
+        )
+    if not hasattr(_C, "NcclTransport"):
+        raise ValueError(
+            f"parameters are on {device} but this gossip_ext build has no CUDA support; "
+            "reinstall it with a CUDA build of torch"
+        )
+    return True
 
 
 def _check_type(name: str, value, expected, what: str) -> None:
@@ -78,8 +107,8 @@ class GossipDataParallel(nn.Module):
             forward (default: 1).
         process_group (ProcessGroup, optional): the group to train in (default: the default
             group). Gossip runs over it with point-to-point messages (gloo: CPU tensors).
-        comm_device (torch.device, optional): where messages are staged; only the CPU for now
-            (default: the parameters' device).
+        comm_device (torch.device, optional): where messages travel from. Default: the
+            parameters' device, i.e. NCCL for CUDA parameters, gloo for CPU ones.
         timeout (timedelta): how long a round waits for a peer before raising TimeoutError
             naming the peers (default: 5 minutes).
         verbose (bool): log every round at INFO level (default: False).
@@ -153,12 +182,7 @@ class GossipDataParallel(nn.Module):
         if not params:
             raise ValueError("module has no parameters; there is nothing to gossip")
         device = params[0].device
-        if comm_device is not None and torch.device(comm_device) != torch.device("cpu"):
-            raise ValueError(f"comm_device must be None or 'cpu', got {comm_device!r}")
-        if device.type != "cpu":
-            raise ValueError(
-                f"parameters are on {device}; this build gossips CPU parameters over gloo"
-            )
+        self._use_nccl = _choose_nccl(device, comm_device)
 
         world_size = dist.get_world_size(self.process_group)
         rank = dist.get_rank(self.process_group)
@@ -199,7 +223,11 @@ class GossipDataParallel(nn.Module):
                 send_in_place=not overlap and synch_freq == 0,
                 timeout=timeout,
             )
-            transport = _C.ProcessGroupTransport(gossip_group)
+            transport = (
+                self._nccl_transport(gossip_group, device, timeout)
+                if self._use_nccl
+                else _C.ProcessGroupTransport(gossip_group)
+            )
             self._engine = _C.GossipEngine(params, [n for n, _ in named], transport, options)
         if self.gossip_world_size == 1:
             warnings.warn(
@@ -216,6 +244,16 @@ class GossipDataParallel(nn.Module):
             for p in params:
                 if p.requires_grad:
                     p.register_post_accumulate_grad_hook(self._on_grad_ready)
+
+    @staticmethod
+    def _nccl_transport(group: dist.ProcessGroup, device: torch.device, timeout: timedelta):
+        # Every wrapper gets its own key space in the store; wrappers are built in the same order
+        # on every rank (construction is collective), so the counters agree.
+        prefix = f"gossip_ext/nccl/{next(_NCCL_TRANSPORTS)}"
+        store = dist.PrefixStore(prefix, dist.distributed_c10d._get_default_store())
+        return _C.NcclTransport(
+            store, dist.get_rank(group), dist.get_world_size(group), device.index, timeout
+        )
 
     # ----------------------------------------------------------------------------- hierarchy
 

@@ -1,14 +1,16 @@
 #!/usr/bin/env bash
-# Compiles every CUDA source (csrc/**/*.cu) with nvcc against the headers of the CUDA build of
-# torch, so the GPU code cannot rot on machines without a GPU. The CPU wheel of torch lacks some
-# CUDA headers (c10/cuda/impl/cuda_cmake_macros.h), so the headers come from the CUDA wheel in
-# the registry: downloaded once into build/cuda-headers, wheel deleted after unpacking.
+# Compiles every source of a CUDA build that a CPU build leaves out (csrc/**/*.cu, and the .cpp
+# files under cuda/ and nccl/ folders) with nvcc against the headers of the CUDA build of torch
+# and of NCCL, so the GPU code cannot rot on machines without a GPU. The CPU wheel of torch lacks
+# some CUDA headers (c10/cuda/impl/cuda_cmake_macros.h), so the headers come from the CUDA wheels
+# in the registry (torch, nvidia-nccl-cu13): downloaded once into build/cuda-headers.
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 
 PYTHON=${PYTHON:-python3}
 TORCH_VERSION=${GOSSIP_TORCH_VERSION:-2.13.0}
 HEADERS=build/cuda-headers/torch-$TORCH_VERSION
+NCCL_HEADERS=build/cuda-headers/nccl
 
 if ! command -v nvcc >/dev/null 2>&1; then
   echo "SKIPPED: nvcc not found, CUDA sources not compiled"
@@ -27,6 +29,16 @@ if [ ! -f "$HEADERS/torch/include/c10/cuda/impl/cuda_cmake_macros.h" ]; then
   rm -rf "$tmp"
 fi
 
+if [ ! -f "$NCCL_HEADERS/nccl.h" ]; then
+  tmp=$(mktemp -d)
+  PIP_FIND_LINKS= PIP_CONFIG_FILE=/dev/null "$PYTHON" -m pip download --quiet --no-deps \
+    --only-binary=:all: nvidia-nccl-cu13 -d "$tmp"
+  "$PYTHON" -m zipfile -e "$tmp"/nvidia_nccl_cu13-*.whl "$tmp/unpacked" >/dev/null
+  mkdir -p "$NCCL_HEADERS"
+  cp -r "$tmp"/unpacked/nvidia/nccl/include/. "$NCCL_HEADERS/"
+  rm -rf "$tmp"
+fi
+
 PY_INCLUDE=$("$PYTHON" -c "import sysconfig; print(sysconfig.get_paths()['include'])")
 out=$(mktemp -d)
 status=0
@@ -34,10 +46,10 @@ while IFS= read -r source; do
   echo "nvcc -c $source"
   if ! nvcc -std=c++20 -arch=sm_90 -O3 -c "$source" -o "$out/$(basename "$source").o" \
       -Icsrc -I"$HEADERS/torch/include" -I"$HEADERS/torch/include/torch/csrc/api/include" \
-      -I"$PY_INCLUDE" -Xcompiler -fPIC -DGOSSIP_WITH_CUDA=1; then
+      -I"$NCCL_HEADERS" -I"$PY_INCLUDE" -Xcompiler -fPIC -DGOSSIP_WITH_CUDA=1; then
     status=1
   fi
-done < <(find csrc -name '*.cu' | sort)
+done < <(find csrc \( -name '*.cu' -o -path '*/cuda/*.cpp' -o -path '*/nccl/*.cpp' \) | sort)
 rm -rf "$out"
-[ "$status" -eq 0 ] && echo "CUDA sources compiled"
+[ "$status" -eq 0 ] && echo "CUDA and NCCL sources compiled"
 exit "$status"
