@@ -200,6 +200,8 @@ class GossipDataParallel(nn.Module):
                 f"{self.gossip_world_size}"
             )
 
+        self._check_ranks_agree(named, rank)
+
         self._node_group = None
         gossip_group = self.process_group
         self.is_gossip_leader = True
@@ -244,6 +246,38 @@ class GossipDataParallel(nn.Module):
             for p in params:
                 if p.requires_grad:
                     p.register_post_accumulate_grad_hook(self._on_grad_ready)
+
+    def _check_ranks_agree(self, named: list, rank: int) -> None:
+        """One all-gather at construction: ranks that disagree on the schedule or the model
+        would otherwise exchange mismatched messages or wait for rounds that never come.
+
+        The mixing's kind must agree, its weights need not: push-sum allows every node its own
+        column-stochastic share."""
+        config = {
+            "graph": repr(self.graph),
+            "mixing": type(self.mixing).__name__,
+            "push_sum": self.push_sum,
+            "overlap": self.overlap,
+            "synch_freq": self.synch_freq,
+            "nprocs_per_node": self.nprocs_per_node,
+            "parameters": [(n, tuple(p.shape), str(p.dtype)) for n, p in named],
+        }
+        configs = [None] * dist.get_world_size(self.process_group)
+        dist.all_gather_object(configs, config, group=self.process_group)
+        for other, theirs in enumerate(configs):
+            diff = sorted(k for k in config if theirs[k] != configs[0][k])
+            if diff:
+                details = "; ".join(
+                    f"{k}: rank 0 has {configs[0][k]!r}, rank {other} has {theirs[k]!r}"
+                    for k in diff
+                    if k != "parameters"
+                )
+                if "parameters" in diff:
+                    details += "; the parameters (names, shapes or dtypes) differ"
+                raise ValueError(
+                    f"GossipDataParallel: rank {other} was configured differently from rank 0 "
+                    f"(seen on rank {rank}): {details.lstrip('; ')}"
+                )
 
     @staticmethod
     def _nccl_transport(group: dist.ProcessGroup, device: torch.device, timeout: timedelta):

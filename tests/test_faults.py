@@ -42,3 +42,21 @@ def test_a_stalled_peer_raises_timeout_naming_the_peer_and_round():
     # Within the 1 s timeout plus scheduling slack on a loaded machine: no hang.
     assert 0.9 <= r["elapsed"] < 10.0, r["elapsed"]
     assert r["repeated"] == r["error"]
+
+
+def _disagreeing_ranks(rank: int, world_size: int) -> str:
+    graph = (
+        gossip_ext.RingGraph() if rank == 2 else gossip_ext.NPeerDynamicDirectedExponentialGraph()
+    )
+    try:
+        gossip_ext.GossipDataParallel(nn.Linear(3, 1), graph=graph)
+    except ValueError as error:
+        return str(error)
+    return ""
+
+
+def test_ranks_that_disagree_on_the_configuration_all_raise_naming_the_rank():
+    errors = run_ranks(3, _disagreeing_ranks)
+    for error in errors:  # every rank raises, before any gossip
+        assert "rank 2 was configured differently" in error, error
+        assert "RingGraph" in error and "NPeerDynamicDirectedExponentialGraph" in error, error

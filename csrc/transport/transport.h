@@ -36,8 +36,11 @@ class Work {
   virtual ~Work() = default;
   // True once every message has arrived (or the work failed). Never blocks.
   virtual bool is_completed() = 0;
-  // Blocks until every message has arrived; throws gossip::TimeoutError naming the peers still
-  // missing if that takes longer than `timeout`, or the transport's error if it failed.
+  // Makes the received buffers safe to read for the caller, or throws the transport's error
+  // (gossip::TimeoutError naming the missing peers and the round after `timeout`). CPU transports
+  // block until every message has arrived; the NCCL transport instead makes the caller's current
+  // CUDA stream wait for the round (Note [Gossip stream ordering]) and enforces the timeout from
+  // its watchdog.
   virtual void wait(std::chrono::milliseconds timeout) = 0;
 };
 
