@@ -28,20 +28,16 @@ bandwidth (other tenants) hits them alike.
 from __future__ import annotations
 
 import argparse
-import os
-import platform
 import statistics
-import subprocess
 import sys
 from datetime import UTC, datetime
 
 import torch
+from results import append_section, command_line, machine
 from torch.utils.benchmark import Timer
 
 import gossip_ext  # noqa: F401  (registers torch.ops.gossip_ext)
 
-RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "RESULTS.md")
-RESULTS_TITLE = "# gossip_ext benchmark results\n"
 DTYPES = {
     "float32": torch.float32,
     "bfloat16": torch.bfloat16,
@@ -238,20 +234,6 @@ def summary(rows: list[dict]) -> str:
     )
 
 
-def machine(device: torch.device) -> str:
-    try:
-        lscpu = subprocess.run(["lscpu"], capture_output=True, text=True, check=True).stdout
-        name = next(
-            line.split(":", 1)[1].strip() for line in lscpu.splitlines() if "Model name" in line
-        )
-    except (OSError, subprocess.CalledProcessError, StopIteration):
-        name = platform.processor() or "unknown CPU"
-    text = f"{name}, {os.cpu_count()} cores, {platform.system()}"
-    if device.type == "cuda":
-        text += f"; GPU {torch.cuda.get_device_name(device)}"
-    return text
-
-
 def record(table: str, goals: str, args, command: str) -> None:
     device = torch.device(args.device)
     where = device.type
@@ -262,11 +244,7 @@ def record(table: str, goals: str, args, command: str) -> None:
         f"Machine: {machine(device)}; torch {torch.__version__}.\n"
         f"Command: `{command}`\n\n{table}\n\n{goals}\n"
     )
-    if not os.path.exists(RESULTS):
-        with open(RESULTS, "x") as f:
-            f.write(RESULTS_TITLE)
-    with open(RESULTS, "a") as f:
-        f.write(section)
+    append_section(section)
 
 
 def parse_args(argv=None):
@@ -368,9 +346,8 @@ def main(argv=None) -> list[dict]:
     goals = summary(rows)
     print("\n" + goals)
     if not args.no_record:
-        command = " ".join(["python", "benchmarks/kernels.py", *sys.argv[1:]])
+        command = command_line()
         record(table, goals, args, command)
-        print(f"appended to {RESULTS}")
     return rows
 
 

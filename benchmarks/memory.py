@@ -34,10 +34,7 @@ from __future__ import annotations
 
 import argparse
 import os
-import platform
 import re
-import subprocess
-import sys
 import tempfile
 import traceback
 from datetime import UTC, datetime, timedelta
@@ -45,12 +42,11 @@ from datetime import UTC, datetime, timedelta
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+from results import append_section, command_line, machine
 from torch import nn
 
 import gossip_ext
 
-RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "RESULTS.md")
-RESULTS_TITLE = "# gossip_ext benchmark results\n"
 WORLD_SIZE = 2
 WIDTH = 2048  # features of every Linear layer
 BATCH = 16
@@ -385,20 +381,6 @@ def composition(world_size: int) -> str:
     )
 
 
-def machine(device: torch.device) -> str:
-    try:
-        lscpu = subprocess.run(["lscpu"], capture_output=True, text=True, check=True).stdout
-        name = next(
-            line.split(":", 1)[1].strip() for line in lscpu.splitlines() if "Model name" in line
-        )
-    except (OSError, subprocess.CalledProcessError, StopIteration):
-        name = platform.processor() or "unknown CPU"
-    text = f"{name}, {os.cpu_count()} cores, {platform.system()}"
-    if device.type == "cuda":
-        text += f"; GPU {torch.cuda.get_device_name(device)}"
-    return text
-
-
 def report(results: dict, args) -> str:
     device = torch.device(args.device)
     malloc = (
@@ -440,11 +422,7 @@ def record(text: str, args, command: str) -> None:
         f"Machine: {machine(device)}; torch {torch.__version__}.\n"
         f"Command: `{command}`\n\n{text}\n"
     )
-    if not os.path.exists(RESULTS):
-        with open(RESULTS, "x") as f:
-            f.write(RESULTS_TITLE)
-    with open(RESULTS, "a") as f:
-        f.write(section)
+    append_section(section)
 
 
 def parse_args(argv=None):
@@ -513,9 +491,8 @@ def main(argv=None) -> dict:
     print(f"\nMemory ({machine(torch.device(args.device))}), torch {torch.__version__}\n")
     print(text)
     if not args.no_record:
-        command = " ".join(["python", "benchmarks/memory.py", *sys.argv[1:]])
+        command = command_line()
         record(text, args, command)
-        print(f"\nappended to {RESULTS}")
     return results
 
 

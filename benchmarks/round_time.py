@@ -20,9 +20,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import platform
-import subprocess
-import sys
 import tempfile
 import time
 import warnings
@@ -31,13 +28,13 @@ from datetime import UTC, datetime, timedelta
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+from results import append_section, command_line, machine
 from torch import nn
 from torch.distributed.algorithms.model_averaging.averagers import PeriodicModelAverager
 
 import gossip_ext
 
 DDP_BUCKET_BYTES = 25 * 1024 * 1024  # DistributedDataParallel's default bucket_cap_mb
-RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "RESULTS.md")
 
 
 def make_params(num_params: int) -> nn.ParameterList:
@@ -169,17 +166,6 @@ def worker(rank: int, world_size: int, init_file: str, sizes: list[int], reps: i
         dist.destroy_process_group()
 
 
-def machine() -> str:
-    try:
-        lscpu = subprocess.run(["lscpu"], capture_output=True, text=True, check=True).stdout
-        name = next(
-            line.split(":", 1)[1].strip() for line in lscpu.splitlines() if "Model name" in line
-        )
-    except (OSError, subprocess.CalledProcessError, StopIteration):
-        name = platform.processor() or "unknown CPU"
-    return f"{name}, {os.cpu_count()} cores, {platform.system()}"
-
-
 PEERS = ("DDP all-reduce", "PeriodicModelAverager", "plain push-sum")
 
 
@@ -248,15 +234,12 @@ def main(argv=None) -> None:
             f"({'met' if plain <= 0.7 else 'missed'})"
         )
     if not args.no_record:
-        command = "python benchmarks/round_time.py " + " ".join(sys.argv[1:])
-        with open(RESULTS, "a") as f:
-            f.write(
-                f"\n## Round time ({datetime.now(UTC):%Y-%m-%d})\n\n"
-                f"Machine: {machine()}; torch {torch.__version__}; gloo on one machine "
-                f"(loopback), one thread per worker.\n"
-                f"Command: `{command.strip()}`\n\n{table}\n"
-            )
-        print(f"appended to {RESULTS}")
+        append_section(
+            f"\n## Round time ({datetime.now(UTC):%Y-%m-%d})\n\n"
+            f"Machine: {machine()}; torch {torch.__version__}; gloo on one machine "
+            f"(loopback), one thread per worker.\n"
+            f"Command: `{command_line()}`\n\n{table}\n"
+        )
 
 
 if __name__ == "__main__":

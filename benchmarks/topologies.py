@@ -31,12 +31,12 @@ import math
 import os
 import platform
 import shlex
-import subprocess
 import sys
 import tempfile
 import time
 
 import torch
+from results import append_section, machine
 
 import gossip_ext
 from gossip_ext import (
@@ -51,7 +51,6 @@ from gossip_ext import (
 
 DIM = 4
 SEED = 0
-RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "RESULTS.md")
 
 # (label, reference kind, constructor, peers_per_itr)
 GRAPHS = (
@@ -176,17 +175,6 @@ def engine_rounds(graph, values, target, tol, cap, push_sum):
 
 def fmt_rounds(r: int | None, cap: int) -> str:
     return f">{cap}" if r is None else str(r)
-
-
-def machine() -> str:
-    try:
-        out = subprocess.run(["lscpu"], capture_output=True, text=True, check=True).stdout
-        for line in out.splitlines():
-            if line.startswith("Model name:"):
-                return line.split(":", 1)[1].strip()
-    except (OSError, subprocess.CalledProcessError):
-        pass
-    return platform.processor() or platform.machine()
 
 
 def plot(results, sizes, path: str, tol: float) -> None:
@@ -454,14 +442,11 @@ def main(argv=None) -> int:
         now = datetime.datetime.now().astimezone().strftime("%Y-%m-%d %H:%M %Z")
         section = (
             f"\n## Topologies: rounds to consensus ({now})\n\n"
-            f"- machine: {machine()} ({os.cpu_count()} CPUs)\n"
+            f"- machine: {machine()}\n"
             f"- torch {torch.__version__}, python {platform.python_version()}\n"
             f"- command: `{command}`\n\n{table}\n"
         )
-        new = not os.path.exists(RESULTS) or os.path.getsize(RESULTS) == 0
-        with open(RESULTS, "a", encoding="utf-8") as f:
-            f.write(("# Benchmark results\n" if new else "") + section)
-        print(f"appended to {RESULTS}")
+        append_section(section)
     return 0
 
 

@@ -1,0 +1,44 @@
+"""What every benchmark shares: the machine it ran on and appending a section to RESULTS.md."""
+
+from __future__ import annotations
+
+import os
+import platform
+import subprocess
+import sys
+
+import torch
+
+RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "RESULTS.md")
+_TITLE = "# Benchmark results\n"
+
+
+def machine(device: torch.device | None = None) -> str:
+    """CPU model and core count (from lscpu), the OS, and the GPU when device is CUDA."""
+    try:
+        lscpu = subprocess.run(["lscpu"], capture_output=True, text=True, check=True).stdout
+        name = next(
+            line.split(":", 1)[1].strip() for line in lscpu.splitlines() if "Model name" in line
+        )
+    except (OSError, subprocess.CalledProcessError, StopIteration):
+        name = platform.processor() or "unknown CPU"
+    text = f"{name}, {os.cpu_count()} cores, {platform.system()}"
+    if device is not None and device.type == "cuda":
+        text += f"; GPU {torch.cuda.get_device_name(device)}"
+    return text
+
+
+def command_line() -> str:
+    """The command that reproduces this run."""
+    script = os.path.relpath(sys.argv[0], os.path.dirname(os.path.dirname(RESULTS)))
+    return " ".join(["python", script, *sys.argv[1:]])
+
+
+def append_section(section: str) -> None:
+    """Appends a markdown section to benchmarks/RESULTS.md, creating the file with its title."""
+    new = not os.path.exists(RESULTS) or os.path.getsize(RESULTS) == 0
+    with open(RESULTS, "a", encoding="utf-8") as f:
+        if new:
+            f.write(_TITLE)
+        f.write(section)
+    print(f"appended to {RESULTS}")
