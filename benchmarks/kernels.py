@@ -30,10 +30,9 @@ from __future__ import annotations
 import argparse
 import statistics
 import sys
-from datetime import UTC, datetime
 
 import torch
-from results import append_section, command_line, machine
+from results import machine, record
 from torch.utils.benchmark import Timer
 
 import gossip_ext  # noqa: F401  (registers torch.ops.gossip_ext)
@@ -234,17 +233,12 @@ def summary(rows: list[dict]) -> str:
     )
 
 
-def record(table: str, goals: str, args, command: str) -> None:
+def record_results(table: str, goals: str, args) -> None:
     device = torch.device(args.device)
     where = device.type
     if device.type == "cpu":
         where += f", {args.threads} thread{'s' if args.threads > 1 else ''}"
-    section = (
-        f"\n## Push-sum kernels, {where} ({datetime.now(UTC):%Y-%m-%d %H:%M} UTC)\n\n"
-        f"Machine: {machine(device)}; torch {torch.__version__}.\n"
-        f"Command: `{command}`\n\n{table}\n\n{goals}\n"
-    )
-    append_section(section)
+    record(f"Push-sum kernels, {where}", f"{table}\n\n{goals}", device)
 
 
 def parse_args(argv=None):
@@ -346,8 +340,7 @@ def main(argv=None) -> list[dict]:
     goals = summary(rows)
     print("\n" + goals)
     if not args.no_record:
-        command = command_line()
-        record(table, goals, args, command)
+        record_results(table, goals, args)
     return rows
 
 

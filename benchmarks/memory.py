@@ -37,12 +37,12 @@ import os
 import re
 import tempfile
 import traceback
-from datetime import UTC, datetime, timedelta
+from datetime import timedelta
 
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
-from results import append_section, command_line, machine
+from results import machine, record
 from torch import nn
 
 import gossip_ext
@@ -415,16 +415,6 @@ def report(results: dict, args) -> str:
     return "\n".join(parts)
 
 
-def record(text: str, args, command: str) -> None:
-    device = torch.device(args.device)
-    section = (
-        f"\n## Memory, {device.type} ({datetime.now(UTC):%Y-%m-%d %H:%M} UTC)\n\n"
-        f"Machine: {machine(device)}; torch {torch.__version__}.\n"
-        f"Command: `{command}`\n\n{text}\n"
-    )
-    append_section(section)
-
-
 def parse_args(argv=None):
     parser = argparse.ArgumentParser(
         description="Measures the extra memory of GossipDataParallel over the bare model (and of "
@@ -491,8 +481,7 @@ def main(argv=None) -> dict:
     print(f"\nMemory ({machine(torch.device(args.device))}), torch {torch.__version__}\n")
     print(text)
     if not args.no_record:
-        command = command_line()
-        record(text, args, command)
+        record(f"Memory, {args.device}", text, torch.device(args.device))
     return results
 
 

@@ -6,6 +6,7 @@ import os
 import platform
 import subprocess
 import sys
+from datetime import UTC, datetime
 
 import torch
 
@@ -32,6 +33,16 @@ def command_line() -> str:
     """The command that reproduces this run."""
     script = os.path.relpath(sys.argv[0], os.path.dirname(os.path.dirname(RESULTS)))
     return " ".join(["python", script, *sys.argv[1:]])
+
+
+def record(title: str, body: str, device: torch.device | None = None) -> None:
+    """Appends `body` under a heading with the title, the UTC time, the machine, the torch
+    version and the command that reproduces it."""
+    append_section(
+        f"\n## {title} ({datetime.now(UTC):%Y-%m-%d %H:%M} UTC)\n\n"
+        f"Machine: {machine(device)}; torch {torch.__version__}.\n"
+        f"Command: `{command_line()}`\n\n{body}\n"
+    )
 
 
 def append_section(section: str) -> None:

@@ -256,6 +256,20 @@ def test_bounded_asynchrony_under_timing_skew_matches_the_simulator():
             )
 
 
+def _full_batch_sgd(world_size: int, steps: int) -> list[torch.Tensor]:
+    """Single-process SGD on every rank's rows at once: what exact averaging must reproduce."""
+    x, y = _data(world_size)
+    torch.manual_seed(0)
+    ref = nn.Linear(D, 1)
+    opt = torch.optim.SGD(ref.parameters(), lr=LR)
+    for _ in range(steps):
+        loss = ((ref(x.reshape(-1, D)) - y.reshape(-1, 1)) ** 2).mean()
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    return [p.detach() for p in ref.parameters()]
+
+
 def _two_rank_full_batch(rank: int, world_size: int) -> list[torch.Tensor]:
     x, y = _data(world_size)
     torch.manual_seed(0)
@@ -276,18 +290,10 @@ def test_two_ranks_equal_full_batch_sgd():
     # One round with weights 1/2 is exact averaging, and the loss is a mean over both rows, so
     # SGP on 2 ranks is full-batch SGD.
     results = run_ranks(2, _two_rank_full_batch)
-    x, y = _data(2)
-    torch.manual_seed(0)
-    ref = nn.Linear(D, 1)
-    opt = torch.optim.SGD(ref.parameters(), lr=LR)
-    for _ in range(6):
-        loss = ((ref(x.reshape(-1, D)) - y.reshape(-1, 1)) ** 2).mean()
-        opt.zero_grad()
-        loss.backward()
-        opt.step()
+    want_params = _full_batch_sgd(world_size=2, steps=6)
     for rank_params in results:
-        for got, want in zip(rank_params, ref.parameters()):
-            torch.testing.assert_close(got, want.detach(), rtol=1e-5, atol=1e-6)
+        for got, want in zip(rank_params, want_params):
+            torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
 
 
 def _pure_gossip(rank: int, world_size: int, steps: int) -> dict:
@@ -359,18 +365,10 @@ def test_hierarchical_nodes_hold_identical_parameters_and_follow_gossip_of_node_
                 assert torch.equal(pa, pb)
     # Two nodes, each a full batch over its two processes' rows; two-node gossip is exact
     # averaging, so every node follows full-batch SGD on all four rows.
-    x, y = _data(4)
-    torch.manual_seed(0)
-    ref = nn.Linear(D, 1)
-    opt = torch.optim.SGD(ref.parameters(), lr=LR)
-    for _ in range(5):
-        loss = ((ref(x.reshape(-1, D)) - y.reshape(-1, 1)) ** 2).mean()
-        opt.zero_grad()
-        loss.backward()
-        opt.step()
+    want_params = _full_batch_sgd(world_size=4, steps=5)
     for r in results:
-        for got, want in zip(r["snapshots"][-1], ref.parameters()):
-            torch.testing.assert_close(got, want.detach(), rtol=1e-5, atol=1e-6)
+        for got, want in zip(r["snapshots"][-1], want_params):
+            torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
 
 
 def _train_eval_train(rank: int, world_size: int) -> list:
