@@ -10,6 +10,7 @@
 #include "engine/simulate.h"
 #include "topology/graph.h"
 #include "topology/mixing.h"
+#include "transport/host_staging/host_staging_transport.h"
 #include "transport/inproc/inproc_transport.h"
 #include "transport/process_group/process_group_transport.h"
 #ifdef GOSSIP_WITH_CUDA
@@ -82,13 +83,16 @@ void bind_engine(py::module_& m) {
   py::class_<EngineOptions>(m, "EngineOptions")
       .def(py::init([](GraphOptions graph, MixingOptions mixing, bool push_sum,
                        bool allow_lazy_mixing, bool send_in_place,
-                       std::chrono::milliseconds timeout) {
+                       std::chrono::milliseconds timeout, bool check_finite,
+                       std::optional<at::ScalarType> message_dtype) {
              return EngineOptions{std::move(graph), mixing,        push_sum,
-                                  allow_lazy_mixing, send_in_place, timeout};
+                                  allow_lazy_mixing, send_in_place, timeout,
+                                  check_finite,      message_dtype};
            }),
            py::arg("graph"), py::arg("mixing"), py::arg("push_sum") = true,
            py::arg("allow_lazy_mixing") = true, py::arg("send_in_place") = false,
-           py::arg("timeout") = std::chrono::milliseconds(std::chrono::minutes(5)));
+           py::arg("timeout") = std::chrono::milliseconds(std::chrono::minutes(5)),
+           py::arg("check_finite") = true, py::arg("message_dtype") = py::none());
 
   py::class_<Work, std::shared_ptr<Work>>(m, "Work")
       .def("is_completed", &Work::is_completed, py::call_guard<py::gil_scoped_release>())
@@ -101,7 +105,10 @@ void bind_engine(py::module_& m) {
 
   py::class_<InProcHub, std::shared_ptr<InProcHub>>(m, "InProcHub")
       .def(py::init<int>(), py::arg("world_size"))
-      .def_property_readonly("world_size", &InProcHub::world_size);
+      .def_property_readonly("world_size", &InProcHub::world_size)
+      // Wakes every rank blocked on the hub with `reason`: a failing thread calls it so that
+      // the others stop at once instead of waiting for their timeout.
+      .def("abort", &InProcHub::abort, py::arg("reason"));
 
   py::class_<InProcTransport, Transport, std::shared_ptr<InProcTransport>>(m, "InProcTransport")
       .def(py::init<std::shared_ptr<InProcHub>, int>(), py::arg("hub"), py::arg("rank"));
@@ -110,6 +117,10 @@ void bind_engine(py::module_& m) {
   py::class_<ProcessGroupTransport, Transport, std::shared_ptr<ProcessGroupTransport>>(
       m, "ProcessGroupTransport")
       .def(py::init<c10::intrusive_ptr<c10d::ProcessGroup>>(), py::arg("process_group"));
+
+  py::class_<HostStagingTransport, Transport, std::shared_ptr<HostStagingTransport>>(
+      m, "HostStagingTransport")
+      .def(py::init<std::shared_ptr<Transport>>(), py::arg("inner"));
 
   py::class_<GossipEngine>(m, "GossipEngine")
       .def(py::init<const std::vector<at::Tensor>&, const std::vector<std::string>&,
@@ -150,6 +161,8 @@ PYBIND11_MODULE(_C, m) {
       if (error) std::rethrow_exception(error);
     } catch (const gossip::TimeoutError& e) {
       PyErr_SetString(PyExc_TimeoutError, e.what());
+    } catch (const gossip::NonFiniteError& e) {
+      PyErr_SetString(PyExc_FloatingPointError, e.what());
     }
   });
   gossip::bind_topology(m);

@@ -20,6 +20,8 @@ def simulate(
     push_sum: bool = True,
     mixing: MixingBase | None = None,
     timeout: timedelta = timedelta(minutes=1),
+    check_finite: bool = True,
+    message_dtype: torch.dtype | None = None,
 ) -> torch.Tensor:
     """Runs ``rounds`` rounds of pure gossip (no gradient steps) among ``values.shape[0]`` nodes.
 
@@ -35,6 +37,11 @@ def simulate(
             needs a graph that pairs nodes symmetrically (default: True).
         mixing (MixingBase, optional): mixing weights (default: ``UniformMixing()``).
         timeout (timedelta): how long a node waits for a message before raising TimeoutError.
+        check_finite (bool): raise FloatingPointError naming the sender when a message holds NaN
+            or Inf; False lets them spread (default: True).
+        message_dtype (torch.dtype, optional): ``torch.bfloat16`` or ``torch.float16`` sends
+            float32/float64 values in 16 bits, keeping the rounding error in the sender's state
+            so that the mean is conserved (default: None, full precision).
 
     Returns:
         Tensor: ``[rounds + 1, n, d]``, the de-biased values ``z`` of every node after every
@@ -59,6 +66,8 @@ def simulate(
         raise TypeError(f"rounds must be an int, got {rounds!r}")
     if not isinstance(push_sum, bool):
         raise TypeError(f"push_sum must be a bool, got {push_sum!r}")
+    if not isinstance(check_finite, bool):
+        raise TypeError(f"check_finite must be a bool, got {check_finite!r}")
     if values.dim() == 2:
         graph.schedule(values.shape[0])  # the graph's own ValueError for this world size
     # Each simulated rank finishes a round before touching its values again: the engine may send
@@ -69,5 +78,7 @@ def simulate(
         push_sum=push_sum,
         send_in_place=True,
         timeout=timeout,
+        check_finite=check_finite,
+        message_dtype=message_dtype,
     )
     return _C.simulate(values, rounds, options)

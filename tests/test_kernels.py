@@ -8,6 +8,7 @@ import gossip_ext  # noqa: F401  (registers torch.ops.gossip_ext)
 
 scale_into = torch.ops.gossip_ext.scale_into
 absorb_ = torch.ops.gossip_ext.absorb_
+compress_into_ = torch.ops.gossip_ext.compress_into_
 
 DTYPES = [torch.float32, torch.float64, torch.float16, torch.bfloat16]
 # Sizes around the CPU kernels' block (512) and parallel grain (32768 elements).
@@ -272,6 +273,166 @@ def test_absorb_argument_errors(args, error, pattern):
         assert torch.equal(args[0], x_before)  # nothing written before the checks failed
 
 
+# --- non-finite flag ---------------------------------------------------------------------------
+
+
+def _flag(value: int = 0) -> torch.Tensor:
+    return torch.full((1,), value, dtype=torch.int32)
+
+
+@pytest.mark.parametrize("bad", [float("nan"), float("inf"), float("-inf")])
+@pytest.mark.parametrize("where", ["x", "received[0]", "received[2]"])
+@pytest.mark.parametrize("dtype", DTYPES, ids=_name)
+@pytest.mark.parametrize("numel", SIZES)
+def test_absorb_flags_every_nonfinite_value_it_reads(numel, dtype, where, bad):
+    # The last element sits in the scalar tail, the first in the first block, the middle in
+    # another thread's range for the large size.
+    for position in sorted({0, numel // 2, numel - 1}):
+        x = _randn(numel, dtype, seed=numel)
+        received = [_randn(numel, dtype, seed=200 + j) for j in range(3)]
+        target = x if where == "x" else received[int(where[-2])]
+        target[position] = bad
+        flag = _flag()
+        absorb_(x, received, 0.5, None, None, flag)
+        assert flag.item() == 1, f"{where}[{position}] = {bad} was not flagged"
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=_name)
+@pytest.mark.parametrize("numel", SIZES)
+def test_absorb_with_flag_is_bitwise_the_same_op_on_finite_values(numel, dtype):
+    x = _randn(numel, dtype, seed=numel)
+    received = [_randn(numel, dtype, seed=300 + j) for j in range(3)]
+    # Extremes of the dtype are still finite.
+    received[0][0] = torch.finfo(dtype).max
+    received[1][0] = -torch.finfo(dtype).max
+    received[2][-1] = torch.finfo(dtype).tiny
+    unchecked = x.clone()
+    absorb_(unchecked, received, 0.5, _weight(0.7, torch.float64), _weight(1.3, torch.float64))
+    flag = _flag()
+    absorb_(x, received, 0.5, _weight(0.7, torch.float64), _weight(1.3, torch.float64), flag)
+    assert flag.item() == 0
+    assert torch.equal(x, unchecked)
+
+
+def test_absorb_never_clears_the_flag():
+    # One flag covers every dtype group of a round: a later clean call must not reset it.
+    flag = _flag(1)
+    absorb_(
+        _randn(7, torch.float32, seed=1), [_randn(7, torch.float32, seed=2)], 1.0, None, None, flag
+    )
+    assert flag.item() == 1
+
+
+@pytest.mark.parametrize(
+    "flag, error, pattern",
+    [
+        (torch.zeros(1, dtype=torch.int64), TypeError, r"nonfinite must be int32, got Long"),
+        (torch.zeros(1, dtype=torch.bool), TypeError, r"nonfinite must be int32, got Bool"),
+        (torch.zeros(2, dtype=torch.int32), ValueError, r"nonfinite must have one element, got 2"),
+        (
+            torch.zeros(1, dtype=torch.int32, device="meta"),
+            ValueError,
+            r"nonfinite is on meta but the buffers are on cpu",
+        ),
+    ],
+    ids=["int64", "bool", "two-elements", "meta"],
+)
+def test_absorb_nonfinite_argument_errors(flag, error, pattern):
+    with pytest.raises(error, match=f"gossip_ext: {pattern}"):
+        absorb_(_f32(), [_f32()], 1.0, None, None, flag)
+
+
+# --- compressed messages -----------------------------------------------------------------------
+
+MESSAGE_DTYPES = [torch.bfloat16, torch.float16]
+
+
+@pytest.mark.parametrize("weight_dtype", [None, torch.float32, torch.float64], ids=str)
+@pytest.mark.parametrize("message_dtype", MESSAGE_DTYPES, ids=_name)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64], ids=_name)
+@pytest.mark.parametrize("numel", SIZES)
+def test_compress_into_rounds_the_message_and_keeps_the_error(
+    numel, dtype, message_dtype, weight_dtype
+):
+    # A node with k = 3 out-peers and uniform shares 1/4: it keeps 1/4 and sends 1/4 to each.
+    k, share = 3, 0.25
+    z = _randn(numel, dtype, seed=numel)
+    z_before = z.clone()
+    w = _weight(0.8, weight_dtype)
+    message = torch.empty(numel, dtype=message_dtype)
+    compress_into_(z, message, share, w, k / share)
+    exact = share * _value(w) * z_before.to(torch.float64)
+    # The message is the exact value rounded once to 16 bits (from the state's opmath).
+    expected = (share * _value(w) * z_before).to(message_dtype)
+    assert torch.equal(message, expected)
+    # Kept numerator (share * w * z) plus the k copies sent is the sender's whole numerator.
+    total = share * _value(w) * z.to(torch.float64) + k * message.to(torch.float64)
+    rtol, atol = TOLERANCE[dtype]
+    torch.testing.assert_close(total, _value(w) * z_before.to(torch.float64), rtol=rtol, atol=atol)
+    # And the state moved by exactly what rounding took off, scaled back to the kept share.
+    moved = z.to(torch.float64) - z_before.to(torch.float64)
+    torch.testing.assert_close(
+        moved, (k / share) * (exact - message.to(torch.float64)) / _value(w), rtol=1e-3, atol=atol
+    )
+
+
+@pytest.mark.parametrize("message_dtype", MESSAGE_DTYPES, ids=_name)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64], ids=_name)
+@pytest.mark.parametrize("numel", SIZES)
+def test_absorb_compressed_messages_matches_reference(numel, dtype, message_dtype):
+    x = _randn(numel, dtype, seed=numel)
+    x_before = x.clone()
+    received = [_randn(numel, message_dtype, seed=400 + j) for j in range(3)]
+    flag = _flag()
+    absorb_(x, received, 0.6, _weight(0.7, torch.float64), _weight(1.3, torch.float64), flag)
+    expected = reference_absorb(
+        x_before, received, 0.6, _weight(0.7, torch.float64), _weight(1.3, torch.float64)
+    )
+    _assert_close(x, expected, dtype)
+    assert flag.item() == 0
+    received[1][numel // 2] = float("nan")
+    absorb_(x, received, 1.0, None, None, flag)
+    assert flag.item() == 1
+
+
+@pytest.mark.parametrize(
+    "args, error, pattern",
+    [
+        (
+            (_f32(), _f32(), 0.5),
+            TypeError,
+            r"gossip_ext: out must be float16 or bfloat16, got Float",
+        ),
+        (
+            (_f32().half(), _f32().bfloat16(), 0.5),
+            TypeError,
+            r"gossip_ext: src must be float32 or float64 to be compressed, got Half",
+        ),
+        (
+            (_f32(), torch.zeros(6, dtype=torch.bfloat16), 0.5),
+            ValueError,
+            r"gossip_ext: out has 6 elements but expected 7",
+        ),
+        (
+            (_f32(), torch.zeros(7, dtype=torch.bfloat16), 0.5, torch.ones(2)),
+            ValueError,
+            r"gossip_ext: weight must have one element, got 2",
+        ),
+    ],
+    ids=["full-precision-out", "16bit-src", "size", "weight"],
+)
+def test_compress_into_argument_errors(args, error, pattern):
+    with pytest.raises(error, match=pattern):
+        compress_into_(*args)
+
+
+def test_absorb_refuses_mixed_or_unrelated_message_dtypes():
+    with pytest.raises(ValueError, match=r"received\[1\] has dtype Half but the other messages"):
+        absorb_(_f32(), [_f32().bfloat16(), _f32().half()], 1.0)
+    with pytest.raises(ValueError, match=r"received\[0\] has dtype BFloat16 but expected Half"):
+        absorb_(_f32().half(), [_f32().bfloat16()], 1.0)
+
+
 # --- opcheck -----------------------------------------------------------------------------------
 
 # opcheck's default set, one at a time so that a failure names the sub-test. Every input below is
@@ -294,6 +455,15 @@ def _scale_into_samples():
         yield (src, torch.empty_like(src), 2.0, torch.tensor([0.75], dtype=torch.float64))
 
 
+def _compress_into_samples():
+    for dtype in (torch.float32, torch.float64):
+        for message_dtype in MESSAGE_DTYPES:
+            src = _randn(33, dtype, seed=8)
+            out = torch.empty(33, dtype=message_dtype)
+            yield (src, out, 0.5)
+            yield (src, out, 0.25, torch.tensor([0.75], dtype=torch.float64), 12.0)
+
+
 def _absorb_samples():
     for dtype in (torch.float32, torch.float64, torch.float16):
         received = [_randn(33, dtype, seed=7 + j) for j in range(3)]
@@ -307,12 +477,26 @@ def _absorb_samples():
             None,
             torch.tensor([2.0], dtype=torch.float64),
         )
+        yield (
+            _randn(33, dtype, seed=6),
+            received,
+            0.5,
+            None,
+            None,
+            torch.zeros(1, dtype=torch.int32),
+        )
 
 
 @pytest.mark.parametrize("test_util", OPCHECK_UTILS)
 def test_opcheck_scale_into(test_util):
     for args in _scale_into_samples():
         opcheck(scale_into.default, args, test_utils=test_util)
+
+
+@pytest.mark.parametrize("test_util", OPCHECK_UTILS)
+def test_opcheck_compress_into(test_util):
+    for args in _compress_into_samples():
+        opcheck(compress_into_.default, args, test_utils=test_util)
 
 
 @pytest.mark.parametrize("test_util", OPCHECK_UTILS)

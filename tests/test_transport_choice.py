@@ -4,30 +4,47 @@ import pytest
 import torch
 
 from gossip_ext import _C
-from gossip_ext.distributed import _choose_nccl
+from gossip_ext._validation import HOST_STAGING, NCCL, PROCESS_GROUP, choose_transport
+
+CPU = torch.device("cpu")
+CUDA = torch.device("cuda", 0)
 
 
 def test_cpu_parameters_gossip_over_the_process_group():
-    assert _choose_nccl(torch.device("cpu"), None) is False
-    assert _choose_nccl(torch.device("cpu"), "cpu") is False
+    assert choose_transport(CPU, None, "gloo") == PROCESS_GROUP
+    assert choose_transport(CPU, "cpu", "gloo") == PROCESS_GROUP
+    assert choose_transport(CPU, None, "cpu:gloo,cuda:nccl") == PROCESS_GROUP
 
 
 def test_cpu_parameters_refuse_a_cuda_comm_device():
     with pytest.raises(ValueError, match="comm_device='cuda'"):
-        _choose_nccl(torch.device("cpu"), "cuda")
+        choose_transport(CPU, "cuda", "gloo")
 
 
-def test_cuda_parameters_refuse_cpu_staging_for_now():
-    with pytest.raises(ValueError, match="comm_device='cpu'"):
-        _choose_nccl(torch.device("cuda", 0), "cpu")
+def test_cpu_parameters_refuse_an_nccl_only_group():
+    with pytest.raises(ValueError, match="CPU parameters .* backend 'nccl' cannot carry"):
+        choose_transport(CPU, None, "nccl")
+
+
+def test_cuda_parameters_with_a_cpu_comm_device_stage_through_host_buffers():
+    assert choose_transport(CUDA, "cpu", "gloo") == HOST_STAGING
+    assert choose_transport(CUDA, torch.device("cpu"), "cpu:gloo,cuda:nccl") == HOST_STAGING
+    with pytest.raises(ValueError, match=r"comm_device='cpu' .* backend 'nccl' cannot carry"):
+        choose_transport(CUDA, "cpu", "nccl")
 
 
 def test_other_devices_are_refused():
     with pytest.raises(ValueError, match="meta"):
-        _choose_nccl(torch.device("meta"), None)
+        choose_transport(torch.device("meta"), None, "gloo")
+
+
+@pytest.mark.skipif(not hasattr(_C, "NcclTransport"), reason="needs a CUDA build of gossip_ext")
+def test_cuda_parameters_gossip_over_nccl_in_a_cuda_build():
+    assert choose_transport(CUDA, None, "nccl") == NCCL
+    assert choose_transport(CUDA, "cuda", "cpu:gloo,cuda:nccl") == NCCL
 
 
 @pytest.mark.skipif(hasattr(_C, "NcclTransport"), reason="a CUDA build has the NCCL transport")
 def test_cuda_parameters_in_a_cpu_build_say_so():
     with pytest.raises(ValueError, match="no CUDA support"):
-        _choose_nccl(torch.device("cuda", 0), None)
+        choose_transport(CUDA, None, "nccl")

@@ -1,8 +1,8 @@
 // Error types and checking macros shared by every layer.
 //
-// User errors (a bad argument) and peer failures (a timeout) are typed so that the bindings turn
-// them into the Python exception a user expects: gossip::ValueError -> ValueError,
-// gossip::TimeoutError -> TimeoutError. Code that already depends on torch may use TORCH_CHECK
+// User errors (a bad argument) and peer failures (a timeout, a diverged model) are typed so that
+// the bindings turn them into the Python exception a user expects: gossip::ValueError ->
+// ValueError, gossip::TimeoutError -> TimeoutError, gossip::NonFiniteError -> FloatingPointError. Code that already depends on torch may use TORCH_CHECK
 // (RuntimeError), TORCH_CHECK_VALUE (ValueError) and TORCH_CHECK_TYPE (TypeError) instead; the
 // topology layer does not depend on torch, so it uses the macros below.
 #pragma once
@@ -22,6 +22,13 @@ class ValueError : public std::invalid_argument {
 
 // A peer that did not answer within the timeout. The message names the peers and the round.
 class TimeoutError : public std::runtime_error {
+ public:
+  using std::runtime_error::runtime_error;
+};
+
+// NaN or Inf arrived in a message or sat in this rank's parameters when a round was absorbed.
+// The message names the sending ranks (or this rank) and the round.
+class NonFiniteError : public std::runtime_error {
  public:
   using std::runtime_error::runtime_error;
 };

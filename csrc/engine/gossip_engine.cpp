@@ -1,10 +1,17 @@
 #include "engine/gossip_engine.h"
 
+#include <algorithm>
+
+#include <ATen/ops/all.h>
 #include <ATen/ops/empty.h>
 #include <ATen/ops/empty_like.h>
 #include <ATen/ops/full.h>
+#include <ATen/ops/isfinite.h>
+#include <ATen/ops/zeros.h>
+#include <c10/core/impl/VirtualGuardImpl.h>
 #include <c10/util/Exception.h>
 
+#include "common/error.h"
 #include "kernels/push_sum.h"
 
 namespace gossip {
@@ -37,20 +44,42 @@ GossipEngine::GossipEngine(const std::vector<at::Tensor>& params,
                     graph_kind_name(graph_.kind()), " at world size ", graph_.world_size(),
                     " does not; use DynamicBipartiteExponentialGraph, "
                     "DynamicBipartiteLinearGraph, HypercubeGraph or RingGraph(peers_per_itr=2)");
+  TORCH_CHECK_VALUE(!options_.message_dtype.has_value() ||
+                        *options_.message_dtype == at::kHalf ||
+                        *options_.message_dtype == at::kBFloat16,
+                    "gossip_ext: message_dtype must be torch.float16 or torch.bfloat16 (or None for "
+                    "full precision), got ",
+                    *options_.message_dtype);
   groups_ = flatten_parameters(params, names);
   lazy_ = !options_.push_sum ||
           (options_.allow_lazy_mixing && options_.mixing.kind == MixingKind::kUniform &&
            graph_.is_regular());
-  in_place_ = options_.send_in_place && lazy_ && options_.mixing.kind == MixingKind::kUniform;
+  for (const FlatParameterGroup& group : groups_) {
+    const at::ScalarType dtype = group.flat.scalar_type();
+    compressed_.push_back(options_.message_dtype.has_value() &&
+                          (dtype == at::kFloat || dtype == at::kDouble));
+  }
+  const bool any_compressed = std::find(compressed_.begin(), compressed_.end(), true) !=
+                              compressed_.end();
+  in_place_ = options_.send_in_place && lazy_ &&
+              options_.mixing.kind == MixingKind::kUniform && !any_compressed;
 
   for (const FlatParameterGroup& group : groups_) {
     if (group.flat.scalar_type() == at::kDouble) weight_dtype_ = at::kDouble;
   }
   const at::TensorOptions device = groups_[0].flat.options();
   weight_ = at::full({1}, 1.0, device.dtype(weight_dtype_));
-  for (const FlatParameterGroup& group : groups_) {
-    const at::ScalarType dtype = group.flat.scalar_type();
-    const int64_t numel = group.flat.numel();
+  if (options_.check_finite) {
+    nonfinite_ = at::zeros({1}, device.dtype(at::kInt));
+    if (!nonfinite_.is_cpu()) {
+      nonfinite_host_ = at::zeros({1}, at::TensorOptions().dtype(at::kInt).pinned_memory(true));
+      nonfinite_copied_.emplace(nonfinite_.device().type());
+    }
+  }
+  for (size_t g = 0; g < groups_.size(); ++g) {
+    const at::ScalarType dtype =
+        compressed_[g] ? *options_.message_dtype : groups_[g].flat.scalar_type();
+    const int64_t numel = groups_[g].flat.numel();
     const int64_t slot = weight_slot_elements(dtype);
     const int64_t message_numel = lazy_ ? numel : round_up(numel, slot) + slot;
     recv_.emplace_back();
@@ -72,6 +101,7 @@ at::Tensor GossipEngine::weight_slot(const at::Tensor& message) const {
 
 std::shared_ptr<Work> GossipEngine::start_round() {
   throw_if_failed();
+  check_last_absorb_finite();
   TORCH_CHECK(work_ == nullptr, "gossip_ext: gossip round ", round_,
               " is still in flight; finish it before starting another");
   for (const FlatParameterGroup& group : groups_) group.check_views();
@@ -91,7 +121,13 @@ std::shared_ptr<Work> GossipEngine::start_round() {
       if (!out_peers.empty()) flat.mul_(weights.self_weight);
     } else if (!out_peers.empty()) {
       const at::Tensor body = message.narrow(0, 0, flat.numel());
-      if (lazy_) {
+      if (compressed_[g]) {
+        // Note [Compressed messages]: the kept share keeps what rounding took off each copy.
+        const double feedback = static_cast<double>(out_peers.size()) / weights.self_weight;
+        ops::compress_into_(flat, body, weights.peer_weight,
+                            lazy_ ? std::nullopt : std::optional<at::Tensor>(weight_), feedback);
+        if (!lazy_) weight_slot(message).copy_(weight_.mul(weights.peer_weight));
+      } else if (lazy_) {
         ops::scale_into(flat, body, weights.peer_weight, std::nullopt);
       } else {
         ops::scale_into(flat, body, weights.peer_weight, weight_);
@@ -132,6 +168,7 @@ void GossipEngine::wait_or_fail(const std::function<bool()>& wait) {
 
 void GossipEngine::finish_round() {
   throw_if_failed();
+  check_last_absorb_finite();
   if (work_ == nullptr) return;
   wait_or_fail([&] {
     work_->wait(options_.timeout);
@@ -141,8 +178,15 @@ void GossipEngine::finish_round() {
 
 bool GossipEngine::try_finish_round() {
   throw_if_failed();
+  check_last_absorb_finite();
   if (work_ == nullptr) return true;
-  wait_or_fail([&] { return work_->is_completed(); });
+  wait_or_fail([&] {
+    if (!work_->is_completed()) return false;
+    // A round also completes by failing (a peer died): wait() returns at once and rethrows the
+    // transport's error instead of letting stale receive buffers be absorbed.
+    work_->wait(options_.timeout);
+    return true;
+  });
   return work_ == nullptr;
 }
 
@@ -154,6 +198,11 @@ void GossipEngine::absorb() {
     for (size_t j = 0; j < num_received; ++j) sum.add_(weight_slot(recv_[0][j]));
     new_weight = sum;
   }
+  std::optional<at::Tensor> nonfinite;
+  if (options_.check_finite) {
+    nonfinite_.zero_();
+    nonfinite = nonfinite_;
+  }
   for (size_t g = 0; g < groups_.size(); ++g) {
     const at::Tensor& flat = groups_[g].flat;
     std::vector<at::Tensor> received;
@@ -162,16 +211,73 @@ void GossipEngine::absorb() {
       received.push_back(recv_[g][j].narrow(0, 0, flat.numel()));
     }
     if (lazy_) {
-      ops::absorb_(flat, received, self_scale_, std::nullopt, std::nullopt);
+      ops::absorb_(flat, received, self_scale_, std::nullopt, std::nullopt, nonfinite);
     } else {
-      ops::absorb_(flat, received, 1.0, weight_, new_weight);
+      ops::absorb_(flat, received, 1.0, weight_, new_weight, nonfinite);
     }
   }
   if (new_weight.has_value()) weight_.copy_(*new_weight);
   self_scale_ = 1.0;
   lazy_weight_ = 1.0;
   work_.reset();
+  if (options_.check_finite) {
+    nonfinite_check_pending_ = true;
+    checked_round_ = round_;
+    checked_in_peers_ = in_peers_;
+    if (nonfinite_copied_.has_value()) {
+      // A GPU: no host sync here (Note [Non-finite messages]); the next call reads the copy.
+      const c10::Device device = nonfinite_.device();
+      nonfinite_host_.copy_(nonfinite_, /*non_blocking=*/true);
+      nonfinite_copied_->record(c10::impl::VirtualGuardImpl(device.type()).getStream(device));
+    }
+  }
   ++round_;
+  if (!nonfinite_copied_.has_value()) check_last_absorb_finite();
+}
+
+void GossipEngine::check_last_absorb_finite() {
+  if (!nonfinite_check_pending_) return;
+  nonfinite_check_pending_ = false;
+  int flag = 0;
+  if (nonfinite_copied_.has_value()) {
+    nonfinite_copied_->synchronize();
+    flag = nonfinite_host_.item<int>();
+  } else {
+    flag = nonfinite_.item<int>();
+  }
+  if (flag == 0) return;
+  try {
+    raise_nonfinite(checked_round_, checked_in_peers_);
+  } catch (...) {
+    failure_ = std::current_exception();
+    throw;
+  }
+}
+
+void GossipEngine::raise_nonfinite(int64_t round, const std::vector<int>& in_peers) const {
+  // The slow path, taken once: the receive buffers still hold the round's messages.
+  std::vector<int> senders;
+  for (size_t j = 0; j < in_peers.size(); ++j) {
+    for (size_t g = 0; g < groups_.size(); ++g) {
+      const at::Tensor body = recv_[g][j].narrow(0, 0, groups_[g].flat.numel());
+      if (!at::isfinite(body).all().item<bool>()) {
+        senders.push_back(in_peers[j]);
+        break;
+      }
+    }
+  }
+  const int rank = transport_->rank();
+  if (!senders.empty()) {
+    throw NonFiniteError(detail::str_cat(
+        "gossip_ext: round ", round, ": the messages from peers ", senders,
+        " hold NaN or Inf values: the training of those workers has diverged, and rank ", rank,
+        " absorbed them. Pass check_finite=False to let non-finite values through."));
+  }
+  throw NonFiniteError(detail::str_cat(
+      "gossip_ext: round ", round, ": the parameters of this rank (rank ", rank,
+      ") hold NaN or Inf values; no message did: the training of this worker has diverged "
+      "(look at its loss and learning rate). Pass check_finite=False to let non-finite values "
+      "through."));
 }
 
 at::Tensor GossipEngine::ps_weight() const {

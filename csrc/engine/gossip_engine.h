@@ -29,6 +29,31 @@
 // the transport reads them until the round completes, so they must not be read or updated until
 // finish_round(). The synchronous training loop guarantees this: the forward finishes the round.
 //
+// Note [Non-finite messages]
+// ~~~~~~~~~~~~~~~~~~~~~~~~~~
+// A worker whose training diverged sends NaN or Inf, and push-sum would spread it to every worker
+// within a few rounds, silently. With EngineOptions::check_finite the absorb kernel raises a
+// device-side flag when any value it reads is non-finite (it reads every value anyway). Only when
+// the flag is set does the engine scan the received buffers, to name the senders, and fail with
+// gossip::NonFiniteError. On the CPU the flag is read right after absorbing. On a GPU, reading it
+// there would stall the host on every round, so it is copied to pinned memory behind an event
+// and read at the next start_round() or finish_round(), before the receive buffers are reused:
+// the error arrives one step late, but the hot path never synchronises.
+//
+// Note [Compressed messages]
+// ~~~~~~~~~~~~~~~~~~~~~~~~~~~
+// With EngineOptions::message_dtype (float16 or bfloat16), float32/float64 groups send their
+// numerators in 16 bits; the state, the absorb and the push-sum weight stay in full precision.
+// Rounding a message loses mass unless someone keeps it, so the sender does (error feedback into
+// its own state): start sends q = round(peer * w * z) to each of its k out-peers and, in the same
+// kernel pass (compress_into_), moves what rounding took off every copy into its kept share,
+//   z <- z + (k / self) * (peer * w * z - q) / w,
+// so that the kept numerator self * w * z equals w * z - k * q exactly: the sum of all numerators
+// is conserved to the state's rounding, and the error rides along in later rounds' messages.
+// Folding at start (not at absorb) keeps the kept share right under overlap and bounded
+// asynchrony, where the optimizer updates z while the round is in flight. Compressed groups are
+// never sent in place (the message has another dtype), and the weight travels in full precision.
+//
 // Messages: one per out-peer and dtype group, laid out as [numerators | padding | weight], the
 // weight (when it travels) in the engine's weight dtype at an 8-byte-aligned tail.
 //
@@ -50,7 +75,10 @@
 #include <string>
 #include <vector>
 
+#include <optional>
+
 #include <ATen/core/Tensor.h>
+#include <c10/core/Event.h>
 
 #include "engine/flat_parameters.h"
 #include "topology/graph.h"
@@ -76,6 +104,12 @@ struct EngineOptions {
   bool send_in_place = false;
   // How long finish_round() waits for a peer before raising gossip::TimeoutError.
   std::chrono::milliseconds timeout = std::chrono::minutes(5);
+  // Fail with gossip::NonFiniteError, naming the senders, when an absorbed round holds NaN or Inf
+  // (Note [Non-finite messages]).
+  bool check_finite = true;
+  // float16 or bfloat16: send float32/float64 groups in 16 bits (Note [Compressed messages]).
+  // Groups already in 16 bits, and every group when unset, travel in their own dtype.
+  std::optional<at::ScalarType> message_dtype;
 };
 
 class GossipEngine {
@@ -122,6 +156,10 @@ class GossipEngine {
   void absorb();
   void wait_or_fail(const std::function<bool()>& wait);
   void throw_if_failed() const;
+  // Note [Non-finite messages]: reads the flag of the last absorb (waiting for a GPU's copy if
+  // one is pending) and fails with NonFiniteError if it is set.
+  void check_last_absorb_finite();
+  [[noreturn]] void raise_nonfinite(int64_t round, const std::vector<int>& in_peers) const;
   at::Tensor weight_slot(const at::Tensor& message) const;
 
   std::vector<FlatParameterGroup> groups_;
@@ -136,12 +174,22 @@ class GossipEngine {
   at::ScalarType weight_dtype_ = at::kFloat;
   at::Tensor weight_;                            // [1]; unused under lazy mixing
   std::vector<at::Tensor> send_;                 // one message buffer per group
+  std::vector<bool> compressed_;                 // per group: messages in message_dtype
   std::vector<std::vector<at::Tensor>> recv_;    // [group][in-peer] message buffers
   std::vector<int> in_peers_;                    // of the round in flight
   double self_scale_ = 1.0;                      // lazy mixing: applied to z when absorbing
   double lazy_weight_ = 1.0;                     // lazy mixing: w of this node's share
   std::shared_ptr<Work> work_;                   // of the round in flight
   std::exception_ptr failure_;                   // set once a round fails; sticky
+
+  // Note [Non-finite messages]. The flag lives on the parameters' device; on a GPU its pinned
+  // host copy is valid once `nonfinite_copied_` has completed.
+  at::Tensor nonfinite_;
+  at::Tensor nonfinite_host_;
+  std::optional<c10::Event> nonfinite_copied_;
+  bool nonfinite_check_pending_ = false;
+  int64_t checked_round_ = 0;                    // the absorbed round the pending flag covers
+  std::vector<int> checked_in_peers_;            // and its senders
 };
 
 }  // namespace gossip

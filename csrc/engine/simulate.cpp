@@ -1,5 +1,6 @@
 #include "engine/simulate.h"
 
+#include <atomic>
 #include <exception>
 #include <thread>
 
@@ -40,6 +41,9 @@ at::Tensor simulate(const at::Tensor& values, int64_t rounds, const EngineOption
   }
 
   std::vector<std::exception_ptr> errors(n);
+  // The rank that failed first: the others fail because it aborted the hub, so its error (and its
+  // type: TimeoutError, FloatingPointError, ...) is the one that says why.
+  std::atomic<int> first_failure{-1};
   std::vector<std::thread> threads;
   threads.reserve(n);
   for (int i = 0; i < n; ++i) {
@@ -53,16 +57,15 @@ at::Tensor simulate(const at::Tensor& values, int64_t rounds, const EngineOption
         }
       } catch (const std::exception& e) {
         errors[i] = std::current_exception();
+        int none = -1;
+        first_failure.compare_exchange_strong(none, i);
         hub->abort("gossip_ext.simulate: stopped because rank " + std::to_string(i) +
                    " failed: " + e.what());
       }
     });
   }
   for (std::thread& thread : threads) thread.join();
-  // A rank woken by another rank's failure reports that failure too, so the first error says why.
-  for (const std::exception_ptr& error : errors) {
-    if (error) std::rethrow_exception(error);
-  }
+  if (first_failure.load() >= 0) std::rethrow_exception(errors[first_failure.load()]);
   return result;
 }
 

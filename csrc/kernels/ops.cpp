@@ -29,6 +29,28 @@ void check_buffer(const at::Tensor& t, const std::string& arg, const at::Tensor&
                     " but expected ", like.device());
 }
 
+bool is_message_dtype_for(at::ScalarType message, at::ScalarType state) {
+  return message == state || ((message == at::kHalf || message == at::kBFloat16) &&
+                              (state == at::kFloat || state == at::kDouble));
+}
+
+// A message buffer: the state's dtype, or a 16-bit dtype standing in for float32/float64.
+// `message_dtype` is the dtype every message of the call must share.
+void check_message(const at::Tensor& t, const std::string& arg, const at::Tensor& state,
+                   at::ScalarType message_dtype) {
+  const bool state_is_wide = state.scalar_type() == at::kFloat || state.scalar_type() == at::kDouble;
+  TORCH_CHECK_VALUE(is_message_dtype_for(t.scalar_type(), state.scalar_type()), "gossip_ext: ",
+                    arg, " has dtype ", t.scalar_type(), " but expected ", state.scalar_type(),
+                    state_is_wide ? " (or a float16 or bfloat16 message)" : "");
+  TORCH_CHECK_VALUE(t.scalar_type() == message_dtype, "gossip_ext: ", arg, " has dtype ",
+                    t.scalar_type(), " but the other messages have ", message_dtype);
+  TORCH_CHECK_VALUE(t.is_contiguous(), "gossip_ext: ", arg, " must be contiguous");
+  TORCH_CHECK_VALUE(t.sym_numel() == state.sym_numel(), "gossip_ext: ", arg, " has ",
+                    t.sym_numel(), " elements but expected ", state.sym_numel());
+  TORCH_CHECK_VALUE(t.device() == state.device(), "gossip_ext: ", arg, " is on ", t.device(),
+                    " but expected ", state.device());
+}
+
 void check_weight(const std::optional<at::Tensor>& weight, const char* arg,
                   const at::Tensor& like) {
   if (!weight.has_value()) return;
@@ -50,15 +72,38 @@ void check_scale_into_args(const at::Tensor& src, const at::Tensor& out,
   check_weight(weight, "weight", src);
 }
 
+void check_compress_into_args(const at::Tensor& src, const at::Tensor& out,
+                              const std::optional<at::Tensor>& weight) {
+  check_buffer(src, "src", src);
+  TORCH_CHECK_TYPE(out.scalar_type() == at::kHalf || out.scalar_type() == at::kBFloat16,
+                   "gossip_ext: out must be float16 or bfloat16, got ", out.scalar_type());
+  TORCH_CHECK_TYPE(src.scalar_type() == at::kFloat || src.scalar_type() == at::kDouble,
+                   "gossip_ext: src must be float32 or float64 to be compressed, got ",
+                   src.scalar_type());
+  check_message(out, "out", src, out.scalar_type());
+  check_weight(weight, "weight", src);
+}
+
 void check_absorb_args(const at::Tensor& x, at::TensorList received,
                        const std::optional<at::Tensor>& self_weight,
-                       const std::optional<at::Tensor>& new_weight) {
+                       const std::optional<at::Tensor>& new_weight,
+                       const std::optional<at::Tensor>& nonfinite) {
   check_buffer(x, "x", x);
   for (size_t i = 0; i < received.size(); ++i) {
-    check_buffer(received[i], "received[" + std::to_string(i) + "]", x);
+    check_message(received[i], "received[" + std::to_string(i) + "]", x,
+                  received[0].scalar_type());
   }
   check_weight(self_weight, "self_weight", x);
   check_weight(new_weight, "new_weight", x);
+  if (nonfinite.has_value()) {
+    const at::Tensor& flag = *nonfinite;
+    TORCH_CHECK_TYPE(flag.scalar_type() == at::kInt, "gossip_ext: nonfinite must be int32, got ",
+                     flag.scalar_type());
+    TORCH_CHECK_VALUE(flag.sym_numel() == 1, "gossip_ext: nonfinite must have one element, got ",
+                      flag.sym_numel());
+    TORCH_CHECK_VALUE(flag.device() == x.device(), "gossip_ext: nonfinite is on ", flag.device(),
+                      " but the buffers are on ", x.device());
+  }
 }
 
 namespace ops {
@@ -72,15 +117,26 @@ void scale_into(const at::Tensor& src, const at::Tensor& out, double alpha,
   op.call(src, out, alpha, weight);
 }
 
+void compress_into_(const at::Tensor& src, const at::Tensor& out, double alpha,
+                    const std::optional<at::Tensor>& weight, double feedback) {
+  static auto op = c10::Dispatcher::singleton()
+                       .findSchemaOrThrow("gossip_ext::compress_into_", "")
+                       .typed<void(const at::Tensor&, const at::Tensor&, double,
+                                   const std::optional<at::Tensor>&, double)>();
+  op.call(src, out, alpha, weight, feedback);
+}
+
 void absorb_(const at::Tensor& x, at::TensorList received, double alpha,
              const std::optional<at::Tensor>& self_weight,
-             const std::optional<at::Tensor>& new_weight) {
+             const std::optional<at::Tensor>& new_weight,
+             const std::optional<at::Tensor>& nonfinite) {
   static auto op = c10::Dispatcher::singleton()
                        .findSchemaOrThrow("gossip_ext::absorb_", "")
                        .typed<void(const at::Tensor&, at::TensorList, double,
                                    const std::optional<at::Tensor>&,
+                                   const std::optional<at::Tensor>&,
                                    const std::optional<at::Tensor>&)>();
-  op.call(x, received, alpha, self_weight, new_weight);
+  op.call(x, received, alpha, self_weight, new_weight, nonfinite);
 }
 
 }  // namespace ops
@@ -88,8 +144,11 @@ void absorb_(const at::Tensor& x, at::TensorList received, double alpha,
 TORCH_LIBRARY(gossip_ext, m) {
   m.def("scale_into(Tensor src, Tensor(a!) out, float alpha, Tensor? weight=None) -> ()");
   m.def(
+      "compress_into_(Tensor(a!) src, Tensor(b!) out, float alpha, Tensor? weight=None, "
+      "float feedback=0.) -> ()");
+  m.def(
       "absorb_(Tensor(a!) x, Tensor[] received, float alpha, Tensor? self_weight=None, "
-      "Tensor? new_weight=None) -> ()");
+      "Tensor? new_weight=None, Tensor(b!)? nonfinite=None) -> ()");
 }
 
 // Fake-tensor kernels: the ops return nothing and mutate in place, so checking is all there is.
@@ -98,10 +157,15 @@ TORCH_LIBRARY_IMPL(gossip_ext, Meta, m) {
                           const std::optional<at::Tensor>& weight) {
     check_scale_into_args(src, out, weight);
   });
+  m.impl("compress_into_", [](const at::Tensor& src, const at::Tensor& out, double,
+                              const std::optional<at::Tensor>& weight, double) {
+    check_compress_into_args(src, out, weight);
+  });
   m.impl("absorb_", [](const at::Tensor& x, at::TensorList received, double,
                        const std::optional<at::Tensor>& self_weight,
-                       const std::optional<at::Tensor>& new_weight) {
-    check_absorb_args(x, received, self_weight, new_weight);
+                       const std::optional<at::Tensor>& new_weight,
+                       const std::optional<at::Tensor>& nonfinite) {
+    check_absorb_args(x, received, self_weight, new_weight, nonfinite);
   });
 }
 

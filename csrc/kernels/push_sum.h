@@ -5,15 +5,29 @@
 //       out = alpha * weight * src.
 //       The send buffer of a round is scale_into(z, send, mixing peer weight, w); the push-sum
 //       numerator ("re-bias") is scale_into(z, x, 1.0, w).
+//   compress_into_(Tensor(a!) src, Tensor(b!) out, float alpha, Tensor? weight=None,
+//                  float feedback=0.) -> ()
+//       v = alpha * weight * src; out = v rounded to out's 16-bit dtype; then
+//       src += feedback * (v - out) / weight, in one pass.
+//       The send of a compressed round (Note [Compressed messages] in the engine): out is the
+//       float16/bfloat16 message, and with feedback = (number of peers) / (kept share) the
+//       rounding error of every copy sent stays in the sender's own state, so no mass is lost.
 //   absorb_(Tensor(a!) x, Tensor[] received, float alpha, Tensor? self_weight=None,
-//           Tensor? new_weight=None) -> ()
+//           Tensor? new_weight=None, Tensor(b!)? nonfinite=None) -> ()
 //       x = (alpha * self_weight * x + sum(received)) / new_weight, in one pass.
 //       With x holding the de-biased parameters z, self_weight = the node's kept share of the
 //       push-sum weight and new_weight = kept share + received weights, this is "absorb the
 //       round and de-bias" fused; with no weights (lazy mixing) it is x = alpha * x + sum(received).
+//       nonfinite, a one-element int32 tensor on the buffers' device, is set to 1 when any value
+//       read (x before the update, or a received buffer) is NaN or Inf, and never cleared, so one
+//       flag can cover several calls. The check rides on the same pass: divergence is caught
+//       where it arrives at no extra memory traffic, and the flag stays on the device until the
+//       caller chooses to read it.
 //
 // Buffers are 1-D-compatible contiguous tensors of one floating dtype (float32, float64, float16,
-// bfloat16) on one device; 16-bit types accumulate in float32. A weight is a one-element float32
+// bfloat16) on one device; 16-bit types accumulate in float32. Messages (compress_into_'s out,
+// absorb_'s received) may instead be float16 or bfloat16 when the state is float32 or float64;
+// the received buffers of one call share one dtype. A weight is a one-element float32
 // or float64 tensor on the buffers' device, so CUDA kernels read it without a host sync.
 #pragma once
 
@@ -26,17 +40,23 @@ namespace gossip {
 // Argument checks shared by every backend (and the Meta kernels used for fake tensors).
 void check_scale_into_args(const at::Tensor& src, const at::Tensor& out,
                            const std::optional<at::Tensor>& weight);
+void check_compress_into_args(const at::Tensor& src, const at::Tensor& out,
+                              const std::optional<at::Tensor>& weight);
 void check_absorb_args(const at::Tensor& x, at::TensorList received,
                        const std::optional<at::Tensor>& self_weight,
-                       const std::optional<at::Tensor>& new_weight);
+                       const std::optional<at::Tensor>& new_weight,
+                       const std::optional<at::Tensor>& nonfinite);
 
 // Entry points through the dispatcher: they reach the kernel of the tensors' device.
 namespace ops {
 void scale_into(const at::Tensor& src, const at::Tensor& out, double alpha,
                 const std::optional<at::Tensor>& weight);
+void compress_into_(const at::Tensor& src, const at::Tensor& out, double alpha,
+                    const std::optional<at::Tensor>& weight, double feedback);
 void absorb_(const at::Tensor& x, at::TensorList received, double alpha,
              const std::optional<at::Tensor>& self_weight,
-             const std::optional<at::Tensor>& new_weight);
+             const std::optional<at::Tensor>& new_weight,
+             const std::optional<at::Tensor>& nonfinite = std::nullopt);
 }  // namespace ops
 
 }  // namespace gossip

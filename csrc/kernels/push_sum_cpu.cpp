@@ -4,6 +4,9 @@
 // each thread walks its range in cache-sized blocks, accumulating in a small opmath array that the
 // compiler vectorizes. float16/bfloat16 accumulate in float32 and round once when stored.
 #include <algorithm>
+#include <atomic>
+#include <cmath>
+#include <type_traits>
 #include <vector>
 
 #include <ATen/Dispatch.h>
@@ -34,24 +37,45 @@ void scale_into_kernel(const scalar_t* __restrict src, scalar_t* __restrict out,
   });
 }
 
-template <typename scalar_t>
-void absorb_kernel(scalar_t* __restrict x, const std::vector<const scalar_t*>& received,
+// With kCheckFinite, every value read also feeds a probe lane: probe[j] += v * 0 stays 0 while
+// every v is finite and turns NaN for good at the first NaN or Inf (IEEE: Inf * 0 and NaN * 0 are
+// NaN). It is one more vectorized multiply-add on data already in registers, and the lanes are
+// reduced once per thread range, not per element. Returns whether a non-finite value was read.
+template <typename scalar_t, typename message_t, bool kCheckFinite>
+bool absorb_kernel(scalar_t* __restrict x, const std::vector<const message_t*>& received,
                    int64_t n, at::opmath_type<scalar_t> self_scale,
                    at::opmath_type<scalar_t> out_scale) {
   using opmath_t = at::opmath_type<scalar_t>;
+  std::atomic<bool> nonfinite{false};
   at::parallel_for(0, n, kGrainSize, [&](int64_t begin, int64_t end) {
     opmath_t acc[kBlock];
+    [[maybe_unused]] opmath_t probe[kBlock];
+    if constexpr (kCheckFinite) std::fill_n(probe, kBlock, opmath_t(0));
     for (int64_t start = begin; start < end; start += kBlock) {
       const int64_t len = std::min(kBlock, end - start);
       scalar_t* __restrict xb = x + start;
-      for (int64_t j = 0; j < len; ++j) acc[j] = self_scale * static_cast<opmath_t>(xb[j]);
-      for (const scalar_t* r : received) {
-        const scalar_t* __restrict rb = r + start;
-        for (int64_t j = 0; j < len; ++j) acc[j] += static_cast<opmath_t>(rb[j]);
+      for (int64_t j = 0; j < len; ++j) {
+        const opmath_t v = static_cast<opmath_t>(xb[j]);
+        acc[j] = self_scale * v;
+        if constexpr (kCheckFinite) probe[j] += v * opmath_t(0);
+      }
+      for (const message_t* r : received) {
+        const message_t* __restrict rb = r + start;
+        for (int64_t j = 0; j < len; ++j) {
+          const opmath_t v = static_cast<opmath_t>(rb[j]);
+          acc[j] += v;
+          if constexpr (kCheckFinite) probe[j] += v * opmath_t(0);
+        }
       }
       for (int64_t j = 0; j < len; ++j) xb[j] = static_cast<scalar_t>(acc[j] * out_scale);
     }
+    if constexpr (kCheckFinite) {
+      opmath_t total = 0;
+      for (int64_t j = 0; j < kBlock; ++j) total += probe[j];
+      if (std::isnan(total)) nonfinite.store(true, std::memory_order_relaxed);
+    }
   });
+  return nonfinite.load(std::memory_order_relaxed);
 }
 
 void scale_into_cpu(const at::Tensor& src, const at::Tensor& out, double alpha,
@@ -64,19 +88,77 @@ void scale_into_cpu(const at::Tensor& src, const at::Tensor& out, double alpha,
   });
 }
 
+// Compressed send: one pass reads src, writes the rounded message and folds what rounding took
+// off back into src (see push_sum.h).
+template <typename scalar_t, typename message_t>
+void compress_into_kernel(scalar_t* __restrict src, message_t* __restrict out, int64_t n,
+                          at::opmath_type<scalar_t> scale, at::opmath_type<scalar_t> fold) {
+  using opmath_t = at::opmath_type<scalar_t>;
+  at::parallel_for(0, n, kGrainSize, [&](int64_t begin, int64_t end) {
+    for (int64_t i = begin; i < end; ++i) {
+      const opmath_t z = static_cast<opmath_t>(src[i]);
+      const opmath_t v = scale * z;
+      const message_t q = static_cast<message_t>(v);
+      out[i] = q;
+      src[i] = static_cast<scalar_t>(z + fold * (v - static_cast<opmath_t>(q)));
+    }
+  });
+}
+
+void compress_into_cpu(const at::Tensor& src, const at::Tensor& out, double alpha,
+                       const std::optional<at::Tensor>& weight, double feedback) {
+  check_compress_into_args(src, out, weight);
+  const double w = weight_value(weight);
+  AT_DISPATCH_FLOATING_TYPES(src.scalar_type(), "compress_into_", [&] {
+    using opmath_t = at::opmath_type<scalar_t>;
+    const auto scale = static_cast<opmath_t>(alpha * w);
+    const auto fold = static_cast<opmath_t>(feedback / w);
+    if (out.scalar_type() == at::kHalf) {
+      compress_into_kernel(src.mutable_data_ptr<scalar_t>(), out.mutable_data_ptr<at::Half>(),
+                           src.numel(), scale, fold);
+    } else {
+      compress_into_kernel(src.mutable_data_ptr<scalar_t>(),
+                           out.mutable_data_ptr<at::BFloat16>(), src.numel(), scale, fold);
+    }
+  });
+}
+
+template <typename scalar_t, typename message_t>
+void absorb_typed(const at::Tensor& x, at::TensorList received, double self_scale,
+                  double out_scale, const std::optional<at::Tensor>& nonfinite) {
+  using opmath_t = at::opmath_type<scalar_t>;
+  std::vector<const message_t*> pointers;
+  pointers.reserve(received.size());
+  for (const at::Tensor& r : received) pointers.push_back(r.const_data_ptr<message_t>());
+  scalar_t* out = x.mutable_data_ptr<scalar_t>();
+  const auto self = static_cast<opmath_t>(self_scale);
+  const auto scale = static_cast<opmath_t>(out_scale);
+  if (!nonfinite.has_value()) {
+    absorb_kernel<scalar_t, message_t, false>(out, pointers, x.numel(), self, scale);
+  } else if (absorb_kernel<scalar_t, message_t, true>(out, pointers, x.numel(), self, scale)) {
+    nonfinite->fill_(1);
+  }
+}
+
 void absorb_cpu(const at::Tensor& x, at::TensorList received, double alpha,
                 const std::optional<at::Tensor>& self_weight,
-                const std::optional<at::Tensor>& new_weight) {
-  check_absorb_args(x, received, self_weight, new_weight);
+                const std::optional<at::Tensor>& new_weight,
+                const std::optional<at::Tensor>& nonfinite) {
+  check_absorb_args(x, received, self_weight, new_weight, nonfinite);
   const double self_scale = alpha * weight_value(self_weight);
   const double out_scale = 1.0 / weight_value(new_weight);
+  const at::ScalarType message = received.empty() ? x.scalar_type() : received[0].scalar_type();
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, x.scalar_type(), "absorb_", [&] {
-    using opmath_t = at::opmath_type<scalar_t>;
-    std::vector<const scalar_t*> pointers;
-    pointers.reserve(received.size());
-    for (const at::Tensor& r : received) pointers.push_back(r.const_data_ptr<scalar_t>());
-    absorb_kernel<scalar_t>(x.mutable_data_ptr<scalar_t>(), pointers, x.numel(),
-                            static_cast<opmath_t>(self_scale), static_cast<opmath_t>(out_scale));
+    if (message == x.scalar_type()) {
+      absorb_typed<scalar_t, scalar_t>(x, received, self_scale, out_scale, nonfinite);
+    } else if constexpr (std::is_same_v<scalar_t, float> || std::is_same_v<scalar_t, double>) {
+      // Compressed messages (checked above: float16 or bfloat16 under a float32/64 state).
+      if (message == at::kHalf) {
+        absorb_typed<scalar_t, at::Half>(x, received, self_scale, out_scale, nonfinite);
+      } else {
+        absorb_typed<scalar_t, at::BFloat16>(x, received, self_scale, out_scale, nonfinite);
+      }
+    }
   });
 }
 
@@ -84,6 +166,7 @@ void absorb_cpu(const at::Tensor& x, at::TensorList received, double alpha,
 
 TORCH_LIBRARY_IMPL(gossip_ext, CPU, m) {
   m.impl("scale_into", &scale_into_cpu);
+  m.impl("compress_into_", &compress_into_cpu);
   m.impl("absorb_", &absorb_cpu);
 }
 

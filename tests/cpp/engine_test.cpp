@@ -5,6 +5,7 @@
 #include <chrono>
 #include <cmath>
 #include <exception>
+#include <limits>
 #include <memory>
 #include <random>
 #include <string>
@@ -20,6 +21,7 @@
 
 #include "common/error.h"
 #include "engine/gossip_engine.h"
+#include "transport/host_staging/host_staging_transport.h"
 #include "transport/inproc/inproc_transport.h"
 
 namespace gossip {
@@ -52,8 +54,11 @@ RankState state_of(const GossipEngine& engine) {
 
 // n ranks on one hub; rank r owns parameters of the given dtypes (shapes cycle through {3}, {2, 2},
 // {5}) with random values, so no two ranks start equal.
+// With `staged`, every rank's transport goes through HostStagingTransport, as CUDA parameters
+// gossiping over gloo do.
 struct World {
-  World(int n, const EngineOptions& options, const std::vector<at::ScalarType>& dtypes)
+  World(int n, const EngineOptions& options, const std::vector<at::ScalarType>& dtypes,
+        bool staged = false)
       : hub(std::make_shared<InProcHub>(n)), params(n), initial(n) {
     const std::vector<std::vector<int64_t>> shapes = {{3}, {2, 2}, {5}};
     std::mt19937_64 rng(n);
@@ -68,8 +73,9 @@ struct World {
         initial[r].push_back(values_of(params[r].back()));
         names.push_back("p" + std::to_string(i));
       }
-      engines.push_back(std::make_unique<GossipEngine>(
-          params[r], names, std::make_shared<InProcTransport>(hub, r), options));
+      std::shared_ptr<Transport> transport = std::make_shared<InProcTransport>(hub, r);
+      if (staged) transport = std::make_shared<HostStagingTransport>(transport);
+      engines.push_back(std::make_unique<GossipEngine>(params[r], names, transport, options));
     }
   }
   int size() const { return static_cast<int>(engines.size()); }
@@ -422,6 +428,164 @@ TEST(GossipEngineTest, WorldSizeOneIsANoOp) {
       EXPECT_EQ(trace[t][0].z, trace[0][0].z) << "round " << t - 1;
       EXPECT_EQ(trace[t][0].w, 1.0);
     }
+  }
+}
+
+// Note [Non-finite messages]: rank 2 of a ring diverges. Its out-peer (rank 3) raises naming it,
+// rank 2 raises naming itself, and ranks 0 and 1, which never see its values, go on.
+std::vector<std::string> one_round_errors(World& world) {
+  const int n = world.size();
+  std::vector<std::string> errors(n);
+  std::vector<std::thread> threads;
+  for (int r = 0; r < n; ++r) {
+    threads.emplace_back([&, r] {
+      c10::NoGradGuard no_grad;
+      try {
+        world.engines[r]->start_round();
+        world.engines[r]->finish_round();
+      } catch (const NonFiniteError& e) {
+        errors[r] = e.what();
+      }
+    });
+  }
+  for (std::thread& thread : threads) thread.join();
+  return errors;
+}
+
+TEST(GossipEngineTest, NonFiniteMessageRaisesNamingTheSender) {
+  for (const MixingOptions& mixing : {kUniform, kSelfWeight}) {
+    for (double bad : {std::nan(""), -std::numeric_limits<double>::infinity()}) {
+      SCOPED_TRACE(std::string(mixing.kind == MixingKind::kUniform ? "uniform " : "self_weight ") +
+                   std::to_string(bad));
+      World world(4, options_for({GraphKind::kRing, 1, mixing}), {at::kFloat, at::kDouble});
+      {
+        c10::NoGradGuard no_grad;
+        world.params[2][1].view(-1)[3].fill_(bad);
+      }
+      const std::vector<std::string> errors = one_round_errors(world);
+      EXPECT_EQ(errors[0], "");
+      EXPECT_EQ(errors[1], "");
+      EXPECT_NE(errors[3].find("round 0: the messages from peers [2] hold NaN or Inf"),
+                std::string::npos)
+          << errors[3];
+      EXPECT_NE(errors[2].find("the parameters of this rank (rank 2) hold NaN or Inf"),
+                std::string::npos)
+          << errors[2];
+      // The failure is sticky: the parameters now hold the values, so gossip must not go on.
+      EXPECT_THROW(world.engines[3]->start_round(), NonFiniteError);
+      EXPECT_THROW(world.engines[3]->finish_round(), NonFiniteError);
+    }
+  }
+}
+
+TEST(GossipEngineTest, CheckFiniteOffLetsNonFiniteValuesThrough) {
+  EngineOptions options = options_for({GraphKind::kRing, 1, kUniform});
+  options.check_finite = false;
+  World world(4, options, {at::kFloat});
+  {
+    c10::NoGradGuard no_grad;
+    world.params[2][0].view(-1)[0].fill_(std::nan(""));
+  }
+  const std::vector<std::string> errors = one_round_errors(world);
+  for (const std::string& error : errors) EXPECT_EQ(error, "");
+  EXPECT_TRUE(std::isnan(values_of(world.params[3][0])[0]));
+  EXPECT_FALSE(std::isnan(values_of(world.params[1][0])[0]));
+}
+
+// The staging decorator moves bytes only: rounds through it equal direct rounds bit for bit, in
+// every message layout (lazy and travelling weights, several dtype groups, sent in place or not).
+TEST(GossipEngineTest, HostStagingGivesTheSameRoundsAsTheInnerTransport) {
+  for (const Case& c : {Case{GraphKind::kNPeerDynamicDirectedExponential, 2, kUniform},
+                        Case{GraphKind::kDynamicDirectedExponential, 1, kSelfWeight},
+                        Case{GraphKind::kRing, 1, kUniform, /*allow_lazy_mixing=*/false}}) {
+    for (bool in_place : {false, true}) {
+      SCOPED_TRACE(describe(5, c) + (in_place ? " in place" : ""));
+      EngineOptions options = options_for(c);
+      options.send_in_place = in_place;
+      World direct(5, options, {at::kFloat, at::kDouble});
+      World staged(5, options, {at::kFloat, at::kDouble}, /*staged=*/true);
+      const auto want = run_rounds(direct, 4);
+      const auto got = run_rounds(staged, 4);
+      for (size_t t = 0; t < want.size(); ++t) {
+        for (size_t r = 0; r < want[t].size(); ++r) {
+          EXPECT_EQ(got[t][r].z, want[t][r].z) << "round " << t << " rank " << r;
+          EXPECT_EQ(got[t][r].w, want[t][r].w) << "round " << t << " rank " << r;
+        }
+      }
+    }
+  }
+}
+
+// A transport whose round completes by failing, as a gloo round does when a peer dies.
+class FailedRoundTransport final : public Transport {
+ public:
+  class FailedWork final : public Work {
+   public:
+    bool is_completed() override { return true; }
+    void wait(std::chrono::milliseconds) override {
+      throw std::runtime_error("failed to receive from peer 1 in gossip round 0");
+    }
+  };
+  int rank() const override { return 0; }
+  int world_size() const override { return 2; }
+  std::shared_ptr<Work> exchange(std::vector<PeerMessage>, std::vector<PeerMessage>,
+                                 int64_t) override {
+    return std::make_shared<FailedWork>();
+  }
+  std::string name() const override { return "failed"; }
+};
+
+// try_finish_round (bounded asynchrony) must surface the failure, not absorb stale buffers.
+TEST(GossipEngineTest, RoundThatCompletedByFailingRaisesInsteadOfBeingAbsorbed) {
+  for (bool staged : {false, true}) {
+    SCOPED_TRACE(staged ? "staged" : "direct");
+    std::shared_ptr<Transport> transport = std::make_shared<FailedRoundTransport>();
+    if (staged) transport = std::make_shared<HostStagingTransport>(transport);
+    const at::Tensor param = at::ones({4}, at::kFloat);
+    GossipEngine engine({param}, {"p"}, transport, options_for({GraphKind::kRing, 1, kUniform}));
+    engine.start_round();
+    try {
+      engine.try_finish_round();
+      ADD_FAILURE() << "try_finish_round absorbed a failed round";
+    } catch (const std::runtime_error& e) {
+      EXPECT_NE(std::string(e.what()).find("peer 1"), std::string::npos) << e.what();
+    }
+    EXPECT_EQ(engine.round(), 0);
+    EXPECT_THROW(engine.finish_round(), std::runtime_error);  // sticky
+  }
+}
+
+// Note [Compressed messages]: 16-bit messages under travelling weights conserve the numerators'
+// sum to the state's rounding every round, and the wire carries half (float32) or a quarter
+// (float64) of the bytes.
+TEST(GossipEngineTest, CompressedMessagesConserveMassAndShrinkTheWire) {
+  for (at::ScalarType message : {at::kBFloat16, at::kHalf}) {
+    SCOPED_TRACE(c10::toString(message));
+    EngineOptions options = options_for({GraphKind::kNPeerDynamicDirectedExponential, 2,
+                                         kSelfWeight});
+    World full(5, options, {at::kFloat, at::kDouble});
+    options.message_dtype = message;
+    World compressed(5, options, {at::kFloat, at::kDouble});
+    const auto trace = run_rounds(compressed, 20);
+    expect_mass_conserved(trace, {1e-5, 1e-12, 1e-12});
+    run_rounds(full, 20);
+    // 20 rounds, 2 peers. A float32 group of 3 elements pads to 4 and adds the 8-byte weight
+    // slot: 24 bytes, 16 in 16 bits; a float64 group of 4 elements: 40 bytes, 16 in 16 bits.
+    EXPECT_EQ(full.engines[0]->bytes_sent(), 20 * 2 * (24 + 40));
+    EXPECT_EQ(compressed.engines[0]->bytes_sent(), 20 * 2 * (16 + 16));
+  }
+}
+
+TEST(GossipEngineTest, MessageDtypeMustBe16Bit) {
+  EngineOptions options = options_for({GraphKind::kRing, 1, kUniform});
+  options.message_dtype = at::kFloat;
+  try {
+    World world(2, options, {at::kFloat});
+    ADD_FAILURE() << "a float32 message_dtype was accepted";
+  } catch (const c10::ValueError& e) {
+    EXPECT_NE(std::string(e.what()).find("message_dtype must be torch.float16 or torch.bfloat16"),
+              std::string::npos)
+        << e.what();
   }
 }
 

@@ -7,6 +7,7 @@
 // kernel from device memory, so the hot path never synchronises with the host.
 #include <algorithm>
 #include <cstdint>
+#include <type_traits>
 
 #include <ATen/Dispatch.h>
 #include <ATen/OpMathType.h>
@@ -43,13 +44,24 @@ DeviceWeight device_weight(const std::optional<at::Tensor>& weight) {
   return {weight->const_data_ptr(), weight->scalar_type() == at::kDouble};
 }
 
-template <typename scalar_t>
-struct alignas(kVectorBytes) Vector {
-  static constexpr int kSize = kVectorBytes / static_cast<int>(sizeof(scalar_t));
-  scalar_t values[kSize];
+// N elements loaded or stored as one aligned access.
+template <typename T, int N>
+struct alignas(sizeof(T) * N) Pack {
+  static constexpr int kSize = N;
+  T values[N];
 };
 
-bool is_aligned(const void* p) { return reinterpret_cast<std::uintptr_t>(p) % kVectorBytes == 0; }
+// 16 bytes of the state's dtype; messages in a 16-bit dtype are loaded as Packs of as many
+// elements (8 bytes for a float32 state), so one thread handles the same elements of both.
+template <typename scalar_t>
+using Vector = Pack<scalar_t, kVectorBytes / static_cast<int>(sizeof(scalar_t))>;
+
+template <typename scalar_t, typename message_t>
+using MessageVector = Pack<message_t, Vector<scalar_t>::kSize>;
+
+bool is_aligned(const void* p, size_t bytes = kVectorBytes) {
+  return reinterpret_cast<std::uintptr_t>(p) % bytes == 0;
+}
 
 int blocks_for(int64_t work_items) {
   const int64_t blocks = (work_items + kThreads - 1) / kThreads;
@@ -111,9 +123,9 @@ void scale_into_cuda(const at::Tensor& src, const at::Tensor& out, double alpha,
 
 // ----------------------------------------------------------------------------- absorb_
 
-template <typename scalar_t>
+template <typename message_t>
 struct ReceivedBatch {
-  const scalar_t* ptrs[kMaxReceivedPerLaunch];
+  const message_t* ptrs[kMaxReceivedPerLaunch];
   int count;
 };
 
@@ -125,10 +137,21 @@ struct AbsorbStep {
   DeviceWeight new_weight;
   bool first;
   bool last;
+  int* nonfinite;  // set to 1 when a value read is NaN or Inf; nullptr: no check
 };
 
-template <typename scalar_t, bool kVectorized>
-__global__ void absorb_kernel(scalar_t* __restrict__ x, ReceivedBatch<scalar_t> batch, int64_t n,
+// NaN or Inf: an all-ones exponent. Tested on the bits, because --use_fast_math lets the compiler
+// assume finite values in floating-point comparisons.
+__device__ __forceinline__ bool is_nonfinite(float v) {
+  return (__float_as_uint(v) & 0x7f800000u) == 0x7f800000u;
+}
+__device__ __forceinline__ bool is_nonfinite(double v) {
+  return (static_cast<unsigned long long>(__double_as_longlong(v)) & 0x7ff0000000000000ull) ==
+         0x7ff0000000000000ull;
+}
+
+template <typename scalar_t, typename message_t, bool kVectorized>
+__global__ void absorb_kernel(scalar_t* __restrict__ x, ReceivedBatch<message_t> batch, int64_t n,
                               AbsorbStep step) {
   using opmath_t = at::opmath_type<scalar_t>;
   const opmath_t self_scale =
@@ -137,6 +160,8 @@ __global__ void absorb_kernel(scalar_t* __restrict__ x, ReceivedBatch<scalar_t> 
   const opmath_t out_scale =
       step.last ? opmath_t(1) / step.new_weight.load<opmath_t>() : opmath_t(1);
   const int64_t stride = static_cast<int64_t>(blockDim.x) * gridDim.x;
+  // Per-thread, in a register: the values are checked as they pass, at no extra memory traffic.
+  bool nonfinite = false;
   int64_t first_scalar = 0;
   if constexpr (kVectorized) {
     using V = Vector<scalar_t>;
@@ -146,11 +171,20 @@ __global__ void absorb_kernel(scalar_t* __restrict__ x, ReceivedBatch<scalar_t> 
       V xv = reinterpret_cast<const V*>(x)[v];
       opmath_t acc[V::kSize];
 #pragma unroll
-      for (int j = 0; j < V::kSize; ++j) acc[j] = self_scale * static_cast<opmath_t>(xv.values[j]);
+      for (int j = 0; j < V::kSize; ++j) {
+        const opmath_t value = static_cast<opmath_t>(xv.values[j]);
+        nonfinite |= is_nonfinite(value);
+        acc[j] = self_scale * value;
+      }
       for (int k = 0; k < batch.count; ++k) {
-        const V rv = reinterpret_cast<const V*>(batch.ptrs[k])[v];
+        using M = MessageVector<scalar_t, message_t>;
+        const M rv = reinterpret_cast<const M*>(batch.ptrs[k])[v];
 #pragma unroll
-        for (int j = 0; j < V::kSize; ++j) acc[j] += static_cast<opmath_t>(rv.values[j]);
+        for (int j = 0; j < V::kSize; ++j) {
+          const opmath_t value = static_cast<opmath_t>(rv.values[j]);
+          nonfinite |= is_nonfinite(value);
+          acc[j] += value;
+        }
       }
 #pragma unroll
       for (int j = 0; j < V::kSize; ++j) xv.values[j] = static_cast<scalar_t>(acc[j] * out_scale);
@@ -160,44 +194,157 @@ __global__ void absorb_kernel(scalar_t* __restrict__ x, ReceivedBatch<scalar_t> 
   }
   for (int64_t i = first_scalar + blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x;
        i < n; i += stride) {
-    opmath_t acc = self_scale * static_cast<opmath_t>(x[i]);
-    for (int k = 0; k < batch.count; ++k) acc += static_cast<opmath_t>(batch.ptrs[k][i]);
+    const opmath_t value = static_cast<opmath_t>(x[i]);
+    nonfinite |= is_nonfinite(value);
+    opmath_t acc = self_scale * value;
+    for (int k = 0; k < batch.count; ++k) {
+      const opmath_t received = static_cast<opmath_t>(batch.ptrs[k][i]);
+      nonfinite |= is_nonfinite(received);
+      acc += received;
+    }
     x[i] = static_cast<scalar_t>(acc * out_scale);
   }
+  // Every writer stores the same value, so racing stores are benign; no atomics needed.
+  if (nonfinite && step.nonfinite != nullptr) *step.nonfinite = 1;
+}
+
+template <typename scalar_t, typename message_t>
+void launch_absorb(const at::Tensor& x, at::TensorList received, double alpha,
+                   const std::optional<at::Tensor>& self_weight,
+                   const std::optional<at::Tensor>& new_weight,
+                   const std::optional<at::Tensor>& nonfinite, cudaStream_t stream) {
+  const int64_t n = x.numel();
+  constexpr size_t kMessageVectorBytes = sizeof(MessageVector<scalar_t, message_t>);
+  scalar_t* out = x.mutable_data_ptr<scalar_t>();
+  const size_t total = received.size();
+  size_t next = 0;
+  bool first = true;
+  do {  // at least one launch, even with nothing received: x = alpha * w * x / w_new
+    ReceivedBatch<message_t> batch{};
+    bool aligned = is_aligned(out);
+    while (next < total && batch.count < kMaxReceivedPerLaunch) {
+      const message_t* r = received[next++].const_data_ptr<message_t>();
+      aligned = aligned && is_aligned(r, kMessageVectorBytes);
+      batch.ptrs[batch.count++] = r;
+    }
+    const AbsorbStep step{alpha,
+                          device_weight(self_weight),
+                          device_weight(new_weight),
+                          first,
+                          /*last=*/next == total,
+                          nonfinite.has_value() ? nonfinite->mutable_data_ptr<int>() : nullptr};
+    first = false;
+    if (aligned) {
+      const int64_t items = std::max<int64_t>(n / Vector<scalar_t>::kSize, 1);
+      absorb_kernel<scalar_t, message_t, true>
+          <<<blocks_for(items), kThreads, 0, stream>>>(out, batch, n, step);
+    } else {
+      absorb_kernel<scalar_t, message_t, false>
+          <<<blocks_for(n), kThreads, 0, stream>>>(out, batch, n, step);
+    }
+    C10_CUDA_KERNEL_LAUNCH_CHECK();
+  } while (next < total);
 }
 
 void absorb_cuda(const at::Tensor& x, at::TensorList received, double alpha,
                  const std::optional<at::Tensor>& self_weight,
-                 const std::optional<at::Tensor>& new_weight) {
-  check_absorb_args(x, received, self_weight, new_weight);
-  const int64_t n = x.numel();
-  if (n == 0) return;
+                 const std::optional<at::Tensor>& new_weight,
+                 const std::optional<at::Tensor>& nonfinite) {
+  check_absorb_args(x, received, self_weight, new_weight, nonfinite);
+  if (x.numel() == 0) return;
   const c10::cuda::OptionalCUDAGuard guard(x.device());
   const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
+  const at::ScalarType message = received.empty() ? x.scalar_type() : received[0].scalar_type();
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, x.scalar_type(), "absorb_", [&] {
-    scalar_t* out = x.mutable_data_ptr<scalar_t>();
-    const size_t total = received.size();
-    size_t next = 0;
-    bool first = true;
-    do {  // at least one launch, even with nothing received: x = alpha * w * x / w_new
-      ReceivedBatch<scalar_t> batch{};
-      bool aligned = is_aligned(out);
-      while (next < total && batch.count < kMaxReceivedPerLaunch) {
-        const scalar_t* r = received[next++].const_data_ptr<scalar_t>();
-        aligned = aligned && is_aligned(r);
-        batch.ptrs[batch.count++] = r;
-      }
-      const AbsorbStep step{alpha, device_weight(self_weight), device_weight(new_weight), first,
-                            /*last=*/next == total};
-      first = false;
-      if (aligned) {
-        const int64_t items = std::max<int64_t>(n / Vector<scalar_t>::kSize, 1);
-        absorb_kernel<scalar_t, true><<<blocks_for(items), kThreads, 0, stream>>>(out, batch, n, step);
+    if (message == x.scalar_type()) {
+      launch_absorb<scalar_t, scalar_t>(x, received, alpha, self_weight, new_weight, nonfinite,
+                                        stream);
+    } else if constexpr (std::is_same_v<scalar_t, float> || std::is_same_v<scalar_t, double>) {
+      // Compressed messages (checked: float16 or bfloat16 under a float32/64 state).
+      if (message == at::kHalf) {
+        launch_absorb<scalar_t, at::Half>(x, received, alpha, self_weight, new_weight, nonfinite,
+                                          stream);
       } else {
-        absorb_kernel<scalar_t, false><<<blocks_for(n), kThreads, 0, stream>>>(out, batch, n, step);
+        launch_absorb<scalar_t, at::BFloat16>(x, received, alpha, self_weight, new_weight,
+                                              nonfinite, stream);
       }
-      C10_CUDA_KERNEL_LAUNCH_CHECK();
-    } while (next < total);
+    }
+  });
+}
+
+// ----------------------------------------------------------------------------- compress_into_
+
+template <typename scalar_t, typename message_t, bool kVectorized>
+__global__ void compress_into_kernel(scalar_t* __restrict__ src, message_t* __restrict__ out,
+                                     int64_t n, double alpha, double feedback,
+                                     DeviceWeight weight) {
+  using opmath_t = at::opmath_type<scalar_t>;
+  const opmath_t w = weight.load<opmath_t>();
+  const opmath_t scale = static_cast<opmath_t>(alpha) * w;
+  const opmath_t fold = static_cast<opmath_t>(feedback) / w;
+  const int64_t stride = static_cast<int64_t>(blockDim.x) * gridDim.x;
+  int64_t first_scalar = 0;
+  if constexpr (kVectorized) {
+    using V = Vector<scalar_t>;
+    using M = MessageVector<scalar_t, message_t>;
+    const int64_t num_vectors = n / V::kSize;
+    for (int64_t v = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; v < num_vectors;
+         v += stride) {
+      V zv = reinterpret_cast<const V*>(src)[v];
+      M qv;
+#pragma unroll
+      for (int j = 0; j < V::kSize; ++j) {
+        const opmath_t z = static_cast<opmath_t>(zv.values[j]);
+        const opmath_t value = scale * z;
+        qv.values[j] = static_cast<message_t>(value);
+        zv.values[j] =
+            static_cast<scalar_t>(z + fold * (value - static_cast<opmath_t>(qv.values[j])));
+      }
+      reinterpret_cast<M*>(out)[v] = qv;
+      reinterpret_cast<V*>(src)[v] = zv;
+    }
+    first_scalar = num_vectors * V::kSize;
+  }
+  for (int64_t i = first_scalar + blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x;
+       i < n; i += stride) {
+    const opmath_t z = static_cast<opmath_t>(src[i]);
+    const opmath_t value = scale * z;
+    const message_t q = static_cast<message_t>(value);
+    out[i] = q;
+    src[i] = static_cast<scalar_t>(z + fold * (value - static_cast<opmath_t>(q)));
+  }
+}
+
+template <typename scalar_t, typename message_t>
+void launch_compress_into(const at::Tensor& src, const at::Tensor& out, double alpha,
+                          double feedback, const DeviceWeight& w, cudaStream_t stream) {
+  const int64_t n = src.numel();
+  scalar_t* state = src.mutable_data_ptr<scalar_t>();
+  message_t* message = out.mutable_data_ptr<message_t>();
+  if (is_aligned(state) && is_aligned(message, sizeof(MessageVector<scalar_t, message_t>))) {
+    const int64_t items = std::max<int64_t>(n / Vector<scalar_t>::kSize, 1);
+    compress_into_kernel<scalar_t, message_t, true>
+        <<<blocks_for(items), kThreads, 0, stream>>>(state, message, n, alpha, feedback, w);
+  } else {
+    compress_into_kernel<scalar_t, message_t, false>
+        <<<blocks_for(n), kThreads, 0, stream>>>(state, message, n, alpha, feedback, w);
+  }
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+}
+
+void compress_into_cuda(const at::Tensor& src, const at::Tensor& out, double alpha,
+                        const std::optional<at::Tensor>& weight, double feedback) {
+  check_compress_into_args(src, out, weight);
+  if (src.numel() == 0) return;
+  const c10::cuda::OptionalCUDAGuard guard(src.device());
+  const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
+  const DeviceWeight w = device_weight(weight);
+  AT_DISPATCH_FLOATING_TYPES(src.scalar_type(), "compress_into_", [&] {
+    if (out.scalar_type() == at::kHalf) {
+      launch_compress_into<scalar_t, at::Half>(src, out, alpha, feedback, w, stream);
+    } else {
+      launch_compress_into<scalar_t, at::BFloat16>(src, out, alpha, feedback, w, stream);
+    }
   });
 }
 
@@ -205,6 +352,7 @@ void absorb_cuda(const at::Tensor& x, at::TensorList received, double alpha,
 
 TORCH_LIBRARY_IMPL(gossip_ext, CUDA, m) {
   m.impl("scale_into", &scale_into_cuda);
+  m.impl("compress_into_", &compress_into_cuda);
   m.impl("absorb_", &absorb_cuda);
 }
 

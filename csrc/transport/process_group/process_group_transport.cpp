@@ -43,7 +43,7 @@ class ProcessGroupWork final : public Work {
       throw TimeoutError(detail::str_cat(
           "gossip_ext: rank ", rank_, " timed out after ", timeout.count(), " ms in gossip round ",
           round_, " waiting for messages from peers ", missing,
-          unsent.empty() ? "" : detail::str_cat(" (sends to peers ", unsent, " not completed)"),
+          unsent.empty() ? "" : detail::str_cat(" (sends to peers ", unsent, " not confirmed)"),
           ". A peer may have died, stalled or left the training loop."));
     }
     if (error_) std::rethrow_exception(error_);
@@ -57,9 +57,12 @@ class ProcessGroupWork final : public Work {
         // c10d reports an aborted Work by returning false.
         if (!entry.work->wait()) throw std::runtime_error("the operation was aborted");
       } catch (const std::exception& e) {
-        finish(std::make_exception_ptr(std::runtime_error(detail::str_cat(
+        // Most often the peer died and gloo saw its connection close. The user's contract is
+        // the same as for a silent peer, so it is the same error type: TimeoutError, at once.
+        finish(std::make_exception_ptr(TimeoutError(detail::str_cat(
             "gossip_ext: rank ", rank_, " failed to ", entry.is_recv ? "receive from" : "send to",
-            " peer ", entry.peer, " in gossip round ", round_, ": ", e.what()))));
+            " peer ", entry.peer, " in gossip round ", round_,
+            "; the peer may have died or left the training loop: ", e.what()))));
         return;
       }
       std::lock_guard<std::mutex> lock(mutex_);
