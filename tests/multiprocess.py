@@ -1,7 +1,8 @@
 """Runs a test function on N real processes over gloo (torch.multiprocessing.spawn, file:// store).
 
 Each rank's return value is pickled to a file and handed back to the test, so the assertions run
-in the test process against the reference.
+in the test process against the reference. :func:`run_ranks_tolerating_deaths` does the same for
+fault tests, where a rank is meant to die and the others must not hang.
 """
 
 from __future__ import annotations
@@ -9,7 +10,9 @@ from __future__ import annotations
 import os
 import pickle
 import tempfile
+import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
 
@@ -48,3 +51,49 @@ def run_ranks(world_size: int, fn: Callable, *args: Any) -> list[Any]:
             with open(os.path.join(out_dir, f"rank{rank}.pkl"), "rb") as f:
                 results.append(pickle.load(f))
         return results
+
+
+@dataclass
+class RankOutcome:
+    """How one rank of :func:`run_ranks_tolerating_deaths` ended."""
+
+    exitcode: int | None  # -9 after SIGKILL; None: still running at the deadline (then killed)
+    result: Any  # fn's return value; None if fn did not return
+
+
+def run_ranks_tolerating_deaths(
+    world_size: int, fn: Callable, *args: Any, deadline_s: float
+) -> list[RankOutcome]:
+    """Runs fn(rank, world_size, *args) on world_size processes, as :func:`run_ranks`, but lets
+    ranks die (torch.multiprocessing.spawn tears every rank down when one dies by a signal).
+
+    Every process gets deadline_s seconds of wall-clock time in all; those still running then are
+    killed and reported with exitcode None, so a hang fails the test instead of blocking it.
+    """
+    context = torch.multiprocessing.get_context("spawn")
+    with tempfile.TemporaryDirectory() as out_dir:
+        init_file = os.path.join(out_dir, "store")
+        processes = [
+            context.Process(target=_entry, args=(rank, world_size, init_file, out_dir, fn, args))
+            for rank in range(world_size)
+        ]
+        for process in processes:
+            process.start()
+        end = time.monotonic() + deadline_s
+        try:
+            for process in processes:
+                process.join(max(0.0, end - time.monotonic()))
+        finally:
+            hung = [process for process in processes if process.is_alive()]
+            for process in hung:
+                process.kill()
+                process.join()
+        outcomes = []
+        for rank, process in enumerate(processes):
+            path = os.path.join(out_dir, f"rank{rank}.pkl")
+            result = None
+            if os.path.exists(path):
+                with open(path, "rb") as f:
+                    result = pickle.load(f)
+            outcomes.append(RankOutcome(None if process in hung else process.exitcode, result))
+        return outcomes

@@ -1,10 +1,14 @@
 """A stalled or dead peer: every other rank raises an error naming the peer instead of hanging."""
 
+import os
+import re
+import signal
 import time
 from datetime import timedelta
 
+import pytest
 import torch
-from multiprocess import run_ranks
+from multiprocess import run_ranks, run_ranks_tolerating_deaths
 from torch import nn
 
 import gossip_ext
@@ -60,3 +64,144 @@ def test_ranks_that_disagree_on_the_configuration_all_raise_naming_the_rank():
     for error in errors:  # every rank raises, before any gossip
         assert "rank 2 was configured differently" in error, error
         assert "RingGraph" in error and "NPeerDynamicDirectedExponentialGraph" in error, error
+
+
+DEAD_PEER_TIMEOUT_S = 2.0
+# On top of the timeout: two cores shared by every rank and by other jobs.
+SCHEDULING_SLACK_S = 8.0
+
+
+def _complete_graph(world_size: int) -> gossip_ext.CustomGraph:
+    """Every rank sends to every other rank in every round, so every survivor waits for the dead
+    rank in the very round it stops gossiping; on a sparser graph a survivor may first wait for
+    another survivor that has already failed, and then rightly names that one."""
+    books = [[(r + j) % world_size for j in range(1, world_size)] for r in range(world_size)]
+    return gossip_ext.CustomGraph(books, peers_per_itr=world_size - 1)
+
+
+def _all_exist(paths: list[str]) -> bool:
+    return all(os.path.exists(p) for p in paths)
+
+
+def _touch(path: str, text: str = "") -> None:
+    with open(path + ".tmp", "w") as f:
+        f.write(text)
+    os.replace(path + ".tmp", path)
+
+
+def _one_rank_is_killed(
+    rank: int, world_size: int, dead: int, kill_step: int, when: str, sync_dir: str
+) -> dict:
+    model = gossip_ext.GossipDataParallel(
+        nn.Linear(3, 1),
+        graph=_complete_graph(world_size),
+        timeout=timedelta(seconds=DEAD_PEER_TIMEOUT_S),
+    )
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+
+    def die() -> None:
+        _touch(os.path.join(sync_dir, "killed_at"), repr(time.time()))
+        os.kill(os.getpid(), signal.SIGKILL)
+
+    result = {"error": None}
+    try:
+        # Step s gossips in round s; the forward of step s + 1 absorbs it. A survivor can get no
+        # further than the forward of step kill_step + 2.
+        for step in range(kill_step + 3):
+            model(torch.ones(1, 3)).sum().backward()
+            opt.step()
+            if rank == dead and step == kill_step and when == "before_transfer":
+                die()
+            model.transfer_params()
+            if rank == dead and step == kill_step and when == "after_transfer":
+                die()
+    except (RuntimeError, TimeoutError) as error:
+        result = {"error": str(error), "type": type(error).__name__, "raised_at": time.time()}
+    # Leave only once every survivor has raised: a survivor that tears its process group down
+    # early closes its connections, and a slower survivor still receiving from it would then
+    # rightly name that survivor rather than the dead rank.
+    _touch(os.path.join(sync_dir, f"raised{rank}"))
+    survivors = [os.path.join(sync_dir, f"raised{r}") for r in range(world_size) if r != dead]
+    end = time.monotonic() + 30.0
+    while not _all_exist(survivors) and time.monotonic() < end:
+        time.sleep(0.05)
+    return result
+
+
+def _named_peers(message: str) -> set[int]:
+    """The peers the first "from/to peer(s) ..." of a gossip_ext error names."""
+    match = re.search(r"(?:from|to) peers? (\[[\d, ]*\]|\d+)", message)
+    return set() if match is None else {int(p) for p in re.findall(r"\d+", match.group(1))}
+
+
+@pytest.mark.parametrize(
+    "world_size,when",
+    [(3, "before_transfer"), (4, "after_transfer")],
+)
+def test_a_killed_peer_makes_every_survivor_raise_naming_it_and_the_round(
+    tmp_path, world_size, when
+):
+    dead, kill_step = 1, 3
+    outcomes = run_ranks_tolerating_deaths(
+        world_size,
+        _one_rank_is_killed,
+        dead,
+        kill_step,
+        when,
+        str(tmp_path),
+        deadline_s=120.0,
+    )
+    assert outcomes[dead].exitcode == -signal.SIGKILL, outcomes[dead]
+    killed_at = float((tmp_path / "killed_at").read_text())
+    # Killed before posting round kill_step, the dead rank fails that round; killed right after
+    # posting it, its messages may or may not have left, so the survivors fail that round or the
+    # next.
+    rounds = {kill_step} if when == "before_transfer" else {kill_step, kill_step + 1}
+    for rank, outcome in enumerate(outcomes):
+        if rank == dead:
+            continue
+        # Exited by itself after catching the error (None: hung, killed at the deadline).
+        assert outcome.exitcode == 0, (rank, outcome)
+        error = outcome.result["error"]
+        assert error is not None, f"rank {rank} never raised"
+        # A dead peer and a silent one are one failure to the user: one type to catch.
+        assert outcome.result["type"] == "TimeoutError", (rank, outcome.result)
+        assert dead in _named_peers(error), (rank, error)
+        round_named = re.search(r"gossip round (\d+)", error)
+        assert round_named is not None and int(round_named.group(1)) in rounds, (rank, error)
+        assert f"rank {rank} " in error, (rank, error)
+        elapsed = outcome.result["raised_at"] - killed_at
+        assert elapsed < DEAD_PEER_TIMEOUT_S + SCHEDULING_SLACK_S, (rank, elapsed, error)
+
+
+def _one_rank_diverges(rank: int, world_size: int, check_finite: bool) -> dict:
+    # The default graph at n = 4 sends rank r's round-0 message to rank r + 1.
+    module = nn.Linear(4, 1)
+    model = gossip_ext.GossipDataParallel(
+        module, check_finite=check_finite, timeout=timedelta(seconds=30)
+    )
+    if rank == 2:
+        with torch.no_grad():
+            module.weight[0, 1] = float("inf")  # a diverged optimizer step
+    model.transfer_params()
+    try:
+        model(torch.ones(1, 4))  # absorbs round 0
+    except FloatingPointError as error:
+        return {"error": str(error)}
+    return {"error": None, "weight": module.weight.detach().clone()}
+
+
+def test_a_nonfinite_message_raises_naming_the_sender_before_it_spreads():
+    results = run_ranks(4, _one_rank_diverges, True)
+    assert results[0]["error"] is None and results[1]["error"] is None
+    assert torch.isfinite(results[0]["weight"]).all() and torch.isfinite(results[1]["weight"]).all()
+    assert "round 0: the messages from peers [2] hold NaN or Inf" in results[3]["error"]
+    assert "check_finite=False" in results[3]["error"]
+    assert "the parameters of this rank (rank 2) hold NaN or Inf" in results[2]["error"]
+
+
+def test_check_finite_false_lets_nonfinite_values_through():
+    results = run_ranks(4, _one_rank_diverges, False)
+    assert all(r["error"] is None for r in results)
+    assert not torch.isfinite(results[3]["weight"]).all()
+    assert torch.isfinite(results[1]["weight"]).all()
