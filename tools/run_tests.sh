@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Runs every test of gossip_ext on a fresh machine: installs what is missing (torch, ninja, pytest,
-# GoogleTest), builds the extension and the C++ tests, then runs ctest and pytest. Exits non-zero
-# if anything fails. CPU only; the GPU tests skip visibly where no GPU is present.
+# GoogleTest), builds the extension and the C++ tests, then runs ctest (plain, then under ASan+UBSan
+# and TSan: tools/run_sanitizers.sh) and pytest. Exits non-zero if anything fails. CPU only; the GPU
+# tests skip visibly where no GPU is present.
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 
@@ -32,6 +33,9 @@ TORCH_CMAKE=$("$PYTHON" -c 'import torch; print(torch.utils.cmake_prefix_path)')
 cmake -S . -B build/cmake -G Ninja -DCMAKE_PREFIX_PATH="$TORCH_CMAKE" >/dev/null
 cmake --build build/cmake -j "$(nproc)"
 ctest --test-dir build/cmake --output-on-failure -j "$(nproc)"
+
+step "C++ tests under sanitizers (ASan+UBSan: all; TSan: in-process transport)"
+bash tools/run_sanitizers.sh
 
 step "Compile the CUDA sources (nvcc; needs no GPU)"
 bash tools/check_cuda_sources.sh

@@ -1,0 +1,42 @@
+#!/usr/bin/env bash
+# Builds gossip_core and the C++ tests with sanitizers and runs them with ctest:
+#   asan  build/asan, AddressSanitizer + UndefinedBehaviorSanitizer: the whole suite
+#   tsan  build/tsan, ThreadSanitizer: the in-process transport tests (ctest label `inproc`)
+# Any finding fails its test, so the script exits non-zero. The sanitizer runtime options are set
+# on the tests by CMakeLists.txt (GOSSIP_SANITIZE): plain `ctest` in either folder runs the same.
+#
+#   bash tools/run_sanitizers.sh            # both
+#   bash tools/run_sanitizers.sh asan       # or just one
+set -euo pipefail
+cd "$(dirname "${BASH_SOURCE[0]}")/.."
+
+PYTHON=${PYTHON:-python3}
+JOBS=$(nproc)
+TORCH_CMAKE=$("$PYTHON" -c 'import torch; print(torch.utils.cmake_prefix_path)')
+
+# sanitize DIR GOSSIP_SANITIZE [ctest arguments...]
+sanitize() {
+  local dir=$1 sanitizers=$2
+  shift 2
+  local start=$SECONDS
+  printf '\n== %s: GOSSIP_SANITIZE=%s\n' "$dir" "$sanitizers"
+  cmake -S . -B "$dir" -G Ninja -DCMAKE_PREFIX_PATH="$TORCH_CMAKE" \
+    -DCMAKE_BUILD_TYPE=RelWithDebInfo -DGOSSIP_SANITIZE="$sanitizers" >/dev/null
+  cmake --build "$dir" -j "$JOBS"
+  # --no-tests=error: a label that matches nothing must fail, not pass.
+  ctest --test-dir "$dir" --output-on-failure --no-tests=error -j "$JOBS" "$@"
+  printf '== %s: done in %d s\n' "$dir" $((SECONDS - start))
+}
+
+targets=("$@")
+[ ${#targets[@]} -gt 0 ] || targets=(asan tsan)
+for name in "${targets[@]}"; do
+  case $name in
+    asan) sanitize build/asan "address;undefined" ;;
+    tsan) sanitize build/tsan thread -L inproc ;;
+    *)
+      echo "usage: $0 [asan] [tsan]" >&2
+      exit 2
+      ;;
+  esac
+done
