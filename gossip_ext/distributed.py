@@ -6,6 +6,7 @@ import contextlib
 import itertools
 import logging
 import warnings
+import weakref
 from collections.abc import Iterator, Mapping
 from datetime import timedelta
 from typing import Any
@@ -14,7 +15,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from gossip_ext import _C
+from gossip_ext import _C, _validation, averaging, consensus
 from gossip_ext.graphs import GraphBase, NPeerDynamicDirectedExponentialGraph
 from gossip_ext.mixing import MixingBase, UniformMixing
 
@@ -29,35 +30,17 @@ _BROADCAST_BUCKET_BYTES = 250 * 1024 * 1024  # DDP's bucket size for module-stat
 _NCCL_TRANSPORTS = itertools.count()
 
 
-def _choose_nccl(device: torch.device, comm_device) -> bool:
-    """NCCL for CUDA parameters; the process-group transport (gloo) for CPU parameters."""
-    requested = None if comm_device is None else torch.device(comm_device)
-    if device.type == "cpu":
-        if requested is not None and requested.type != "cpu":
-            raise ValueError(
-                f"comm_device={comm_device!r} needs CUDA parameters, but they are on the CPU"
-            )
-        return False
-    if device.type != "cuda":
-        raise ValueError(f"parameters are on {device}; gossip_ext supports CPU and CUDA")
-    if requested is not None and requested.type == "cpu":
-        raise ValueError(
-            "comm_device='cpu' (gossip of CUDA parameters through host buffers over gloo) is "
-            "not supported by this release; leave comm_device=None to gossip over NCCL"
-        )
-    if not hasattr(_C, "NcclTransport"):
-        raise ValueError(
-            f"parameters are on {device} but this gossip_ext build has no CUDA support; "
-            "reinstall it with a CUDA build of torch"
-        )
-    return True
+def _weak_call(method):
+    """``method`` through a weak reference to its object: a hook that does nothing once the
+    object is gone, instead of keeping it alive."""
+    ref = weakref.WeakMethod(method)
 
+    def call(*args: Any) -> None:
+        bound = ref()
+        if bound is not None:
+            bound(*args)
 
-def _check_type(name: str, value, expected, what: str) -> None:
-    if isinstance(value, bool) and expected is not bool:
-        raise TypeError(f"{name} must be {what}, got {value!r}")
-    if not isinstance(value, expected):
-        raise TypeError(f"{name} must be {what}, got {type(value).__name__} {value!r}")
+    return call
 
 
 class GossipDataParallel(nn.Module):
@@ -79,6 +62,8 @@ class GossipDataParallel(nn.Module):
         The parameters always hold the de-biased values ``z = x / w`` that forward and the
         optimizer use. Do not replace a parameter's storage (``param.data = t``) after wrapping:
         gossip would no longer reach it, and the next round raises. Copy into it instead.
+        Likewise, parameters added to the module after wrapping make the next forward or
+        :meth:`transfer_params` raise.
 
     .. note::
         Synchronous modes send the parameters in place, which saves a model copy: between
@@ -109,8 +94,38 @@ class GossipDataParallel(nn.Module):
             group). Gossip runs over it with point-to-point messages (gloo: CPU tensors).
         comm_device (torch.device, optional): where messages travel from. Default: the
             parameters' device, i.e. NCCL for CUDA parameters, gloo for CPU ones.
+            ``'cpu'`` with CUDA parameters gossips through pinned host buffers over the process
+            group, which then needs gloo (``init_process_group('cpu:gloo,cuda:nccl')``): for
+            networks where NCCL is not available or not the bottleneck's answer.
         timeout (timedelta): how long a round waits for a peer before raising TimeoutError
-            naming the peers (default: 5 minutes).
+            naming the peers; a peer whose connection closes (it died) raises TimeoutError at
+            once (default: 5 minutes).
+        check_finite (bool): raise FloatingPointError naming the sender when an absorbed message
+            holds NaN or Inf, and naming this rank when its own parameters do, before push-sum
+            spreads them to every worker. The check rides on the absorb kernel's single pass; on
+            a GPU it is read one step later to avoid a host sync. False lets them through
+            (default: True).
+        message_dtype (torch.dtype, optional): ``torch.bfloat16`` or ``torch.float16`` sends
+            float32/float64 parameters in 16 bits, half the bytes. The parameters, the absorb and
+            the push-sum weight stay in full precision, and each message's rounding error stays
+            in the sender's own state, so the mean over workers is conserved to float32 rounding;
+            workers agree to within the message precision. None: full precision (default).
+        global_avg_freq (int, optional): every ``global_avg_freq`` optimizer steps (counted by
+            :meth:`transfer_params` calls), all-reduce the parameters to their exact average (see
+            :meth:`average_parameters`) instead of that step's gossip round, and reset the
+            push-sum weights to 1. None or 0: never (default: None).
+        slowmo_freq (int, optional): SlowMo (Wang et al., ICLR 2020): every ``slowmo_freq``
+            steps, average exactly, then take the slow momentum step ``u <- slowmo_momentum * u +
+            (x_slow - x_avg) / lr``, ``x_slow <- x_slow - slowmo_lr * lr * u``, and set the
+            parameters to ``x_slow`` on every rank; ``lr`` is each param group's current learning
+            rate, so it needs :meth:`register_optimizer`. ``x_slow`` starts at the parameters of
+            the first forward. None or 0: off (default: None).
+        slowmo_momentum (float): SlowMo's slow momentum ``beta``, in [0, 1) (default: 0.5).
+        slowmo_lr (float): SlowMo's slow learning rate ``alpha`` > 0 (default: 1.0).
+        log_every (int): every ``log_every`` steps, log a running estimate of the consensus
+            distance at INFO level to the ``gossip_ext.consensus`` logger, read off the next
+            absorbed round without communication (see :attr:`consensus_estimate`); 0: never
+            (default: 0).
         verbose (bool): log every round at INFO level (default: False).
 
     Example::
@@ -122,6 +137,12 @@ class GossipDataParallel(nn.Module):
         ...     loss = nn.functional.mse_loss(model(x), y)
         ...     opt.zero_grad(); loss.backward(); opt.step()
         ...     model.transfer_params()
+
+    SlowMo over gossip (the optimizer's hook then calls :meth:`transfer_params`)::
+
+        >>> model = gossip_ext.GossipDataParallel(net, slowmo_freq=48, slowmo_momentum=0.5)
+        >>> opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+        >>> model.register_optimizer(opt)
     """
 
     def __init__(
@@ -137,35 +158,39 @@ class GossipDataParallel(nn.Module):
         process_group: dist.ProcessGroup | None = None,
         comm_device: torch.device | str | None = None,
         timeout: timedelta = timedelta(minutes=5),
+        check_finite: bool = True,
+        message_dtype: torch.dtype | None = None,
+        global_avg_freq: int | None = None,
+        slowmo_freq: int | None = None,
+        slowmo_momentum: float = 0.5,
+        slowmo_lr: float = 1.0,
+        log_every: int = 0,
         verbose: bool = False,
     ):
         super().__init__()
         graph = NPeerDynamicDirectedExponentialGraph() if graph is None else graph
         mixing = UniformMixing() if mixing is None else mixing
-        _check_type("module", module, nn.Module, "an nn.Module")
-        _check_type("graph", graph, GraphBase, "a gossip_ext graph")
-        _check_type("mixing", mixing, MixingBase, "a gossip_ext mixing")
-        _check_type("push_sum", push_sum, bool, "a bool")
-        _check_type("overlap", overlap, bool, "a bool")
-        _check_type("synch_freq", synch_freq, int, "an int")
-        _check_type("nprocs_per_node", nprocs_per_node, int, "an int")
-        _check_type("timeout", timeout, timedelta, "a datetime.timedelta")
-        if synch_freq < 0:
-            raise ValueError(f"synch_freq must be >= 0, got {synch_freq}")
-        if overlap and synch_freq > 0:
-            raise ValueError(
-                f"overlap=True and synch_freq={synch_freq} are two different schedules for "
-                "absorbing rounds; choose one"
-            )
-        if nprocs_per_node < 1:
-            raise ValueError(f"nprocs_per_node must be >= 1, got {nprocs_per_node}")
-        if timeout <= timedelta(0):
-            raise ValueError(f"timeout must be positive, got {timeout}")
-        if not dist.is_available() or not dist.is_initialized():
-            raise RuntimeError(
-                "GossipDataParallel needs torch.distributed: call "
-                "torch.distributed.init_process_group() first (torchrun sets it up)"
-            )
+        _validation.check_arguments(
+            module=module,
+            graph=graph,
+            mixing=mixing,
+            push_sum=push_sum,
+            overlap=overlap,
+            synch_freq=synch_freq,
+            nprocs_per_node=nprocs_per_node,
+            process_group=process_group,
+            comm_device=comm_device,
+            timeout=timeout,
+            check_finite=check_finite,
+            message_dtype=message_dtype,
+            global_avg_freq=global_avg_freq,
+            slowmo_freq=slowmo_freq,
+            slowmo_momentum=slowmo_momentum,
+            slowmo_lr=slowmo_lr,
+            log_every=log_every,
+            verbose=verbose,
+        )
+        global_avg_freq, slowmo_freq = global_avg_freq or 0, slowmo_freq or 0
 
         self.module = module
         self.graph = graph
@@ -179,28 +204,33 @@ class GossipDataParallel(nn.Module):
 
         named = list(module.named_parameters())
         params = [p for _, p in named]
-        if not params:
-            raise ValueError("module has no parameters; there is nothing to gossip")
-        device = params[0].device
-        self._use_nccl = _choose_nccl(device, comm_device)
-
+        device = _validation.check_parameters(module, named)
+        self._transport_kind = _validation.choose_transport(
+            device, comm_device, dist.get_backend(self.process_group)
+        )
         world_size = dist.get_world_size(self.process_group)
         rank = dist.get_rank(self.process_group)
-        if world_size % nprocs_per_node != 0:
-            raise ValueError(
-                f"nprocs_per_node ({nprocs_per_node}) must divide the world size ({world_size})"
-            )
-        self.gossip_world_size = world_size // nprocs_per_node
-        # Validates the graph for this world size on every rank, before any communication.
-        graph.schedule(self.gossip_world_size)
-        if not push_sum and not graph.pairs_symmetrically(self.gossip_world_size):
-            raise ValueError(
-                f"push_sum=False (push-pull averaging, D-PSGD) needs a graph that pairs nodes "
-                f"symmetrically in every round, but {graph!r} does not at world size "
-                f"{self.gossip_world_size}"
-            )
-
-        self._check_ranks_agree(named, rank)
+        self.gossip_world_size = _validation.gossip_world_size(
+            graph, push_sum, world_size, nprocs_per_node
+        )
+        _validation.check_no_sparse_gradients(module, nprocs_per_node)
+        # The mixing's kind must agree, its weights need not: push-sum allows every node its own
+        # column-stochastic share.
+        config = {
+            "graph": repr(graph),
+            "mixing": type(mixing).__name__,
+            "push_sum": push_sum,
+            "overlap": overlap,
+            "synch_freq": synch_freq,
+            "nprocs_per_node": nprocs_per_node,
+            # A 16-bit message read as 32 bits would be garbage: every rank must agree.
+            "message_dtype": str(message_dtype),
+            # Averaging steps are collectives: ranks on different schedules would hang.
+            "global_avg_freq": global_avg_freq,
+            "slowmo": (slowmo_freq, slowmo_momentum, slowmo_lr) if slowmo_freq else None,
+            "parameters": [(n, tuple(p.shape), str(p.dtype)) for n, p in named],
+        }
+        _validation.check_ranks_agree(config, self.process_group, rank)
 
         self._node_group = None
         gossip_group = self.process_group
@@ -224,13 +254,18 @@ class GossipDataParallel(nn.Module):
                 push_sum=push_sum,
                 send_in_place=not overlap and synch_freq == 0,
                 timeout=timeout,
+                check_finite=check_finite,
+                message_dtype=message_dtype,
             )
-            transport = (
-                self._nccl_transport(gossip_group, device, timeout)
-                if self._use_nccl
-                else _C.ProcessGroupTransport(gossip_group)
-            )
+            if self._transport_kind == _validation.NCCL:
+                transport = self._nccl_transport(gossip_group, device, timeout)
+            else:
+                transport = _C.ProcessGroupTransport(gossip_group)
+                if self._transport_kind == _validation.HOST_STAGING:
+                    transport = _C.HostStagingTransport(transport)
             self._engine = _C.GossipEngine(params, [n for n, _ in named], transport, options)
+            if log_every > 0:
+                self._engine = consensus.MeasuredEngine(self._engine, graph, log_every)
         if self.gossip_world_size == 1:
             warnings.warn(
                 "GossipDataParallel: there is one gossiping process, so gossip does nothing "
@@ -242,42 +277,28 @@ class GossipDataParallel(nn.Module):
         self._start_deferred = False  # bounded asynchrony: a round owed by transfer_params()
         self._sync_gradients = True
         self._backward_callback_queued = False
+        self._watch = _validation.ParameterWatch(named)
+        # Who called transfer_params() in this step, if anyone: a second caller is a bug.
+        self._transferred = None
+        self._steps = 0  # transfer_params() calls: the clock of the exact-averaging schedule
+        # The last optimizer given to register_optimizer(), whose lr SlowMo reads. A weak
+        # reference: its step hook refers to this wrapper, and a cycle would keep both (and the
+        # engine's transport thread) alive until the garbage collector runs, or past exit.
+        self._optimizer_ref = None
+        self._averaging = averaging.ExactAveraging(
+            params,
+            global_avg_freq=global_avg_freq,
+            slowmo_freq=slowmo_freq,
+            slowmo_momentum=slowmo_momentum,
+            slowmo_lr=slowmo_lr,
+        )
+        self._slow_start_pending = self._averaging.slow_start_pending
         if self._node_group is not None:
+            # Through a weak reference, as the optimizer above: the parameters outlive no wrapper.
+            on_grad_ready = _weak_call(self._on_grad_ready)
             for p in params:
                 if p.requires_grad:
-                    p.register_post_accumulate_grad_hook(self._on_grad_ready)
-
-    def _check_ranks_agree(self, named: list, rank: int) -> None:
-        """One all-gather at construction: ranks that disagree on the schedule or the model
-        would otherwise exchange mismatched messages or wait for rounds that never come.
-
-        The mixing's kind must agree, its weights need not: push-sum allows every node its own
-        column-stochastic share."""
-        config = {
-            "graph": repr(self.graph),
-            "mixing": type(self.mixing).__name__,
-            "push_sum": self.push_sum,
-            "overlap": self.overlap,
-            "synch_freq": self.synch_freq,
-            "nprocs_per_node": self.nprocs_per_node,
-            "parameters": [(n, tuple(p.shape), str(p.dtype)) for n, p in named],
-        }
-        configs = [None] * dist.get_world_size(self.process_group)
-        dist.all_gather_object(configs, config, group=self.process_group)
-        for other, theirs in enumerate(configs):
-            diff = sorted(k for k in config if theirs[k] != configs[0][k])
-            if diff:
-                details = "; ".join(
-                    f"{k}: rank 0 has {configs[0][k]!r}, rank {other} has {theirs[k]!r}"
-                    for k in diff
-                    if k != "parameters"
-                )
-                if "parameters" in diff:
-                    details += "; the parameters (names, shapes or dtypes) differ"
-                raise ValueError(
-                    f"GossipDataParallel: rank {other} was configured differently from rank 0 "
-                    f"(seen on rank {rank}): {details.lstrip('; ')}"
-                )
+                    p.register_post_accumulate_grad_hook(on_grad_ready)
 
     @staticmethod
     def _nccl_transport(group: dist.ProcessGroup, device: torch.device, timeout: timedelta):
@@ -312,9 +333,11 @@ class GossipDataParallel(nn.Module):
 
     def _average_node_gradients(self) -> None:
         self._backward_callback_queued = False
-        grads = [p.grad for p in self.module.parameters() if p.grad is not None]
-        if not grads:
+        named = [(n, p.grad) for n, p in self.module.named_parameters() if p.grad is not None]
+        if not named:
             return
+        _validation.check_dense_gradients(named, self.nprocs_per_node)
+        grads = [g for _, g in named]
         flat = torch.cat([g.reshape(-1) for g in grads])
         dist.all_reduce(flat, group=self._node_group)
         flat.div_(self.nprocs_per_node)
@@ -332,6 +355,8 @@ class GossipDataParallel(nn.Module):
     # ----------------------------------------------------------------------------- training
 
     def forward(self, *inputs: Any, **kwargs: Any) -> Any:
+        self._watch.check(self.module)
+        self._transferred = None
         if self._engine is not None:
             if not self.training:
                 # Evaluation sees every message sent so far (the reference forgets to absorb).
@@ -342,6 +367,9 @@ class GossipDataParallel(nn.Module):
                 self._engine.finish_round()
         if self._node_group is not None:
             self._receive_node_parameters()
+        if self._slow_start_pending:
+            self._slow_start_pending = False
+            self._averaging.start_slow_params()
         return self.module(*inputs, **kwargs)
 
     # Bounded asynchrony (synch_freq > 0). A round is owed for every transfer_params() call, on
@@ -377,22 +405,49 @@ class GossipDataParallel(nn.Module):
         ``overlap=True`` it first absorbs the round started one step earlier; under
         ``synch_freq > 0``, if the previous round is still in flight, the new round starts at the
         first forward that finds the previous one finished.
+
+        Raises RuntimeError, before any communication, if it was already called in this step
+        (since the last forward or :meth:`sync_comms`) under ``overlap=True``, or once by hand
+        and once by :meth:`register_optimizer`'s hook: either way two rounds would run in one
+        step.
         """
-        if self._engine is None:
-            return
-        if self.synch_freq > 0:
-            self._transfer_bounded()
-        else:
-            self._engine.finish_round()
-            self._engine.start_round()
-        if self.verbose:
-            logger.info("gossip round %d in flight", self._engine.round)
+        self._transfer(_validation.BY_HAND)
+
+    def _transfer(self, caller: str) -> None:
+        # Checked on every rank, gossiping or not, so that all of them raise alike.
+        self._watch.check(self.module)
+        _validation.check_transfer(self._transferred, caller, self.overlap)
+        _validation.check_slowmo_optimizer(self._averaging.slowmo_freq, self._optimizer)
+        self._steps += 1
+        if isinstance(self._engine, consensus.MeasuredEngine):
+            self._engine.arm(self._steps)
+        kind = self._averaging.kind(self._steps)
+        if kind is not None:
+            # The exact average takes the place of this step's gossip round.
+            self._average_exactly(slowmo=kind == averaging.SLOWMO)
+        elif self._engine is not None:
+            if self.synch_freq > 0:
+                self._transfer_bounded()
+            else:
+                self._engine.finish_round()
+                self._engine.start_round()
+            if self.verbose:
+                logger.info("gossip round %d in flight", self._engine.round)
+        self._transferred = caller
 
     def register_optimizer(self, optimizer: torch.optim.Optimizer):
         """Calls :meth:`transfer_params` after every ``optimizer.step()``; returns the hook's
-        handle (``handle.remove()`` undoes it)."""
-        _check_type("optimizer", optimizer, torch.optim.Optimizer, "a torch.optim.Optimizer")
-        return optimizer.register_step_post_hook(lambda *_: self.transfer_params())
+        handle (``handle.remove()`` undoes it). SlowMo (``slowmo_freq``) reads the learning rates
+        of this optimizer's param groups."""
+        _validation.check_type(
+            "optimizer", optimizer, torch.optim.Optimizer, "a torch.optim.Optimizer"
+        )
+        if self._averaging.slowmo is not None:
+            _validation.check_learning_rates(optimizer)
+        self._optimizer_ref = weakref.ref(optimizer)
+        return optimizer.register_step_post_hook(
+            lambda *_: self._transfer(_validation.BY_OPTIMIZER)
+        )
 
     @contextlib.contextmanager
     def no_sync(self) -> Iterator[None]:
@@ -407,6 +462,10 @@ class GossipDataParallel(nn.Module):
 
     def sync_comms(self) -> None:
         """Waits for the round in flight, and any round still owed, and absorbs them."""
+        self._transferred = None
+        self._drain()
+
+    def _drain(self) -> None:
         if self._engine is None:
             return
         self._engine.finish_round()
@@ -423,6 +482,67 @@ class GossipDataParallel(nn.Module):
     def unbias(self) -> None:
         """Kept for SGP compatibility. The parameters here always hold de-biased values, so
         there is nothing to do."""
+
+    # ----------------------------------------------------------------------------- exact averaging
+
+    def average_parameters(self) -> None:
+        """Sets every rank's parameters to the exact average of the workers' de-biased
+        parameters (one all-reduce per dtype): one model for evaluation or a checkpoint.
+
+        Collective: every rank must call it. It first absorbs the gossip in flight (as
+        :meth:`sync_comms`), so that every message sent counts; the push-sum weights then restart
+        at 1. The average is push-sum's consensus value ``sum_i w_i z_i / sum_i w_i``, which
+        gossip converges to: the plain mean of the ``z_i`` whenever the weights are 1 (uniform
+        mixing). With ``nprocs_per_node > 1`` it averages the gossiping processes, one per
+        machine, and every process receives the result.
+        """
+        self.sync_comms()
+        self._average_exactly(slowmo=False)
+
+    def _average_exactly(self, slowmo: bool) -> None:
+        self._drain()
+        self._unfinished_forwards = 0
+        # Only gossiping processes hold push-sum state; the others join the all-reduce with zeros
+        # and receive the average with everyone, so no broadcast inside the machine is needed.
+        weight = self.ps_weight if self.is_gossip_leader else None
+        self._averaging.apply(weight, self.process_group, self._optimizer if slowmo else None)
+        if self._engine is not None:
+            # Every worker holds the consensus value now, with x = z: push-sum restarts from
+            # weights 1 (always 1 under lazy mixing). restore() needs an idle engine: drained.
+            self._engine.restore(self._engine.round, 1.0)
+
+    @property
+    def _optimizer(self) -> torch.optim.Optimizer | None:
+        return None if self._optimizer_ref is None else self._optimizer_ref()
+
+    def consensus_distance(self, *, relative: bool = False) -> float:
+        """How far apart the workers' models are: ``sqrt(mean_i ||z_i - z_mean||^2)`` over the
+        gossiping workers, with ``z_i`` all de-biased parameters as one vector and ``z_mean``
+        their plain mean; over ``||z_mean||`` if ``relative``. 0: every worker has the same model.
+
+        Exact and collective (two all-reduces, in float64): every rank must call it, and all get
+        the same value. It leaves the training unchanged: it absorbs the round in flight only
+        where the next forward would anyway (synchronous SGP sends the parameters in place);
+        elsewhere messages in flight are not counted. ``log_every`` gives a free estimate.
+        """
+        _validation.check_type("relative", relative, bool, "a bool")
+        if self._engine is not None and self._engine.params_hold_numerators:
+            self._engine.finish_round()
+        return consensus.consensus_distance(
+            list(self.module.parameters()),
+            self.process_group,
+            self.is_gossip_leader,
+            self.gossip_world_size,
+            relative,
+        )
+
+    @property
+    def consensus_estimate(self) -> float | None:
+        """The running estimate of :meth:`consensus_distance` taken by this worker's last measured
+        round (``log_every > 0``; see :class:`gossip_ext.consensus.MeasuredEngine`); None before
+        the first one, without ``log_every`` and on processes that do not gossip."""
+        engine = self._engine
+        return engine.estimate if isinstance(engine, consensus.MeasuredEngine) else None
 
     # ----------------------------------------------------------------------------- push-sum state
 
@@ -461,26 +581,35 @@ class GossipDataParallel(nn.Module):
             "gossip_world_size": self.gossip_world_size,
             "graph": repr(self.graph),
             "mixing": repr(self.mixing),
+            "steps": self._steps,
+            **self._averaging.state_dict(),
         }
 
     def set_extra_state(self, state: Mapping[str, Any]) -> None:
-        for key, mine in (
-            ("gossip_world_size", self.gossip_world_size),
-            ("graph", repr(self.graph)),
-            ("mixing", repr(self.mixing)),
-        ):
-            if state.get(key) != mine:
-                raise ValueError(
-                    f"load_state_dict: the checkpoint was saved with {key}={state.get(key)!r}, "
-                    f"but this model has {key}={mine!r}"
-                )
+        mine = {
+            "gossip_world_size": self.gossip_world_size,
+            "graph": repr(self.graph),
+            "mixing": repr(self.mixing),
+        }
+        _validation.check_checkpoint(state, mine)
+        self._averaging.load_state_dict(state)
+        self._slow_start_pending = self._averaging.slow_start_pending
+        # The averaging schedule goes on where it stopped (0: a checkpoint from before it).
+        self._steps = int(state.get("steps", 0))
         if self._engine is not None:
             self._engine.finish_round()
             self._engine.restore(int(state["gossip_round"]), float(state["ps_weight"]))
 
     def state_dict(self, *args, **kwargs):
-        """The module's state under ``module.`` after finishing gossip in flight, plus the
-        push-sum state under ``_extra_state`` needed to resume.
+        """The module's state under ``module.`` after finishing gossip in flight, plus what
+        resuming needs under ``_extra_state``: the push-sum state, the step count that schedules
+        exact averaging, and SlowMo's slow parameters and momentum.
+
+        Resuming from it on every rank (``load_state_dict`` with the optimizer's state and the
+        data position) continues the run exactly as if it had not stopped. Under
+        ``overlap=True`` taking the checkpoint is itself a step of the trajectory: the round in
+        flight is absorbed now rather than after the next optimizer step, so a run that saves at
+        step k differs slightly from one that never saves, and a resumed run equals the former.
 
         To load the weights into the plain module::
 

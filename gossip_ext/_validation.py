@@ -1,0 +1,377 @@
+"""Checks of GossipDataParallel's arguments, module and call order.
+
+Every check that can fail at construction runs on every rank before any communication, so bad
+input raises everywhere at once instead of leaving the other ranks waiting in a collective. Each
+message names the argument (or the parameter) and the value it got.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from datetime import timedelta
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from gossip_ext import _C
+from gossip_ext.graphs import GraphBase
+from gossip_ext.mixing import MixingBase
+
+# ----------------------------------------------------------------------------- arguments
+
+
+def check_type(name: str, value, expected, what: str) -> None:
+    # bool is an int to isinstance: push_sum=1 or synch_freq=True are mistakes worth naming.
+    if isinstance(value, bool) and expected is not bool:
+        raise TypeError(f"{name} must be {what}, got {value!r}")
+    if not isinstance(value, expected):
+        raise TypeError(f"{name} must be {what}, got {type(value).__name__} {value!r}")
+
+
+def check_arguments(
+    *,
+    module,
+    graph,
+    mixing,
+    push_sum,
+    overlap,
+    synch_freq,
+    nprocs_per_node,
+    process_group,
+    comm_device,
+    timeout,
+    check_finite,
+    message_dtype,
+    global_avg_freq,
+    slowmo_freq,
+    slowmo_momentum,
+    slowmo_lr,
+    log_every,
+    verbose,
+) -> None:
+    """The constructor's arguments on their own, then that torch.distributed is set up."""
+    check_type("module", module, nn.Module, "an nn.Module")
+    check_type("graph", graph, GraphBase, "a gossip_ext graph (a GraphBase)")
+    check_type("mixing", mixing, MixingBase, "a gossip_ext mixing (a MixingBase)")
+    check_type("push_sum", push_sum, bool, "a bool")
+    check_type("overlap", overlap, bool, "a bool")
+    check_type("synch_freq", synch_freq, int, "an int")
+    check_type("nprocs_per_node", nprocs_per_node, int, "an int")
+    if process_group is not None:
+        check_type("process_group", process_group, dist.ProcessGroup, "a ProcessGroup or None")
+    if comm_device is not None:
+        check_type("comm_device", comm_device, (str, torch.device), "a torch.device, str or None")
+    check_type("timeout", timeout, timedelta, "a datetime.timedelta")
+    check_type("check_finite", check_finite, bool, "a bool")
+    if message_dtype is not None and message_dtype not in (torch.bfloat16, torch.float16):
+        raise ValueError(
+            f"message_dtype must be torch.bfloat16, torch.float16 or None (full precision), "
+            f"got {message_dtype!r}"
+        )
+    check_type("verbose", verbose, bool, "a bool")
+    for name, value in (("global_avg_freq", global_avg_freq), ("slowmo_freq", slowmo_freq)):
+        if value is not None:
+            check_type(name, value, int, "an int or None")
+            if value < 0:
+                raise ValueError(f"{name} must be >= 0 (0 or None: off), got {value}")
+    check_type("slowmo_momentum", slowmo_momentum, (int, float), "a float")
+    check_type("slowmo_lr", slowmo_lr, (int, float), "a float")
+    check_type("log_every", log_every, int, "an int")
+    # beta = 1 never forgets a slow step and diverges; NaN fails both comparisons.
+    if not 0.0 <= slowmo_momentum < 1.0:
+        raise ValueError(f"slowmo_momentum must be in [0, 1), got {slowmo_momentum}")
+    if not 0.0 < slowmo_lr < math.inf:
+        raise ValueError(f"slowmo_lr must be positive and finite, got {slowmo_lr}")
+    if log_every < 0:
+        raise ValueError(f"log_every must be >= 0 (0: off), got {log_every}")
+    if synch_freq < 0:
+        raise ValueError(f"synch_freq must be >= 0, got {synch_freq}")
+    if overlap and synch_freq > 0:
+        raise ValueError(
+            f"overlap=True and synch_freq={synch_freq} are two different schedules for "
+            "absorbing rounds; choose one"
+        )
+    if nprocs_per_node < 1:
+        raise ValueError(f"nprocs_per_node must be >= 1, got {nprocs_per_node}")
+    if timeout <= timedelta(0):
+        raise ValueError(f"timeout must be positive, got {timeout}")
+    if not dist.is_available() or not dist.is_initialized():
+        raise RuntimeError(
+            "GossipDataParallel needs torch.distributed: call "
+            "torch.distributed.init_process_group() first (torchrun sets it up)"
+        )
+
+
+def gossip_world_size(
+    graph: GraphBase, push_sum: bool, world_size: int, nprocs_per_node: int
+) -> int:
+    """The number of gossiping processes, after checking that the graph can schedule them."""
+    if world_size % nprocs_per_node != 0:
+        raise ValueError(
+            f"nprocs_per_node ({nprocs_per_node}) must divide the world size ({world_size})"
+        )
+    n = world_size // nprocs_per_node
+    # The graph sees one node per machine, not the world size the user launched: say both.
+    nodes = f"{n} gossiping processes" + (
+        f" ({world_size} processes / nprocs_per_node={nprocs_per_node})"
+        if nprocs_per_node > 1
+        else ""
+    )
+    try:
+        graph.schedule(n)
+    except ValueError as error:
+        raise ValueError(f"graph={graph!r} cannot schedule {nodes}: {error}") from error
+    if not push_sum and not graph.pairs_symmetrically(n):
+        raise ValueError(
+            f"push_sum=False (push-pull averaging, D-PSGD) needs a graph that pairs nodes "
+            f"symmetrically in every round, but graph={graph!r} does not with {nodes}"
+        )
+    return n
+
+
+# ----------------------------------------------------------------------------- the module
+
+
+def check_parameters(module: nn.Module, named: list[tuple[str, torch.Tensor]]) -> torch.device:
+    """Parameters the engine can flatten and gossip; returns their device.
+
+    The engine checks the same, but only after the initial broadcast: here it fails on every
+    rank before any communication.
+    """
+    if not named:
+        raise ValueError(
+            f"module ({type(module).__name__}) has no parameters; there is nothing to gossip"
+        )
+    first_name, first = named[0]
+    for name, p in named:
+        if isinstance(p, nn.parameter.UninitializedParameter):
+            raise ValueError(
+                f"parameter '{name}' is not initialized yet (a lazy module): run one forward "
+                "before wrapping the module"
+            )
+        if p.layout != torch.strided:
+            raise TypeError(
+                f"parameter '{name}' has layout {p.layout}; only dense (strided) parameters "
+                "can gossip"
+            )
+        if not p.is_floating_point():
+            hint = (
+                "store it as a real tensor (torch.view_as_real) to gossip it"
+                if p.is_complex()
+                else "keep it in a buffer (module.register_buffer) if it is state, not weights"
+            )
+            raise TypeError(
+                f"parameter '{name}' has dtype {p.dtype}; only floating-point parameters can be "
+                f"averaged by gossip: {hint}"
+            )
+        if p.device != first.device:
+            raise ValueError(
+                f"parameter '{name}' is on {p.device} but parameter '{first_name}' is on "
+                f"{first.device}; all parameters must be on one device"
+            )
+    return first.device
+
+
+# The transports GossipDataParallel builds (csrc/transport).
+NCCL = "nccl"
+PROCESS_GROUP = "process_group"
+HOST_STAGING = "host_staging"
+
+
+def choose_transport(device: torch.device, comm_device, backend: str) -> str:
+    """NCCL for CUDA parameters; the process-group transport for CPU parameters; host buffers
+    over the process group for CUDA parameters with ``comm_device='cpu'``.
+
+    ``backend`` is the process group's (``dist.get_backend``): host tensors need one that carries
+    them, gloo in practice.
+    """
+    requested = None if comm_device is None else torch.device(comm_device)
+    if device.type == "cpu":
+        if requested is not None and requested.type != "cpu":
+            raise ValueError(
+                f"comm_device={comm_device!r} needs CUDA parameters, but they are on the CPU"
+            )
+        kind = PROCESS_GROUP
+    elif device.type != "cuda":
+        raise ValueError(f"parameters are on {device}; gossip_ext supports CPU and CUDA")
+    elif requested is not None and requested.type == "cpu":
+        kind = HOST_STAGING
+    elif not hasattr(_C, "NcclTransport"):
+        raise ValueError(
+            f"parameters are on {device} but this gossip_ext build has no CUDA support; "
+            "reinstall it with a CUDA build of torch"
+        )
+    else:
+        return NCCL
+    if backend == "nccl":
+        what = "CPU parameters" if kind == PROCESS_GROUP else f"comm_device={comm_device!r}"
+        raise ValueError(
+            f"{what} gossip host tensors, which the process group's backend {backend!r} cannot "
+            "carry; initialize it with init_process_group('cpu:gloo,cuda:nccl') or pass "
+            "process_group=dist.new_group(backend='gloo')"
+        )
+    return kind
+
+
+_SPARSE_GRADIENT_MODULES = (nn.Embedding, nn.EmbeddingBag)
+
+
+def check_no_sparse_gradients(module: nn.Module, nprocs_per_node: int) -> None:
+    """Node-local gradient averaging flattens gradients into one all-reduced buffer, which a
+    sparse gradient cannot join. With one process per node the optimizer consumes sparse
+    gradients directly and gossip averages the (dense) parameters, so they are fine."""
+    if nprocs_per_node == 1:
+        return
+    for prefix, sub in module.named_modules():
+        if isinstance(sub, _SPARSE_GRADIENT_MODULES) and sub.sparse and sub.weight.requires_grad:
+            name = f"{prefix}.weight" if prefix else "weight"
+            raise ValueError(
+                f"parameter '{name}' gets sparse gradients ({type(sub).__name__}(sparse=True)), "
+                f"but nprocs_per_node={nprocs_per_node} averages gradients inside a node, "
+                "which needs dense ones: use sparse=False, or nprocs_per_node=1"
+            )
+
+
+def check_dense_gradients(
+    named_grads: list[tuple[str, torch.Tensor]], nprocs_per_node: int
+) -> None:
+    # Sparse gradients that no module announced (F.embedding(..., sparse=True) in a custom
+    # forward) are only seen here, at the end of backward.
+    for name, grad in named_grads:
+        if grad.layout != torch.strided:
+            raise RuntimeError(
+                f"parameter '{name}' got a {grad.layout} gradient, but nprocs_per_node="
+                f"{nprocs_per_node} averages gradients inside a node, which needs dense ones: "
+                "produce dense gradients (sparse=False), or use nprocs_per_node=1"
+            )
+
+
+class ParameterWatch:
+    """Notices parameters registered in the wrapped module after wrapping.
+
+    The engine gossips the parameters it was given; a parameter added later (``module.new =
+    nn.Linear(...)``) would silently train alone on every rank. Walking the module at every
+    forward would cost a traversal per step, so a process-wide count of parameter and module
+    registrations (torch's global registration hooks) says when a walk is needed at all.
+    """
+
+    _registrations = 0
+    _hooked = False
+
+    def __init__(self, named: list[tuple[str, torch.Tensor]]):
+        if not ParameterWatch._hooked:
+            ParameterWatch._hooked = True
+            nn.modules.module.register_module_parameter_registration_hook(ParameterWatch._count)
+            nn.modules.module.register_module_module_registration_hook(ParameterWatch._count)
+        self._params = dict(named)
+        self._seen = ParameterWatch._registrations
+
+    @staticmethod
+    def _count(*_: Any) -> None:
+        ParameterWatch._registrations += 1
+
+    def check(self, module: nn.Module) -> None:
+        if self._seen == ParameterWatch._registrations:
+            return
+        current = dict(module.named_parameters())
+        added = [n for n in current if n not in self._params]
+        replaced = [n for n, p in current.items() if n in self._params and self._params[n] is not p]
+        if added or replaced:
+            changes = [f"added {added}"] if added else []
+            changes += [f"replaced {replaced}"] if replaced else []
+            raise RuntimeError(
+                f"parameters changed after the module was wrapped in GossipDataParallel "
+                f"({'; '.join(changes)}): gossip does not reach them, so they would train alone "
+                "on every rank. Build the whole model before wrapping it"
+            )
+        # Only a walk that found nothing wrong is remembered, so the error repeats until fixed.
+        self._seen = ParameterWatch._registrations
+
+
+# ----------------------------------------------------------------------------- call order
+
+BY_HAND = "by hand"
+BY_OPTIMIZER = "by register_optimizer() after optimizer.step()"
+
+
+def check_transfer(previous: str | None, now: str, overlap: bool) -> None:
+    """A second round in one step (no forward since the last transfer_params()) is a bug when
+    the step hook and a manual call both gossip, or under overlap=True, where it would absorb
+    the round just started before it overlapped anything. Manual back-to-back rounds without
+    overlap stay legal: a gossip-only loop (transfer_params(); sync_comms()) is one."""
+    if previous is None:
+        return
+    if BY_OPTIMIZER in (previous, now) and previous != now:
+        raise RuntimeError(
+            f"transfer_params() was called {now} in a step where it was already called "
+            f"{previous}: that gossips twice per step. register_optimizer() calls it after "
+            "every optimizer.step(); do not also call it by hand (or remove the hook with the "
+            "handle register_optimizer() returned)"
+        )
+    if overlap:
+        raise RuntimeError(
+            f"overlap=True: transfer_params() was called twice with no forward in between "
+            f"({previous}, then {now}); the second call would absorb the round the first one "
+            "started before it overlapped anything, and start a second round in the same step. "
+            "Call it once per optimizer step (call sync_comms() first to finish a round early)"
+        )
+
+
+def check_learning_rates(optimizer: torch.optim.Optimizer) -> None:
+    """SlowMo divides by every param group's learning rate, read at each SlowMo step."""
+    for index, group in enumerate(optimizer.param_groups):
+        lr = group.get("lr")
+        if isinstance(lr, torch.Tensor) and lr.numel() == 1:
+            lr = lr.item()
+        if isinstance(lr, bool) or not isinstance(lr, (int, float)) or not lr >= 0:
+            raise ValueError(
+                f"optimizer: slowmo_freq needs a learning rate >= 0 in every param group, but "
+                f"param group {index} has lr={lr!r}"
+            )
+
+
+def check_slowmo_optimizer(slowmo_freq: int, optimizer) -> None:
+    """Raised by transfer_params() on every rank alike, before any communication."""
+    if slowmo_freq and optimizer is None:
+        raise RuntimeError(
+            f"slowmo_freq={slowmo_freq}: the SlowMo step scales by the base optimizer's "
+            "learning rate, so call model.register_optimizer(optimizer), which also calls "
+            "transfer_params() after every optimizer.step() (then stop calling it by hand)"
+        )
+
+
+# ----------------------------------------------------------------------------- across ranks
+
+
+def check_ranks_agree(config: dict[str, Any], group: dist.ProcessGroup, rank: int) -> None:
+    """One all-gather at construction: ranks that disagree on the schedule or the model would
+    otherwise exchange mismatched messages or wait for rounds that never come."""
+    configs = [None] * dist.get_world_size(group)
+    dist.all_gather_object(configs, config, group=group)
+    for other, theirs in enumerate(configs):
+        diff = sorted(k for k in config if theirs[k] != configs[0][k])
+        if diff:
+            details = "; ".join(
+                f"{k}: rank 0 has {configs[0][k]!r}, rank {other} has {theirs[k]!r}"
+                for k in diff
+                if k != "parameters"
+            )
+            if "parameters" in diff:
+                details += "; the parameters (names, shapes or dtypes) differ"
+            raise ValueError(
+                f"GossipDataParallel: rank {other} was configured differently from rank 0 "
+                f"(seen on rank {rank}): {details.lstrip('; ')}"
+            )
+
+
+def check_checkpoint(state: Mapping[str, Any], mine: Mapping[str, Any]) -> None:
+    """A push-sum state is only meaningful on the schedule that produced it."""
+    for key, value in mine.items():
+        if state.get(key) != value:
+            raise ValueError(
+                f"load_state_dict: the checkpoint was saved with {key}={state.get(key)!r}, "
+                f"but this model has {key}={value!r}"
+            )
