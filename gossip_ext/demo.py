@@ -5,12 +5,14 @@
 Every worker trains the same small MLP on its own shard of a synthetic 10-class data set
 (generated deterministically: no download) with SGP, overlap SGP, D-PSGD and DDP all-reduce in
 turn. The demo prints one table (final loss and accuracy, time per step, bytes sent per step,
-final consensus distance) and writes a PNG plot of loss and consensus distance per step.
+consensus distance: exact, and the running estimate the gossip modes log for free) and writes a
+PNG plot of the loss and the consensus distance per step.
 """
 
 from __future__ import annotations
 
 import argparse
+import math
 import os
 import tempfile
 import time
@@ -23,6 +25,7 @@ import torch.multiprocessing as mp
 from torch import nn
 
 import gossip_ext
+from gossip_ext import consensus
 
 MODES = ("sgp", "overlap", "dpsgd", "ddp")
 NUM_CLASSES = 10
@@ -42,7 +45,7 @@ def make_model() -> nn.Module:
     return nn.Sequential(nn.Linear(FEATURES, 64), nn.ReLU(), nn.Linear(64, NUM_CLASSES))
 
 
-def wrap(mode: str, module: nn.Module, world_size: int) -> nn.Module:
+def wrap(mode: str, module: nn.Module, world_size: int, log_every: int) -> nn.Module:
     if mode == "ddp":
         return nn.parallel.DistributedDataParallel(module)
     if mode == "dpsgd":
@@ -52,18 +55,32 @@ def wrap(mode: str, module: nn.Module, world_size: int) -> nn.Module:
             if world_size % 2 == 0
             else gossip_ext.RingGraph(peers_per_itr=2)
         )
-        return gossip_ext.GossipDataParallel(module, graph=graph, push_sum=False)
-    return gossip_ext.GossipDataParallel(module, overlap=(mode == "overlap"))
+        return gossip_ext.GossipDataParallel(
+            module, graph=graph, push_sum=False, log_every=log_every
+        )
+    return gossip_ext.GossipDataParallel(module, overlap=(mode == "overlap"), log_every=log_every)
 
 
-def consensus_distance(module: nn.Module, world_size: int) -> float:
-    """max over workers of ||z_i - mean z|| / ||mean z||, by one all-gather."""
-    flat = torch.cat([p.detach().reshape(-1) for p in module.parameters()])
-    gathered = [torch.empty_like(flat) for _ in range(world_size)]
-    dist.all_gather(gathered, flat)
-    stacked = torch.stack(gathered)
-    mean = stacked.mean(0)
-    return ((stacked - mean).norm(dim=1).max() / mean.norm()).item()
+def consensus_distance(model: nn.Module, module: nn.Module, world_size: int) -> float:
+    """sqrt(mean_i ||z_i - mean z||^2): the wrapper's own metric; DDP's replicas get the same
+    definition (and are exactly 0 apart)."""
+    if isinstance(model, gossip_ext.GossipDataParallel):
+        return model.consensus_distance()
+    return consensus.consensus_distance(
+        list(module.parameters()), dist.group.WORLD, True, world_size
+    )
+
+
+def estimate_over_workers(model: nn.Module) -> float:
+    """The root mean square over workers of their running estimates (what the estimate's scale
+    is calibrated for); NaN until every worker has measured one, and for DDP."""
+    if not isinstance(model, gossip_ext.GossipDataParallel):
+        return math.nan
+    estimate = model.consensus_estimate
+    missing = estimate is None
+    t = torch.tensor([0.0 if missing else estimate**2, float(missing)], dtype=torch.float64)
+    dist.all_reduce(t)
+    return math.nan if t[1] > 0 else math.sqrt(t[0].item() / dist.get_world_size())
 
 
 def mean_over_workers(value: float) -> float:
@@ -80,12 +97,12 @@ def run_mode(mode: str, rank: int, world_size: int, args) -> dict:
     shard_x, shard_y = x[rank::world_size], y[rank::world_size]
     torch.manual_seed(args.seed)
     module = make_model()
-    model = wrap(mode, module, world_size)
+    model = wrap(mode, module, world_size, args.log_every)
     opt = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=0.9)
     gen = torch.Generator().manual_seed(args.seed + rank)
 
     grad_bytes = sum(p.numel() * p.element_size() for p in module.parameters())
-    history = {"step": [], "loss": [], "consensus": []}
+    history = {"step": [], "loss": [], "consensus": [], "estimate": []}
     progress = None
     if rank == 0 and not args.quiet:
         from tqdm import tqdm
@@ -99,12 +116,15 @@ def run_mode(mode: str, rank: int, world_size: int, args) -> dict:
         opt.zero_grad()
         loss.backward()
         opt.step()
-        if mode != "ddp":
-            model.transfer_params()
         if step % args.log_every == 0 or step == args.steps - 1:
             history["step"].append(step)
             history["loss"].append(mean_over_workers(loss.item()))
-            history["consensus"].append(consensus_distance(module, world_size))
+            # Before this step's round: the drift the local steps made, which the round shrinks
+            # and which the running estimate reads off the rounds it measures.
+            history["consensus"].append(consensus_distance(model, module, world_size))
+            history["estimate"].append(estimate_over_workers(model))
+        if mode != "ddp":
+            model.transfer_params()
         if progress is not None:
             progress.update(1)
     if mode != "ddp":
@@ -128,7 +148,7 @@ def run_mode(mode: str, rank: int, world_size: int, args) -> dict:
         "accuracy": mean_over_workers(accuracy),
         "step_ms": 1000 * mean_over_workers(elapsed) / args.steps,
         "bytes_per_step": mean_over_workers(bytes_per_step),
-        "consensus": consensus_distance(module, world_size),
+        "consensus": consensus_distance(model, module, world_size),
         "history": history,
     }
 
@@ -152,22 +172,34 @@ def worker(rank: int, world_size: int, init_file: str, args, results) -> None:
         dist.destroy_process_group()
 
 
+def _mean(values: list[float]) -> float:
+    finite = [v for v in values if not math.isnan(v)]
+    return sum(finite) / len(finite) if finite else math.nan
+
+
 def print_table(results: dict, workers: int) -> None:
     header = (
-        f"{'mode':<8} {'test loss':>9} {'accuracy':>9} {'ms/step':>8} "
-        f"{'bytes/step':>11} {'consensus':>10}"
+        f"{'mode':<8} {'test loss':>9} {'accuracy':>9} {'ms/step':>8} {'bytes/step':>11} "
+        f"{'consensus':>10} {'run mean':>9} {'estimate':>9}"
     )
     print(f"\n{workers} workers on gloo")
     print(header)
     print("-" * len(header))
     for mode, r in results.items():
+        h = r["history"]
+        estimate = _mean(h["estimate"])
         print(
             f"{mode:<8} {r['loss']:>9.4f} {r['accuracy']:>9.3f} {r['step_ms']:>8.2f} "
-            f"{r['bytes_per_step']:>11.0f} {r['consensus']:>10.2e}"
+            f"{r['bytes_per_step']:>11.0f} {r['consensus']:>10.2e} {_mean(h['consensus']):>9.2e} "
+            + ("        -" if math.isnan(estimate) else f"{estimate:>9.2e}")
         )
     print(
         "bytes/step: gossip counts the messages it sent; DDP is the ring all-reduce volume "
-        "2(n-1)/n of the gradients.\nconsensus: max over workers of ||z_i - mean z|| / ||mean z||."
+        "2(n-1)/n of the gradients.\n"
+        "consensus: model.consensus_distance(), sqrt(mean_i ||z_i - mean z||^2), exact, after the "
+        "last round; run mean: its mean over the sampled steps (before each step's round);\n"
+        "estimate: mean over the same steps of the running estimate (log_every), which costs no "
+        "communication."
     )
 
 
@@ -177,17 +209,26 @@ def plot(results: dict, path: str) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, (ax_loss, ax_cons) = plt.subplots(1, 2, figsize=(11, 4))
+    fig, (ax_loss, ax_cons) = plt.subplots(1, 2, figsize=(12, 4.5))
     for mode, r in results.items():
         h = r["history"]
-        ax_loss.plot(h["step"], h["loss"], label=mode)
+        (line,) = ax_loss.plot(h["step"], h["loss"], label=mode)
         # All-reduce keeps workers identical: a log plot has nothing to draw for it.
         if any(c > 0 for c in h["consensus"]):
-            ax_cons.plot(h["step"], h["consensus"], label=mode)
+            ax_cons.plot(h["step"], h["consensus"], color=line.get_color(), label=f"{mode} exact")
+        if any(not math.isnan(e) for e in h["estimate"]):
+            ax_cons.plot(
+                h["step"],
+                h["estimate"],
+                color=line.get_color(),
+                linestyle="--",
+                alpha=0.8,
+                label=f"{mode} running estimate",
+            )
     ax_loss.set(xlabel="step", ylabel="training loss (mean over workers)", title="Loss")
     ax_cons.set(
         xlabel="step",
-        ylabel="consensus distance",
+        ylabel="sqrt(mean_i ||z_i - mean z||^2)",
         title="Consensus distance (DDP: exactly 0)",
         yscale="log",
     )
@@ -228,7 +269,8 @@ def parse_args(argv=None):
         "--log-every",
         type=int,
         default=10,
-        help="steps between loss and consensus samples (default: 10)",
+        help="steps between loss and consensus samples, and the gossip modes' log_every "
+        "(default: 10)",
     )
     parser.add_argument(
         "--plot",

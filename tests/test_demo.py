@@ -1,5 +1,7 @@
 """The README's main job, python -m gossip_ext.demo, on a short run."""
 
+import math
+
 import pytest
 
 from gossip_ext import demo
@@ -22,9 +24,17 @@ def test_demo_trains_every_mode_and_writes_the_plot(tmp_path, capsys):
     assert results["ddp"]["consensus"] == 0.0
     # Two workers with weights 1/2: synchronous gossip is exact averaging.
     assert results["sgp"]["consensus"] < 1e-6
+    # The consensus panel: the exact distance before each step's round, which local steps make
+    # positive, and the running estimate the gossip modes log from the first logged step on.
+    for mode in ("sgp", "overlap", "dpsgd"):
+        h = results[mode]["history"]
+        assert all(c > 0 for c in h["consensus"][1:]), (mode, h["consensus"])
+        assert math.isnan(h["estimate"][0]) and all(e > 0 for e in h["estimate"][1:]), mode
+    assert all(math.isnan(e) for e in results["ddp"]["history"]["estimate"])
+    assert results["ddp"]["history"]["consensus"] == [0.0] * 5
     assert plot.stat().st_size > 10_000
     out = capsys.readouterr().out
-    assert "consensus" in out and str(plot) in out
+    assert "consensus" in out and "estimate" in out and str(plot) in out
 
 
 def test_demo_rejects_bad_flags(capsys):
