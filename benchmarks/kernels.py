@@ -51,11 +51,16 @@ GOAL_SPEEDUP = 2.0
 class Case:
     """One op at one (dtype, size): the fused and unfused callables and the bytes they move."""
 
-    def __init__(self, name: str, fused, unfused, passes: int):
+    def __init__(self, name: str, fused, unfused, passes: float, outputs: list[torch.Tensor]):
         self.name = name
         self.fused = fused
         self.unfused = unfused
         self.passes = passes  # elements read + written, in units of n
+        self.outputs = outputs  # what both write: compared before timing
+
+
+def size_of(dtype: torch.dtype) -> int:
+    return torch.tensor([], dtype=dtype).element_size()
 
 
 def make_cases(
@@ -90,7 +95,7 @@ def make_cases(
         torch.mul(src, w_chain, out=out)
         out.mul_(ALPHA)
 
-    cases = [Case("scale_into", scale_fused, scale_unfused, passes=2)]
+    cases = [Case("scale_into", scale_fused, scale_unfused, passes=2, outputs=[out])]
     for k in (1, 3):
         rs = received[:k]
         ws = weight(0.5)  # the kept share of the weight
@@ -105,18 +110,61 @@ def make_cases(
                 x.add_(r)
             x.div_(wn)
 
-        cases.append(Case(f"absorb_ k={k}", absorb_fused, absorb_unfused, passes=k + 2))
+        cases.append(
+            Case(f"absorb_ k={k}", absorb_fused, absorb_unfused, passes=k + 2, outputs=[x])
+        )
+
+    # The non-finite check (check_finite=True, the default) rides on absorb_'s pass; without it
+    # a caller would scan every received buffer with isfinite after the chain.
+    flag = torch.zeros(1, dtype=torch.int32, device=device)
+    ws, wn = weight(0.5), weight(1.0)
+
+    def checked_fused():
+        ops.absorb_(x, received[:1], ALPHA, ws, wn, flag)
+
+    def checked_unfused(ws=scalar(ws), wn=scalar(wn)):  # noqa: B008 (bound once)
+        x.mul_(ws * ALPHA).add_(received[0]).div_(wn)
+        flag.fill_(int(not torch.isfinite(received[0]).all()))
+
+    cases.append(
+        Case("absorb_ k=1 checked", checked_fused, checked_unfused, passes=3, outputs=[x, flag])
+    )
+
+    if dtype in (torch.float32, torch.float64):
+        # A compressed send: the bfloat16 message and the error kept in the state, one pass.
+        message = torch.empty(n, dtype=torch.bfloat16, device=device)
+        state = buffer()
+
+        def compress_fused():
+            ops.compress_into_(state, message, ALPHA, w, 2.0)
+
+        def compress_unfused():
+            exact = state * (w_chain * ALPHA)
+            message.copy_(exact)
+            state.add_((exact - message.to(dtype)).div_(w_chain), alpha=2.0)
+
+        # Reads the state, writes it and a message of half (float32) or a quarter of its bytes.
+        passes = 2 + torch.tensor([], dtype=torch.bfloat16).element_size() / size_of(dtype)
+        cases.append(
+            Case(
+                "compress_into_ bf16",
+                compress_fused,
+                compress_unfused,
+                passes=passes,
+                outputs=[state, message],
+            )
+        )
 
     dst = torch.empty_like(src)
 
     def copy():
         dst.copy_(src)
 
-    check_equivalence(cases, x, out, dtype)
+    check_equivalence(cases, dtype)
     return cases, copy
 
 
-def check_equivalence(cases: list[Case], x: torch.Tensor, out: torch.Tensor, dtype) -> None:
+def check_equivalence(cases: list[Case], dtype) -> None:
     """Fused and unfused must compute the same thing before their times are compared."""
     tol = (
         {"atol": 1e-5, "rtol": 1e-5}
@@ -124,19 +172,23 @@ def check_equivalence(cases: list[Case], x: torch.Tensor, out: torch.Tensor, dty
         else {"atol": 3e-2, "rtol": 3e-2}
     )
     for case in cases:
-        target = out if case.name == "scale_into" else x
-        start = x.clone()
+        start = [t.clone() for t in case.outputs]
         case.fused()
-        fused = target.clone()
-        x.copy_(start)
+        fused = [t.clone() for t in case.outputs]
+        for t, s in zip(case.outputs, start):
+            t.copy_(s)
         case.unfused()
-        unfused = target.clone()
-        x.copy_(start)
-        if not torch.allclose(fused.float(), unfused.float(), **tol):
-            diff = (fused.float() - unfused.float()).abs().max().item()
-            raise RuntimeError(
-                f"{case.name} ({dtype}): fused and unfused results differ by up to {diff:g}"
-            )
+        unfused = [t.clone() for t in case.outputs]
+        for t, s in zip(case.outputs, start):
+            t.copy_(s)
+        for a, b in zip(fused, unfused):
+            # 16-bit messages may differ by one rounding where the chain rounds twice.
+            loose = {"atol": 1e-2, "rtol": 1e-2} if a.dtype == torch.bfloat16 else tol
+            if not torch.allclose(a.double(), b.double(), **loose):
+                diff = (a.double() - b.double()).abs().max().item()
+                raise RuntimeError(
+                    f"{case.name} ({dtype}): fused and unfused results differ by up to {diff:g}"
+                )
 
 
 def median_seconds(fn, threads: int, min_run_time: float) -> float:

@@ -69,3 +69,60 @@ def test_kernels_run_on_the_current_stream():
         torch.ops.gossip_ext.absorb_(x, [r], 0.5)
     stream.synchronize()
     assert torch.all(x == 1.5)
+
+
+MESSAGE_DTYPES = [torch.bfloat16, torch.float16]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize("message_dtype", MESSAGE_DTYPES)
+@pytest.mark.parametrize("n", SIZES)
+@pytest.mark.parametrize("offset", [0, 1])
+@pytest.mark.parametrize("weight_dtype", [None, torch.float64])
+def test_compress_into_matches_cpu(dtype, message_dtype, n, offset, weight_dtype):
+    src = _random(n, dtype, offset)
+    weight = None if weight_dtype is None else _weight(0.7, weight_dtype)
+    want_src, want = src.clone(), torch.empty(n, dtype=message_dtype)
+    torch.ops.gossip_ext.compress_into_(want_src, want, 0.25, weight, 12.0)
+    got_src = src.cuda()
+    got = torch.empty(n + offset, dtype=message_dtype, device="cuda")[offset:]
+    cuda_weight = None if weight is None else weight.cuda()
+    torch.ops.gossip_ext.compress_into_(got_src, got, 0.25, cuda_weight, 12.0)
+    # One rounding of the same float value: the messages agree but for a rare tie.
+    mismatched = (got.cpu() != want).sum().item()
+    assert mismatched <= max(1, n // 10_000), mismatched
+    tol = TOLERANCE[dtype] * 100
+    torch.testing.assert_close(got_src.cpu(), want_src, rtol=tol, atol=tol)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize("message_dtype", MESSAGE_DTYPES)
+@pytest.mark.parametrize("n", SIZES)
+@pytest.mark.parametrize("offset", [0, 1])
+@pytest.mark.parametrize("num_received", [1, 3, 11])
+def test_absorb_of_compressed_messages_matches_cpu(dtype, message_dtype, n, offset, num_received):
+    x = _random(n, dtype, offset)
+    received = [_random(n, message_dtype, offset) for _ in range(num_received)]
+    want = x.clone()
+    torch.ops.gossip_ext.absorb_(want, received, 0.5)
+    got = x.cuda()
+    torch.ops.gossip_ext.absorb_(got, [r.cuda() for r in received], 0.5)
+    tol = TOLERANCE[dtype] * (num_received + 1)
+    torch.testing.assert_close(got.cpu(), want, rtol=tol, atol=tol)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("where", ["x", "received"])
+@pytest.mark.parametrize("position", ["first", "middle", "last"])
+@pytest.mark.parametrize("offset", [0, 1])
+def test_absorb_flags_nonfinite_values_like_cpu(dtype, where, position, offset):
+    n = 70001
+    index = {"first": 0, "middle": n // 2, "last": n - 1}[position]
+    x = _random(n, dtype, offset).cuda()
+    received = [_random(n, dtype, offset).cuda() for _ in range(9)]  # two launches
+    flag = torch.zeros(1, dtype=torch.int32, device="cuda")
+    torch.ops.gossip_ext.absorb_(x.clone(), received, 1.0, None, None, flag)
+    assert flag.item() == 0
+    (x if where == "x" else received[8])[index] = float("nan")
+    torch.ops.gossip_ext.absorb_(x, received, 1.0, None, None, flag)
+    assert flag.item() == 1
