@@ -37,10 +37,29 @@ void scale_into_kernel(const scalar_t* __restrict src, scalar_t* __restrict out,
   });
 }
 
-// With kCheckFinite, every value read also feeds a probe lane: probe[j] += v * 0 stays 0 while
-// every v is finite and turns NaN for good at the first NaN or Inf (IEEE: Inf * 0 and NaN * 0 are
-// NaN). It is one more vectorized multiply-add on data already in registers, and the lanes are
-// reduced once per thread range, not per element. Returns whether a non-finite value was read.
+// The non-finite check of absorb_. Every value read also feeds a probe lane: lane += v * 0 stays
+// 0 while every v is finite and turns NaN for good at the first NaN or Inf (IEEE: Inf * 0 and
+// NaN * 0 are NaN). It is one more vectorized multiply-add on data already in registers, and the
+// lanes are reduced once per thread range, not per element. Disabled, it is empty: the unchecked
+// kernel is the same code as before the check existed.
+template <typename opmath_t, bool kEnabled>
+struct FiniteProbe {
+  void add(int64_t, opmath_t) {}
+  bool saw_nonfinite() const { return false; }
+};
+
+template <typename opmath_t>
+struct FiniteProbe<opmath_t, true> {
+  opmath_t lanes[kBlock] = {};
+  void add(int64_t j, opmath_t v) { lanes[j] += v * opmath_t(0); }
+  bool saw_nonfinite() const {
+    opmath_t total = 0;
+    for (int64_t j = 0; j < kBlock; ++j) total += lanes[j];
+    return std::isnan(total);
+  }
+};
+
+// Returns whether a non-finite value was read (always false unless kCheckFinite).
 template <typename scalar_t, typename message_t, bool kCheckFinite>
 bool absorb_kernel(scalar_t* __restrict x, const std::vector<const message_t*>& received,
                    int64_t n, at::opmath_type<scalar_t> self_scale,
@@ -49,31 +68,26 @@ bool absorb_kernel(scalar_t* __restrict x, const std::vector<const message_t*>& 
   std::atomic<bool> nonfinite{false};
   at::parallel_for(0, n, kGrainSize, [&](int64_t begin, int64_t end) {
     opmath_t acc[kBlock];
-    [[maybe_unused]] opmath_t probe[kBlock];
-    if constexpr (kCheckFinite) std::fill_n(probe, kBlock, opmath_t(0));
+    FiniteProbe<opmath_t, kCheckFinite> probe;
     for (int64_t start = begin; start < end; start += kBlock) {
       const int64_t len = std::min(kBlock, end - start);
       scalar_t* __restrict xb = x + start;
       for (int64_t j = 0; j < len; ++j) {
         const opmath_t v = static_cast<opmath_t>(xb[j]);
         acc[j] = self_scale * v;
-        if constexpr (kCheckFinite) probe[j] += v * opmath_t(0);
+        probe.add(j, v);
       }
       for (const message_t* r : received) {
         const message_t* __restrict rb = r + start;
         for (int64_t j = 0; j < len; ++j) {
           const opmath_t v = static_cast<opmath_t>(rb[j]);
           acc[j] += v;
-          if constexpr (kCheckFinite) probe[j] += v * opmath_t(0);
+          probe.add(j, v);
         }
       }
       for (int64_t j = 0; j < len; ++j) xb[j] = static_cast<scalar_t>(acc[j] * out_scale);
     }
-    if constexpr (kCheckFinite) {
-      opmath_t total = 0;
-      for (int64_t j = 0; j < kBlock; ++j) total += probe[j];
-      if (std::isnan(total)) nonfinite.store(true, std::memory_order_relaxed);
-    }
+    if (probe.saw_nonfinite()) nonfinite.store(true, std::memory_order_relaxed);
   });
   return nonfinite.load(std::memory_order_relaxed);
 }
