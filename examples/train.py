@@ -24,6 +24,7 @@ max_i ||z_i - mean z|| / ||mean z|| (exactly 0 under DDP).
 from __future__ import annotations
 
 import argparse
+import logging
 import time
 
 import torch
@@ -61,6 +62,9 @@ def make_dataset(seed: int) -> tuple[torch.Tensor, torch.Tensor]:
     return points, cluster // 2
 
 
+MESSAGE_DTYPES = {"float32": None, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
 def make_model() -> nn.Module:
     return nn.Sequential(
         nn.Linear(FEATURES, 64), nn.ReLU(), nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, NUM_CLASSES)
@@ -92,6 +96,12 @@ def wrap(args: argparse.Namespace, module: nn.Module, world_size: int) -> nn.Mod
         overlap=args.mode == "overlap",
         synch_freq=args.synch_freq if args.mode == "async" else 0,
         nprocs_per_node=args.nprocs_per_node,
+        message_dtype=MESSAGE_DTYPES[args.message_dtype],
+        global_avg_freq=args.global_avg_freq,
+        slowmo_freq=args.slowmo_freq,
+        slowmo_momentum=args.slowmo_momentum,
+        slowmo_lr=args.slowmo_lr,
+        log_every=args.log_every,
     )
 
 
@@ -107,15 +117,6 @@ def max_over_ranks(value: float) -> float:
     return t.item()
 
 
-def consensus_distance(module: nn.Module) -> float:
-    """max_i ||z_i - mean z|| / ||mean z|| over ranks, z_i = rank i's flattened parameters."""
-    z = torch.cat([p.detach().reshape(-1).to(torch.float64) for p in module.parameters()])
-    mean = z.clone()
-    dist.all_reduce(mean)
-    mean /= dist.get_world_size()
-    return max_over_ranks((z - mean).norm().item()) / mean.norm().item()
-
-
 def train(args: argparse.Namespace) -> None:
     rank, world_size = dist.get_rank(), dist.get_world_size()
     points, labels = make_dataset(args.seed)
@@ -127,6 +128,8 @@ def train(args: argparse.Namespace) -> None:
     model = wrap(args, module, world_size)
     gossip = isinstance(model, gossip_ext.GossipDataParallel)
     opt = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=args.momentum)
+    if gossip:
+        model.register_optimizer(opt)  # gossip after every opt.step() (SlowMo reads its lr)
     # Each rank draws its own batches; a per-rank generator keeps runs reproducible.
     batches = torch.Generator().manual_seed(args.seed * 1000 + rank + 1)
 
@@ -148,8 +151,6 @@ def train(args: argparse.Namespace) -> None:
         opt.zero_grad()
         loss.backward()
         opt.step()
-        if gossip:
-            model.transfer_params()
         # Rank 0's own loss only: a collective here would make every rank wait for the slowest
         # one each interval, which would hide what overlap and bounded asynchrony buy.
         interval_loss += loss.item()
@@ -172,13 +173,14 @@ def train(args: argparse.Namespace) -> None:
             (logits.argmax(1) == shard_y).double().mean().item(),
         ]
     )
-    consensus = consensus_distance(module)
+    # Exact, collective; DDP's replicas are identical by construction.
+    consensus = model.consensus_distance(relative=True) if gossip else 0.0
     # A collective (every rank takes part); DDP has no gossip counter.
     sent = max_over_ranks(model.bytes_sent / args.steps) if gossip else None
     if rank == 0:
         print(f"final training loss {loss:.4f}  accuracy {accuracy:.4f}  (mean over ranks)")
         print(f"time per step {1000 * step_time:.2f} ms (slowest rank)")
-        print(f"consensus distance {consensus:.3e}  (max_i ||z_i - mean z|| / ||mean z||)")
+        print(f"consensus distance {consensus:.3e}  (sqrt(mean_i ||z_i - mean z||^2) / ||mean z||)")
         if sent is not None:
             print(f"gossip bytes sent per step {sent:.0f}  (max over ranks)")
 
@@ -246,6 +248,33 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="seed of the data set, the initial model and the batches (default: %(default)s)",
     )
     parser.add_argument(
+        "--message-dtype",
+        choices=sorted(MESSAGE_DTYPES),
+        default="float32",
+        help="dtype of gossip messages; 16 bits halve the bytes (default: %(default)s)",
+    )
+    parser.add_argument(
+        "--global-avg-freq",
+        type=int,
+        default=0,
+        help="all-reduce the parameters to their exact average every N steps; 0: never",
+    )
+    parser.add_argument(
+        "--slowmo-freq", type=int, default=0, help="SlowMo every N steps; 0: off (default)"
+    )
+    parser.add_argument(
+        "--slowmo-momentum", type=float, default=0.5, help="SlowMo's beta (default: %(default)s)"
+    )
+    parser.add_argument(
+        "--slowmo-lr", type=float, default=1.0, help="SlowMo's alpha (default: %(default)s)"
+    )
+    parser.add_argument(
+        "--log-every",
+        type=int,
+        default=0,
+        help="log a running consensus estimate every N steps (logger gossip_ext.consensus)",
+    )
+    parser.add_argument(
         "--log-interval",
         type=int,
         default=50,
@@ -261,6 +290,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         parser.error(f"--synch-freq must be >= 1 with --mode async, got {args.synch_freq}")
     if args.mode == "ddp" and (args.graph, args.peers_per_itr) != (None, None):
         parser.error("--graph and --peers-per-itr are for the gossip modes, not --mode ddp")
+    gossip_only = ("message_dtype", "float32"), ("global_avg_freq", 0), ("slowmo_freq", 0)
+    gossip_only += (("log_every", 0),)
+    for name, default in gossip_only:
+        if args.mode == "ddp" and getattr(args, name) != default:
+            parser.error(f"--{name.replace('_', '-')} is for the gossip modes, not --mode ddp")
     if args.mode == "ddp" and args.nprocs_per_node != 1:
         parser.error("--nprocs-per-node is for the gossip modes; ddp all-reduces over every rank")
     return args
@@ -268,6 +302,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
+    if args.log_every:
+        # The running consensus estimate is logged at INFO (logger gossip_ext.consensus).
+        logging.basicConfig(level=logging.INFO, format="%(name)s: %(message)s")
     # Several ranks share few cores: one intra-op thread each avoids oversubscription, which
     # costs far more than it gains on a model this small.
     torch.set_num_threads(1)
