@@ -1,9 +1,14 @@
-"""GossipDataParallel: data-parallel training by gossip instead of all-reduce."""
+"""GossipDataParallel: data-parallel training by gossip instead of all-reduce.
+
+This module is the wrapper's public surface and its step logic. The rest lives beside it:
+argument checks in ``_validation``, when rounds start and are absorbed in ``_schedule``, the
+engine's transport in ``_transport``, several processes per machine in ``_hierarchy``, exact
+averaging and SlowMo in ``averaging``, the consensus metric in ``consensus``.
+"""
 
 from __future__ import annotations
 
 import contextlib
-import itertools
 import logging
 import warnings
 import weakref
@@ -15,32 +20,13 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from gossip_ext import _C, _validation, averaging, consensus
+from gossip_ext import _C, _hierarchy, _schedule, _transport, _validation, averaging, consensus
 from gossip_ext.graphs import GraphBase, NPeerDynamicDirectedExponentialGraph
 from gossip_ext.mixing import MixingBase, UniformMixing
 
 __all__ = ["GossipDataParallel"]
 
 logger = logging.getLogger(__name__)
-
-_BROADCAST_BUCKET_BYTES = 250 * 1024 * 1024  # DDP's bucket size for module-state broadcasts
-
-
-# Numbers the NCCL transports of this process, for their store prefixes (see _nccl_transport).
-_NCCL_TRANSPORTS = itertools.count()
-
-
-def _weak_call(method):
-    """``method`` through a weak reference to its object: a hook that does nothing once the
-    object is gone, instead of keeping it alive."""
-    ref = weakref.WeakMethod(method)
-
-    def call(*args: Any) -> None:
-        bound = ref()
-        if bound is not None:
-            bound(*args)
-
-    return call
 
 
 class GossipDataParallel(nn.Module):
@@ -232,11 +218,13 @@ class GossipDataParallel(nn.Module):
         }
         _validation.check_ranks_agree(config, self.process_group, rank)
 
-        self._node_group = None
+        self._hierarchy = None
         gossip_group = self.process_group
         self.is_gossip_leader = True
         if nprocs_per_node > 1:
-            gossip_group = self._make_hierarchy(rank, world_size)
+            self._hierarchy = _hierarchy.NodeHierarchy(module, self.process_group, nprocs_per_node)
+            gossip_group = self._hierarchy.leaders
+            self.is_gossip_leader = self._hierarchy.is_leader
 
         with torch.no_grad():
             for p in params:
@@ -257,12 +245,9 @@ class GossipDataParallel(nn.Module):
                 check_finite=check_finite,
                 message_dtype=message_dtype,
             )
-            if self._transport_kind == _validation.NCCL:
-                transport = self._nccl_transport(gossip_group, device, timeout)
-            else:
-                transport = _C.ProcessGroupTransport(gossip_group)
-                if self._transport_kind == _validation.HOST_STAGING:
-                    transport = _C.HostStagingTransport(transport)
+            transport = _transport.make_transport(
+                self._transport_kind, gossip_group, device, timeout
+            )
             self._engine = _C.GossipEngine(params, [n for n, _ in named], transport, options)
             if log_every > 0:
                 self._engine = consensus.MeasuredEngine(self._engine, graph, log_every)
@@ -273,10 +258,7 @@ class GossipDataParallel(nn.Module):
                 stacklevel=2,
             )
 
-        self._unfinished_forwards = 0  # bounded asynchrony: forwards that found a round running
-        self._start_deferred = False  # bounded asynchrony: a round owed by transfer_params()
-        self._sync_gradients = True
-        self._backward_callback_queued = False
+        self._rounds = _schedule.RoundSchedule(self._engine, overlap=overlap, synch_freq=synch_freq)
         self._watch = _validation.ParameterWatch(named)
         # Who called transfer_params() in this step, if anyone: a second caller is a bug.
         self._transferred = None
@@ -293,110 +275,21 @@ class GossipDataParallel(nn.Module):
             slowmo_lr=slowmo_lr,
         )
         self._slow_start_pending = self._averaging.slow_start_pending
-        if self._node_group is not None:
-            # Through a weak reference, as the optimizer above: the parameters outlive no wrapper.
-            on_grad_ready = _weak_call(self._on_grad_ready)
-            for p in params:
-                if p.requires_grad:
-                    p.register_post_accumulate_grad_hook(on_grad_ready)
-
-    @staticmethod
-    def _nccl_transport(group: dist.ProcessGroup, device: torch.device, timeout: timedelta):
-        # Every wrapper gets its own key space in the store; wrappers are built in the same order
-        # on every rank (construction is collective), so the counters agree.
-        prefix = f"gossip_ext/nccl/{next(_NCCL_TRANSPORTS)}"
-        store = dist.PrefixStore(prefix, dist.distributed_c10d._get_default_store())
-        return _C.NcclTransport(
-            store, dist.get_rank(group), dist.get_world_size(group), device.index, timeout
-        )
-
-    # ----------------------------------------------------------------------------- hierarchy
-
-    def _make_hierarchy(self, rank: int, world_size: int) -> dist.ProcessGroup:
-        m = self.nprocs_per_node
-        to_global = [dist.get_global_rank(self.process_group, r) for r in range(world_size)]
-        # new_group is collective: every rank creates every group, in the same order.
-        for node in range(world_size // m):
-            group = dist.new_group([to_global[node * m + i] for i in range(m)])
-            if rank // m == node:
-                self._node_group = group  # its group rank 0 is the node's gossiping process
-        leaders = dist.new_group([to_global[node * m] for node in range(world_size // m)])
-        self.is_gossip_leader = rank % m == 0
-        return leaders
-
-    def _on_grad_ready(self, _param: torch.Tensor) -> None:
-        # The first gradient of a backward queues one callback that runs when the whole backward
-        # has finished: the end of backward, detected by the autograd engine itself.
-        if self._sync_gradients and not self._backward_callback_queued:
-            self._backward_callback_queued = True
-            torch.autograd.Variable._execution_engine.queue_callback(self._average_node_gradients)
-
-    def _average_node_gradients(self) -> None:
-        self._backward_callback_queued = False
-        named = [(n, p.grad) for n, p in self.module.named_parameters() if p.grad is not None]
-        if not named:
-            return
-        _validation.check_dense_gradients(named, self.nprocs_per_node)
-        grads = [g for _, g in named]
-        flat = torch.cat([g.reshape(-1) for g in grads])
-        dist.all_reduce(flat, group=self._node_group)
-        flat.div_(self.nprocs_per_node)
-        offset = 0
-        for g in grads:
-            g.copy_(flat[offset : offset + g.numel()].view_as(g))
-            offset += g.numel()
-
-    def _receive_node_parameters(self) -> None:
-        # One coalesced broadcast (as DDP syncs module states) instead of one per tensor.
-        tensors = [p.detach() for p in self.module.parameters()]
-        tensors += [b.detach() for b in self.module.buffers()]
-        dist._broadcast_coalesced(self._node_group, tensors, _BROADCAST_BUCKET_BYTES, 0)
+        if self._hierarchy is not None:
+            self._hierarchy.hook_gradients(params)
 
     # ----------------------------------------------------------------------------- training
 
     def forward(self, *inputs: Any, **kwargs: Any) -> Any:
         self._watch.check(self.module)
         self._transferred = None
-        if self._engine is not None:
-            if not self.training:
-                # Evaluation sees every message sent so far (the reference forgets to absorb).
-                self._engine.finish_round()
-            elif self.synch_freq > 0:
-                self._absorb_bounded()
-            elif not self.overlap:
-                self._engine.finish_round()
-        if self._node_group is not None:
-            self._receive_node_parameters()
+        self._rounds.before_forward(self.training)
+        if self._hierarchy is not None:
+            self._hierarchy.receive_parameters()
         if self._slow_start_pending:
             self._slow_start_pending = False
             self._averaging.start_slow_params()
         return self.module(*inputs, **kwargs)
-
-    # Bounded asynchrony (synch_freq > 0). A round is owed for every transfer_params() call, on
-    # every rank alike, so all ranks run the same rounds and nobody waits for a round its peer
-    # skipped; only when a round starts and when it is absorbed depend on timing. A start that
-    # finds the previous round unfinished is deferred to the first forward that finds it done.
-
-    def _absorb_bounded(self) -> None:
-        if self._engine.in_flight:
-            if self._engine.try_finish_round():
-                self._unfinished_forwards = 0
-            else:
-                self._unfinished_forwards += 1
-                if self._unfinished_forwards > self.synch_freq:
-                    self._engine.finish_round()
-                    self._unfinished_forwards = 0
-        if self._start_deferred and not self._engine.in_flight:
-            self._start_deferred = False
-            self._engine.start_round()
-
-    def _transfer_bounded(self) -> None:
-        if self._start_deferred:  # a round is already owed: wait, and start it now
-            self._engine.finish_round()
-            self._engine.start_round()
-        self._start_deferred = not self._engine.try_finish_round()
-        if not self._start_deferred:
-            self._engine.start_round()
 
     def transfer_params(self) -> None:
         """Starts a gossip round with the parameters the optimizer step just produced.
@@ -426,11 +319,7 @@ class GossipDataParallel(nn.Module):
             # The exact average takes the place of this step's gossip round.
             self._average_exactly(slowmo=kind == averaging.SLOWMO)
         elif self._engine is not None:
-            if self.synch_freq > 0:
-                self._transfer_bounded()
-            else:
-                self._engine.finish_round()
-                self._engine.start_round()
+            self._rounds.start()
             if self.verbose:
                 logger.info("gossip round %d in flight", self._engine.round)
         self._transferred = caller
@@ -453,26 +342,13 @@ class GossipDataParallel(nn.Module):
     def no_sync(self) -> Iterator[None]:
         """Gradient accumulation: backwards inside skip the node-local gradient averaging of
         ``nprocs_per_node > 1`` (as DDP's no_sync). Do not step the optimizer inside."""
-        previous = self._sync_gradients
-        self._sync_gradients = False
-        try:
+        with contextlib.nullcontext() if self._hierarchy is None else self._hierarchy.no_sync():
             yield
-        finally:
-            self._sync_gradients = previous
 
     def sync_comms(self) -> None:
         """Waits for the round in flight, and any round still owed, and absorbs them."""
         self._transferred = None
-        self._drain()
-
-    def _drain(self) -> None:
-        if self._engine is None:
-            return
-        self._engine.finish_round()
-        if self._start_deferred:
-            self._start_deferred = False
-            self._engine.start_round()
-            self._engine.finish_round()
+        self._rounds.drain()
 
     def block(self) -> None:
         """Absorbs the round in flight and waits until every rank has done the same."""
@@ -500,8 +376,7 @@ class GossipDataParallel(nn.Module):
         self._average_exactly(slowmo=False)
 
     def _average_exactly(self, slowmo: bool) -> None:
-        self._drain()
-        self._unfinished_forwards = 0
+        self._rounds.restart()
         # Only gossiping processes hold push-sum state; the others join the all-reduce with zeros
         # and receive the average with everyone, so no broadcast inside the machine is needed.
         weight = self.ps_weight if self.is_gossip_leader else None

@@ -1,0 +1,92 @@
+"""When gossip rounds start and when they are absorbed: the wrapper's three schedules.
+
+The engine runs one round at a time (``start_round``, then ``finish_round`` or
+``try_finish_round``). Synchronous SGP absorbs a round at the next forward, ``overlap=True`` at
+the next ``transfer_params()``, and bounded asynchrony (``synch_freq > 0``) at the first forward
+that finds it finished. Which call absorbs and which starts is this module's one concern, so that
+the wrapper's forward, ``transfer_params()`` and ``sync_comms()`` each make a single call.
+
+Bounded asynchrony: a round is owed for every ``transfer_params()`` call, on every rank alike, so
+all ranks run the same rounds and nobody waits for a round its peer skipped; only when a round
+starts and when it is absorbed depend on timing. A start that finds the previous round unfinished
+is deferred to the first forward that finds it done.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+
+class RoundSchedule:
+    """Starts and absorbs the rounds of ``engine`` (a ``_C.GossipEngine`` or a
+    ``consensus.MeasuredEngine``) for the schedule given by ``overlap`` and ``synch_freq``.
+
+    ``engine`` is None on processes that do not gossip; every call is then a no-op.
+    """
+
+    def __init__(self, engine: Any, *, overlap: bool, synch_freq: int) -> None:
+        self._engine = engine
+        self._overlap = overlap
+        self._synch_freq = synch_freq
+        self._unfinished_forwards = 0  # bounded asynchrony: forwards that found a round running
+        self._start_deferred = False  # bounded asynchrony: a round owed by transfer_params()
+
+    def before_forward(self, training: bool) -> None:
+        """Absorbs what the schedule says the forward about to run must see."""
+        if self._engine is None:
+            return
+        if not training:
+            # Evaluation sees every message sent so far (the reference forgets to absorb).
+            self._engine.finish_round()
+        elif self._synch_freq > 0:
+            self._absorb_bounded()
+        elif not self._overlap:
+            self._engine.finish_round()
+
+    def start(self) -> None:
+        """Starts the round of the optimizer step just taken (or owes it, under bounded
+        asynchrony), after absorbing the previous one where the schedule says so."""
+        if self._engine is None:
+            return
+        if self._synch_freq > 0:
+            self._transfer_bounded()
+        else:
+            self._engine.finish_round()
+            self._engine.start_round()
+
+    def drain(self) -> None:
+        """Waits for the round in flight, and any round still owed, and absorbs them."""
+        if self._engine is None:
+            return
+        self._engine.finish_round()
+        if self._start_deferred:
+            self._start_deferred = False
+            self._engine.start_round()
+            self._engine.finish_round()
+
+    def restart(self) -> None:
+        """Drains, and starts the count of forwards that found a round running afresh: after an
+        exact average nothing is pending."""
+        self.drain()
+        self._unfinished_forwards = 0
+
+    def _absorb_bounded(self) -> None:
+        if self._engine.in_flight:
+            if self._engine.try_finish_round():
+                self._unfinished_forwards = 0
+            else:
+                self._unfinished_forwards += 1
+                if self._unfinished_forwards > self._synch_freq:
+                    self._engine.finish_round()
+                    self._unfinished_forwards = 0
+        if self._start_deferred and not self._engine.in_flight:
+            self._start_deferred = False
+            self._engine.start_round()
+
+    def _transfer_bounded(self) -> None:
+        if self._start_deferred:  # a round is already owed: wait, and start it now
+            self._engine.finish_round()
+            self._engine.start_round()
+        self._start_deferred = not self._engine.try_finish_round()
+        if not self._start_deferred:
+            self._engine.start_round()
