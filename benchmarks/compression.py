@@ -14,22 +14,18 @@ shown beside the saving.
 from __future__ import annotations
 
 import argparse
-import os
-import tempfile
-from datetime import UTC, datetime, timedelta
+from datetime import UTC, datetime
 
 import torch
-import torch.distributed as dist
-import torch.multiprocessing as mp
 from results import append_section, command_line, machine
-from round_time import gossip_round, make_params, timed
+from round_time import gossip_round, make_params, run_on_workers, timed
 
 import gossip_ext
 
 MESSAGE_DTYPES = {"float32": None, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
-def measure(num_params: int, rank: int, reps: int) -> dict[str, tuple[float, int]]:
+def measure(num_params: int, rank: int, world_size: int, reps: int) -> dict[str, tuple[float, int]]:
     """{message dtype name: (seconds per round, bytes sent per round)} for this worker."""
     results = {}
     for name, message_dtype in MESSAGE_DTYPES.items():
@@ -40,24 +36,6 @@ def measure(num_params: int, rank: int, reps: int) -> dict[str, tuple[float, int
         rounds = model.gossip_round
         results[name] = (seconds, (model.bytes_sent - before) // max(rounds, 1))
     return results
-
-
-def worker(rank: int, world_size: int, init_file: str, sizes: list[int], reps: int, out) -> None:
-    torch.set_num_threads(1)  # the workers share the machine's cores
-    dist.init_process_group(
-        "gloo",
-        init_method=f"file://{init_file}",
-        rank=rank,
-        world_size=world_size,
-        timeout=timedelta(minutes=10),
-    )
-    try:
-        for num_params in sizes:
-            results = measure(num_params, rank, reps)
-            if rank == 0:
-                out[(world_size, num_params)] = results
-    finally:
-        dist.destroy_process_group()
 
 
 def format_round_table(results: dict) -> str:
@@ -108,16 +86,7 @@ def main(argv=None) -> None:
         parser.error(f"--reps must be >= 1, got {args.reps}")
     sizes = [int(p) for p in args.params]
 
-    with mp.Manager() as manager:
-        out = manager.dict()
-        for workers in args.workers:
-            with tempfile.TemporaryDirectory() as tmp:
-                mp.spawn(
-                    worker,
-                    args=(workers, os.path.join(tmp, "store"), sizes, args.reps, out),
-                    nprocs=workers,
-                )
-        results = dict(out)
+    results = run_on_workers(args.workers, measure, sizes, args.reps)
 
     rounds = format_round_table(results)
     consensus = consensus_table(nodes=8, dim=100_000, rounds=args.rounds)

@@ -148,7 +148,9 @@ def measure(num_params: int, rank: int, world_size: int, reps: int) -> dict[str,
     return times
 
 
-def worker(rank: int, world_size: int, init_file: str, sizes: list[int], reps: int, out) -> None:
+def worker(
+    rank: int, world_size: int, init_file: str, measure_fn, sizes: list[int], reps: int, out
+) -> None:
     torch.set_num_threads(1)  # the workers share the machine's cores
     dist.init_process_group(
         "gloo",
@@ -159,11 +161,27 @@ def worker(rank: int, world_size: int, init_file: str, sizes: list[int], reps: i
     )
     try:
         for num_params in sizes:
-            times = measure(num_params, rank, world_size, reps)
+            result = measure_fn(num_params, rank, world_size, reps)
             if rank == 0:
-                out[(world_size, num_params)] = times
+                out[(world_size, num_params)] = result
     finally:
         dist.destroy_process_group()
+
+
+def run_on_workers(world_sizes: list[int], measure_fn, sizes: list[int], reps: int) -> dict:
+    """measure_fn(num_params, rank, world_size, reps) on every rank of a gloo group of each world
+    size, for each size; returns rank 0's results by (world size, num_params). measure_fn must be
+    a module-level function (it is pickled to the workers)."""
+    with mp.Manager() as manager:
+        out = manager.dict()
+        for workers in world_sizes:
+            with tempfile.TemporaryDirectory() as tmp:
+                mp.spawn(
+                    worker,
+                    args=(workers, os.path.join(tmp, "store"), measure_fn, sizes, reps, out),
+                    nprocs=workers,
+                )
+        return dict(out)
 
 
 PEERS = ("DDP all-reduce", "PeriodicModelAverager", "plain push-sum")
@@ -209,17 +227,7 @@ def main(argv=None) -> None:
         parser.error(f"--reps must be >= 1, got {args.reps}")
     sizes = [int(p) for p in args.params]
 
-    results = {}
-    with mp.Manager() as manager:
-        out = manager.dict()
-        for workers in args.workers:
-            with tempfile.TemporaryDirectory() as tmp:
-                mp.spawn(
-                    worker,
-                    args=(workers, os.path.join(tmp, "store"), sizes, args.reps, out),
-                    nprocs=workers,
-                )
-        results = dict(out)
+    results = run_on_workers(args.workers, measure, sizes, args.reps)
 
     table = format_table(results)
     print(table)
