@@ -18,7 +18,14 @@ from datetime import UTC, datetime
 
 import torch
 from results import append_section, command_line, machine
-from round_time import gossip_round, make_params, run_on_workers, timed
+from round_time import (
+    add_worker_arguments,
+    gossip_round,
+    make_params,
+    model_sizes,
+    run_on_workers,
+    timed,
+)
 
 import gossip_ext
 
@@ -72,19 +79,10 @@ def consensus_table(nodes: int, dim: int, rounds: int) -> str:
 
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--workers", type=int, nargs="+", default=[4, 8])
-    parser.add_argument(
-        "--params", type=float, nargs="+", default=[1e6, 1e7, 2.5e7], help="float32 parameters"
-    )
-    parser.add_argument("--reps", type=int, default=5, help="timed repetitions (default: 5)")
+    add_worker_arguments(parser)
     parser.add_argument("--rounds", type=int, default=1000, help="in-process gossip rounds")
-    parser.add_argument("--no-record", action="store_true", help="do not append to RESULTS.md")
     args = parser.parse_args(argv)
-    if any(w < 2 for w in args.workers):
-        parser.error(f"--workers must be >= 2, got {args.workers}")
-    if args.reps < 1:
-        parser.error(f"--reps must be >= 1, got {args.reps}")
-    sizes = [int(p) for p in args.params]
+    sizes = model_sizes(parser, args)
 
     results = run_on_workers(args.workers, measure, sizes, args.reps)
 

@@ -200,8 +200,8 @@ def format_table(results: dict) -> str:
     return "\n".join(lines)
 
 
-def main(argv=None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+def add_worker_arguments(parser: argparse.ArgumentParser) -> None:
+    """--workers, --params, --reps and --no-record, shared with benchmarks/compression.py."""
     parser.add_argument(
         "--workers", type=int, nargs="+", default=[4, 8], help="world sizes to run (default: 4 8)"
     )
@@ -220,12 +220,22 @@ def main(argv=None) -> None:
         action="store_true",
         help="do not append the results to benchmarks/RESULTS.md",
     )
-    args = parser.parse_args(argv)
+
+
+def model_sizes(parser: argparse.ArgumentParser, args: argparse.Namespace) -> list[int]:
+    """Validates add_worker_arguments' values; returns the model sizes as ints."""
     if any(w < 2 for w in args.workers):
         parser.error(f"--workers must be >= 2, got {args.workers}")
     if args.reps < 1:
         parser.error(f"--reps must be >= 1, got {args.reps}")
-    sizes = [int(p) for p in args.params]
+    return [int(p) for p in args.params]
+
+
+def main(argv=None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    add_worker_arguments(parser)
+    args = parser.parse_args(argv)
+    sizes = model_sizes(parser, args)
 
     results = run_on_workers(args.workers, measure, sizes, args.reps)
 
