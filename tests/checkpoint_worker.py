@@ -32,6 +32,7 @@ from datetime import timedelta
 
 import torch
 import torch.distributed as dist
+from multiprocess import exit_without_finalizing
 from torch import nn
 
 import gossip_ext
@@ -171,3 +172,4 @@ def main(argv: list[str] | None = None) -> None:
 
 if __name__ == "__main__":
     main()
+    exit_without_finalizing()  # see tests/multiprocess.py

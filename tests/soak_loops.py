@@ -32,6 +32,7 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+from multiprocess import exit_without_finalizing
 from torch import nn
 
 import gossip_ext
@@ -357,6 +358,7 @@ def _gloo_rank(rank: int, world_size: int, init_file: str, out_dir: str, plan: _
             pickle.dump(results, f)
     finally:
         dist.destroy_process_group()
+    exit_without_finalizing()  # see tests/multiprocess.py
 
 
 def soak_gloo(
