@@ -82,26 +82,43 @@ void bind_topology(py::module_& m) {
 void bind_engine(py::module_& m) {
   py::class_<EngineOptions>(m, "EngineOptions")
       .def(py::init([](GraphOptions graph, MixingOptions mixing, bool push_sum,
-                       bool allow_lazy_mixing, bool send_in_place,
+                       bool allow_lazy_mixing, bool synchronous,
                        std::chrono::milliseconds timeout, bool check_finite,
                        std::optional<at::ScalarType> message_dtype) {
              return EngineOptions{std::move(graph), mixing,        push_sum,
-                                  allow_lazy_mixing, send_in_place, timeout,
+                                  allow_lazy_mixing, synchronous,   timeout,
                                   check_finite,      message_dtype};
            }),
            py::arg("graph"), py::arg("mixing"), py::arg("push_sum") = true,
-           py::arg("allow_lazy_mixing") = true, py::arg("send_in_place") = false,
+           py::arg("allow_lazy_mixing") = true, py::arg("synchronous") = false,
            py::arg("timeout") = std::chrono::milliseconds(std::chrono::minutes(5)),
            py::arg("check_finite") = true, py::arg("message_dtype") = py::none());
 
   py::class_<Work, std::shared_ptr<Work>>(m, "Work")
       .def("is_completed", &Work::is_completed, py::call_guard<py::gil_scoped_release>())
-      .def("wait", &Work::wait, py::arg("timeout"), py::call_guard<py::gil_scoped_release>());
+      .def("wait", &Work::wait, py::arg("timeout"), py::call_guard<py::gil_scoped_release>())
+      .def("synchronize", &Work::synchronize, py::arg("timeout"),
+           py::call_guard<py::gil_scoped_release>());
 
   py::class_<Transport, std::shared_ptr<Transport>>(m, "Transport")
       .def_property_readonly("rank", &Transport::rank)
       .def_property_readonly("world_size", &Transport::world_size)
-      .def_property_readonly("name", &Transport::name);
+      .def_property_readonly("name", &Transport::name)
+      // One round of raw messages, (peer, tensor) pairs, as the engine posts them: for tests that
+      // drive a transport directly (a receive from self whose send never comes, say).
+      .def(
+          "exchange",
+          [](Transport& transport, const std::vector<std::pair<int, at::Tensor>>& sends,
+             const std::vector<std::pair<int, at::Tensor>>& recvs, int64_t round) {
+            auto messages = [](const std::vector<std::pair<int, at::Tensor>>& pairs) {
+              std::vector<PeerMessage> out;
+              for (const auto& [peer, buffer] : pairs) out.push_back({peer, buffer});
+              return out;
+            };
+            return transport.exchange(messages(sends), messages(recvs), round);
+          },
+          py::arg("sends"), py::arg("recvs"), py::arg("round"),
+          py::call_guard<py::gil_scoped_release>());
 
   py::class_<InProcHub, std::shared_ptr<InProcHub>>(m, "InProcHub")
       .def(py::init<int>(), py::arg("world_size"))
@@ -131,7 +148,8 @@ void bind_engine(py::module_& m) {
       .def("try_finish_round", &GossipEngine::try_finish_round,
            py::call_guard<py::gil_scoped_release>())
       .def_property_readonly("in_flight", &GossipEngine::in_flight)
-      .def_property_readonly("params_hold_numerators", &GossipEngine::params_hold_numerators)
+      .def("synchronize", &GossipEngine::synchronize, py::call_guard<py::gil_scoped_release>())
+      .def("raise_if_failed", &GossipEngine::raise_if_failed)
       .def_property_readonly("round", &GossipEngine::round)
       .def_property_readonly("lazy_mixing", &GossipEngine::lazy_mixing)
       .def_property_readonly("bytes_sent", &GossipEngine::bytes_sent)
@@ -145,6 +163,7 @@ void bind_engine(py::module_& m) {
            })
       .def("ps_weight", &GossipEngine::ps_weight)
       .def("ps_numerators", &GossipEngine::ps_numerators)
+      .def("kept_ps_weight", &GossipEngine::kept_ps_weight)
       .def("restore", &GossipEngine::restore, py::arg("round"), py::arg("ps_weight"));
 
   m.def("simulate", &simulate, py::arg("values"), py::arg("rounds"), py::arg("options"),

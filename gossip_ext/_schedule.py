@@ -35,6 +35,9 @@ class RoundSchedule:
         """Absorbs what the schedule says the forward about to run must see."""
         if self._engine is None:
             return
+        # A failed round stays raised on every call that would see its parameters, also where
+        # this schedule does not absorb before the forward (overlap).
+        self._engine.raise_if_failed()
         if not training:
             # Evaluation sees every message sent so far (the reference forgets to absorb).
             self._engine.finish_round()
@@ -55,7 +58,9 @@ class RoundSchedule:
             self._engine.start_round()
 
     def drain(self) -> None:
-        """Waits for the round in flight, and any round still owed, and absorbs them."""
+        """Waits for the round in flight, and any round still owed, and absorbs them; then waits
+        on the host until the last absorbed round has really completed (a GPU's absorb is only
+        stream-ordered behind it), raising if it failed."""
         if self._engine is None:
             return
         self._engine.finish_round()
@@ -63,6 +68,7 @@ class RoundSchedule:
             self._start_deferred = False
             self._engine.start_round()
             self._engine.finish_round()
+        self._engine.synchronize()
 
     def restart(self) -> None:
         """Drains, and starts the count of forwards that found a round running afresh: after an

@@ -120,10 +120,10 @@ class MeasuredEngine:
         if self._armed_step is None or not engine.in_flight:
             return absorb()
         round_ = engine.round
-        kept = float(engine.ps_weight().item())
-        # The numerators of the kept share over its weight: z before absorbing, whether or not
-        # the parameters hold numerators while the round is in flight (Note [Sending in place]).
-        before = [x.div_(kept) for x in engine.ps_numerators()]
+        kept = float(engine.kept_ps_weight().item())
+        # z before absorbing: the parameters hold it while the round is in flight (Note [The
+        # parameters are the model]).
+        before = [flat.clone() for flat in engine.flat_buffers()]
         result = absorb()
         if engine.in_flight:  # try_finish_round() found the round unfinished: try again later
             return result

@@ -52,10 +52,28 @@ class GossipDataParallel(nn.Module):
         :meth:`transfer_params` raise.
 
     .. note::
-        Synchronous modes send the parameters in place, which saves a model copy: between
-        :meth:`transfer_params` and the next forward they hold the share being gossiped.
-        :meth:`sync_comms`, ``state_dict()`` and evaluation forwards absorb the round first; call
-        :meth:`sync_comms` before reading the parameters yourself in that window.
+        The parameters are always a valid model: whenever you read them between steps
+        (``model.module``, its ``state_dict()``, after ``eval()``, after catching an error), they
+        hold the last absorbed model or the latest optimizer step's, never a share in flight.
+        Synchronous modes send them in place, which saves a model copy, so do not write them
+        yourself between :meth:`transfer_params` and the next forward. ``eval()``,
+        :meth:`sync_comms` and ``state_dict()`` absorb the round in flight first (with
+        ``message_dtype`` under ``overlap`` or ``synch_freq``, the parameters also carry the
+        message's rounding feedback until then, within one message rounding of the model).
+
+    .. note::
+        A round that fails (a peer timed out or died: :class:`TimeoutError`; a non-finite
+        message: :class:`FloatingPointError`) stays raised: every later forward,
+        :meth:`transfer_params`, :meth:`sync_comms`, ``state_dict()``, ``eval()``,
+        :meth:`average_parameters` and :meth:`consensus_distance` raises the same error, naming
+        the peer and the round. A round that timed out or lost a peer changes nothing: the
+        parameters stay the last valid model, so ``model.module.state_dict()`` can still be
+        saved. (A non-finite round has already been absorbed when it is detected.)
+
+    .. note::
+        With ``nprocs_per_node > 1``, :meth:`sync_comms`, ``eval()`` and ``state_dict()`` bring
+        the machine's other processes the gossiping process's parameters, so, like the forward,
+        they are collective over the processes of one machine.
 
     .. note::
         Construction broadcasts the parameters of rank 0 to every rank (as DDP does), so that all
@@ -240,7 +258,7 @@ class GossipDataParallel(nn.Module):
                 graph._options(),
                 mixing._options(),
                 push_sum=push_sum,
-                send_in_place=not overlap and synch_freq == 0,
+                synchronous=not overlap and synch_freq == 0,
                 timeout=timeout,
                 check_finite=check_finite,
                 message_dtype=message_dtype,
@@ -259,6 +277,10 @@ class GossipDataParallel(nn.Module):
             )
 
         self._rounds = _schedule.RoundSchedule(self._engine, overlap=overlap, synch_freq=synch_freq)
+        # nprocs_per_node > 1: whether the gossiping process may hold parameters that the machine's
+        # other processes have not received. Every process of the machine tracks it alike (it
+        # changes with transfer_params() and the forward), so they agree on when to broadcast.
+        self._node_behind = False
         self._watch = _validation.ParameterWatch(named)
         # Who called transfer_params() in this step, if anyone: a second caller is a bug.
         self._transferred = None
@@ -286,6 +308,7 @@ class GossipDataParallel(nn.Module):
         self._rounds.before_forward(self.training)
         if self._hierarchy is not None:
             self._hierarchy.receive_parameters()
+            self._node_behind = False
         if self._slow_start_pending:
             self._slow_start_pending = False
             self._averaging.start_slow_params()
@@ -322,6 +345,7 @@ class GossipDataParallel(nn.Module):
             self._rounds.start()
             if self.verbose:
                 logger.info("gossip round %d in flight", self._engine.round)
+        self._node_behind = True
         self._transferred = caller
 
     def register_optimizer(self, optimizer: torch.optim.Optimizer):
@@ -346,9 +370,25 @@ class GossipDataParallel(nn.Module):
             yield
 
     def sync_comms(self) -> None:
-        """Waits for the round in flight, and any round still owed, and absorbs them."""
+        """Waits for the round in flight, and any round still owed, and absorbs them: the
+        parameters are then the model with every message sent so far. Raises the error of a
+        failed round (naming the peer and the round). With ``nprocs_per_node > 1`` the machine's
+        other processes receive the result (collective over the machine)."""
         self._transferred = None
         self._rounds.drain()
+        if self._hierarchy is not None and self._node_behind:
+            self._hierarchy.receive_parameters()
+            self._node_behind = False
+
+    def train(self, mode: bool = True) -> GossipDataParallel:
+        """As ``nn.Module.train``; ``train(False)`` (``eval()``) also absorbs the gossip in flight
+        (:meth:`sync_comms`), so that the module is the model the moment it returns."""
+        if not isinstance(mode, bool):
+            raise TypeError(f"mode must be a bool, got {mode!r}")
+        super().train(mode)
+        if not mode:
+            self.sync_comms()
+        return self
 
     def block(self) -> None:
         """Absorbs the round in flight and waits until every rank has done the same."""
@@ -396,13 +436,11 @@ class GossipDataParallel(nn.Module):
         their plain mean; over ``||z_mean||`` if ``relative``. 0: every worker has the same model.
 
         Exact and collective (two all-reduces, in float64): every rank must call it, and all get
-        the same value. It leaves the training unchanged: it absorbs the round in flight only
-        where the next forward would anyway (synchronous SGP sends the parameters in place);
-        elsewhere messages in flight are not counted. ``log_every`` gives a free estimate.
+        the same value. It leaves the training unchanged: messages in flight are not counted. ``log_every`` gives a free estimate.
         """
         _validation.check_type("relative", relative, bool, "a bool")
-        if self._engine is not None and self._engine.params_hold_numerators:
-            self._engine.finish_round()
+        if self._engine is not None:
+            self._engine.raise_if_failed()
         return consensus.consensus_distance(
             list(self.module.parameters()),
             self.process_group,
@@ -423,7 +461,8 @@ class GossipDataParallel(nn.Module):
 
     @property
     def ps_weight(self) -> float:
-        """This worker's push-sum weight ``w`` (1 under lazy mixing when no round is in flight)."""
+        """This worker's push-sum weight ``w``: the weight of the model its parameters hold (always
+        1 under lazy mixing)."""
         return 1.0 if self._engine is None else float(self._engine.ps_weight().item())
 
     @property
@@ -443,8 +482,6 @@ class GossipDataParallel(nn.Module):
 
     def ps_numerator(self) -> dict[str, torch.Tensor]:
         """The push-sum numerators ``x = w * z``, one new tensor per parameter name."""
-        if self._engine is not None and self._engine.params_hold_numerators:
-            return {name: p.detach().clone() for name, p in self.module.named_parameters()}
         weight = self.ps_weight
         return {name: p.detach() * weight for name, p in self.module.named_parameters()}
 

@@ -76,7 +76,7 @@ def simulate(
         graph._options(),
         mixing._options(),
         push_sum=push_sum,
-        send_in_place=True,
+        synchronous=True,
         timeout=timeout,
         check_finite=check_finite,
         message_dtype=message_dtype,

@@ -195,7 +195,7 @@ def soak_inproc(
             _C.EngineOptions(
                 graph._options(),
                 mixings[r]._options(),
-                send_in_place=uniform,
+                synchronous=uniform,
                 timeout=timedelta(seconds=timeout_s),
             ),
         )

@@ -36,6 +36,7 @@ def replay(
     events: Sequence[Sequence[str]],
     out_peers: Callable[[int, int], list[int]],
     self_weight: Sequence[float] | None = None,
+    complete: Sequence[int] | None = None,
 ) -> list[list[torch.Tensor]]:
     """Replays every node's event log and returns each node's final de-biased parameters.
 
@@ -47,6 +48,9 @@ def replay(
         out_peers: out_peers(i, r) = the nodes i sends to in round r.
         self_weight: None for uniform mixing, else self_weight[i] = node i's kept share under
             SelfWeightMixing (nodes may differ: then the push-sum weights change).
+        complete: the nodes whose logs must run to their end (default: all). A node whose log is
+            cut short stops sending, so others may wait on it for good; they are then returned
+            where they stopped.
     """
     n = len(init)
     x = [[t.detach().to(torch.float64).clone() for t in node] for node in init]
@@ -93,7 +97,7 @@ def replay(
                     raise ValueError(f"unknown event {event!r}")
                 pc[i] += 1
                 progressed = True
-    stuck = [i for i in range(n) if pc[i] < len(events[i])]
+    stuck = [i for i in (range(n) if complete is None else complete) if pc[i] < len(events[i])]
     if stuck:
         raise RuntimeError(f"event logs deadlock at nodes {stuck}")
     return [[t / w[i] for t in x[i]] for i in range(n)]

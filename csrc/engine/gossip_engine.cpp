@@ -61,14 +61,17 @@ GossipEngine::GossipEngine(const std::vector<at::Tensor>& params,
   }
   const bool any_compressed = std::find(compressed_.begin(), compressed_.end(), true) !=
                               compressed_.end();
-  in_place_ = options_.send_in_place && lazy_ &&
-              options_.mixing.kind == MixingKind::kUniform && !any_compressed;
+  in_place_ = options_.synchronous && lazy_ && options_.mixing.kind == MixingKind::kUniform &&
+              !any_compressed;
+  fold_at_absorb_ = options_.synchronous;
 
   for (const FlatParameterGroup& group : groups_) {
     if (group.flat.scalar_type() == at::kDouble) weight_dtype_ = at::kDouble;
   }
   const at::TensorOptions device = groups_[0].flat.options();
   weight_ = at::full({1}, 1.0, device.dtype(weight_dtype_));
+  kept_weight_ = weight_.clone();
+  if (in_place_) in_place_divisor_ = weight_.clone();
   if (options_.check_finite) {
     nonfinite_ = at::zeros({1}, device.dtype(at::kInt));
     if (!nonfinite_.is_cpu()) {
@@ -100,7 +103,7 @@ at::Tensor GossipEngine::weight_slot(const at::Tensor& message) const {
 }
 
 std::shared_ptr<Work> GossipEngine::start_round() {
-  throw_if_failed();
+  raise_if_failed();
   check_last_absorb_finite();
   TORCH_CHECK(work_ == nullptr, "gossip_ext: gossip round ", round_,
               " is still in flight; finish it before starting another");
@@ -110,32 +113,32 @@ std::shared_ptr<Work> GossipEngine::start_round() {
   const std::vector<int> out_peers = graph_.out_peers(rank, round_);
   in_peers_ = graph_.in_peers(rank, round_);
   const MixingWeights weights = mixing_weights(options_.mixing, static_cast<int>(out_peers.size()));
+  const auto num_out = static_cast<int64_t>(out_peers.size());
 
+  // Note [The parameters are the model]: nothing below writes the parameters (but the overlap
+  // fold of compressed messages), and nothing a caller reads changes before the round is posted.
   std::vector<PeerMessage> sends;
   std::vector<PeerMessage> recvs;
+  int64_t bytes = 0;
   for (size_t g = 0; g < groups_.size(); ++g) {
     const at::Tensor& flat = groups_[g].flat;
     const at::Tensor& message = in_place_ ? flat : send_[g];
-    if (in_place_) {
-      // Uniform mixing: the kept share and the sent share are both self_weight * z.
-      if (!out_peers.empty()) flat.mul_(weights.self_weight);
-    } else if (!out_peers.empty()) {
+    if (!in_place_ && num_out > 0) {
       const at::Tensor body = message.narrow(0, 0, flat.numel());
+      const std::optional<at::Tensor> weight =
+          lazy_ ? std::nullopt : std::optional<at::Tensor>(weight_);
       if (compressed_[g]) {
-        // Note [Compressed messages]: the kept share keeps what rounding took off each copy.
-        const double feedback = static_cast<double>(out_peers.size()) / weights.self_weight;
-        ops::compress_into_(flat, body, weights.peer_weight,
-                            lazy_ ? std::nullopt : std::optional<at::Tensor>(weight_), feedback);
-        if (!lazy_) weight_slot(message).copy_(weight_.mul(weights.peer_weight));
-      } else if (lazy_) {
-        ops::scale_into(flat, body, weights.peer_weight, std::nullopt);
+        // Note [Compressed messages]: folded in now, or at the absorb (feedback 0 here).
+        const double feedback =
+            fold_at_absorb_ ? 0.0 : static_cast<double>(num_out) / weights.self_weight;
+        ops::compress_into_(flat, body, weights.peer_weight, weight, feedback);
       } else {
-        ops::scale_into(flat, body, weights.peer_weight, weight_);
-        weight_slot(message).copy_(weight_.mul(weights.peer_weight));
+        ops::scale_into(flat, body, weights.peer_weight, weight);
       }
+      if (!lazy_) weight_slot(message).copy_(weight_.mul(weights.peer_weight));
     }
     for (int peer : out_peers) sends.push_back({peer, message});
-    bytes_sent_ += static_cast<int64_t>(out_peers.size() * message.nbytes());
+    bytes += num_out * static_cast<int64_t>(message.nbytes());
     std::vector<at::Tensor>& buffers = recv_[g];
     while (buffers.size() < in_peers_.size()) {
       buffers.push_back(in_place_ ? at::empty_like(flat) : at::empty_like(message));
@@ -143,60 +146,81 @@ std::shared_ptr<Work> GossipEngine::start_round() {
     for (size_t j = 0; j < in_peers_.size(); ++j) recvs.push_back({in_peers_[j], buffers[j]});
   }
 
-  if (lazy_) {
-    self_scale_ = in_place_ ? 1.0 : weights.self_weight;
-    lazy_weight_ = weights.self_weight;
+  // A transport that fails to post may have delivered part of the round: the engine fails.
+  fail_on_error([&] { work_ = transport_->exchange(std::move(sends), std::move(recvs), round_); });
+  bytes_sent_ += bytes;
+  sent_scale_ = fold_at_absorb_ ? -static_cast<double>(num_out) : 0.0;
+  if (in_place_) {
+    self_scale_ = 1.0;
+    in_place_divisor_.fill_(static_cast<double>(num_out + 1));
   } else {
-    weight_.mul_(weights.self_weight);
+    self_scale_ = lazy_ ? weights.self_weight : 1.0;
   }
-  work_ = transport_->exchange(std::move(sends), std::move(recvs), round_);
+  kept_share_ = weights.self_weight;
+  if (!lazy_) kept_weight_.copy_(weight_).mul_(weights.self_weight);
   return work_;
 }
 
-void GossipEngine::throw_if_failed() const {
+void GossipEngine::raise_if_failed() const {
   if (failure_) std::rethrow_exception(failure_);
 }
 
-void GossipEngine::wait_or_fail(const std::function<bool()>& wait) {
+void GossipEngine::fail_on_error(const std::function<void()>& body) {
   try {
-    if (wait()) absorb();
+    body();
   } catch (...) {
     failure_ = std::current_exception();
+    work_.reset();
     throw;
   }
 }
 
 void GossipEngine::finish_round() {
-  throw_if_failed();
+  raise_if_failed();
   check_last_absorb_finite();
   if (work_ == nullptr) return;
-  wait_or_fail([&] {
+  fail_on_error([&] {
     work_->wait(options_.timeout);
-    return true;
+    absorb();
   });
 }
 
 bool GossipEngine::try_finish_round() {
-  throw_if_failed();
+  raise_if_failed();
   check_last_absorb_finite();
   if (work_ == nullptr) return true;
-  wait_or_fail([&] {
-    if (!work_->is_completed()) return false;
+  fail_on_error([&] {
+    if (!work_->is_completed()) return;
     // A round also completes by failing (a peer died): wait() returns at once and rethrows the
     // transport's error instead of letting stale receive buffers be absorbed.
     work_->wait(options_.timeout);
-    return true;
+    absorb();
   });
   return work_ == nullptr;
+}
+
+void GossipEngine::synchronize() {
+  finish_round();
+  if (last_absorbed_ != nullptr) {
+    fail_on_error([&] { last_absorbed_->synchronize(options_.timeout); });
+    last_absorbed_.reset();
+  }
+  check_last_absorb_finite();
 }
 
 void GossipEngine::absorb() {
   const size_t num_received = in_peers_.size();
   std::optional<at::Tensor> new_weight;
+  std::optional<at::Tensor> self_weight;
   if (!lazy_) {
-    at::Tensor sum = weight_.clone();
+    // Folding at the absorb reads the node's whole numerator w * z and subtracts what it sent;
+    // otherwise the kept share w_kept * z is what stays.
+    self_weight = fold_at_absorb_ && sent_scale_ != 0.0 ? weight_ : kept_weight_;
+    at::Tensor sum = kept_weight_.clone();
     for (size_t j = 0; j < num_received; ++j) sum.add_(weight_slot(recv_[0][j]));
     new_weight = sum;
+  } else if (in_place_) {
+    new_weight = in_place_divisor_;
   }
   std::optional<at::Tensor> nonfinite;
   if (options_.check_finite) {
@@ -210,15 +234,21 @@ void GossipEngine::absorb() {
     for (size_t j = 0; j < num_received; ++j) {
       received.push_back(recv_[g][j].narrow(0, 0, flat.numel()));
     }
-    if (lazy_) {
-      ops::absorb_(flat, received, self_scale_, std::nullopt, std::nullopt, nonfinite);
+    if (compressed_[g] && fold_at_absorb_ && sent_scale_ != 0.0) {
+      const at::Tensor sent = send_[g].narrow(0, 0, flat.numel());
+      ops::absorb_(flat, received, 1.0, self_weight, new_weight, nonfinite, sent, sent_scale_);
     } else {
-      ops::absorb_(flat, received, 1.0, weight_, new_weight, nonfinite);
+      // Uncompressed groups (and compressed ones under overlap, folded at the send) keep their
+      // share; lazy mixing's share is a plain scale.
+      const std::optional<at::Tensor> kept =
+          lazy_ ? std::nullopt : std::optional<at::Tensor>(kept_weight_);
+      ops::absorb_(flat, received, self_scale_, kept, new_weight, nonfinite);
     }
   }
-  if (new_weight.has_value()) weight_.copy_(*new_weight);
+  if (!lazy_) weight_.copy_(*new_weight);
   self_scale_ = 1.0;
-  lazy_weight_ = 1.0;
+  sent_scale_ = 0.0;
+  last_absorbed_ = std::move(work_);
   work_.reset();
   if (options_.check_finite) {
     nonfinite_check_pending_ = true;
@@ -281,18 +311,20 @@ void GossipEngine::raise_nonfinite(int64_t round, const std::vector<int>& in_pee
 }
 
 at::Tensor GossipEngine::ps_weight() const {
-  if (lazy_) return at::full({1}, lazy_weight_, weight_.options());
+  if (lazy_) return at::full({1}, 1.0, weight_.options());
   return weight_.clone();
+}
+
+at::Tensor GossipEngine::kept_ps_weight() const {
+  if (!in_flight()) return ps_weight();
+  if (lazy_) return at::full({1}, kept_share_, weight_.options());
+  return kept_weight_.clone();
 }
 
 std::vector<at::Tensor> GossipEngine::ps_numerators() const {
   const at::Tensor weight = ps_weight();
   std::vector<at::Tensor> numerators;
   for (const FlatParameterGroup& group : groups_) {
-    if (params_hold_numerators()) {
-      numerators.push_back(group.flat.clone());
-      continue;
-    }
     at::Tensor x = at::empty_like(group.flat);
     ops::scale_into(group.flat, x, 1.0, weight);
     numerators.push_back(x);
@@ -300,9 +332,8 @@ std::vector<at::Tensor> GossipEngine::ps_numerators() const {
   return numerators;
 }
 
-
 void GossipEngine::restore(int64_t round, double ps_weight) {
-  throw_if_failed();
+  raise_if_failed();
   TORCH_CHECK(work_ == nullptr, "gossip_ext: cannot restore a checkpoint while gossip round ",
               round_, " is in flight");
   TORCH_CHECK_VALUE(round >= 0, "gossip_ext: checkpoint round must be >= 0, got ", round);

@@ -5,17 +5,38 @@
 //
 //   idle --start_round()--> in flight --finish_round() / try_finish_round()--> idle, round + 1
 //
+// Note [The parameters are the model]
+// ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+// Outside the engine's own calls every parameter holds a valid model: the de-biased z of the last
+// absorbed round, or z after the latest optimizer step. A user reads the parameters at any time
+// between steps (model.module, its state_dict(), an evaluation, an error handler), and none of
+// them may see a share in flight, a scaled buffer or a half-absorbed round. So:
+//   - start_round() never scales the parameters, and changes nothing a caller can see (weight,
+//     round, bytes sent) before the round is posted; a round that fails to post changes nothing
+//     at all. The one exception is overlap/bounded asynchrony with compressed messages, whose
+//     error feedback is folded in at the send (Note [Compressed messages]): there the parameters
+//     hold the de-biased kept share, within one message rounding of z.
+//   - The push-sum weight w (ps_weight()) is the weight of the model the parameters hold; the
+//     share kept while a round is in flight is kept_ps_weight(), applied when the round is
+//     absorbed.
+//   - A round that fails (a peer timed out or died, a non-finite message) fails the engine for
+//     good: every later call that would absorb or read the round rethrows the same error. Every
+//     transport waits before the absorb reads a received buffer, so a failed gloo or in-process
+//     round is never absorbed. On a GPU the absorb is queued behind the round's end event and a
+//     watchdog abort can still complete that event with partial buffers, so synchronize() waits
+//     for the last absorbed round on the host and raises if it failed.
+//
 // Note [Push-sum state]
 // ~~~~~~~~~~~~~~~~~~~~~
 // The parameters always hold the de-biased value z = x / w, which is what forward, backward and
 // the optimizer use; the numerator x = w * z is never stored. A round with mixing weights
 // (self, peer) then is:
 //   start:   send peer * w * z (and peer * w when the weight travels) to every out-peer;
-//            keep w <- self * w. z is unchanged: the kept share self*x over self*w is still z.
-//   finish:  w_new = w + sum of received weights;
-//            z <- (w * z + sum of received numerators) / w_new        (one fused kernel pass)
+//            the node keeps w_kept = self * w, applied when the round is absorbed.
+//   finish:  w_new = w_kept + sum of received weights;
+//            z <- (w_kept * z + sum of received numerators) / w_new   (one fused kernel pass)
 // If the optimizer changes z while a round is in flight (overlap, bounded asynchrony), the kept
-// share is w * z_current: the local update lands in the numerator, as in SGP.
+// share is w_kept * z_current: the local update lands in the numerator, as in SGP.
 // Lazy mixing: with uniform mixing on a regular graph every w stays exactly 1, so the weight is
 // neither sent nor stored and finish is z <- self * z + sum of received.
 // Push-pull (push_sum = false, D-PSGD): the same arithmetic without a weight on a graph that
@@ -23,11 +44,14 @@
 //
 // Note [Sending in place]
 // ~~~~~~~~~~~~~~~~~~~~~~~
-// With EngineOptions::send_in_place under lazy mixing, start scales the flat buffer itself by the
-// uniform share and posts it to every out-peer; finish adds what arrived. While the round is in
-// flight the parameters hold the numerator of the kept share (share * z, weight = share), not z:
-// the transport reads them until the round completes, so they must not be read or updated until
-// finish_round(). The synchronous training loop guarantees this: the forward finishes the round.
+// With EngineOptions::synchronous under lazy uniform mixing, every node shares z equally among
+// itself and its k out-peers, and every node receives from as many in-peers as it sends to. The
+// engine then posts the flat buffer itself, unscaled, to every out-peer (no send buffer: one
+// model copy less), and the absorb applies the share to the sum:
+//   z <- (z + sum of received z_j) / (k + 1)                         (one fused kernel pass)
+// The parameters stay z while the round is in flight (Note [The parameters are the model]); the
+// transport reads them until the round completes, so they must not be written until
+// finish_round(), which the synchronous training loop guarantees: the next forward finishes it.
 //
 // Note [Non-finite messages]
 // ~~~~~~~~~~~~~~~~~~~~~~~~~~
@@ -45,14 +69,18 @@
 // With EngineOptions::message_dtype (float16 or bfloat16), float32/float64 groups send their
 // numerators in 16 bits; the state, the absorb and the push-sum weight stay in full precision.
 // Rounding a message loses mass unless someone keeps it, so the sender does (error feedback into
-// its own state): start sends q = round(peer * w * z) to each of its k out-peers and, in the same
-// kernel pass (compress_into_), moves what rounding took off every copy into its kept share,
-//   z <- z + (k / self) * (peer * w * z - q) / w,
-// so that the kept numerator self * w * z equals w * z - k * q exactly: the sum of all numerators
-// is conserved to the state's rounding, and the error rides along in later rounds' messages.
-// Folding at start (not at absorb) keeps the kept share right under overlap and bounded
-// asynchrony, where the optimizer updates z while the round is in flight. Compressed groups are
-// never sent in place (the message has another dtype), and the weight travels in full precision.
+// its own state): it sends q = round(peer * w * z) to each of its k out-peers and keeps
+// w * z - k * q as its numerator, so that the sum of all numerators is conserved to the state's
+// rounding and the error rides along in later rounds' messages. Where the fold happens:
+//   - synchronous: at the absorb, which reads its own message as well (absorb_'s `sent`):
+//       z <- (w * z - k * q + sum of received) / w_new
+//     The parameters are untouched until then (Note [The parameters are the model]).
+//   - overlap and bounded asynchrony: at the send, in the same pass that writes q
+//     (compress_into_): z <- z + (k / self) * (peer * w * z - q) / w, the kept share's de-biased
+//     value. The optimizer updates z while the round is in flight, and the fold must use the z
+//     the message was made of, which is gone by the absorb.
+// Compressed groups are never sent in place (the message has another dtype), and the weight
+// travels in full precision.
 //
 // Messages: one per out-peer and dtype group, laid out as [numerators | padding | weight], the
 // weight (when it travels) in the engine's weight dtype at an 8-byte-aligned tail.
@@ -97,11 +125,10 @@ struct EngineOptions {
   // w * z_current (Note [Push-sum state]) needs no weight other than the known mixing share.
   // false forces the weight onto the wire, e.g. to test the non-lazy path with uniform mixing.
   bool allow_lazy_mixing = true;
-  // Synchronous modes only (nothing touches the parameters between start_round() and
-  // finish_round()). Under lazy mixing the share kept equals the share sent, so the engine scales
-  // the parameters in place and sends them directly, without a send buffer: one model copy less.
-  // See Note [Sending in place].
-  bool send_in_place = false;
+  // Synchronous modes: nothing touches the parameters between start_round() and finish_round().
+  // The engine then sends them in place under lazy uniform mixing (Note [Sending in place]) and
+  // folds the error feedback of compressed messages in at the absorb (Note [Compressed messages]).
+  bool synchronous = false;
   // How long finish_round() waits for a peer before raising gossip::TimeoutError.
   std::chrono::milliseconds timeout = std::chrono::minutes(5);
   // Fail with gossip::NonFiniteError, naming the senders, when an absorbed round holds NaN or Inf
@@ -123,16 +150,20 @@ class GossipEngine {
   // flight or a parameter no longer views its flat buffer.
   std::shared_ptr<Work> start_round();
   // Waits for the round in flight (at most the timeout) and absorbs it; a no-op when idle.
-  // A failed or timed-out round leaves the engine failed: every later call raises the same error,
-  // since the parameters can no longer be trusted to hold a consistent share of the mass.
+  // A round that fails (to post or to complete) leaves the engine failed: every later call raises
+  // the same error (Note [The parameters are the model]).
   void finish_round();
   // Absorbs the round in flight if all its messages have arrived. Never blocks. Returns true when
   // no round is in flight afterwards.
   bool try_finish_round();
+  // finish_round(), then blocks the host until the last absorbed round has really completed and
+  // raises if it failed: on a GPU, wait() only orders streams (Note [The parameters are the
+  // model]). Call it before handing the parameters to anything that reads them as final.
+  void synchronize();
+  // Rethrows the error of a failed round, if any; otherwise does nothing.
+  void raise_if_failed() const;
 
   bool in_flight() const { return work_ != nullptr; }
-  // True while the parameters hold numerators, not de-biased values (Note [Sending in place]).
-  bool params_hold_numerators() const { return in_place_ && in_flight(); }
   // Rounds completed so far; the round in flight, if any, has this number.
   int64_t round() const { return round_; }
   bool lazy_mixing() const { return lazy_; }
@@ -143,10 +174,13 @@ class GossipEngine {
   int world_size() const { return transport_->world_size(); }
   const std::vector<FlatParameterGroup>& groups() const { return groups_; }
 
-  // The push-sum weight w of this node's share (1 under lazy mixing when idle), a one-element
-  // tensor; and the numerators x = w * z, one tensor per dtype group.
+  // The push-sum weight w of the model the parameters hold (always 1 under lazy mixing), a
+  // one-element tensor; and the numerators x = w * z, one tensor per dtype group.
   at::Tensor ps_weight() const;
   std::vector<at::Tensor> ps_numerators() const;
+  // The weight this node keeps of the round in flight (w_kept = self * w), which the absorb
+  // applies; ps_weight() when idle.
+  at::Tensor kept_ps_weight() const;
 
   // Restores the state a checkpoint saved (round() and ps_weight()); the engine must be idle and
   // the parameters already hold the checkpoint's de-biased values.
@@ -154,8 +188,8 @@ class GossipEngine {
 
  private:
   void absorb();
-  void wait_or_fail(const std::function<bool()>& wait);
-  void throw_if_failed() const;
+  // Runs `body`; an exception leaves the engine failed for good with it.
+  void fail_on_error(const std::function<void()>& body);
   // Note [Non-finite messages]: reads the flag of the last absorb (waiting for a GPU's copy if
   // one is pending) and fails with NonFiniteError if it is set.
   void check_last_absorb_finite();
@@ -168,18 +202,23 @@ class GossipEngine {
   Graph graph_;
   bool lazy_ = true;
   bool in_place_ = false;
+  bool fold_at_absorb_ = false;                  // compressed groups: Note [Compressed messages]
   int64_t round_ = 0;
   int64_t bytes_sent_ = 0;
 
   at::ScalarType weight_dtype_ = at::kFloat;
-  at::Tensor weight_;                            // [1]; unused under lazy mixing
+  at::Tensor weight_;                            // [1] w; unused under lazy mixing
+  at::Tensor kept_weight_;                       // [1] w_kept of the round in flight
+  at::Tensor in_place_divisor_;                  // [1] k + 1 of Note [Sending in place]
   std::vector<at::Tensor> send_;                 // one message buffer per group
   std::vector<bool> compressed_;                 // per group: messages in message_dtype
   std::vector<std::vector<at::Tensor>> recv_;    // [group][in-peer] message buffers
   std::vector<int> in_peers_;                    // of the round in flight
   double self_scale_ = 1.0;                      // lazy mixing: applied to z when absorbing
-  double lazy_weight_ = 1.0;                     // lazy mixing: w of this node's share
+  double kept_share_ = 1.0;                      // self: the mixing share kept this round
+  double sent_scale_ = 0.0;                      // -k: the own message's share at the absorb
   std::shared_ptr<Work> work_;                   // of the round in flight
+  std::shared_ptr<Work> last_absorbed_;          // until synchronize() has seen it complete
   std::exception_ptr failure_;                   // set once a round fails; sticky
 
   // Note [Non-finite messages]. The flag lives on the parameters' device; on a GPU its pinned

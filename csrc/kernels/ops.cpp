@@ -87,12 +87,14 @@ void check_compress_into_args(const at::Tensor& src, const at::Tensor& out,
 void check_absorb_args(const at::Tensor& x, at::TensorList received,
                        const std::optional<at::Tensor>& self_weight,
                        const std::optional<at::Tensor>& new_weight,
-                       const std::optional<at::Tensor>& nonfinite) {
+                       const std::optional<at::Tensor>& nonfinite,
+                       const std::optional<at::Tensor>& sent) {
   check_buffer(x, "x", x);
+  const at::ScalarType message = absorb_message_dtype(x, received, sent);
   for (size_t i = 0; i < received.size(); ++i) {
-    check_message(received[i], "received[" + std::to_string(i) + "]", x,
-                  received[0].scalar_type());
+    check_message(received[i], "received[" + std::to_string(i) + "]", x, message);
   }
+  if (sent.has_value()) check_message(*sent, "sent", x, message);
   check_weight(self_weight, "self_weight", x);
   check_weight(new_weight, "new_weight", x);
   if (nonfinite.has_value()) {
@@ -104,6 +106,12 @@ void check_absorb_args(const at::Tensor& x, at::TensorList received,
     TORCH_CHECK_VALUE(flag.device() == x.device(), "gossip_ext: nonfinite is on ", flag.device(),
                       " but the buffers are on ", x.device());
   }
+}
+
+at::ScalarType absorb_message_dtype(const at::Tensor& x, at::TensorList received,
+                                    const std::optional<at::Tensor>& sent) {
+  if (!received.empty()) return received[0].scalar_type();
+  return sent.has_value() ? sent->scalar_type() : x.scalar_type();
 }
 
 namespace ops {
@@ -129,14 +137,16 @@ void compress_into_(const at::Tensor& src, const at::Tensor& out, double alpha,
 void absorb_(const at::Tensor& x, at::TensorList received, double alpha,
              const std::optional<at::Tensor>& self_weight,
              const std::optional<at::Tensor>& new_weight,
-             const std::optional<at::Tensor>& nonfinite) {
+             const std::optional<at::Tensor>& nonfinite, const std::optional<at::Tensor>& sent,
+             double sent_scale) {
   static auto op = c10::Dispatcher::singleton()
                        .findSchemaOrThrow("gossip_ext::absorb_", "")
                        .typed<void(const at::Tensor&, at::TensorList, double,
                                    const std::optional<at::Tensor>&,
                                    const std::optional<at::Tensor>&,
-                                   const std::optional<at::Tensor>&)>();
-  op.call(x, received, alpha, self_weight, new_weight, nonfinite);
+                                   const std::optional<at::Tensor>&,
+                                   const std::optional<at::Tensor>&, double)>();
+  op.call(x, received, alpha, self_weight, new_weight, nonfinite, sent, sent_scale);
 }
 
 }  // namespace ops
@@ -148,7 +158,8 @@ TORCH_LIBRARY(gossip_ext, m) {
       "float feedback=0.) -> ()");
   m.def(
       "absorb_(Tensor(a!) x, Tensor[] received, float alpha, Tensor? self_weight=None, "
-      "Tensor? new_weight=None, Tensor(b!)? nonfinite=None) -> ()");
+      "Tensor? new_weight=None, Tensor(b!)? nonfinite=None, Tensor? sent=None, "
+      "float sent_scale=0.) -> ()");
 }
 
 // Fake-tensor kernels: the ops return nothing and mutate in place, so checking is all there is.
@@ -164,8 +175,9 @@ TORCH_LIBRARY_IMPL(gossip_ext, Meta, m) {
   m.impl("absorb_", [](const at::Tensor& x, at::TensorList received, double,
                        const std::optional<at::Tensor>& self_weight,
                        const std::optional<at::Tensor>& new_weight,
-                       const std::optional<at::Tensor>& nonfinite) {
-    check_absorb_args(x, received, self_weight, new_weight, nonfinite);
+                       const std::optional<at::Tensor>& nonfinite,
+                       const std::optional<at::Tensor>& sent, double) {
+    check_absorb_args(x, received, self_weight, new_weight, nonfinite, sent);
   });
 }
 

@@ -13,16 +13,20 @@
 //       float16/bfloat16 message, and with feedback = (number of peers) / (kept share) the
 //       rounding error of every copy sent stays in the sender's own state, so no mass is lost.
 //   absorb_(Tensor(a!) x, Tensor[] received, float alpha, Tensor? self_weight=None,
-//           Tensor? new_weight=None, Tensor(b!)? nonfinite=None) -> ()
-//       x = (alpha * self_weight * x + sum(received)) / new_weight, in one pass.
-//       With x holding the de-biased parameters z, self_weight = the node's kept share of the
-//       push-sum weight and new_weight = kept share + received weights, this is "absorb the
+//           Tensor? new_weight=None, Tensor(b!)? nonfinite=None, Tensor? sent=None,
+//           float sent_scale=0.) -> ()
+//       x = (alpha * self_weight * x + sum(received) + sent_scale * sent) / new_weight, in one
+//       pass. With x holding the de-biased parameters z, self_weight = the node's kept share of
+//       the push-sum weight and new_weight = kept share + received weights, this is "absorb the
 //       round and de-bias" fused; with no weights (lazy mixing) it is x = alpha * x + sum(received).
+//       `sent`, a message this node sent in the round, lets a synchronous compressed round fold
+//       its rounding error in here rather than at the send (Note [Compressed messages]):
+//       x = (w * z - k * q + sum(received)) / new_weight with sent = q, sent_scale = -k.
 //       nonfinite, a one-element int32 tensor on the buffers' device, is set to 1 when any value
-//       read (x before the update, or a received buffer) is NaN or Inf, and never cleared, so one
-//       flag can cover several calls. The check rides on the same pass: divergence is caught
-//       where it arrives at no extra memory traffic, and the flag stays on the device until the
-//       caller chooses to read it.
+//       read (x before the update, a received buffer or `sent`) is NaN or Inf, and never cleared,
+//       so one flag can cover several calls. The check rides on the same pass: divergence is
+//       caught where it arrives at no extra memory traffic, and the flag stays on the device until
+//       the caller chooses to read it.
 //
 // Buffers are 1-D-compatible contiguous tensors of one floating dtype (float32, float64, float16,
 // bfloat16) on one device; 16-bit types accumulate in float32. Messages (compress_into_'s out,
@@ -45,7 +49,11 @@ void check_compress_into_args(const at::Tensor& src, const at::Tensor& out,
 void check_absorb_args(const at::Tensor& x, at::TensorList received,
                        const std::optional<at::Tensor>& self_weight,
                        const std::optional<at::Tensor>& new_weight,
-                       const std::optional<at::Tensor>& nonfinite);
+                       const std::optional<at::Tensor>& nonfinite,
+                       const std::optional<at::Tensor>& sent);
+// The dtype absorb_ reads its messages in: the received buffers', else `sent`'s, else x's.
+at::ScalarType absorb_message_dtype(const at::Tensor& x, at::TensorList received,
+                                    const std::optional<at::Tensor>& sent);
 
 // Entry points through the dispatcher: they reach the kernel of the tensors' device.
 namespace ops {
@@ -56,7 +64,8 @@ void compress_into_(const at::Tensor& src, const at::Tensor& out, double alpha,
 void absorb_(const at::Tensor& x, at::TensorList received, double alpha,
              const std::optional<at::Tensor>& self_weight,
              const std::optional<at::Tensor>& new_weight,
-             const std::optional<at::Tensor>& nonfinite = std::nullopt);
+             const std::optional<at::Tensor>& nonfinite = std::nullopt,
+             const std::optional<at::Tensor>& sent = std::nullopt, double sent_scale = 0.0);
 }  // namespace ops
 
 }  // namespace gossip

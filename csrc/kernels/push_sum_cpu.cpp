@@ -62,8 +62,8 @@ struct FiniteProbe<opmath_t, true> {
 // Returns whether a non-finite value was read (always false unless kCheckFinite).
 template <typename scalar_t, typename message_t, bool kCheckFinite>
 bool absorb_kernel(scalar_t* __restrict x, const std::vector<const message_t*>& received,
-                   int64_t n, at::opmath_type<scalar_t> self_scale,
-                   at::opmath_type<scalar_t> out_scale) {
+                   const message_t* sent, int64_t n, at::opmath_type<scalar_t> self_scale,
+                   at::opmath_type<scalar_t> sent_scale, at::opmath_type<scalar_t> out_scale) {
   using opmath_t = at::opmath_type<scalar_t>;
   std::atomic<bool> nonfinite{false};
   at::parallel_for(0, n, kGrainSize, [&](int64_t begin, int64_t end) {
@@ -82,6 +82,14 @@ bool absorb_kernel(scalar_t* __restrict x, const std::vector<const message_t*>& 
         for (int64_t j = 0; j < len; ++j) {
           const opmath_t v = static_cast<opmath_t>(rb[j]);
           acc[j] += v;
+          probe.add(j, v);
+        }
+      }
+      if (sent != nullptr) {
+        const message_t* __restrict sb = sent + start;
+        for (int64_t j = 0; j < len; ++j) {
+          const opmath_t v = static_cast<opmath_t>(sb[j]);
+          acc[j] += sent_scale * v;
           probe.add(j, v);
         }
       }
@@ -104,11 +112,19 @@ void scale_into_cpu(const at::Tensor& src, const at::Tensor& out, double alpha,
 
 // Compressed send: one pass reads src, writes the rounded message and folds what rounding took
 // off back into src (see push_sum.h).
+// Without feedback (fold == 0) src is only read: the synchronous engine folds the rounding error
+// in at absorb time instead (absorb_'s `sent`), and a round that fails leaves src untouched.
 template <typename scalar_t, typename message_t>
 void compress_into_kernel(scalar_t* __restrict src, message_t* __restrict out, int64_t n,
                           at::opmath_type<scalar_t> scale, at::opmath_type<scalar_t> fold) {
   using opmath_t = at::opmath_type<scalar_t>;
   at::parallel_for(0, n, kGrainSize, [&](int64_t begin, int64_t end) {
+    if (fold == opmath_t(0)) {
+      for (int64_t i = begin; i < end; ++i) {
+        out[i] = static_cast<message_t>(scale * static_cast<opmath_t>(src[i]));
+      }
+      return;
+    }
     for (int64_t i = begin; i < end; ++i) {
       const opmath_t z = static_cast<opmath_t>(src[i]);
       const opmath_t v = scale * z;
@@ -139,17 +155,22 @@ void compress_into_cpu(const at::Tensor& src, const at::Tensor& out, double alph
 
 template <typename scalar_t, typename message_t>
 void absorb_typed(const at::Tensor& x, at::TensorList received, double self_scale,
-                  double out_scale, const std::optional<at::Tensor>& nonfinite) {
+                  const std::optional<at::Tensor>& sent, double sent_scale, double out_scale,
+                  const std::optional<at::Tensor>& nonfinite) {
   using opmath_t = at::opmath_type<scalar_t>;
   std::vector<const message_t*> pointers;
   pointers.reserve(received.size());
   for (const at::Tensor& r : received) pointers.push_back(r.const_data_ptr<message_t>());
+  const message_t* own = sent.has_value() ? sent->const_data_ptr<message_t>() : nullptr;
   scalar_t* out = x.mutable_data_ptr<scalar_t>();
   const auto self = static_cast<opmath_t>(self_scale);
+  const auto own_scale = static_cast<opmath_t>(sent_scale);
   const auto scale = static_cast<opmath_t>(out_scale);
   if (!nonfinite.has_value()) {
-    absorb_kernel<scalar_t, message_t, false>(out, pointers, x.numel(), self, scale);
-  } else if (absorb_kernel<scalar_t, message_t, true>(out, pointers, x.numel(), self, scale)) {
+    absorb_kernel<scalar_t, message_t, false>(out, pointers, own, x.numel(), self, own_scale,
+                                              scale);
+  } else if (absorb_kernel<scalar_t, message_t, true>(out, pointers, own, x.numel(), self,
+                                                      own_scale, scale)) {
     nonfinite->fill_(1);
   }
 }
@@ -157,20 +178,24 @@ void absorb_typed(const at::Tensor& x, at::TensorList received, double self_scal
 void absorb_cpu(const at::Tensor& x, at::TensorList received, double alpha,
                 const std::optional<at::Tensor>& self_weight,
                 const std::optional<at::Tensor>& new_weight,
-                const std::optional<at::Tensor>& nonfinite) {
-  check_absorb_args(x, received, self_weight, new_weight, nonfinite);
+                const std::optional<at::Tensor>& nonfinite, const std::optional<at::Tensor>& sent,
+                double sent_scale) {
+  check_absorb_args(x, received, self_weight, new_weight, nonfinite, sent);
   const double self_scale = alpha * weight_value(self_weight);
   const double out_scale = 1.0 / weight_value(new_weight);
-  const at::ScalarType message = received.empty() ? x.scalar_type() : received[0].scalar_type();
+  const at::ScalarType message = absorb_message_dtype(x, received, sent);
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, x.scalar_type(), "absorb_", [&] {
     if (message == x.scalar_type()) {
-      absorb_typed<scalar_t, scalar_t>(x, received, self_scale, out_scale, nonfinite);
+      absorb_typed<scalar_t, scalar_t>(x, received, self_scale, sent, sent_scale, out_scale,
+                                       nonfinite);
     } else if constexpr (std::is_same_v<scalar_t, float> || std::is_same_v<scalar_t, double>) {
       // Compressed messages (checked above: float16 or bfloat16 under a float32/64 state).
       if (message == at::kHalf) {
-        absorb_typed<scalar_t, at::Half>(x, received, self_scale, out_scale, nonfinite);
+        absorb_typed<scalar_t, at::Half>(x, received, self_scale, sent, sent_scale, out_scale,
+                                         nonfinite);
       } else {
-        absorb_typed<scalar_t, at::BFloat16>(x, received, self_scale, out_scale, nonfinite);
+        absorb_typed<scalar_t, at::BFloat16>(x, received, self_scale, sent, sent_scale,
+                                             out_scale, nonfinite);
       }
     }
   });

@@ -42,6 +42,11 @@ class Work {
   // CUDA stream wait for the round (Note [Gossip stream ordering]) and enforces the timeout from
   // its watchdog.
   virtual void wait(std::chrono::milliseconds timeout) = 0;
+  // Blocks the host until the round has completed, at most `timeout` (bounded by the transport's
+  // own timeout where the wait is on a device), and throws if it failed. Host transports are done
+  // once wait() returns; the NCCL transport waits for the round's end event and then checks that
+  // the watchdog did not abort it.
+  virtual void synchronize(std::chrono::milliseconds timeout) { wait(timeout); }
 };
 
 class Transport {

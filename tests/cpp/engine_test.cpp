@@ -5,14 +5,18 @@
 #include <chrono>
 #include <cmath>
 #include <exception>
+#include <functional>
 #include <limits>
 #include <memory>
+#include <optional>
 #include <random>
 #include <string>
 #include <thread>
 #include <vector>
 
+#include <ATen/ops/arange.h>
 #include <ATen/ops/empty.h>
+#include <ATen/ops/equal.h>
 #include <ATen/ops/ones.h>
 #include <ATen/ops/zeros_like.h>
 #include <c10/core/GradMode.h>
@@ -261,10 +265,14 @@ TEST(GossipEngineTest, MassIsConservedEveryRound) {
 
 TEST(GossipEngineTest, OneRoundIsTheMixingMatrix) {
   for (const auto& [n, c] : push_sum_cases()) {
-    SCOPED_TRACE(describe(n, c));
-    World world(n, options_for(c), {at::kDouble, at::kDouble});
-    const auto trace = run_rounds(world, 7);
-    expect_matches_reference(trace, Graph(options_for(c).graph, n), c.mixing, {1e-12});
+    for (bool synchronous : {false, true}) {  // synchronous: sent in place where lazy
+      SCOPED_TRACE(describe(n, c) + (synchronous ? " synchronous" : ""));
+      EngineOptions options = options_for(c);
+      options.synchronous = synchronous;
+      World world(n, options, {at::kDouble, at::kDouble});
+      const auto trace = run_rounds(world, 7);
+      expect_matches_reference(trace, Graph(options.graph, n), c.mixing, {1e-12});
+    }
   }
 }
 
@@ -501,7 +509,7 @@ TEST(GossipEngineTest, HostStagingGivesTheSameRoundsAsTheInnerTransport) {
     for (bool in_place : {false, true}) {
       SCOPED_TRACE(describe(5, c) + (in_place ? " in place" : ""));
       EngineOptions options = options_for(c);
-      options.send_in_place = in_place;
+      options.synchronous = in_place;
       World direct(5, options, {at::kFloat, at::kDouble});
       World staged(5, options, {at::kFloat, at::kDouble}, /*staged=*/true);
       const auto want = run_rounds(direct, 4);
@@ -573,6 +581,103 @@ TEST(GossipEngineTest, CompressedMessagesConserveMassAndShrinkTheWire) {
     // slot: 24 bytes, 16 in 16 bits; a float64 group of 4 elements: 40 bytes, 16 in 16 bits.
     EXPECT_EQ(full.engines[0]->bytes_sent(), 20 * 2 * (24 + 40));
     EXPECT_EQ(compressed.engines[0]->bytes_sent(), 20 * 2 * (16 + 16));
+  }
+}
+
+// Note [Compressed messages], synchronous: the fold happens at the absorb, reading the node's own
+// message; the numerators' sum is conserved as when folding at the send, lazy or not.
+TEST(GossipEngineTest, SynchronousCompressedRoundsFoldAtTheAbsorbAndConserveMass) {
+  for (const MixingOptions& mixing : {kUniform, kSelfWeight}) {
+    SCOPED_TRACE(mixing.kind == MixingKind::kUniform ? "uniform (lazy)" : "self weight");
+    EngineOptions options = options_for({GraphKind::kNPeerDynamicDirectedExponential, 2, mixing});
+    options.synchronous = true;
+    options.message_dtype = at::kBFloat16;
+    World world(5, options, {at::kFloat, at::kDouble});
+    expect_mass_conserved(run_rounds(world, 20), {1e-5, 1e-12, 1e-12});
+  }
+}
+
+// Note [The parameters are the model]: while a round is in flight the parameters and the weight
+// are still those of the last model, whether the round is sent in place, compressed (folded at
+// the absorb) or carries weights.
+TEST(GossipEngineTest, ARoundInFlightLeavesTheParametersTheModel) {
+  struct Config {
+    const char* name;
+    Case c;
+    std::optional<at::ScalarType> message;
+  };
+  for (const Config& config :
+       {Config{"in place", {GraphKind::kNPeerDynamicDirectedExponential, 1, kUniform}, {}},
+        Config{"travelling weights", {GraphKind::kDynamicDirectedExponential, 1, kSelfWeight}, {}},
+        Config{"compressed", {GraphKind::kRing, 1, kUniform}, at::kBFloat16}}) {
+    SCOPED_TRACE(config.name);
+    EngineOptions options = options_for(config.c);
+    options.synchronous = true;
+    options.message_dtype = config.message;
+    World world(4, options, {at::kFloat, at::kDouble});
+    run_rounds(world, 2);  // weights away from 1 where they travel
+    std::vector<RankState> before;
+    for (auto& engine : world.engines) before.push_back(state_of(*engine));
+    // The in-process transport copies at posting, so ranks can start one after the other.
+    for (auto& engine : world.engines) engine->start_round();
+    for (int r = 0; r < world.size(); ++r) {
+      const RankState now = state_of(*world.engines[r]);
+      EXPECT_EQ(now.z, before[r].z) << "rank " << r;
+      EXPECT_EQ(now.w, before[r].w) << "rank " << r;
+      EXPECT_EQ(world.engines[r]->round(), 2);
+    }
+    for (auto& engine : world.engines) engine->finish_round();
+    for (auto& engine : world.engines) EXPECT_EQ(engine->round(), 3);
+  }
+}
+
+// A transport that throws while posting, as gloo does when a send finds its peer's connection
+// closed.
+class PostFailsTransport final : public Transport {
+ public:
+  int rank() const override { return 0; }
+  int world_size() const override { return 4; }
+  std::shared_ptr<Work> exchange(std::vector<PeerMessage>, std::vector<PeerMessage>,
+                                 int64_t round) override {
+    throw TimeoutError(detail::str_cat("gossip_ext: rank 0 failed to send to peer 1 in gossip round ",
+                                       round));
+  }
+  std::string name() const override { return "post fails"; }
+};
+
+// Note [The parameters are the model]: a round that fails to post changes nothing a caller can
+// see, and every later call raises its error.
+TEST(GossipEngineTest, ARoundThatFailsToPostChangesNothingAndStaysFailed) {
+  for (bool lazy : {true, false}) {
+    for (std::optional<at::ScalarType> message :
+         {std::optional<at::ScalarType>(), std::optional<at::ScalarType>(at::kHalf)}) {
+      SCOPED_TRACE(std::string(lazy ? "lazy" : "travelling weights") +
+                   (message ? " compressed" : ""));
+      EngineOptions options = options_for({GraphKind::kRing, 1, kUniform, lazy});
+      options.synchronous = true;
+      options.message_dtype = message;
+      at::Tensor param = at::arange(1, 6, at::kFloat);
+      const at::Tensor original = param.clone();
+      GossipEngine engine({param}, {"p"}, std::make_shared<PostFailsTransport>(), options);
+      EXPECT_THROW(engine.start_round(), TimeoutError);
+      EXPECT_TRUE(at::equal(engine.groups()[0].flat, original));
+      EXPECT_EQ(engine.ps_weight().item<double>(), 1.0);
+      EXPECT_EQ(engine.round(), 0);
+      EXPECT_EQ(engine.bytes_sent(), 0);
+      EXPECT_FALSE(engine.in_flight());
+      for (const auto& call : std::vector<std::function<void()>>{
+               [&] { engine.start_round(); }, [&] { engine.finish_round(); },
+               [&] { engine.try_finish_round(); }, [&] { engine.synchronize(); },
+               [&] { engine.raise_if_failed(); }}) {
+        try {
+          call();
+          ADD_FAILURE() << "a call after the failed round did not raise";
+        } catch (const TimeoutError& e) {
+          EXPECT_NE(std::string(e.what()).find("peer 1 in gossip round 0"), std::string::npos)
+              << e.what();
+        }
+      }
+    }
   }
 }
 

@@ -127,12 +127,14 @@ template <typename message_t>
 struct ReceivedBatch {
   const message_t* ptrs[kMaxReceivedPerLaunch];
   int count;
+  const message_t* sent;  // absorb_'s `sent`, folded in by the first launch only; or nullptr
 };
 
 // One launch folds `batch` into x. The first launch of an absorb scales x by alpha * self_weight;
 // the last one divides by new_weight; a single launch does both.
 struct AbsorbStep {
   double alpha;
+  double sent_scale;
   DeviceWeight self_weight;
   DeviceWeight new_weight;
   bool first;
@@ -159,6 +161,7 @@ __global__ void absorb_kernel(scalar_t* __restrict__ x, ReceivedBatch<message_t>
                  : opmath_t(1);
   const opmath_t out_scale =
       step.last ? opmath_t(1) / step.new_weight.load<opmath_t>() : opmath_t(1);
+  const opmath_t sent_scale = static_cast<opmath_t>(step.sent_scale);
   const int64_t stride = static_cast<int64_t>(blockDim.x) * gridDim.x;
   // Per-thread, in a register: the values are checked as they pass, at no extra memory traffic.
   bool nonfinite = false;
@@ -176,14 +179,23 @@ __global__ void absorb_kernel(scalar_t* __restrict__ x, ReceivedBatch<message_t>
         nonfinite |= is_nonfinite(value);
         acc[j] = self_scale * value;
       }
+      using M = MessageVector<scalar_t, message_t>;
       for (int k = 0; k < batch.count; ++k) {
-        using M = MessageVector<scalar_t, message_t>;
         const M rv = reinterpret_cast<const M*>(batch.ptrs[k])[v];
 #pragma unroll
         for (int j = 0; j < V::kSize; ++j) {
           const opmath_t value = static_cast<opmath_t>(rv.values[j]);
           nonfinite |= is_nonfinite(value);
           acc[j] += value;
+        }
+      }
+      if (batch.sent != nullptr) {
+        const M sv = reinterpret_cast<const M*>(batch.sent)[v];
+#pragma unroll
+        for (int j = 0; j < V::kSize; ++j) {
+          const opmath_t value = static_cast<opmath_t>(sv.values[j]);
+          nonfinite |= is_nonfinite(value);
+          acc[j] += sent_scale * value;
         }
       }
 #pragma unroll
@@ -202,6 +214,11 @@ __global__ void absorb_kernel(scalar_t* __restrict__ x, ReceivedBatch<message_t>
       nonfinite |= is_nonfinite(received);
       acc += received;
     }
+    if (batch.sent != nullptr) {
+      const opmath_t sent = static_cast<opmath_t>(batch.sent[i]);
+      nonfinite |= is_nonfinite(sent);
+      acc += sent_scale * sent;
+    }
     x[i] = static_cast<scalar_t>(acc * out_scale);
   }
   // Every writer stores the same value, so racing stores are benign; no atomics needed.
@@ -212,7 +229,9 @@ template <typename scalar_t, typename message_t>
 void launch_absorb(const at::Tensor& x, at::TensorList received, double alpha,
                    const std::optional<at::Tensor>& self_weight,
                    const std::optional<at::Tensor>& new_weight,
-                   const std::optional<at::Tensor>& nonfinite, cudaStream_t stream) {
+                   const std::optional<at::Tensor>& nonfinite,
+                   const std::optional<at::Tensor>& sent, double sent_scale,
+                   cudaStream_t stream) {
   const int64_t n = x.numel();
   constexpr size_t kMessageVectorBytes = sizeof(MessageVector<scalar_t, message_t>);
   scalar_t* out = x.mutable_data_ptr<scalar_t>();
@@ -222,12 +241,17 @@ void launch_absorb(const at::Tensor& x, at::TensorList received, double alpha,
   do {  // at least one launch, even with nothing received: x = alpha * w * x / w_new
     ReceivedBatch<message_t> batch{};
     bool aligned = is_aligned(out);
+    if (first && sent.has_value()) {
+      batch.sent = sent->const_data_ptr<message_t>();
+      aligned = aligned && is_aligned(batch.sent, kMessageVectorBytes);
+    }
     while (next < total && batch.count < kMaxReceivedPerLaunch) {
       const message_t* r = received[next++].const_data_ptr<message_t>();
       aligned = aligned && is_aligned(r, kMessageVectorBytes);
       batch.ptrs[batch.count++] = r;
     }
     const AbsorbStep step{alpha,
+                          sent_scale,
                           device_weight(self_weight),
                           device_weight(new_weight),
                           first,
@@ -249,24 +273,25 @@ void launch_absorb(const at::Tensor& x, at::TensorList received, double alpha,
 void absorb_cuda(const at::Tensor& x, at::TensorList received, double alpha,
                  const std::optional<at::Tensor>& self_weight,
                  const std::optional<at::Tensor>& new_weight,
-                 const std::optional<at::Tensor>& nonfinite) {
-  check_absorb_args(x, received, self_weight, new_weight, nonfinite);
+                 const std::optional<at::Tensor>& nonfinite,
+                 const std::optional<at::Tensor>& sent, double sent_scale) {
+  check_absorb_args(x, received, self_weight, new_weight, nonfinite, sent);
   if (x.numel() == 0) return;
   const c10::cuda::OptionalCUDAGuard guard(x.device());
   const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
-  const at::ScalarType message = received.empty() ? x.scalar_type() : received[0].scalar_type();
+  const at::ScalarType message = absorb_message_dtype(x, received, sent);
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, x.scalar_type(), "absorb_", [&] {
     if (message == x.scalar_type()) {
       launch_absorb<scalar_t, scalar_t>(x, received, alpha, self_weight, new_weight, nonfinite,
-                                        stream);
+                                        sent, sent_scale, stream);
     } else if constexpr (std::is_same_v<scalar_t, float> || std::is_same_v<scalar_t, double>) {
       // Compressed messages (checked: float16 or bfloat16 under a float32/64 state).
       if (message == at::kHalf) {
         launch_absorb<scalar_t, at::Half>(x, received, alpha, self_weight, new_weight, nonfinite,
-                                          stream);
+                                          sent, sent_scale, stream);
       } else {
         launch_absorb<scalar_t, at::BFloat16>(x, received, alpha, self_weight, new_weight,
-                                              nonfinite, stream);
+                                              nonfinite, sent, sent_scale, stream);
       }
     }
   });
@@ -282,6 +307,8 @@ __global__ void compress_into_kernel(scalar_t* __restrict__ src, message_t* __re
   const opmath_t w = weight.load<opmath_t>();
   const opmath_t scale = static_cast<opmath_t>(alpha) * w;
   const opmath_t fold = static_cast<opmath_t>(feedback) / w;
+  // Without feedback src is only read (see the CPU twin): no store back.
+  const bool write_back = feedback != 0.0;
   const int64_t stride = static_cast<int64_t>(blockDim.x) * gridDim.x;
   int64_t first_scalar = 0;
   if constexpr (kVectorized) {
@@ -301,7 +328,7 @@ __global__ void compress_into_kernel(scalar_t* __restrict__ src, message_t* __re
             static_cast<scalar_t>(z + fold * (value - static_cast<opmath_t>(qv.values[j])));
       }
       reinterpret_cast<M*>(out)[v] = qv;
-      reinterpret_cast<V*>(src)[v] = zv;
+      if (write_back) reinterpret_cast<V*>(src)[v] = zv;
     }
     first_scalar = num_vectors * V::kSize;
   }
@@ -311,7 +338,7 @@ __global__ void compress_into_kernel(scalar_t* __restrict__ src, message_t* __re
     const opmath_t value = scale * z;
     const message_t q = static_cast<message_t>(value);
     out[i] = q;
-    src[i] = static_cast<scalar_t>(z + fold * (value - static_cast<opmath_t>(q)));
+    if (write_back) src[i] = static_cast<scalar_t>(z + fold * (value - static_cast<opmath_t>(q)));
   }
 }
 

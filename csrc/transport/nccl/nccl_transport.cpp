@@ -77,6 +77,15 @@ class NcclWork final : public Work {
         cudaStreamWaitEvent(c10::cuda::getCurrentCUDAStream(device_.index()), end_.get(), 0));
   }
 
+  // The host waits for the end event. It completes when the round did, or when the watchdog
+  // aborted the communicator (at most the transport's timeout after posting), and the watchdog
+  // fails the round before it aborts: an error seen after the event is the round's.
+  void synchronize(std::chrono::milliseconds /*timeout*/) override {
+    throw_if_failed();
+    GOSSIP_CUDA_CHECK(cudaEventSynchronize(end_.get()));
+    throw_if_failed();
+  }
+
   // Watchdog side.
   bool event_done() const {
     const cudaError_t status = cudaEventQuery(end_.get());
@@ -264,8 +273,10 @@ void NcclTransport::watchdog_loop() {
     }
     if (error && !failure_) {
       failure_ = error;
-      comm_->abort();
+      // Fail the rounds before aborting: the abort completes their end events, and a
+      // synchronize() that wakes on one must already find the error.
       for (const auto& work : in_flight_) work->fail(error);
+      comm_->abort();
       in_flight_.clear();
     }
     if (stopping_) return;

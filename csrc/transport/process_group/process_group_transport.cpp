@@ -10,6 +10,14 @@ namespace {
 
 constexpr int64_t kMaxMessagesPerPeer = 64;
 
+// Aborting is best effort: the work may have completed or failed meanwhile.
+void abort_quietly(c10d::Work& work) {
+  try {
+    work.abort();
+  } catch (const std::exception&) {
+  }
+}
+
 }  // namespace
 
 // One posted round: its c10d Work objects in posting order (receives first) and their progress.
@@ -78,13 +86,7 @@ class ProcessGroupWork final : public Work {
       std::lock_guard<std::mutex> lock(mutex_);
       first = completed_;
     }
-    for (size_t i = first; i < entries_.size(); ++i) {
-      try {
-        entries_[i].work->abort();
-      } catch (const std::exception&) {
-        // Aborting is best effort: the work may have completed or failed meanwhile.
-      }
-    }
+    for (size_t i = first; i < entries_.size(); ++i) abort_quietly(*entries_[i].work);
   }
 
  private:
@@ -156,20 +158,33 @@ std::shared_ptr<Work> ProcessGroupTransport::exchange(std::vector<PeerMessage> s
 
   std::vector<ProcessGroupWork::Entry> entries;
   std::vector<at::Tensor> keep_alive;
-  for (PeerMessage& m : recvs) {
-    TORCH_CHECK(m.buffer.device().is_cpu(), "gossip_ext: the process-group transport needs CPU ",
-                "buffers, got one on ", m.buffer.device());
-    std::vector<at::Tensor> tensors{m.buffer};
-    entries.push_back({m.peer, true, group_->recv(tensors, m.peer, tag(received_from, m.peer))});
-    keep_alive.push_back(m.buffer);
+  for (const auto* list : {&recvs, &sends}) {
+    for (const PeerMessage& m : *list) {
+      TORCH_CHECK(m.buffer.device().is_cpu(), "gossip_ext: the process-group transport needs ",
+                  "CPU buffers, got one on ", m.buffer.device());
+    }
   }
-  for (PeerMessage& m : sends) {
-    TORCH_CHECK(m.buffer.device().is_cpu(), "gossip_ext: the process-group transport needs CPU ",
-                "buffers, got one on ", m.buffer.device());
+  // Receives first (see the header). Posting itself can fail: gloo's send throws at once when the
+  // peer's connection has closed. Then what was posted is cancelled, so that no receive of the
+  // round is left to write into the engine's buffers later, and the failure is a TimeoutError like
+  // every other peer failure.
+  auto post = [&](const PeerMessage& m, bool is_recv) {
     std::vector<at::Tensor> tensors{m.buffer};
-    entries.push_back({m.peer, false, group_->send(tensors, m.peer, tag(sent_to, m.peer))});
+    try {
+      entries.push_back({m.peer, is_recv,
+                         is_recv ? group_->recv(tensors, m.peer, tag(received_from, m.peer))
+                                 : group_->send(tensors, m.peer, tag(sent_to, m.peer))});
+    } catch (const std::exception& e) {
+      for (const ProcessGroupWork::Entry& posted : entries) abort_quietly(*posted.work);
+      throw TimeoutError(detail::str_cat(
+          "gossip_ext: rank ", rank(), " failed to post a ", is_recv ? "receive from" : "send to",
+          " peer ", m.peer, " in gossip round ", round,
+          "; the peer may have died or left the training loop: ", e.what()));
+    }
     keep_alive.push_back(m.buffer);
-  }
+  };
+  for (const PeerMessage& m : recvs) post(m, /*is_recv=*/true);
+  for (const PeerMessage& m : sends) post(m, /*is_recv=*/false);
   auto work = std::make_shared<ProcessGroupWork>(rank(), round, std::move(entries),
                                                  std::move(keep_alive));
   {
