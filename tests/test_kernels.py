@@ -395,6 +395,53 @@ def test_absorb_compressed_messages_matches_reference(numel, dtype, message_dtyp
     assert flag.item() == 1
 
 
+@pytest.mark.parametrize("message_dtype", MESSAGE_DTYPES, ids=_name)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64], ids=_name)
+@pytest.mark.parametrize("numel", SIZES)
+def test_compress_into_without_feedback_only_reads_the_state(numel, dtype, message_dtype):
+    z = _randn(numel, dtype, seed=numel)
+    z_before = z.clone()
+    message = torch.empty(numel, dtype=message_dtype)
+    compress_into_(z, message, 0.25, _weight(0.8, torch.float64), 0.0)
+    assert torch.equal(z, z_before)
+    assert torch.equal(message, (0.25 * 0.8 * z_before).to(message_dtype))
+
+
+@pytest.mark.parametrize("num_received", [0, 1, 3])
+@pytest.mark.parametrize("message_dtype", MESSAGE_DTYPES, ids=_name)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64], ids=_name)
+@pytest.mark.parametrize("numel", SIZES)
+def test_absorb_folds_the_sent_message(numel, dtype, message_dtype, num_received):
+    # The synchronous compressed absorb: x = (w * z - k * q + sum(received)) / w_new, where q is
+    # what this node sent to each of its k peers (Note [Compressed messages]).
+    k = 2
+    x = _randn(numel, dtype, seed=numel)
+    x_before = x.clone()
+    received = [_randn(numel, message_dtype, seed=500 + j) for j in range(num_received)]
+    sent = (0.3 * x_before).to(message_dtype)
+    self_weight, new_weight = _weight(0.9, torch.float64), _weight(1.4, torch.float64)
+    flag = _flag()
+    absorb_(x, received, 1.0, self_weight, new_weight, flag, sent, -float(k))
+    expected = (
+        0.9 * x_before.double()
+        + sum((r.double() for r in received), torch.zeros(numel, dtype=torch.float64))
+        - k * sent.double()
+    ) / 1.4
+    _assert_close(x, expected, dtype)
+    assert flag.item() == 0
+    if numel > 0:
+        sent[numel - 1] = float("inf")  # the node's own message is checked too
+        absorb_(x, received, 1.0, None, None, flag, sent, -float(k))
+        assert flag.item() == 1
+
+
+def test_absorb_sent_must_be_a_message_of_the_others_dtype():
+    with pytest.raises(ValueError, match=r"sent has dtype Half but the other messages have"):
+        absorb_(_f32(), [_f32().bfloat16()], 1.0, None, None, None, _f32().half(), -1.0)
+    with pytest.raises(ValueError, match=r"sent has 6 elements but expected 7"):
+        absorb_(_f32(), [], 1.0, None, None, None, torch.zeros(6, dtype=torch.bfloat16), -1.0)
+
+
 @pytest.mark.parametrize(
     "args, error, pattern",
     [
@@ -485,6 +532,9 @@ def _absorb_samples():
             None,
             torch.zeros(1, dtype=torch.int32),
         )
+    received = [_randn(33, torch.bfloat16, seed=9 + j) for j in range(2)]
+    sent = _randn(33, torch.bfloat16, seed=8)
+    yield (_randn(33, torch.float32, seed=6), received, 1.0, None, None, None, sent, -2.0)
 
 
 @pytest.mark.parametrize("test_util", OPCHECK_UTILS)

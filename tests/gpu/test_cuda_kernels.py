@@ -126,3 +126,52 @@ def test_absorb_flags_nonfinite_values_like_cpu(dtype, where, position, offset):
     (x if where == "x" else received[8])[index] = float("nan")
     torch.ops.gossip_ext.absorb_(x, received, 1.0, None, None, flag)
     assert flag.item() == 1
+
+
+def _device_view(t: torch.Tensor, offset: int) -> torch.Tensor:
+    """``t`` copied to the GPU at ``offset`` elements into a larger device buffer: with offset 1
+    the view is not 16-byte aligned on the device (copying an offset CPU view realigns it)."""
+    buffer = torch.empty(t.numel() + offset, dtype=t.dtype, device="cuda")
+    view = buffer[offset:]
+    view.copy_(t)
+    return view
+
+
+@pytest.mark.parametrize("message_dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize("n", SIZES)
+@pytest.mark.parametrize("sent_offset", [0, 1])  # 1: the state aligned, the sent message not
+@pytest.mark.parametrize("num_received", [0, 3, 11])
+def test_absorb_with_sent_message_matches_cpu(dtype, message_dtype, n, sent_offset, num_received):
+    x = _random(n, dtype)
+    received = [_random(n, message_dtype) for _ in range(num_received)]
+    sent = _random(n, message_dtype)
+    self_weight, new_weight = _weight(0.9, torch.float64), _weight(1.4, torch.float64)
+    want = x.clone()
+    torch.ops.gossip_ext.absorb_(want, received, 1.0, self_weight, new_weight, None, sent, -3.0)
+    got = x.cuda()
+    flag = torch.zeros(1, dtype=torch.int32, device="cuda")
+    torch.ops.gossip_ext.absorb_(
+        got,
+        [r.cuda() for r in received],
+        1.0,
+        self_weight.cuda(),
+        new_weight.cuda(),
+        flag,
+        _device_view(sent, sent_offset),
+        -3.0,
+    )
+    tol = TOLERANCE[message_dtype] * (num_received + 4)
+    torch.testing.assert_close(got.cpu(), want, rtol=tol, atol=tol)
+    assert flag.item() == 0
+
+
+@pytest.mark.parametrize("message_dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("n", SIZES)
+def test_compress_into_without_feedback_leaves_the_state_on_the_gpu(message_dtype, n):
+    z = _random(n, torch.float32).cuda()
+    before = z.clone()
+    message = torch.empty(n, dtype=message_dtype, device="cuda")
+    torch.ops.gossip_ext.compress_into_(z, message, 0.25, None, 0.0)
+    assert torch.equal(z, before)
+    assert torch.equal(message, (0.25 * before).to(message_dtype))
