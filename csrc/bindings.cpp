@@ -12,6 +12,7 @@
 #include "topology/mixing.h"
 #include "transport/host_staging/host_staging_transport.h"
 #include "transport/inproc/inproc_transport.h"
+#include "transport/loopback/loopback_transport.h"
 #include "transport/process_group/process_group_transport.h"
 #ifdef GOSSIP_WITH_CUDA
 #include "transport/nccl/nccl_bindings.h"
@@ -138,6 +139,13 @@ void bind_engine(py::module_& m) {
   py::class_<HostStagingTransport, Transport, std::shared_ptr<HostStagingTransport>>(
       m, "HostStagingTransport")
       .def(py::init<std::shared_ptr<Transport>>(), py::arg("inner"));
+
+  // Tests: one process plays a rank of a larger world over a transport of world size one.
+  py::class_<LoopbackTransport, Transport, std::shared_ptr<LoopbackTransport>>(
+      m, "LoopbackTransport")
+      .def(py::init<std::shared_ptr<Transport>, int, int>(), py::arg("inner"), py::arg("rank"),
+           py::arg("world_size"))
+      .def("drop_sends", &LoopbackTransport::drop_sends, py::arg("count"));
 
   py::class_<GossipEngine>(m, "GossipEngine")
       .def(py::init<const std::vector<at::Tensor>&, const std::vector<std::string>&,

@@ -2,13 +2,13 @@
 
 The engine sends through one of three transports: NCCL between CUDA devices, the training process
 group's point-to-point calls, or that process group from pinned host buffers (host staging). Only
-NCCL needs more than its constructor: a key space of its own in the default store, in which its
-ranks exchange the communicator's unique id.
+NCCL needs more than its constructor: a key of its own in the default store, under which its ranks
+exchange the communicator's unique id (:func:`nccl_unique_id_key`).
 """
 
 from __future__ import annotations
 
-import itertools
+import collections
 from datetime import timedelta
 from typing import Any
 
@@ -17,8 +17,8 @@ import torch.distributed as dist
 
 from gossip_ext import _C, _validation
 
-# Numbers the NCCL transports of this process, for their store prefixes (see _nccl_transport).
-_NCCL_TRANSPORTS = itertools.count()
+# How many NCCL transports this process has built per group, keyed by the group's global ranks.
+_NCCL_TRANSPORTS: collections.Counter[tuple[int, ...]] = collections.Counter()
 
 
 def make_transport(
@@ -34,11 +34,28 @@ def make_transport(
     return transport
 
 
+def nccl_unique_id_key(group: dist.ProcessGroup) -> str:
+    """The store key under which ``group``'s next NCCL transport publishes its unique id.
+
+    Unique to the group and to the transport: the group's global ranks tell groups apart (two
+    wrappers on ranks {0, 1} and {2, 3} build their transports at the same time), and a count of
+    the transports this process has built on those ranks tells apart the wrappers of one group.
+    The count agrees across the group because construction is collective: every rank of a group
+    builds its wrappers in the same order.
+    """
+    ranks = tuple(dist.get_global_rank(group, r) for r in range(dist.get_world_size(group)))
+    instance = _NCCL_TRANSPORTS[ranks]
+    _NCCL_TRANSPORTS[ranks] += 1
+    return f"gossip_ext/nccl/ranks={','.join(map(str, ranks))}/{instance}"
+
+
 def _nccl_transport(group: dist.ProcessGroup, device: torch.device, timeout: timedelta):
-    # Every wrapper gets its own key space in the store; wrappers are built in the same order
-    # on every rank (construction is collective), so the counters agree.
-    prefix = f"gossip_ext/nccl/{next(_NCCL_TRANSPORTS)}"
-    store = dist.PrefixStore(prefix, dist.distributed_c10d._get_default_store())
+    store = dist.distributed_c10d._get_default_store()
     return _C.NcclTransport(
-        store, dist.get_rank(group), dist.get_world_size(group), device.index, timeout
+        store,
+        nccl_unique_id_key(group),
+        dist.get_rank(group),
+        dist.get_world_size(group),
+        device.index,
+        timeout,
     )

@@ -436,7 +436,8 @@ class GossipDataParallel(nn.Module):
         their plain mean; over ``||z_mean||`` if ``relative``. 0: every worker has the same model.
 
         Exact and collective (two all-reduces, in float64): every rank must call it, and all get
-        the same value. It leaves the training unchanged: messages in flight are not counted. ``log_every`` gives a free estimate.
+        the same value. It leaves the training unchanged: messages in flight are not counted.
+        ``log_every`` gives a free estimate.
         """
         _validation.check_type("relative", relative, bool, "a bool")
         if self._engine is not None:

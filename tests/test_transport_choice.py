@@ -48,3 +48,23 @@ def test_cuda_parameters_gossip_over_nccl_in_a_cuda_build():
 def test_cuda_parameters_in_a_cpu_build_say_so():
     with pytest.raises(ValueError, match="no CUDA support"):
         choose_transport(CUDA, None, "nccl")
+
+
+def _unique_id_keys(rank: int, world_size: int) -> list[str]:
+    import torch.distributed as dist
+
+    from gossip_ext import _transport
+
+    # Every rank creates every group, in the same order, as torch requires.
+    halves = [dist.new_group([0, 1]), dist.new_group([2, 3])]
+    mine = halves[rank // 2]
+    return [_transport.nccl_unique_id_key(mine), _transport.nccl_unique_id_key(mine)]
+
+
+def test_nccl_unique_id_keys_differ_between_groups_and_wrappers_and_agree_within_a_group():
+    from multiprocess import run_ranks
+
+    keys = run_ranks(4, _unique_id_keys)
+    assert keys[0] == keys[1] and keys[2] == keys[3]  # the ranks of one group agree
+    assert set(keys[0]).isdisjoint(keys[2])  # groups {0, 1} and {2, 3} never collide
+    assert keys[0][0] != keys[0][1]  # two wrappers on one group neither

@@ -13,8 +13,17 @@ TOLERANCE = {torch.float32: 1e-6, torch.float64: 1e-12, torch.float16: 1e-3, tor
 
 
 def _random(n, dtype, offset=0):
-    # `offset` elements in, so the buffer is not 16-byte aligned: the scalar path.
+    # On the CPU: the oracle's input. Its GPU twin is made with _device_view(t, offset).
     return torch.randn(n + offset, dtype=torch.float64)[offset:].to(dtype)
+
+
+def _device_view(t: torch.Tensor, offset: int) -> torch.Tensor:
+    """``t`` copied to the GPU at ``offset`` elements into a larger device buffer: with offset 1
+    the view is not 16-byte aligned on the device (copying an offset CPU view realigns it)."""
+    buffer = torch.empty(t.numel() + offset, dtype=t.dtype, device="cuda")
+    view = buffer[offset:]
+    view.copy_(t)
+    return view
 
 
 def _weight(value, dtype):
@@ -30,9 +39,9 @@ def test_scale_into_matches_cpu(dtype, n, offset, weight_dtype):
     weight = None if weight_dtype is None else _weight(0.7, weight_dtype)
     want = torch.empty_like(src)
     torch.ops.gossip_ext.scale_into(src, want, 0.25, weight)
-    out = torch.empty_like(src, device="cuda")
+    out = _device_view(torch.empty_like(src), offset)
     cuda_weight = None if weight is None else weight.cuda()
-    torch.ops.gossip_ext.scale_into(src.cuda(), out, 0.25, cuda_weight)
+    torch.ops.gossip_ext.scale_into(_device_view(src, offset), out, 0.25, cuda_weight)
     tol = TOLERANCE[dtype]
     torch.testing.assert_close(out.cpu(), want, rtol=tol, atol=tol)
 
@@ -49,10 +58,10 @@ def test_absorb_matches_cpu(dtype, n, offset, num_received, weighted):
     new_weight = _weight(0.4 + 0.3 * num_received, torch.float64) if weighted else None
     want = x.clone()
     torch.ops.gossip_ext.absorb_(want, received, 0.5, self_weight, new_weight)
-    got = x.cuda()
+    got = _device_view(x, offset)
     torch.ops.gossip_ext.absorb_(
         got,
-        [r.cuda() for r in received],
+        [_device_view(r, offset) for r in received],
         0.5,
         None if self_weight is None else self_weight.cuda(),
         None if new_weight is None else new_weight.cuda(),
@@ -84,7 +93,7 @@ def test_compress_into_matches_cpu(dtype, message_dtype, n, offset, weight_dtype
     weight = None if weight_dtype is None else _weight(0.7, weight_dtype)
     want_src, want = src.clone(), torch.empty(n, dtype=message_dtype)
     torch.ops.gossip_ext.compress_into_(want_src, want, 0.25, weight, 12.0)
-    got_src = src.cuda()
+    got_src = _device_view(src, offset)
     got = torch.empty(n + offset, dtype=message_dtype, device="cuda")[offset:]
     cuda_weight = None if weight is None else weight.cuda()
     torch.ops.gossip_ext.compress_into_(got_src, got, 0.25, cuda_weight, 12.0)
@@ -105,8 +114,8 @@ def test_absorb_of_compressed_messages_matches_cpu(dtype, message_dtype, n, offs
     received = [_random(n, message_dtype, offset) for _ in range(num_received)]
     want = x.clone()
     torch.ops.gossip_ext.absorb_(want, received, 0.5)
-    got = x.cuda()
-    torch.ops.gossip_ext.absorb_(got, [r.cuda() for r in received], 0.5)
+    got = _device_view(x, offset)
+    torch.ops.gossip_ext.absorb_(got, [_device_view(r, offset) for r in received], 0.5)
     tol = TOLERANCE[dtype] * (num_received + 1)
     torch.testing.assert_close(got.cpu(), want, rtol=tol, atol=tol)
 
@@ -118,23 +127,14 @@ def test_absorb_of_compressed_messages_matches_cpu(dtype, message_dtype, n, offs
 def test_absorb_flags_nonfinite_values_like_cpu(dtype, where, position, offset):
     n = 70001
     index = {"first": 0, "middle": n // 2, "last": n - 1}[position]
-    x = _random(n, dtype, offset).cuda()
-    received = [_random(n, dtype, offset).cuda() for _ in range(9)]  # two launches
+    x = _device_view(_random(n, dtype), offset)
+    received = [_device_view(_random(n, dtype), offset) for _ in range(9)]  # two launches
     flag = torch.zeros(1, dtype=torch.int32, device="cuda")
     torch.ops.gossip_ext.absorb_(x.clone(), received, 1.0, None, None, flag)
     assert flag.item() == 0
     (x if where == "x" else received[8])[index] = float("nan")
     torch.ops.gossip_ext.absorb_(x, received, 1.0, None, None, flag)
     assert flag.item() == 1
-
-
-def _device_view(t: torch.Tensor, offset: int) -> torch.Tensor:
-    """``t`` copied to the GPU at ``offset`` elements into a larger device buffer: with offset 1
-    the view is not 16-byte aligned on the device (copying an offset CPU view realigns it)."""
-    buffer = torch.empty(t.numel() + offset, dtype=t.dtype, device="cuda")
-    view = buffer[offset:]
-    view.copy_(t)
-    return view
 
 
 @pytest.mark.parametrize("message_dtype", [torch.bfloat16, torch.float16])
@@ -175,3 +175,59 @@ def test_compress_into_without_feedback_leaves_the_state_on_the_gpu(message_dtyp
     torch.ops.gossip_ext.compress_into_(z, message, 0.25, None, 0.0)
     assert torch.equal(z, before)
     assert torch.equal(message, (0.25 * before).to(message_dtype))
+
+
+def test_views_made_here_really_are_unaligned_on_the_device():
+    view = _device_view(torch.ones(9), 1)
+    assert view.data_ptr() % 16 != 0 and view.is_cuda
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("unaligned", ["one message", "the state"])
+def test_absorb_with_mixed_alignment_matches_cpu(dtype, unaligned):
+    # One pointer off alignment sends the whole launch down the scalar path.
+    n = 70001
+    x = _random(n, dtype)
+    received = [_random(n, dtype) for _ in range(3)]
+    want = x.clone()
+    torch.ops.gossip_ext.absorb_(want, received, 0.5)
+    got = _device_view(x, 1 if unaligned == "the state" else 0)
+    on_device = [
+        _device_view(r, 1 if (unaligned == "one message" and j == 1) else 0)
+        for j, r in enumerate(received)
+    ]
+    torch.ops.gossip_ext.absorb_(got, on_device, 0.5)
+    tol = TOLERANCE[dtype] * 4
+    torch.testing.assert_close(got.cpu(), want, rtol=tol, atol=tol)
+
+
+# 65535 blocks of 256 threads: more work items than that takes a second grid-stride pass. The
+# scalar path has one item per element, the vectorized float32 path one per 4 elements.
+@pytest.mark.parametrize("n, offset", [((1 << 24) + 3, 1), ((1 << 26) + 5, 0)])
+def test_absorb_and_scale_into_cover_several_grid_stride_passes(n, offset):
+    x = _random(n, torch.float32)
+    received = [_random(n, torch.float32) for _ in range(2)]
+    want = x.clone()
+    torch.ops.gossip_ext.absorb_(want, received, 0.5)
+    got = _device_view(x, offset)
+    torch.ops.gossip_ext.absorb_(got, [_device_view(r, offset) for r in received], 0.5)
+    torch.testing.assert_close(got.cpu(), want, rtol=1e-5, atol=1e-5)
+    out = _device_view(torch.empty(n), offset)
+    torch.ops.gossip_ext.scale_into(got, out, 0.25, None)
+    torch.testing.assert_close(out.cpu(), 0.25 * want, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_many_messages_into_a_16bit_state_round_once(dtype):
+    # 11 messages take two launches. Partial sums held in the state's dtype would round twice and,
+    # for float16, overflow at 8 * 9000 = 72000 > 65504 although the result, 9000, fits.
+    n = 4099
+    x = torch.full((n,), 9000.0, dtype=dtype)
+    received = [torch.full((n,), 9000.0, dtype=dtype) for _ in range(11)]
+    new_weight = _weight(12.0, torch.float32)
+    want = x.clone()
+    torch.ops.gossip_ext.absorb_(want, received, 1.0, None, new_weight)
+    got = x.cuda()
+    torch.ops.gossip_ext.absorb_(got, [r.cuda() for r in received], 1.0, None, new_weight.cuda())
+    assert torch.isfinite(got).all()
+    assert torch.equal(got.cpu(), want)

@@ -11,6 +11,7 @@
 
 #include <ATen/Dispatch.h>
 #include <ATen/OpMathType.h>
+#include <ATen/ops/empty.h>
 #include <c10/cuda/CUDAException.h>
 #include <c10/cuda/CUDAGuard.h>
 #include <c10/cuda/CUDAStream.h>
@@ -152,9 +153,12 @@ __device__ __forceinline__ bool is_nonfinite(double v) {
          0x7ff0000000000000ull;
 }
 
-template <typename scalar_t, typename message_t, bool kVectorized>
-__global__ void absorb_kernel(scalar_t* __restrict__ x, ReceivedBatch<message_t> batch, int64_t n,
-                              AbsorbStep step) {
+// One launch: out = (self_scale * in + sum of the batch + sent_scale * sent) * out_scale, with
+// in and out the state (in place) or, between the launches of an absorb of many messages into a
+// 16-bit state, a float32 scratch buffer (see launch_absorb). `in` and `out` may alias.
+template <typename scalar_t, typename in_t, typename out_t, typename message_t, bool kVectorized>
+__global__ void absorb_kernel(const in_t* in, out_t* out, ReceivedBatch<message_t> batch,
+                              int64_t n, AbsorbStep step) {
   using opmath_t = at::opmath_type<scalar_t>;
   const opmath_t self_scale =
       step.first ? static_cast<opmath_t>(step.alpha) * step.self_weight.load<opmath_t>()
@@ -167,23 +171,26 @@ __global__ void absorb_kernel(scalar_t* __restrict__ x, ReceivedBatch<message_t>
   bool nonfinite = false;
   int64_t first_scalar = 0;
   if constexpr (kVectorized) {
-    using V = Vector<scalar_t>;
-    const int64_t num_vectors = n / V::kSize;
+    // As many elements as 16 bytes of the state hold, whatever the in and out types.
+    constexpr int kSize = Vector<scalar_t>::kSize;
+    using In = Pack<in_t, kSize>;
+    using Out = Pack<out_t, kSize>;
+    using M = MessageVector<scalar_t, message_t>;
+    const int64_t num_vectors = n / kSize;
     for (int64_t v = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; v < num_vectors;
          v += stride) {
-      V xv = reinterpret_cast<const V*>(x)[v];
-      opmath_t acc[V::kSize];
+      const In xv = reinterpret_cast<const In*>(in)[v];
+      opmath_t acc[kSize];
 #pragma unroll
-      for (int j = 0; j < V::kSize; ++j) {
+      for (int j = 0; j < kSize; ++j) {
         const opmath_t value = static_cast<opmath_t>(xv.values[j]);
         nonfinite |= is_nonfinite(value);
         acc[j] = self_scale * value;
       }
-      using M = MessageVector<scalar_t, message_t>;
       for (int k = 0; k < batch.count; ++k) {
         const M rv = reinterpret_cast<const M*>(batch.ptrs[k])[v];
 #pragma unroll
-        for (int j = 0; j < V::kSize; ++j) {
+        for (int j = 0; j < kSize; ++j) {
           const opmath_t value = static_cast<opmath_t>(rv.values[j]);
           nonfinite |= is_nonfinite(value);
           acc[j] += value;
@@ -192,21 +199,22 @@ __global__ void absorb_kernel(scalar_t* __restrict__ x, ReceivedBatch<message_t>
       if (batch.sent != nullptr) {
         const M sv = reinterpret_cast<const M*>(batch.sent)[v];
 #pragma unroll
-        for (int j = 0; j < V::kSize; ++j) {
+        for (int j = 0; j < kSize; ++j) {
           const opmath_t value = static_cast<opmath_t>(sv.values[j]);
           nonfinite |= is_nonfinite(value);
           acc[j] += sent_scale * value;
         }
       }
+      Out ov;
 #pragma unroll
-      for (int j = 0; j < V::kSize; ++j) xv.values[j] = static_cast<scalar_t>(acc[j] * out_scale);
-      reinterpret_cast<V*>(x)[v] = xv;
+      for (int j = 0; j < kSize; ++j) ov.values[j] = static_cast<out_t>(acc[j] * out_scale);
+      reinterpret_cast<Out*>(out)[v] = ov;
     }
-    first_scalar = num_vectors * V::kSize;
+    first_scalar = num_vectors * kSize;
   }
   for (int64_t i = first_scalar + blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x;
        i < n; i += stride) {
-    const opmath_t value = static_cast<opmath_t>(x[i]);
+    const opmath_t value = static_cast<opmath_t>(in[i]);
     nonfinite |= is_nonfinite(value);
     opmath_t acc = self_scale * value;
     for (int k = 0; k < batch.count; ++k) {
@@ -219,12 +227,31 @@ __global__ void absorb_kernel(scalar_t* __restrict__ x, ReceivedBatch<message_t>
       nonfinite |= is_nonfinite(sent);
       acc += sent_scale * sent;
     }
-    x[i] = static_cast<scalar_t>(acc * out_scale);
+    out[i] = static_cast<out_t>(acc * out_scale);
   }
   // Every writer stores the same value, so racing stores are benign; no atomics needed.
   if (nonfinite && step.nonfinite != nullptr) *step.nonfinite = 1;
 }
 
+template <typename scalar_t, typename in_t, typename out_t, typename message_t>
+void launch_absorb_step(const in_t* in, out_t* out, const ReceivedBatch<message_t>& batch,
+                        int64_t n, const AbsorbStep& step, bool aligned, cudaStream_t stream) {
+  if (aligned) {
+    const int64_t items = std::max<int64_t>(n / Vector<scalar_t>::kSize, 1);
+    absorb_kernel<scalar_t, in_t, out_t, message_t, true>
+        <<<blocks_for(items), kThreads, 0, stream>>>(in, out, batch, n, step);
+  } else {
+    absorb_kernel<scalar_t, in_t, out_t, message_t, false>
+        <<<blocks_for(n), kThreads, 0, stream>>>(in, out, batch, n, step);
+  }
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+}
+
+// More than kMaxReceivedPerLaunch messages take several launches. A float32/float64 state holds
+// the partial sum in its own dtype, which is its opmath: nothing is rounded in between. A 16-bit
+// state would round the partial sum at every launch (and float16 can overflow where the final
+// average would not), so the partial sums live in a float32 scratch buffer and the state is read
+// by the first launch and written by the last one only.
 template <typename scalar_t, typename message_t>
 void launch_absorb(const at::Tensor& x, at::TensorList received, double alpha,
                    const std::optional<at::Tensor>& self_weight,
@@ -232,15 +259,22 @@ void launch_absorb(const at::Tensor& x, at::TensorList received, double alpha,
                    const std::optional<at::Tensor>& nonfinite,
                    const std::optional<at::Tensor>& sent, double sent_scale,
                    cudaStream_t stream) {
+  using opmath_t = at::opmath_type<scalar_t>;
+  constexpr bool kNarrowState = !std::is_same_v<scalar_t, opmath_t>;
   const int64_t n = x.numel();
   constexpr size_t kMessageVectorBytes = sizeof(MessageVector<scalar_t, message_t>);
-  scalar_t* out = x.mutable_data_ptr<scalar_t>();
+  scalar_t* state = x.mutable_data_ptr<scalar_t>();
   const size_t total = received.size();
+  at::Tensor scratch;
+  if (kNarrowState && total > static_cast<size_t>(kMaxReceivedPerLaunch)) {
+    scratch = at::empty({n}, x.options().dtype(c10::CppTypeToScalarType<opmath_t>::value));
+  }
+  opmath_t* partial = scratch.defined() ? scratch.mutable_data_ptr<opmath_t>() : nullptr;
   size_t next = 0;
   bool first = true;
   do {  // at least one launch, even with nothing received: x = alpha * w * x / w_new
     ReceivedBatch<message_t> batch{};
-    bool aligned = is_aligned(out);
+    bool aligned = is_aligned(state) && (partial == nullptr || is_aligned(partial, 32));
     if (first && sent.has_value()) {
       batch.sent = sent->const_data_ptr<message_t>();
       aligned = aligned && is_aligned(batch.sent, kMessageVectorBytes);
@@ -250,23 +284,24 @@ void launch_absorb(const at::Tensor& x, at::TensorList received, double alpha,
       aligned = aligned && is_aligned(r, kMessageVectorBytes);
       batch.ptrs[batch.count++] = r;
     }
+    const bool last = next == total;
     const AbsorbStep step{alpha,
                           sent_scale,
                           device_weight(self_weight),
                           device_weight(new_weight),
                           first,
-                          /*last=*/next == total,
+                          last,
                           nonfinite.has_value() ? nonfinite->mutable_data_ptr<int>() : nullptr};
-    first = false;
-    if (aligned) {
-      const int64_t items = std::max<int64_t>(n / Vector<scalar_t>::kSize, 1);
-      absorb_kernel<scalar_t, message_t, true>
-          <<<blocks_for(items), kThreads, 0, stream>>>(out, batch, n, step);
+    if (partial == nullptr) {
+      launch_absorb_step<scalar_t>(state, state, batch, n, step, aligned, stream);
+    } else if (first) {
+      launch_absorb_step<scalar_t>(state, partial, batch, n, step, aligned, stream);
+    } else if (!last) {
+      launch_absorb_step<scalar_t>(partial, partial, batch, n, step, aligned, stream);
     } else {
-      absorb_kernel<scalar_t, message_t, false>
-          <<<blocks_for(n), kThreads, 0, stream>>>(out, batch, n, step);
+      launch_absorb_step<scalar_t>(partial, state, batch, n, step, aligned, stream);
     }
-    C10_CUDA_KERNEL_LAUNCH_CHECK();
+    first = false;
   } while (next < total);
 }
 

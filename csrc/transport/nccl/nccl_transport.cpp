@@ -1,6 +1,8 @@
 #include "transport/nccl/nccl_transport.h"
 
+#include <algorithm>
 #include <cstring>
+#include <thread>
 
 #include <c10/cuda/CUDACachingAllocator.h>
 #include <c10/cuda/CUDAGuard.h>
@@ -10,15 +12,14 @@
 namespace gossip {
 namespace {
 
-constexpr char kUniqueIdKey[] = "gossip_ext/nccl_unique_id";
-// How often the watchdog looks at rounds in flight: NCCL offers no completion callback, so, as
-// c10d's ProcessGroupNCCL watchdog does, a background thread queries events.
-constexpr auto kWatchdogPeriod = std::chrono::milliseconds(100);
-
-// A CUDA event without timing, destroyed with its owner.
+// A CUDA event without timing, destroyed with its owner. `blocking`: cudaEventSynchronize sleeps
+// instead of spinning a core while it waits.
 class CudaEvent {
  public:
-  CudaEvent() { GOSSIP_CUDA_CHECK(cudaEventCreateWithFlags(&event_, cudaEventDisableTiming)); }
+  explicit CudaEvent(bool blocking = false) {
+    const unsigned flags = cudaEventDisableTiming | (blocking ? cudaEventBlockingSync : 0u);
+    GOSSIP_CUDA_CHECK(cudaEventCreateWithFlags(&event_, flags));
+  }
   ~CudaEvent() { cudaEventDestroy(event_); }  // never throws; failure leaks one event
   CudaEvent(const CudaEvent&) = delete;
   CudaEvent& operator=(const CudaEvent&) = delete;
@@ -45,114 +46,159 @@ class NcclGroupGuard {
   bool open_ = true;
 };
 
+// The transport's gossip stream, after checking the device it is taken on.
+c10::cuda::CUDAStream gossip_stream(c10::Device device) {
+  GOSSIP_CHECK_ARG(device.is_cuda() && device.has_index(),
+                   "NcclTransport: device must be a CUDA device with an index, got ", device.str());
+  return c10::cuda::getStreamFromPool(/*isHighPriority=*/true, device.index());
+}
+
 }  // namespace
 
 // One posted round on the gossip stream (Note [Gossip stream ordering]).
-class NcclWork final : public Work {
+class NcclWork final : public Work, public WatchedRound {
  public:
   NcclWork(c10::Device device, int64_t round, std::vector<int> recv_peers,
-           std::vector<at::Tensor> tensors)
-      : device_(device),
-        round_(round),
-        recv_peers_(std::move(recv_peers)),
+           std::vector<at::Tensor> tensors, std::weak_ptr<RoundWatchdog> watchdog)
+      : WatchedRound(round, std::move(recv_peers)),
+        device_(device),
         tensors_(std::move(tensors)),
-        posted_(std::chrono::steady_clock::now()) {}
+        watchdog_(std::move(watchdog)) {}
 
   cudaEvent_t end_event() const { return end_.get(); }
-  std::chrono::steady_clock::time_point posted() const { return posted_; }
-  int64_t round() const { return round_; }
-  const std::vector<int>& recv_peers() const { return recv_peers_; }
 
   bool is_completed() override {
     throw_if_failed();
-    return event_done();
+    return poll_done();
   }
 
-  // The current stream waits for the round; the host does not. `timeout` is enforced by the
-  // transport's watchdog, which fails the round and aborts the communicator.
-  void wait(std::chrono::milliseconds /*timeout*/) override {
+  // Rule 3: the host waits for the end event, which completes when the round did or when the
+  // watchdog aborted it (at most `timeout` from now: the deadline is tightened to it); the
+  // watchdog fails the round before aborting, so an error seen after the event is the round's.
+  void wait(std::chrono::milliseconds timeout) override {
+    if (const auto watchdog = watchdog_.lock()) {
+      watchdog->tighten_deadline(*this, Clock::now() + timeout);
+    }
+    throw_if_failed();
+    GOSSIP_CUDA_CHECK(cudaEventSynchronize(end_.get()));
     throw_if_failed();
     const c10::cuda::CUDAGuard guard(device_);
     GOSSIP_CUDA_CHECK(
         cudaStreamWaitEvent(c10::cuda::getCurrentCUDAStream(device_.index()), end_.get(), 0));
   }
 
-  // The host waits for the end event. It completes when the round did, or when the watchdog
-  // aborted the communicator (at most the transport's timeout after posting), and the watchdog
-  // fails the round before it aborts: an error seen after the event is the round's.
-  void synchronize(std::chrono::milliseconds /*timeout*/) override {
-    throw_if_failed();
-    GOSSIP_CUDA_CHECK(cudaEventSynchronize(end_.get()));
-    throw_if_failed();
-  }
-
-  // Watchdog side.
-  bool event_done() const {
+  // The watchdog's side.
+  bool poll_done() override {
     const cudaError_t status = cudaEventQuery(end_.get());
     if (status == cudaErrorNotReady) return false;
     GOSSIP_CUDA_CHECK(status);
     return true;
   }
-  void release() {
+  void on_done() override {
     std::lock_guard<std::mutex> lock(mutex_);
     tensors_.clear();
   }
-  void fail(std::exception_ptr error) {
-    std::lock_guard<std::mutex> lock(mutex_);
-    error_ = std::move(error);
-  }
 
  private:
-  void throw_if_failed() const {
-    std::lock_guard<std::mutex> lock(mutex_);
-    if (error_) std::rethrow_exception(error_);
-  }
-
   const c10::Device device_;
-  const int64_t round_;
-  const std::vector<int> recv_peers_;
-  CudaEvent end_;
-  mutable std::mutex mutex_;
+  const CudaEvent end_{/*blocking=*/true};
+  std::mutex mutex_;
   std::vector<at::Tensor> tensors_;  // every buffer of the round, until its end event completes
-  std::exception_ptr error_;
-  const std::chrono::steady_clock::time_point posted_;
+  const std::weak_ptr<RoundWatchdog> watchdog_;
 };
 
-NcclComm::NcclComm(ncclUniqueId id, int rank, int world_size) {
-  GOSSIP_NCCL_CHECK(ncclCommInitRank(&comm_, world_size, id, rank));
+NcclComm::NcclComm(ncclUniqueId id, int rank, int world_size, std::chrono::milliseconds timeout) {
+  ncclConfig_t config = NCCL_CONFIG_INITIALIZER;
+  config.blocking = 0;
+  std::lock_guard<std::mutex> lock(mutex_);
+  GOSSIP_NCCL_CHECK(ncclCommInitRankConfig(&comm_, world_size, id, rank, &config));
+  alive_ = true;
+  bool ready = false;
+  try {
+    ready = wait_ready(Clock::now() + timeout);
+  } catch (...) {
+    abort_locked();
+    throw;
+  }
+  if (!ready) {
+    abort_locked();
+    throw TimeoutError(detail::str_cat(
+        "gossip_ext: rank ", rank, " timed out after ", timeout.count(),
+        " ms initialising its NCCL communicator of ", world_size,
+        " ranks: a rank did not join (every rank of the group must construct the wrapper)"));
+  }
 }
 
 NcclComm::~NcclComm() {
-  // Never throws. An aborted communicator is already freed.
-  if (!aborted_.load()) ncclCommDestroy(comm_);
+  std::lock_guard<std::mutex> lock(mutex_);
+  abort_locked();
+}
+
+bool NcclComm::wait_ready(Clock::time_point deadline) {
+  // Note [NCCL communicator calls]: polling is NCCL's interface for non-blocking calls; sleep
+  // between polls, starting short since posting a round usually settles within microseconds.
+  auto pause = std::chrono::microseconds(5);
+  while (true) {
+    ncclResult_t state = ncclSuccess;
+    GOSSIP_NCCL_CHECK(ncclCommGetAsyncError(comm_, &state));
+    if (state == ncclSuccess) return true;
+    if (state != ncclInProgress) {
+      throw std::runtime_error(detail::str_cat("gossip_ext: NCCL failed: ",
+                                               ncclGetErrorString(state), ": ",
+                                               ncclGetLastError(comm_)));
+    }
+    if (Clock::now() >= deadline) return false;
+    std::this_thread::sleep_for(pause);
+    pause = std::min(pause * 2, std::chrono::microseconds(1000));
+  }
 }
 
 void NcclComm::abort() {
-  if (!aborted_.exchange(true)) ncclCommAbort(comm_);
+  std::lock_guard<std::mutex> lock(mutex_);
+  abort_locked();
 }
 
-std::string NcclComm::async_error() const {
-  if (aborted_.load()) return "";
+void NcclComm::abort_locked() {
+  if (!alive_) return;
+  alive_ = false;
+  ncclCommAbort(comm_);  // best effort: nothing more can be done with a failing communicator
+}
+
+void NcclComm::finalize(Clock::time_point deadline) {
+  std::lock_guard<std::mutex> lock(mutex_);
+  if (!alive_) return;
+  try {
+    GOSSIP_NCCL_CHECK(ncclCommFinalize(comm_));
+    if (wait_ready(deadline)) {
+      alive_ = false;
+      ncclCommDestroy(comm_);
+      return;
+    }
+  } catch (const std::exception&) {
+    // Finalizing failed: abort below instead.
+  }
+  abort_locked();
+}
+
+std::string NcclComm::async_error() {
+  std::unique_lock<std::mutex> lock(mutex_, std::try_to_lock);
+  if (!lock.owns_lock() || !alive_) return "";
   ncclResult_t result = ncclSuccess;
   if (ncclCommGetAsyncError(comm_, &result) != ncclSuccess) return "ncclCommGetAsyncError failed";
   if (result == ncclSuccess || result == ncclInProgress) return "";
-#if defined(NCCL_VERSION_CODE) && NCCL_VERSION_CODE >= NCCL_VERSION(2, 13, 0)
   return detail::str_cat(ncclGetErrorString(result), ": ", ncclGetLastError(comm_));
-#else
-  return ncclGetErrorString(result);
-#endif
 }
 
-NcclTransport::NcclTransport(c10::intrusive_ptr<c10d::Store> store, int rank, int world_size,
-                             c10::Device device, std::chrono::milliseconds timeout)
+NcclTransport::NcclTransport(c10::intrusive_ptr<c10d::Store> store, const std::string& key,
+                             int rank, int world_size, c10::Device device,
+                             std::chrono::milliseconds timeout)
     : rank_(rank),
       world_size_(world_size),
       device_(device),
       timeout_(timeout),
-      stream_(c10::cuda::getStreamFromPool(/*isHighPriority=*/true, device.index())) {
+      stream_(gossip_stream(device)) {
   GOSSIP_CHECK_ARG(store, "NcclTransport: store must not be None");
-  GOSSIP_CHECK_ARG(device.is_cuda() && device.has_index(),
-                   "NcclTransport: device must be a CUDA device with an index, got ", device.str());
+  GOSSIP_CHECK_ARG(!key.empty(), "NcclTransport: key must not be empty");
   GOSSIP_CHECK_ARG(world_size >= 1 && rank >= 0 && rank < world_size,
                    "NcclTransport: rank must be in [0, world_size), got rank ", rank,
                    " and world_size ", world_size);
@@ -163,38 +209,39 @@ NcclTransport::NcclTransport(c10::intrusive_ptr<c10d::Store> store, int rank, in
   if (rank == 0) {
     GOSSIP_NCCL_CHECK(ncclGetUniqueId(&id));
     const auto* bytes = reinterpret_cast<const uint8_t*>(&id);
-    store->set(kUniqueIdKey, std::vector<uint8_t>(bytes, bytes + sizeof(id)));
+    store->set(key, std::vector<uint8_t>(bytes, bytes + sizeof(id)));
   } else {
-    const std::vector<uint8_t> bytes = store->get(kUniqueIdKey);  // waits up to the store timeout
-    TORCH_CHECK(bytes.size() == sizeof(id), "gossip_ext: the NCCL unique id in the store has ",
-                bytes.size(), " bytes, expected ", sizeof(id));
+    const std::vector<uint8_t> bytes = store->get(key);  // waits up to the store timeout
+    TORCH_CHECK(bytes.size() == sizeof(id), "gossip_ext: the NCCL unique id under ", key,
+                " has ", bytes.size(), " bytes, expected ", sizeof(id));
     std::memcpy(&id, bytes.data(), sizeof(id));
   }
   const c10::cuda::CUDAGuard guard(device_);
-  comm_ = std::make_shared<NcclComm>(id, rank, world_size);
-  watchdog_ = std::thread([this] { watchdog_loop(); });
+  comm_ = std::make_shared<NcclComm>(id, rank, world_size, timeout);
+  watchdog_ = std::make_shared<RoundWatchdog>(
+      RoundWatchdog::Options{rank, "nccl", timeout}, [comm = comm_] { return comm->async_error(); },
+      [comm = comm_] { comm->abort(); });
 }
 
 NcclTransport::~NcclTransport() {
-  {
-    std::lock_guard<std::mutex> lock(mutex_);
-    stopping_ = true;
+  // Rounds still in flight may be what a peer is receiving: wait for them (bounded by the
+  // timeout) before tearing down, so that a rank that finishes first does not abort under its
+  // peers. A failed or unfinished round leaves nothing to flush: abort.
+  const bool settled = watchdog_->drain();
+  watchdog_.reset();  // joins its thread: no hook runs after this
+  if (settled) {
+    comm_->finalize(NcclComm::Clock::now() + timeout_);
+  } else {
+    comm_->abort();
   }
-  changed_.notify_all();
-  watchdog_.join();
-}
-
-void NcclTransport::throw_if_failed() const {
-  std::lock_guard<std::mutex> lock(mutex_);
-  if (failure_) std::rethrow_exception(failure_);
 }
 
 std::shared_ptr<Work> NcclTransport::exchange(std::vector<PeerMessage> sends,
                                               std::vector<PeerMessage> recvs, int64_t round) {
-  throw_if_failed();
+  watchdog_->throw_if_failed();
   const c10::cuda::CUDAGuard guard(device_);
   std::vector<at::Tensor> tensors;
-  std::vector<int> recv_peers;
+  std::vector<int> recv_peers, send_peers;
   for (const auto* list : {&recvs, &sends}) {
     for (const PeerMessage& m : *list) {
       TORCH_CHECK(m.buffer.device() == device_, "gossip_ext: the NCCL transport on ", device_,
@@ -204,6 +251,7 @@ std::shared_ptr<Work> NcclTransport::exchange(std::vector<PeerMessage> sends,
     }
   }
   for (const PeerMessage& m : recvs) recv_peers.push_back(m.peer);
+  for (const PeerMessage& m : sends) send_peers.push_back(m.peer);
 
   // Note [Gossip stream ordering], rule 1: the gossip stream waits for the compute stream.
   {
@@ -212,75 +260,46 @@ std::shared_ptr<Work> NcclTransport::exchange(std::vector<PeerMessage> sends,
         cudaEventRecord(ready.get(), c10::cuda::getCurrentCUDAStream(device_.index())));
     GOSSIP_CUDA_CHECK(cudaStreamWaitEvent(stream_.stream(), ready.get(), 0));
   }
-  auto work = std::make_shared<NcclWork>(device_, round, std::move(recv_peers), tensors);
-  // Rule 2: the whole round in one group, then the end event.
-  {
-    NcclGroupGuard group;
-    for (const PeerMessage& m : recvs) {
-      GOSSIP_NCCL_CHECK(ncclRecv(m.buffer.data_ptr(), m.buffer.nbytes(), ncclUint8, m.peer,
-                                 comm_->get(), stream_.stream()));
+  auto work = std::make_shared<NcclWork>(device_, round, recv_peers, tensors, watchdog_);
+  // Rule 2: the whole round in one group, then the end event. Posting holds the communicator
+  // (Note [NCCL communicator calls]) at most until the deadline.
+  bool posted = false;
+  std::exception_ptr error;
+  try {
+    std::lock_guard<std::mutex> lock(comm_->mutex());
+    {
+      NcclGroupGuard group;
+      for (const PeerMessage& m : recvs) {
+        GOSSIP_NCCL_CHECK(ncclRecv(m.buffer.data_ptr(), m.buffer.nbytes(), ncclUint8, m.peer,
+                                   comm_->get(), stream_.stream()));
+      }
+      for (const PeerMessage& m : sends) {
+        GOSSIP_NCCL_CHECK(ncclSend(m.buffer.const_data_ptr(), m.buffer.nbytes(), ncclUint8,
+                                   m.peer, comm_->get(), stream_.stream()));
+      }
+      group.end();
     }
-    for (const PeerMessage& m : sends) {
-      GOSSIP_NCCL_CHECK(ncclSend(m.buffer.const_data_ptr(), m.buffer.nbytes(), ncclUint8, m.peer,
-                                 comm_->get(), stream_.stream()));
-    }
-    group.end();
+    posted = comm_->wait_ready(NcclComm::Clock::now() + timeout_);
+    if (posted) GOSSIP_CUDA_CHECK(cudaEventRecord(work->end_event(), stream_.stream()));
+  } catch (...) {
+    error = std::current_exception();
   }
-  GOSSIP_CUDA_CHECK(cudaEventRecord(work->end_event(), stream_.stream()));
+  if (!posted && !error) {
+    error = std::make_exception_ptr(TimeoutError(detail::str_cat(
+        "gossip_ext: rank ", rank_, " timed out after ", timeout_.count(), " ms in gossip round ",
+        round, " posting its messages: peers ", recv_peers, " (receives) and ", send_peers,
+        " (sends) did not connect (nccl transport); the nccl communicator was aborted")));
+  }
+  if (error) {
+    watchdog_->fail(error);  // the communicator is released above: the abort may take it
+    std::rethrow_exception(error);
+  }
   // Rule 4: the caching allocator must not hand these blocks out before the gossip stream is done.
   for (const at::Tensor& t : tensors) {
     c10::cuda::CUDACachingAllocator::recordStream(t.storage().data_ptr(), stream_);
   }
-  {
-    std::lock_guard<std::mutex> lock(mutex_);
-    in_flight_.push_back(work);
-  }
-  changed_.notify_all();
+  watchdog_->watch(work);
   return work;
-}
-
-void NcclTransport::watchdog_loop() {
-  const c10::cuda::CUDAGuard guard(device_);
-  std::unique_lock<std::mutex> lock(mutex_);
-  while (true) {
-    changed_.wait_for(lock, kWatchdogPeriod, [&] { return stopping_; });
-    std::exception_ptr error;
-    try {
-      while (!in_flight_.empty() && in_flight_.front()->event_done()) {
-        in_flight_.front()->release();
-        in_flight_.pop_front();
-      }
-      if (stopping_) {
-        // Rounds still in flight at teardown wait for peers that will not come: abort rather
-        // than hang in ncclCommDestroy.
-        if (!in_flight_.empty()) comm_->abort();
-        return;
-      }
-      const std::string nccl_error = comm_->async_error();
-      if (!nccl_error.empty()) {
-        error = std::make_exception_ptr(std::runtime_error(detail::str_cat(
-            "gossip_ext: rank ", rank_, ": NCCL failed asynchronously: ", nccl_error)));
-      } else if (!in_flight_.empty() &&
-                 std::chrono::steady_clock::now() - in_flight_.front()->posted() > timeout_) {
-        const auto& oldest = in_flight_.front();
-        error = std::make_exception_ptr(TimeoutError(detail::str_cat(
-            "gossip_ext: rank ", rank_, " timed out after ", timeout_.count(),
-            " ms in gossip round ", oldest->round(), " waiting for messages from peers ",
-            oldest->recv_peers(), " (nccl transport); the communicator was aborted")));
-      }
-    } catch (...) {
-      error = std::current_exception();  // a CUDA error while querying events
-    }
-    if (error && !failure_) {
-      failure_ = error;
-      // Fail the rounds before aborting: the abort completes their end events, and a
-      // synchronize() that wakes on one must already find the error.
-      for (const auto& work : in_flight_) work->fail(error);
-      comm_->abort();
-      in_flight_.clear();
-    }
-    if (stopping_) return;
-  }
 }
 
 }  // namespace gossip

@@ -8,65 +8,101 @@
 //    optimizer step, scale_into) have run. No host synchronisation.
 // 2. Every send and receive of the round goes inside one ncclGroupStart/End on the gossip stream,
 //    followed by an end event recorded on the gossip stream.
-// 3. Work::wait() makes the caller's current stream wait on the end event, so the absorb kernel
-//    that reads the received buffers is ordered after the receives. No host synchronisation.
+// 3. Work::wait() blocks the host until the end event has completed, then checks that the round
+//    did not fail, and only then makes the caller's current stream wait on the event. A round
+//    the watchdog aborts also completes its event, with partial buffers: an absorb queued behind
+//    it unchecked would fold them into the parameters (Note [The parameters are the model] in
+//    engine/gossip_engine.h). The host wait is one per round, at the absorb, and costs the
+//    launch latency of the kernels that follow, not the round's time: the round itself still
+//    runs on the gossip stream beside the compute stream. is_completed() never blocks.
 // 4. Every tensor of the round is recorded on the gossip stream with the caching allocator and
 //    held by the Work until the end event has completed, so no buffer is reused while NCCL
 //    still reads or writes it.
-// 5. A watchdog thread owned by the transport checks the end events of rounds in flight (NCCL has
-//    no completion callback); a round older than the timeout aborts the communicator, and the
-//    next call raises gossip::TimeoutError naming the peers and the round.
+// 5. Failure, timeout and teardown are the RoundWatchdog's (transport/round_watchdog.h): a round
+//    past its deadline or an asynchronous NCCL error fails every round in flight, then aborts the
+//    communicator; the next call raises gossip::TimeoutError naming the peers and the round.
+//
+// Note [NCCL communicator calls]
+// ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+// NCCL allows one thread at a time per communicator. NcclComm serialises every call on it (the
+// posting of a round, the watchdog's error query and abort, teardown) with one mutex. The
+// communicator is non-blocking (config.blocking = 0): NCCL connects a peer lazily inside
+// ncclGroupEnd, so a blocking communicator would hang the host, mutex held, on a peer that is
+// alive but never answers, beyond any timeout. Non-blocking calls return ncclInProgress at once;
+// the caller then polls ncclCommGetAsyncError (the only way NCCL offers) with a short sleep, up
+// to a deadline, and aborts the communicator if it passes. So the mutex is never held longer
+// than the timeout, and initialisation, posting and finalisation all time out.
 //
 // Usage:
-//   auto transport = std::make_shared<gossip::NcclTransport>(store, rank, world_size, device,
-//                                                            std::chrono::minutes(5));
+//   auto transport = std::make_shared<gossip::NcclTransport>(store, key, rank, world_size,
+//                                                            device, std::chrono::minutes(5));
 //   auto work = transport->exchange(sends, recvs, round);
-//   work->wait(timeout);   // the current stream now waits for the round
+//   work->wait(timeout);   // the round has completed; the current stream is ordered after it
 #pragma once
 
-#include <atomic>
-#include <condition_variable>
-#include <deque>
-#include <exception>
+#include <chrono>
+#include <memory>
 #include <mutex>
-#include <thread>
+#include <string>
 
 #include <c10/core/Device.h>
 #include <c10/cuda/CUDAStream.h>
 #include <nccl.h>
 #include <torch/csrc/distributed/c10d/Store.hpp>
 
+#include "transport/round_watchdog.h"
 #include "transport/transport.h"
+
+#if !defined(NCCL_VERSION_CODE) || NCCL_VERSION_CODE < NCCL_VERSION(2, 14, 0)
+#error "gossip_ext needs NCCL 2.14 or newer (non-blocking communicators, ncclCommFinalize)"
+#endif
 
 namespace gossip {
 
-class NcclWork;
-
-// Owns an NCCL communicator: destroyed normally, or aborted after a failure.
+// Owns a non-blocking NCCL communicator (Note [NCCL communicator calls]).
 class NcclComm {
  public:
-  NcclComm(ncclUniqueId id, int rank, int world_size);
+  using Clock = std::chrono::steady_clock;
+
+  // Initialises the communicator, polled until `timeout`; throws TimeoutError after it.
+  NcclComm(ncclUniqueId id, int rank, int world_size, std::chrono::milliseconds timeout);
+  // Aborts if still alive (finalize() was not called or failed). Never throws.
   ~NcclComm();
   NcclComm(const NcclComm&) = delete;
   NcclComm& operator=(const NcclComm&) = delete;
 
+  // Held by whoever calls into the communicator.
+  std::mutex& mutex() { return mutex_; }
   ncclComm_t get() const { return comm_; }
-  // Aborts outstanding operations, releasing a stream blocked on an absent peer.
+  // With mutex() held: polls the last non-blocking call until it settles. Returns false if
+  // `deadline` passed first; throws on an NCCL error.
+  bool wait_ready(Clock::time_point deadline);
+  // Aborts outstanding operations, releasing a stream blocked on an absent peer. Takes mutex().
   void abort();
-  // The communicator's asynchronous error, if any, as a message; empty when healthy.
-  std::string async_error() const;
+  // Flushes and destroys the communicator, polled until `deadline`; aborts instead if it passes.
+  // Takes mutex().
+  void finalize(Clock::time_point deadline);
+  // The communicator's asynchronous error as a message, "" when healthy or busy (another thread
+  // holds the communicator: that thread sees the error itself). Takes mutex() if free.
+  std::string async_error();
 
  private:
+  void abort_locked();
+
+  std::mutex mutex_;
   ncclComm_t comm_ = nullptr;
-  std::atomic<bool> aborted_{false};
+  bool alive_ = false;  // guarded by mutex_
 };
 
 class NcclTransport final : public Transport {
  public:
   // Every rank of the gossip group calls this collectively: rank 0 creates the NCCL unique id
-  // and publishes it through `store` (use a PrefixStore so that two transports do not collide).
-  NcclTransport(c10::intrusive_ptr<c10d::Store> store, int rank, int world_size,
-                c10::Device device, std::chrono::milliseconds timeout);
+  // and publishes it in `store` under `key`, which must be unique to this group and this
+  // transport (see gossip_ext/_transport.py); the others read it there.
+  NcclTransport(c10::intrusive_ptr<c10d::Store> store, const std::string& key, int rank,
+                int world_size, c10::Device device, std::chrono::milliseconds timeout);
+  // Waits for the rounds in flight (at most the timeout), then finalizes the communicator, or
+  // aborts it if a round failed or did not finish.
   ~NcclTransport() override;
   NcclTransport(const NcclTransport&) = delete;
   NcclTransport& operator=(const NcclTransport&) = delete;
@@ -78,22 +114,13 @@ class NcclTransport final : public Transport {
   std::string name() const override { return "nccl"; }
 
  private:
-  void watchdog_loop();
-  void throw_if_failed() const;
-
   const int rank_;
   const int world_size_;
   const c10::Device device_;
   const std::chrono::milliseconds timeout_;
-  std::shared_ptr<NcclComm> comm_;
   c10::cuda::CUDAStream stream_;
-
-  mutable std::mutex mutex_;
-  std::condition_variable changed_;
-  std::deque<std::shared_ptr<NcclWork>> in_flight_;
-  std::exception_ptr failure_;  // set once by the watchdog; guarded by mutex_
-  bool stopping_ = false;
-  std::thread watchdog_;  // last member: started after everything it uses exists
+  std::shared_ptr<NcclComm> comm_;
+  std::shared_ptr<RoundWatchdog> watchdog_;  // last: its thread uses comm_
 };
 
 }  // namespace gossip
