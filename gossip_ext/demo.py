@@ -1,12 +1,18 @@
 """A local gossip-training demo: N worker processes on gloo, four ways of keeping them together.
 
     python -m gossip_ext.demo --workers 4
+    python -m gossip_ext.demo --bandwidth 100mbit --hidden 2048     # as root: over 100 Mbit/s NICs
 
 Every worker trains the same small MLP on its own shard of a synthetic 10-class data set
 (generated deterministically: no download) with SGP, overlap SGP, D-PSGD and DDP all-reduce in
-turn. The demo prints one table (final loss and accuracy, time per step, bytes sent per step,
-consensus distance: exact, and the running estimate the gossip modes log for free) and writes a
-PNG plot of the loss and the consensus distance per step.
+turn. The demo prints one table (final loss and accuracy, time per step, wall time to DDP's final
+loss and which mode got there first, bytes sent per step, consensus distance: exact, and the
+running estimate the gossip modes log for free) and writes a PNG plot of the loss against
+wall-clock time and against steps, and of the consensus distance.
+
+By default the workers are processes of this machine talking over loopback, where a message is a
+memory copy. With --bandwidth RATE (root) each worker runs in its own network namespace behind a
+NIC capped at RATE (gossip_ext/_netns.py): the regime gossip is for, where bytes cost time.
 """
 
 from __future__ import annotations
@@ -14,6 +20,7 @@ from __future__ import annotations
 import argparse
 import math
 import os
+import sys
 import tempfile
 import time
 import warnings
@@ -25,7 +32,7 @@ import torch.multiprocessing as mp
 from torch import nn
 
 import gossip_ext
-from gossip_ext import consensus
+from gossip_ext import _netns, consensus
 
 MODES = ("sgp", "overlap", "dpsgd", "ddp")
 NUM_CLASSES = 10
@@ -41,8 +48,8 @@ def make_dataset(samples: int, seed: int = 0) -> tuple[torch.Tensor, torch.Tenso
     return points, labels
 
 
-def make_model() -> nn.Module:
-    return nn.Sequential(nn.Linear(FEATURES, 64), nn.ReLU(), nn.Linear(64, NUM_CLASSES))
+def make_model(hidden: int = 64) -> nn.Module:
+    return nn.Sequential(nn.Linear(FEATURES, hidden), nn.ReLU(), nn.Linear(hidden, NUM_CLASSES))
 
 
 def wrap(mode: str, module: nn.Module, world_size: int, log_every: int) -> nn.Module:
@@ -96,13 +103,16 @@ def run_mode(mode: str, rank: int, world_size: int, args) -> dict:
     test_x, test_y = points[args.samples :], labels[args.samples :]
     shard_x, shard_y = x[rank::world_size], y[rank::world_size]
     torch.manual_seed(args.seed)
-    module = make_model()
+    module = make_model(args.hidden)
     model = wrap(mode, module, world_size, args.log_every)
     opt = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=0.9)
     gen = torch.Generator().manual_seed(args.seed + rank)
 
     grad_bytes = sum(p.numel() * p.element_size() for p in module.parameters())
-    history = {"step": [], "loss": [], "consensus": [], "estimate": []}
+    # loss: the mean over workers and over the steps since the previous sample; time: wall-clock
+    # seconds of training, without the time the samples themselves take (they communicate).
+    history = {"step": [], "time": [], "loss": [], "consensus": [], "estimate": []}
+    losses, paused = [], 0.0
     progress = None
     if rank == 0 and not args.quiet:
         from tqdm import tqdm
@@ -116,20 +126,25 @@ def run_mode(mode: str, rank: int, world_size: int, args) -> dict:
         opt.zero_grad()
         loss.backward()
         opt.step()
+        losses.append(loss.item())
         if step % args.log_every == 0 or step == args.steps - 1:
+            sampled = time.perf_counter()
             history["step"].append(step)
-            history["loss"].append(mean_over_workers(loss.item()))
+            history["time"].append(sampled - start - paused)
+            history["loss"].append(mean_over_workers(sum(losses) / len(losses)))
+            losses.clear()
             # Before this step's round: the drift the local steps made, which the round shrinks
             # and which the running estimate reads off the rounds it measures.
             history["consensus"].append(consensus_distance(model, module, world_size))
             history["estimate"].append(estimate_over_workers(model))
+            paused += time.perf_counter() - sampled
         if mode != "ddp":
             model.transfer_params()
         if progress is not None:
             progress.update(1)
     if mode != "ddp":
         model.sync_comms()
-    elapsed = time.perf_counter() - start
+    elapsed = time.perf_counter() - start - paused
     if progress is not None:
         progress.close()
 
@@ -153,23 +168,54 @@ def run_mode(mode: str, rank: int, world_size: int, args) -> dict:
     }
 
 
-def worker(rank: int, world_size: int, init_file: str, args, results) -> None:
+def train_all(rank: int, world_size: int, init_method: str, args) -> dict:
+    """Every mode in turn on this worker; returns {mode: result} (rank 0's is the one shown).
+    Also the entry point of a worker on the emulated cluster (gossip_ext._netns)."""
     torch.set_num_threads(1)  # the workers share the machine's cores
     warnings.filterwarnings("ignore", message=".*one gossiping process.*")
     dist.init_process_group(
         "gloo",
-        init_method=f"file://{init_file}",
+        init_method=init_method,
         rank=rank,
         world_size=world_size,
         timeout=timedelta(minutes=2),
     )
     try:
-        for mode in args.modes:
-            result = run_mode(mode, rank, world_size, args)
-            if rank == 0:
-                results[mode] = result
+        return {mode: run_mode(mode, rank, world_size, args) for mode in args.modes}
     finally:
         dist.destroy_process_group()
+
+
+def worker(rank: int, world_size: int, init_file: str, args, results) -> None:
+    for mode, result in train_all(rank, world_size, f"file://{init_file}", args).items():
+        if rank == 0:
+            results[mode] = result
+
+
+SMOOTH = 3  # samples the loss is averaged over before it is compared with the target
+
+
+def smoothed(losses: list[float]) -> list[float]:
+    """The mean of each sample and the SMOOTH - 1 before it: one lucky mini-batch must not
+    decide which mode reached the target first."""
+    return [
+        sum(losses[max(0, i - SMOOTH + 1) : i + 1]) / min(i + 1, SMOOTH) for i in range(len(losses))
+    ]
+
+
+def target_loss(results: dict) -> float:
+    """The loss every mode is timed to: DDP's final one, else the worst mode's final one."""
+    if "ddp" in results:
+        return smoothed(results["ddp"]["history"]["loss"])[-1]
+    return max(smoothed(r["history"]["loss"])[-1] for r in results.values())
+
+
+def time_to_target(result: dict, target: float) -> tuple[int, float] | None:
+    """(step, wall-clock seconds) of the first sample whose smoothed loss is at or below the
+    target; None if none is."""
+    h = result["history"]
+    points = zip(h["step"], h["time"], smoothed(h["loss"]))
+    return next(((s, t) for s, t, x in points if x <= target), None)
 
 
 def _mean(values: list[float]) -> float:
@@ -177,21 +223,42 @@ def _mean(values: list[float]) -> float:
     return sum(finite) / len(finite) if finite else math.nan
 
 
-def print_table(results: dict, workers: int) -> None:
+def print_table(results: dict, workers: int, network: str = "loopback") -> str | None:
+    """Prints the comparison; returns the mode that reached the target loss first."""
+    target = target_loss(results)
+    reached = {m: time_to_target(r, target) for m, r in results.items()}
+    fastest = min((m for m in reached if reached[m]), key=lambda m: reached[m][1], default=None)
     header = (
-        f"{'mode':<8} {'test loss':>9} {'accuracy':>9} {'ms/step':>8} {'bytes/step':>11} "
-        f"{'consensus':>10} {'run mean':>9} {'estimate':>9}"
+        f"{'mode':<8} {'test loss':>9} {'accuracy':>9} {'ms/step':>8} {'to target':>10} "
+        f"{'bytes/step':>11} {'consensus':>10} {'run mean':>9} {'estimate':>9}"
     )
-    print(f"\n{workers} workers on gloo")
+    print(f"\n{workers} workers on gloo, {network}")
     print(header)
     print("-" * len(header))
     for mode, r in results.items():
         h = r["history"]
         estimate = _mean(h["estimate"])
+        to = "not hit" if reached[mode] is None else f"{reached[mode][1]:.2f} s"
         print(
-            f"{mode:<8} {r['loss']:>9.4f} {r['accuracy']:>9.3f} {r['step_ms']:>8.2f} "
+            f"{mode:<8} {r['loss']:>9.4f} {r['accuracy']:>9.3f} {r['step_ms']:>8.2f} {to:>10} "
             f"{r['bytes_per_step']:>11.0f} {r['consensus']:>10.2e} {_mean(h['consensus']):>9.2e} "
             + ("        -" if math.isnan(estimate) else f"{estimate:>9.2e}")
+            + ("  <- fastest to target" if mode == fastest else "")
+        )
+    print(
+        f"to target: wall-clock time until the training loss (mean over workers, over the steps "
+        f"between samples and over {SMOOTH} samples) first reached {target:.4f}, "
+        + ("DDP's final loss." if "ddp" in results else "the worst mode's final loss.")
+    )
+    if fastest is not None:
+        others = [
+            f"{reached[fastest][1] / reached[m][1]:.2f}x {m}'s time"
+            for m in results
+            if m != fastest and reached[m] is not None
+        ]
+        print(
+            f"Fastest to the target loss: {fastest}, in {reached[fastest][1]:.2f} s "
+            f"(step {reached[fastest][0]})" + (f": {', '.join(others)}." if others else ".")
         )
     print(
         "bytes/step: gossip counts the messages it sent; DDP is the ring all-reduce volume "
@@ -201,18 +268,21 @@ def print_table(results: dict, workers: int) -> None:
         "estimate: mean over the same steps of the running estimate (log_every), which costs no "
         "communication."
     )
+    return fastest
 
 
-def plot(results: dict, path: str) -> None:
+def plot(results: dict, path: str, network: str = "loopback") -> None:
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, (ax_loss, ax_cons) = plt.subplots(1, 2, figsize=(12, 4.5))
+    fig, (ax_time, ax_loss, ax_cons) = plt.subplots(1, 3, figsize=(17, 4.5))
+    target = target_loss(results)
     for mode, r in results.items():
         h = r["history"]
-        (line,) = ax_loss.plot(h["step"], h["loss"], label=mode)
+        (line,) = ax_time.plot(h["time"], h["loss"], label=mode)
+        ax_loss.plot(h["step"], h["loss"], color=line.get_color(), label=mode)
         # All-reduce keeps workers identical: a log plot has nothing to draw for it.
         if any(c > 0 for c in h["consensus"]):
             ax_cons.plot(h["step"], h["consensus"], color=line.get_color(), label=f"{mode} exact")
@@ -225,14 +295,20 @@ def plot(results: dict, path: str) -> None:
                 alpha=0.8,
                 label=f"{mode} running estimate",
             )
-    ax_loss.set(xlabel="step", ylabel="training loss (mean over workers)", title="Loss")
+    ax_time.axhline(target, color="grey", linestyle=":", label="target (DDP's final loss)")
+    ax_time.set(
+        xlabel="wall-clock time (s)",
+        ylabel="training loss (mean over workers)",
+        title=f"Loss against time ({network})",
+    )
+    ax_loss.set(xlabel="step", ylabel="training loss (mean over workers)", title="Loss per step")
     ax_cons.set(
         xlabel="step",
         ylabel="sqrt(mean_i ||z_i - mean z||^2)",
         title="Consensus distance (DDP: exactly 0)",
         yscale="log",
     )
-    for ax in (ax_loss, ax_cons):
+    for ax in (ax_time, ax_loss, ax_cons):
         ax.grid(alpha=0.3)
         ax.legend()
     fig.tight_layout()
@@ -277,6 +353,15 @@ def parse_args(argv=None):
         default=os.path.join(tempfile.gettempdir(), "gossip_demo.png"),
         help="where to write the PNG plot (default: %(default)s)",
     )
+    parser.add_argument(
+        "--hidden", type=int, default=64, help="width of the MLP's hidden layer (default: 64)"
+    )
+    parser.add_argument(
+        "--bandwidth",
+        metavar="RATE",
+        help="run on an emulated cluster (needs root): every worker in its own network namespace "
+        "behind a NIC of this rate, e.g. 1gbit or 100mbit (default: local processes on loopback)",
+    )
     parser.add_argument("--seed", type=int, default=0, help="random seed (default: 0)")
     parser.add_argument("--quiet", action="store_true", help="no progress bars")
     args = parser.parse_args(argv)
@@ -284,26 +369,45 @@ def parse_args(argv=None):
     unknown = [m for m in args.modes if m not in MODES]
     if unknown or not args.modes:
         parser.error(f"--modes must be a subset of {','.join(MODES)}, got {unknown or '[]'}")
-    for name in ("workers", "steps", "batch_size", "samples", "log_every"):
+    for name in ("workers", "steps", "batch_size", "samples", "log_every", "hidden"):
         if getattr(args, name) < 1:
             parser.error(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
     if args.samples < args.workers:
         parser.error(f"--samples ({args.samples}) must be >= --workers ({args.workers})")
+    if args.bandwidth is not None:
+        try:
+            args.rate = _netns.parse_rate(args.bandwidth)
+        except ValueError as e:
+            parser.error(f"--bandwidth: {e}")
+        if args.workers < 2:
+            parser.error(f"--bandwidth needs --workers >= 2, got {args.workers}")
     return args
 
 
 def main(argv=None) -> dict:
     args = parse_args(argv)
-    with tempfile.TemporaryDirectory() as tmp, mp.Manager() as manager:
-        results = manager.dict()
-        mp.spawn(
-            worker,
-            args=(args.workers, os.path.join(tmp, "store"), args, results),
-            nprocs=args.workers,
-        )
-        results = {mode: results[mode] for mode in args.modes}
-    print_table(results, args.workers)
-    plot(results, args.plot)
+    if args.bandwidth is not None:
+        reason = _netns.unavailable()
+        if reason:
+            print(f"python -m gossip_ext.demo --bandwidth: {reason}", file=sys.stderr)
+            sys.exit(2)
+        network = f"each worker behind its own {_netns.format_rate(args.rate)} NIC"
+        args.quiet = True  # the workers' output goes through ip netns exec: no progress bars
+        with _netns.EmulatedCluster(args.workers, args.rate) as cluster:
+            print(f"emulated cluster: {args.workers} network namespaces, {network}")
+            results = cluster.run("gossip_ext.demo:train_all", args, timeout=3600)
+    else:
+        network = "loopback"
+        with tempfile.TemporaryDirectory() as tmp, mp.Manager() as manager:
+            results = manager.dict()
+            mp.spawn(
+                worker,
+                args=(args.workers, os.path.join(tmp, "store"), args, results),
+                nprocs=args.workers,
+            )
+            results = {mode: results[mode] for mode in args.modes}
+    print_table(results, args.workers, network)
+    plot(results, args.plot, network)
     print(f"plot written to {args.plot}")
     return results
 
