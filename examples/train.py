@@ -25,6 +25,8 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
+import sys
 import time
 
 import torch
@@ -257,10 +259,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--global-avg-freq",
         type=int,
         default=0,
-        help="all-reduce the parameters to their exact average every N steps; 0: never",
+        help="all-reduce the parameters to their exact average every N steps; 0: never "
+        "(default: %(default)s)",
     )
     parser.add_argument(
-        "--slowmo-freq", type=int, default=0, help="SlowMo every N steps; 0: off (default)"
+        "--slowmo-freq",
+        type=int,
+        default=0,
+        help="SlowMo every N steps; 0: off (default: %(default)s)",
     )
     parser.add_argument(
         "--slowmo-momentum", type=float, default=0.5, help="SlowMo's beta (default: %(default)s)"
@@ -272,7 +278,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--log-every",
         type=int,
         default=0,
-        help="log a running consensus estimate every N steps (logger gossip_ext.consensus)",
+        help="log a running consensus estimate every N steps (logger gossip_ext.consensus); "
+        "0: never (default: %(default)s)",
     )
     parser.add_argument(
         "--log-interval",
@@ -301,6 +308,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 
 def main(argv: list[str] | None = None) -> None:
+    argv = sys.argv[1:] if argv is None else argv
+    if int(os.environ.get("RANK", "0")) != 0 and ("-h" in argv or "--help" in argv):
+        return  # torchrun starts every rank with the same arguments: one help text is enough
     args = parse_args(argv)
     if args.log_every:
         # The running consensus estimate is logged at INFO (logger gossip_ext.consensus).

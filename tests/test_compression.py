@@ -12,10 +12,13 @@ import gossip_ext
 STEPS = 120
 WORLD_SIZE = 4
 MODES = {"sync": {}, "overlap": {"overlap": True}, "bounded-async": {"synch_freq": 2}}
-# How far the parameters may end from full-precision gossip's: 16-bit rounding of the messages
-# (measured up to 1.3e-2), and under bounded asynchrony also which forward absorbs which round,
-# which timing decides differently in each run (measured up to 3e-2).
-PARAM_TOLERANCE = {"sync": 2e-2, "overlap": 2e-2, "bounded-async": 5e-2}
+# How far the parameters and the loss may end from full-precision gossip's: 16-bit rounding of
+# the messages (parameters measured up to 1.3e-2, loss within 0.7%). Under bounded asynchrony the
+# two runs also absorb different rounds at different forwards, as timing decides in each run: on
+# a machine loaded by other jobs that alone moved the parameters by up to 6.4e-2 and the loss by
+# up to 9.8%, whichever run had the 16-bit messages.
+PARAM_TOLERANCE = {"sync": 2e-2, "overlap": 2e-2, "bounded-async": 1.5e-1}
+LOSS_TOLERANCE = {"sync": 0.02, "overlap": 0.02, "bounded-async": 0.15}
 
 
 def _data(rank: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -65,9 +68,11 @@ def test_16_bit_messages_train_like_full_precision_gossip(mode):
         full = r["float32"]
         assert full["loss"] < 1.0, (rank, full["loss"])  # it trained: the start is ~100
         for name in ("bfloat16", "float16"):
-            # Stated tolerance: the full-batch loss within 2% of full-precision gossip's (measured:
-            # within 0.7%), and the parameters within PARAM_TOLERANCE.
-            assert abs(r[name]["loss"] - full["loss"]) <= 0.02 * full["loss"] + 1e-3, (
+            # Stated tolerance: the full-batch loss within LOSS_TOLERANCE of full-precision
+            # gossip's, and the parameters within PARAM_TOLERANCE.
+            assert (
+                abs(r[name]["loss"] - full["loss"]) <= LOSS_TOLERANCE[mode] * full["loss"] + 1e-3
+            ), (
                 rank,
                 name,
                 r[name]["loss"],
@@ -78,7 +83,7 @@ def test_16_bit_messages_train_like_full_precision_gossip(mode):
                 full["params"],
                 rtol=0,
                 atol=PARAM_TOLERANCE[mode],
-                msg=f"{rank} {name}",
+                msg=lambda m, rank=rank, name=name: f"rank {rank}, {name}: {m}",
             )
             # Exactly half the bytes: lazy mixing sends no weight slot.
             assert 2 * r[name]["bytes"] == full["bytes"], (rank, name, r[name]["bytes"])

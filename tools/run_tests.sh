@@ -15,7 +15,7 @@ step "Python dependencies"
 if ! "$PYTHON" -c "import torch, sys; sys.exit(torch.__version__.split('+')[0] != '$TORCH_VERSION')" 2>/dev/null; then
   "$PYTHON" -m pip install "torch==$TORCH_VERSION"
 fi
-"$PYTHON" -m pip install --quiet ninja pytest "setuptools>=64" wheel matplotlib tqdm
+"$PYTHON" -m pip install --quiet pytest
 
 step "GoogleTest"
 if [ ! -f /usr/include/gtest/gtest.h ]; then
@@ -25,8 +25,8 @@ if [ ! -f /usr/include/gtest/gtest.h ]; then
   $SUDO apt-get install -y -qq libgtest-dev cmake ninja-build
 fi
 
-step "Build the extension (gossip_ext._C)"
-MAX_JOBS=${MAX_JOBS:-$(nproc)} "$PYTHON" -m pip install --no-build-isolation --no-deps -e .
+step "Build the extension (gossip_ext._C; reused when up to date)"
+PYTHON="$PYTHON" bash tools/build.sh --demo
 
 step "Build and run the C++ tests (ctest)"
 TORCH_CMAKE=$("$PYTHON" -c 'import torch; print(torch.utils.cmake_prefix_path)')

@@ -1,11 +1,9 @@
-// CPU kernels of the push-sum ops (schemas in ops.cpp). They are the oracle of the CUDA twins.
+// CPU kernels of the push-sum ops (schemas in ../ops.cpp). They are the oracle of the CUDA twins.
 //
-// Each kernel makes one pass over memory: at::parallel_for splits the buffer across threads, and
-// each thread walks its range in cache-sized blocks, accumulating in a small opmath array that the
-// compiler vectorizes. float16/bfloat16 accumulate in float32 and round once when stored.
-#include <algorithm>
+// Each kernel makes one pass over memory: at::parallel_for splits the buffer across threads and
+// hands each range to a range kernel (range_kernels.h), compiled once per instruction set and
+// picked at run time; float16/bfloat16 accumulate in float32 and round once when stored.
 #include <atomic>
-#include <cmath>
 #include <type_traits>
 #include <vector>
 
@@ -14,90 +12,46 @@
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 
+#include "kernels/cpu/range_kernels.h"
 #include "kernels/push_sum.h"
 
 namespace gossip {
 namespace {
 
 constexpr int64_t kGrainSize = 1 << 15;  // elements per task: below this, one thread does it all
-constexpr int64_t kBlock = 512;          // elements per accumulation block (fits L1)
 
 double weight_value(const std::optional<at::Tensor>& weight) {
   return weight.has_value() ? weight->item<double>() : 1.0;
 }
 
+// The range kernels' view of a tensor's elements: c10::BFloat16 and c10::Half are one uint16_t,
+// as cpu::BFloat16Bits and cpu::HalfBits.
 template <typename scalar_t>
-void scale_into_kernel(const scalar_t* __restrict src, scalar_t* __restrict out, int64_t n,
-                       at::opmath_type<scalar_t> scale) {
-  using opmath_t = at::opmath_type<scalar_t>;
-  at::parallel_for(0, n, kGrainSize, [&](int64_t begin, int64_t end) {
-    for (int64_t i = begin; i < end; ++i) {
-      out[i] = static_cast<scalar_t>(scale * static_cast<opmath_t>(src[i]));
-    }
-  });
+struct Bits {
+  using type = scalar_t;
+};
+template <>
+struct Bits<at::BFloat16> {
+  using type = cpu::BFloat16Bits;
+};
+template <>
+struct Bits<at::Half> {
+  using type = cpu::HalfBits;
+};
+static_assert(sizeof(at::BFloat16) == sizeof(cpu::BFloat16Bits) &&
+              sizeof(at::Half) == sizeof(cpu::HalfBits));
+
+template <typename scalar_t>
+using bits_t = typename Bits<scalar_t>::type;
+
+template <typename scalar_t>
+const bits_t<scalar_t>* bits(const at::Tensor& t) {
+  return reinterpret_cast<const bits_t<scalar_t>*>(t.const_data_ptr<scalar_t>());
 }
 
-// The non-finite check of absorb_. Every value read also feeds a probe lane: lane += v * 0 stays
-// 0 while every v is finite and turns NaN for good at the first NaN or Inf (IEEE: Inf * 0 and
-// NaN * 0 are NaN). It is one more vectorized multiply-add on data already in registers, and the
-// lanes are reduced once per thread range, not per element. Disabled, it is empty: the unchecked
-// kernel is the same code as before the check existed.
-template <typename opmath_t, bool kEnabled>
-struct FiniteProbe {
-  void add(int64_t, opmath_t) {}
-  bool saw_nonfinite() const { return false; }
-};
-
-template <typename opmath_t>
-struct FiniteProbe<opmath_t, true> {
-  opmath_t lanes[kBlock] = {};
-  void add(int64_t j, opmath_t v) { lanes[j] += v * opmath_t(0); }
-  bool saw_nonfinite() const {
-    opmath_t total = 0;
-    for (int64_t j = 0; j < kBlock; ++j) total += lanes[j];
-    return std::isnan(total);
-  }
-};
-
-// Returns whether a non-finite value was read (always false unless kCheckFinite).
-template <typename scalar_t, typename message_t, bool kCheckFinite>
-bool absorb_kernel(scalar_t* __restrict x, const std::vector<const message_t*>& received,
-                   const message_t* sent, int64_t n, at::opmath_type<scalar_t> self_scale,
-                   at::opmath_type<scalar_t> sent_scale, at::opmath_type<scalar_t> out_scale) {
-  using opmath_t = at::opmath_type<scalar_t>;
-  std::atomic<bool> nonfinite{false};
-  at::parallel_for(0, n, kGrainSize, [&](int64_t begin, int64_t end) {
-    opmath_t acc[kBlock];
-    FiniteProbe<opmath_t, kCheckFinite> probe;
-    for (int64_t start = begin; start < end; start += kBlock) {
-      const int64_t len = std::min(kBlock, end - start);
-      scalar_t* __restrict xb = x + start;
-      for (int64_t j = 0; j < len; ++j) {
-        const opmath_t v = static_cast<opmath_t>(xb[j]);
-        acc[j] = self_scale * v;
-        probe.add(j, v);
-      }
-      for (const message_t* r : received) {
-        const message_t* __restrict rb = r + start;
-        for (int64_t j = 0; j < len; ++j) {
-          const opmath_t v = static_cast<opmath_t>(rb[j]);
-          acc[j] += v;
-          probe.add(j, v);
-        }
-      }
-      if (sent != nullptr) {
-        const message_t* __restrict sb = sent + start;
-        for (int64_t j = 0; j < len; ++j) {
-          const opmath_t v = static_cast<opmath_t>(sb[j]);
-          acc[j] += sent_scale * v;
-          probe.add(j, v);
-        }
-      }
-      for (int64_t j = 0; j < len; ++j) xb[j] = static_cast<scalar_t>(acc[j] * out_scale);
-    }
-    if (probe.saw_nonfinite()) nonfinite.store(true, std::memory_order_relaxed);
-  });
-  return nonfinite.load(std::memory_order_relaxed);
+template <typename scalar_t>
+bits_t<scalar_t>* mutable_bits(const at::Tensor& t) {
+  return reinterpret_cast<bits_t<scalar_t>*>(t.mutable_data_ptr<scalar_t>());
 }
 
 void scale_into_cpu(const at::Tensor& src, const at::Tensor& out, double alpha,
@@ -105,50 +59,51 @@ void scale_into_cpu(const at::Tensor& src, const at::Tensor& out, double alpha,
   check_scale_into_args(src, out, weight);
   const double scale = alpha * weight_value(weight);
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, src.scalar_type(), "scale_into", [&] {
-    scale_into_kernel<scalar_t>(src.const_data_ptr<scalar_t>(), out.mutable_data_ptr<scalar_t>(),
-                                src.numel(), static_cast<at::opmath_type<scalar_t>>(scale));
+    using T = bits_t<scalar_t>;
+    const T* in = bits<scalar_t>(src);
+    T* result = mutable_bits<scalar_t>(out);
+    const auto s = static_cast<at::opmath_type<scalar_t>>(scale);
+    const bool avx2 = cpu::cpu_has_avx2();
+    at::parallel_for(0, src.numel(), kGrainSize, [&](int64_t begin, int64_t end) {
+      if (avx2) {
+        cpu::avx2::scale_into<T>(in, result, begin, end, s);
+      } else {
+        cpu::base::scale_into<T>(in, result, begin, end, s);
+      }
+    });
+  });
+}
+
+template <typename scalar_t, typename message_t>
+void compress_into_typed(const at::Tensor& src, const at::Tensor& out, double scale, double fold) {
+  using T = bits_t<scalar_t>;
+  using M = bits_t<message_t>;
+  using opmath_t = at::opmath_type<scalar_t>;
+  T* state = mutable_bits<scalar_t>(src);
+  M* message = mutable_bits<message_t>(out);
+  const auto s = static_cast<opmath_t>(scale);
+  const auto f = static_cast<opmath_t>(fold);
+  const bool avx2 = cpu::cpu_has_avx2();
+  at::parallel_for(0, src.numel(), kGrainSize, [&](int64_t begin, int64_t end) {
+    if (avx2) {
+      cpu::avx2::compress_into<T, M>(state, message, begin, end, s, f);
+    } else {
+      cpu::base::compress_into<T, M>(state, message, begin, end, s, f);
+    }
   });
 }
 
 // Compressed send: one pass reads src, writes the rounded message and folds what rounding took
 // off back into src (see push_sum.h).
-// Without feedback (fold == 0) src is only read: the synchronous engine folds the rounding error
-// in at absorb time instead (absorb_'s `sent`), and a round that fails leaves src untouched.
-template <typename scalar_t, typename message_t>
-void compress_into_kernel(scalar_t* __restrict src, message_t* __restrict out, int64_t n,
-                          at::opmath_type<scalar_t> scale, at::opmath_type<scalar_t> fold) {
-  using opmath_t = at::opmath_type<scalar_t>;
-  at::parallel_for(0, n, kGrainSize, [&](int64_t begin, int64_t end) {
-    if (fold == opmath_t(0)) {
-      for (int64_t i = begin; i < end; ++i) {
-        out[i] = static_cast<message_t>(scale * static_cast<opmath_t>(src[i]));
-      }
-      return;
-    }
-    for (int64_t i = begin; i < end; ++i) {
-      const opmath_t z = static_cast<opmath_t>(src[i]);
-      const opmath_t v = scale * z;
-      const message_t q = static_cast<message_t>(v);
-      out[i] = q;
-      src[i] = static_cast<scalar_t>(z + fold * (v - static_cast<opmath_t>(q)));
-    }
-  });
-}
-
 void compress_into_cpu(const at::Tensor& src, const at::Tensor& out, double alpha,
                        const std::optional<at::Tensor>& weight, double feedback) {
   check_compress_into_args(src, out, weight);
   const double w = weight_value(weight);
   AT_DISPATCH_FLOATING_TYPES(src.scalar_type(), "compress_into_", [&] {
-    using opmath_t = at::opmath_type<scalar_t>;
-    const auto scale = static_cast<opmath_t>(alpha * w);
-    const auto fold = static_cast<opmath_t>(feedback / w);
     if (out.scalar_type() == at::kHalf) {
-      compress_into_kernel(src.mutable_data_ptr<scalar_t>(), out.mutable_data_ptr<at::Half>(),
-                           src.numel(), scale, fold);
+      compress_into_typed<scalar_t, at::Half>(src, out, alpha * w, feedback / w);
     } else {
-      compress_into_kernel(src.mutable_data_ptr<scalar_t>(),
-                           out.mutable_data_ptr<at::BFloat16>(), src.numel(), scale, fold);
+      compress_into_typed<scalar_t, at::BFloat16>(src, out, alpha * w, feedback / w);
     }
   });
 }
@@ -157,22 +112,40 @@ template <typename scalar_t, typename message_t>
 void absorb_typed(const at::Tensor& x, at::TensorList received, double self_scale,
                   const std::optional<at::Tensor>& sent, double sent_scale, double out_scale,
                   const std::optional<at::Tensor>& nonfinite) {
+  using T = bits_t<scalar_t>;
+  using M = bits_t<message_t>;
   using opmath_t = at::opmath_type<scalar_t>;
-  std::vector<const message_t*> pointers;
+  std::vector<const M*> pointers;
   pointers.reserve(received.size());
-  for (const at::Tensor& r : received) pointers.push_back(r.const_data_ptr<message_t>());
-  const message_t* own = sent.has_value() ? sent->const_data_ptr<message_t>() : nullptr;
-  scalar_t* out = x.mutable_data_ptr<scalar_t>();
+  for (const at::Tensor& r : received) pointers.push_back(bits<message_t>(r));
+  const M* own = sent.has_value() ? bits<message_t>(*sent) : nullptr;
+  T* state = mutable_bits<scalar_t>(x);
   const auto self = static_cast<opmath_t>(self_scale);
   const auto own_scale = static_cast<opmath_t>(sent_scale);
   const auto scale = static_cast<opmath_t>(out_scale);
-  if (!nonfinite.has_value()) {
-    absorb_kernel<scalar_t, message_t, false>(out, pointers, own, x.numel(), self, own_scale,
-                                              scale);
-  } else if (absorb_kernel<scalar_t, message_t, true>(out, pointers, own, x.numel(), self,
-                                                      own_scale, scale)) {
-    nonfinite->fill_(1);
-  }
+  const int count = static_cast<int>(pointers.size());
+  const bool avx2 = cpu::cpu_has_avx2();
+  std::atomic<bool> saw_nonfinite{false};
+  at::parallel_for(0, x.numel(), kGrainSize, [&](int64_t begin, int64_t end) {
+    bool bad = false;
+    if (!nonfinite.has_value()) {
+      if (avx2) {
+        cpu::avx2::absorb<T, M, false>(state, pointers.data(), count, own, begin, end, self,
+                                       own_scale, scale);
+      } else {
+        cpu::base::absorb<T, M, false>(state, pointers.data(), count, own, begin, end, self,
+                                       own_scale, scale);
+      }
+    } else if (avx2) {
+      bad = cpu::avx2::absorb<T, M, true>(state, pointers.data(), count, own, begin, end, self,
+                                          own_scale, scale);
+    } else {
+      bad = cpu::base::absorb<T, M, true>(state, pointers.data(), count, own, begin, end, self,
+                                          own_scale, scale);
+    }
+    if (bad) saw_nonfinite.store(true, std::memory_order_relaxed);
+  });
+  if (saw_nonfinite.load(std::memory_order_relaxed)) nonfinite->fill_(1);
 }
 
 void absorb_cpu(const at::Tensor& x, at::TensorList received, double alpha,

@@ -48,17 +48,20 @@ DeviceWeight device_weight(const std::optional<at::Tensor>& weight) {
 // N elements loaded or stored as one aligned access.
 template <typename T, int N>
 struct alignas(sizeof(T) * N) Pack {
-  static constexpr int kSize = N;
   T values[N];
 };
+
+// Elements of the state's dtype in 16 bytes: what one thread handles per vector access.
+template <typename scalar_t>
+constexpr int kVectorSize = kVectorBytes / static_cast<int>(sizeof(scalar_t));
 
 // 16 bytes of the state's dtype; messages in a 16-bit dtype are loaded as Packs of as many
 // elements (8 bytes for a float32 state), so one thread handles the same elements of both.
 template <typename scalar_t>
-using Vector = Pack<scalar_t, kVectorBytes / static_cast<int>(sizeof(scalar_t))>;
+using Vector = Pack<scalar_t, kVectorSize<scalar_t>>;
 
 template <typename scalar_t, typename message_t>
-using MessageVector = Pack<message_t, Vector<scalar_t>::kSize>;
+using MessageVector = Pack<message_t, kVectorSize<scalar_t>>;
 
 bool is_aligned(const void* p, size_t bytes = kVectorBytes) {
   return reinterpret_cast<std::uintptr_t>(p) % bytes == 0;
@@ -80,18 +83,18 @@ __global__ void scale_into_kernel(const scalar_t* __restrict__ src, scalar_t* __
   int64_t first_scalar = 0;
   if constexpr (kVectorized) {
     using V = Vector<scalar_t>;
-    const int64_t num_vectors = n / V::kSize;
+    const int64_t num_vectors = n / kVectorSize<scalar_t>;
     for (int64_t v = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; v < num_vectors;
          v += stride) {
       V in = reinterpret_cast<const V*>(src)[v];
       V result;
 #pragma unroll
-      for (int j = 0; j < V::kSize; ++j) {
+      for (int j = 0; j < kVectorSize<scalar_t>; ++j) {
         result.values[j] = static_cast<scalar_t>(scale * static_cast<opmath_t>(in.values[j]));
       }
       reinterpret_cast<V*>(out)[v] = result;
     }
-    first_scalar = num_vectors * V::kSize;
+    first_scalar = num_vectors * kVectorSize<scalar_t>;
   }
   for (int64_t i = first_scalar + blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x;
        i < n; i += stride) {
@@ -111,7 +114,7 @@ void scale_into_cuda(const at::Tensor& src, const at::Tensor& out, double alpha,
     const scalar_t* in = src.const_data_ptr<scalar_t>();
     scalar_t* result = out.mutable_data_ptr<scalar_t>();
     if (is_aligned(in) && is_aligned(result)) {
-      const int64_t items = std::max<int64_t>(n / Vector<scalar_t>::kSize, 1);
+      const int64_t items = std::max<int64_t>(n / kVectorSize<scalar_t>, 1);
       scale_into_kernel<scalar_t, true>
           <<<blocks_for(items), kThreads, 0, stream>>>(in, result, n, alpha, w);
     } else {
@@ -171,8 +174,7 @@ __global__ void absorb_kernel(const in_t* in, out_t* out, ReceivedBatch<message_
   bool nonfinite = false;
   int64_t first_scalar = 0;
   if constexpr (kVectorized) {
-    // As many elements as 16 bytes of the state hold, whatever the in and out types.
-    constexpr int kSize = Vector<scalar_t>::kSize;
+    constexpr int kSize = kVectorSize<scalar_t>;  // whatever the in and out types
     using In = Pack<in_t, kSize>;
     using Out = Pack<out_t, kSize>;
     using M = MessageVector<scalar_t, message_t>;
@@ -237,7 +239,7 @@ template <typename scalar_t, typename in_t, typename out_t, typename message_t>
 void launch_absorb_step(const in_t* in, out_t* out, const ReceivedBatch<message_t>& batch,
                         int64_t n, const AbsorbStep& step, bool aligned, cudaStream_t stream) {
   if (aligned) {
-    const int64_t items = std::max<int64_t>(n / Vector<scalar_t>::kSize, 1);
+    const int64_t items = std::max<int64_t>(n / kVectorSize<scalar_t>, 1);
     absorb_kernel<scalar_t, in_t, out_t, message_t, true>
         <<<blocks_for(items), kThreads, 0, stream>>>(in, out, batch, n, step);
   } else {
@@ -349,13 +351,13 @@ __global__ void compress_into_kernel(scalar_t* __restrict__ src, message_t* __re
   if constexpr (kVectorized) {
     using V = Vector<scalar_t>;
     using M = MessageVector<scalar_t, message_t>;
-    const int64_t num_vectors = n / V::kSize;
+    const int64_t num_vectors = n / kVectorSize<scalar_t>;
     for (int64_t v = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; v < num_vectors;
          v += stride) {
       V zv = reinterpret_cast<const V*>(src)[v];
       M qv;
 #pragma unroll
-      for (int j = 0; j < V::kSize; ++j) {
+      for (int j = 0; j < kVectorSize<scalar_t>; ++j) {
         const opmath_t z = static_cast<opmath_t>(zv.values[j]);
         const opmath_t value = scale * z;
         qv.values[j] = static_cast<message_t>(value);
@@ -365,7 +367,7 @@ __global__ void compress_into_kernel(scalar_t* __restrict__ src, message_t* __re
       reinterpret_cast<M*>(out)[v] = qv;
       if (write_back) reinterpret_cast<V*>(src)[v] = zv;
     }
-    first_scalar = num_vectors * V::kSize;
+    first_scalar = num_vectors * kVectorSize<scalar_t>;
   }
   for (int64_t i = first_scalar + blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x;
        i < n; i += stride) {
@@ -384,7 +386,7 @@ void launch_compress_into(const at::Tensor& src, const at::Tensor& out, double a
   scalar_t* state = src.mutable_data_ptr<scalar_t>();
   message_t* message = out.mutable_data_ptr<message_t>();
   if (is_aligned(state) && is_aligned(message, sizeof(MessageVector<scalar_t, message_t>))) {
-    const int64_t items = std::max<int64_t>(n / Vector<scalar_t>::kSize, 1);
+    const int64_t items = std::max<int64_t>(n / kVectorSize<scalar_t>, 1);
     compress_into_kernel<scalar_t, message_t, true>
         <<<blocks_for(items), kThreads, 0, stream>>>(state, message, n, alpha, feedback, w);
   } else {
