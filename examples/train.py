@@ -182,7 +182,10 @@ def train(args: argparse.Namespace) -> None:
     if rank == 0:
         print(f"final training loss {loss:.4f}  accuracy {accuracy:.4f}  (mean over ranks)")
         print(f"time per step {1000 * step_time:.2f} ms (slowest rank)")
-        print(f"consensus distance {consensus:.3e}  (sqrt(mean_i ||z_i - mean z||^2) / ||mean z||)")
+        print(
+            f"relative consensus distance {consensus:.3e}  "
+            "(sqrt(mean_i ||z_i - mean z||^2) / ||mean z||)"
+        )
         if sent is not None:
             print(f"gossip bytes sent per step {sent:.0f}  (max over ranks)")
 

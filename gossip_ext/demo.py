@@ -261,9 +261,12 @@ def print_table(results: dict, workers: int, network: str = "loopback") -> str |
             f"(step {reached[fastest][0]})" + (f": {', '.join(others)}." if others else ".")
         )
     print(
+        "test loss, accuracy: the final models on held-out data, mean over workers (the plot shows "
+        "the training loss).\n"
         "bytes/step: gossip counts the messages it sent; DDP is the ring all-reduce volume "
         "2(n-1)/n of the gradients.\n"
-        "consensus: model.consensus_distance(), sqrt(mean_i ||z_i - mean z||^2), exact, after the "
+        "consensus: model.consensus_distance(), sqrt(mean_i ||z_i - mean z||^2), absolute "
+        "(examples/train.py prints it relative to ||mean z||), exact, after the "
         "last round; run mean: its mean over the sampled steps (before each step's round);\n"
         "estimate: mean over the same steps of the running estimate (log_every), which costs no "
         "communication."
@@ -398,6 +401,8 @@ def main(argv=None) -> dict:
             results = cluster.run("gossip_ext.demo:train_all", args, timeout=3600)
     else:
         network = "loopback"
+        # Starting the workers and their process group takes a few seconds before the first bar.
+        print(f"starting {args.workers} worker processes on gloo ({', '.join(args.modes)})...")
         with tempfile.TemporaryDirectory() as tmp, mp.Manager() as manager:
             results = manager.dict()
             mp.spawn(

@@ -15,9 +15,21 @@ TORCH_VERSION=${GOSSIP_TORCH_VERSION:-2.13.0}
 if ! "$PYTHON" -c "import torch" 2>/dev/null; then
   "$PYTHON" -m pip install "torch==$TORCH_VERSION"
 fi
-extras=(ninja "setuptools>=64" wheel)
+extras=(ninja "setuptools>=77" wheel)
 [ "${1:-}" = "--demo" ] && extras+=(matplotlib tqdm)
-"$PYTHON" -m pip install --quiet "${extras[@]}"
+PIP_ROOT_USER_ACTION=ignore "$PYTHON" -m pip install --quiet "${extras[@]}"
+
+# Root installs in a container are the norm here: pip need not warn about them.
+export PIP_ROOT_USER_ACTION=ignore
+mkdir -p build
+log=build/build.log
+# Each compiled file, as ninja finishes it, from the build's full log.
+progress() { tee "$log" | sed -n -E -u 's/^ *(\[[0-9]+\/[0-9]+\]) .* -c (\S+) -o .*/  \1 \2/p'; }
+failed() {
+  tail -40 "$log"
+  echo "tools/build.sh: the build failed (full log: $log)"
+  exit 1
+}
 
 here=$(pwd)
 installed=$(cd / && "$PYTHON" -c "import gossip_ext, os; print(os.path.dirname(os.path.dirname(os.path.realpath(gossip_ext.__file__))))" 2>/dev/null || true)
@@ -25,18 +37,11 @@ if [ "$installed" = "$here" ]; then
   # Installed from this checkout already: ninja recompiles only what changed (objects in
   # build/temp, see setup.py), then the extension is linked again.
   echo "Building gossip_ext._C in place (only what changed)"
-  MAX_JOBS=${MAX_JOBS:-$(nproc)} "$PYTHON" setup.py --quiet build_ext --inplace
+  MAX_JOBS=${MAX_JOBS:-$(nproc)} "$PYTHON" setup.py build_ext --inplace 2>&1 | progress || failed
 else
-  # The first build: pip compiles in place while it installs. Its verbose log goes to a file;
-  # each compiled file is shown as ninja finishes it.
+  # The first build: pip compiles in place while it installs.
   echo "Building and installing gossip_ext (editable): about a dozen files, 1-3 minutes"
-  mkdir -p build
-  log=build/pip-install.log
-  if ! MAX_JOBS=${MAX_JOBS:-$(nproc)} "$PYTHON" -m pip install -v --no-build-isolation --no-deps \
-      -e . 2>&1 | tee "$log" | sed -n -E -u 's/^ *(\[[0-9]+\/[0-9]+\]) .* -c (\S+) -o .*/  \1 \2/p'; then
-    tail -40 "$log"
-    echo "tools/build.sh: the build failed (full log: $log)"
-    exit 1
-  fi
+  MAX_JOBS=${MAX_JOBS:-$(nproc)} "$PYTHON" -m pip install -v --no-build-isolation --no-deps -e . \
+    2>&1 | progress || failed
 fi
 (cd / && "$PYTHON" -c "import gossip_ext; print('gossip_ext', gossip_ext.__version__, 'is ready')")
