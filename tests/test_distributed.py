@@ -15,7 +15,7 @@ import torch
 import torch.distributed as dist
 from multiprocess import run_ranks
 from torch import nn
-from training_reference import ABSORB, START, STEP, replay
+from training_reference import ABSORB, START, STEP, log_gossip, replay
 
 import gossip_ext
 
@@ -59,25 +59,6 @@ MODES = {
 }
 
 
-def _observed(model, call, events):
-    """Runs call() and logs the gossip it did, in order: absorbing the round that was in flight,
-    then any rounds started (and, when sync_comms drains missed rounds, absorbed) during it."""
-    round_before, in_flight_before = model.gossip_round, model.round_in_flight
-    result = call()
-    absorbed = model.gossip_round - round_before
-    started = (model.gossip_round + model.round_in_flight) - (round_before + in_flight_before)
-    if in_flight_before and absorbed > 0:
-        events.append(ABSORB)
-        absorbed -= 1
-    for _ in range(started):
-        events.append(START)
-        if absorbed > 0:
-            events.append(ABSORB)
-            absorbed -= 1
-    assert absorbed == 0, "absorbed a round that was never started"
-    return result
-
-
 def _train_all_modes(rank: int, world_size: int, steps: int) -> dict:
     x, y = _data(world_size)
     results = {}
@@ -90,14 +71,14 @@ def _train_all_modes(rank: int, world_size: int, steps: int) -> dict:
         opt = torch.optim.SGD(model.parameters(), lr=LR)
         events = []
         for _ in range(steps):
-            out = _observed(model, functools.partial(model, x[rank]), events)
+            out = log_gossip(model, functools.partial(model, x[rank]), events)
             loss = ((out - y[rank]) ** 2).mean()
             opt.zero_grad()
             loss.backward()
             opt.step()
             events.append(STEP)
-            _observed(model, model.transfer_params, events)
-        _observed(model, model.sync_comms, events)
+            log_gossip(model, model.transfer_params, events)
+        log_gossip(model, model.sync_comms, events)
         results[mode] = {
             "init": [p.detach().clone() for p in _fresh_init(mode)],
             "final": [p.detach().clone() for p in module.parameters()],
@@ -181,7 +162,7 @@ def _skewed_bounded_async(rank: int, world_size: int, steps: int) -> dict:
 
     def observe(name, call):
         events = []
-        result = _observed(model, call, events)
+        result = log_gossip(model, call, events)
         calls.append((name, events))
         return result
 

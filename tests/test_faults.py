@@ -89,6 +89,17 @@ def _touch(path: str, text: str = "") -> None:
     os.replace(path + ".tmp", path)
 
 
+def _leave_with_the_survivors(sync_dir: str, rank: int, world_size: int, dead: int) -> None:
+    """Returns once every survivor has raised: a survivor that tears its process group down
+    early closes its connections, and a slower survivor still receiving from it would then
+    rightly name that survivor rather than the dead rank."""
+    _touch(os.path.join(sync_dir, f"raised{rank}"))
+    survivors = [os.path.join(sync_dir, f"raised{r}") for r in range(world_size) if r != dead]
+    end = time.monotonic() + 30.0
+    while not _all_exist(survivors) and time.monotonic() < end:
+        time.sleep(0.05)
+
+
 def _one_rank_is_killed(
     rank: int, world_size: int, dead: int, kill_step: int, when: str, sync_dir: str
 ) -> dict:
@@ -117,14 +128,7 @@ def _one_rank_is_killed(
                 die()
     except (RuntimeError, TimeoutError) as error:
         result = {"error": str(error), "type": type(error).__name__, "raised_at": time.time()}
-    # Leave only once every survivor has raised: a survivor that tears its process group down
-    # early closes its connections, and a slower survivor still receiving from it would then
-    # rightly name that survivor rather than the dead rank.
-    _touch(os.path.join(sync_dir, f"raised{rank}"))
-    survivors = [os.path.join(sync_dir, f"raised{r}") for r in range(world_size) if r != dead]
-    end = time.monotonic() + 30.0
-    while not _all_exist(survivors) and time.monotonic() < end:
-        time.sleep(0.05)
+    _leave_with_the_survivors(sync_dir, rank, world_size, dead)
     return result
 
 
@@ -291,11 +295,7 @@ def _survivor_keeps_its_last_model(
                 result["later"][name] = None
             except Exception as again:  # noqa: BLE001 - recorded for the test to judge
                 result["later"][name] = (type(again).__name__, str(again))
-    _touch(os.path.join(sync_dir, f"raised{rank}"))
-    survivors = [os.path.join(sync_dir, f"raised{r}") for r in range(world_size) if r != dead]
-    end = time.monotonic() + 30.0
-    while not _all_exist(survivors) and time.monotonic() < end:
-        time.sleep(0.05)
+    _leave_with_the_survivors(sync_dir, rank, world_size, dead)
     return result
 
 

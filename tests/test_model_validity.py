@@ -17,7 +17,7 @@ import reference
 import torch
 from multiprocess import run_ranks
 from torch import nn
-from training_reference import ABSORB, START, STEP, replay
+from training_reference import log_gossip, replay
 
 import gossip_ext
 
@@ -50,26 +50,6 @@ def _snapshot(module: nn.Module) -> list[torch.Tensor]:
     return [p.detach().clone() for p in module.parameters()]
 
 
-def _logged(model, call, events: list[str], step: bool = False):
-    """Runs call() and appends the gossip it did to ``events`` (after STEP if ``step``: an
-    optimizer step whose hook transfers): absorbing the round in flight, then rounds started."""
-    round_before, in_flight_before = model.gossip_round, model.round_in_flight
-    call()
-    if step:
-        events.append(STEP)
-    absorbed = model.gossip_round - round_before
-    started = (model.gossip_round + model.round_in_flight) - (round_before + in_flight_before)
-    if in_flight_before and absorbed > 0:
-        events.append(ABSORB)
-        absorbed -= 1
-    for _ in range(started):
-        events.append(START)
-        if absorbed > 0:
-            events.append(ABSORB)
-            absorbed -= 1
-    assert absorbed == 0
-
-
 def _train_and_read(rank: int, world_size: int, mode: str) -> dict:
     kwargs = MODES[mode]
     m = kwargs.get("nprocs_per_node", 1)
@@ -86,11 +66,11 @@ def _train_and_read(rank: int, world_size: int, mode: str) -> dict:
         reads.append((what, len(events), params))
 
     for step in range(STEPS):
-        _logged(model, lambda: model(x[rank]), events)
+        log_gossip(model, lambda: model(x[rank]), events)
         loss = ((model.module(x[rank]) - y[rank]) ** 2).mean()
         opt.zero_grad()
         loss.backward()
-        _logged(model, opt.step, events, step=True)
+        log_gossip(model, opt.step, events, step=True)
         read(f"after step {step}", _snapshot(module))
         state = model.module.state_dict()  # views of the parameters: copied when read
         read(
@@ -98,14 +78,14 @@ def _train_and_read(rank: int, world_size: int, mode: str) -> dict:
             [state["weight"].clone(), state["bias"].clone()],
         )
         if step in EVAL_AT:
-            _logged(model, model.eval, events)
+            log_gossip(model, model.eval, events)
             read(f"after eval() at step {step}", _snapshot(module))
             with torch.no_grad():
                 model(x[rank])  # an evaluation forward changes nothing either
             read(f"after an eval forward at step {step}", _snapshot(module))
             model.train()
     wrapper_state = {}
-    _logged(model, lambda: wrapper_state.update(model.state_dict()), events)
+    log_gossip(model, lambda: wrapper_state.update(model.state_dict()), events)
     read(
         "GossipDataParallel.state_dict()",
         [wrapper_state["module.weight"].clone(), wrapper_state["module.bias"].clone()],

@@ -117,3 +117,26 @@ def overlap_events(steps: int) -> list[str]:
     for _ in range(steps):
         events += [STEP, ABSORB, START]
     return events + [ABSORB]
+
+
+def log_gossip(model, call, events: list[str], step: bool = False):
+    """Runs call() on a GossipDataParallel and appends the gossip it did to ``events``, in order:
+    STEP first if ``step`` (an optimizer step whose hook transfers), then absorbing the round that
+    was in flight, then any rounds started (and, when sync_comms drains missed rounds, absorbed)
+    during it. Returns call()'s result."""
+    round_before, in_flight_before = model.gossip_round, model.round_in_flight
+    result = call()
+    if step:
+        events.append(STEP)
+    absorbed = model.gossip_round - round_before
+    started = (model.gossip_round + model.round_in_flight) - (round_before + in_flight_before)
+    if in_flight_before and absorbed > 0:
+        events.append(ABSORB)
+        absorbed -= 1
+    for _ in range(started):
+        events.append(START)
+        if absorbed > 0:
+            events.append(ABSORB)
+            absorbed -= 1
+    assert absorbed == 0, "absorbed a round that was never started"
+    return result

@@ -7,6 +7,7 @@ set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 
 PYTHON=${PYTHON:-python3}
+export PIP_ROOT_USER_ACTION=ignore  # root in a container is the norm where this runs
 TORCH_VERSION=${GOSSIP_TORCH_VERSION:-2.13.0}
 
 step() { printf '\n== %s\n' "$*"; }

@@ -21,10 +21,14 @@
 //     absorbed.
 //   - A round that fails (a peer timed out or died, a non-finite message) fails the engine for
 //     good: every later call that would absorb or read the round rethrows the same error. Every
-//     transport waits before the absorb reads a received buffer, so a failed gloo or in-process
-//     round is never absorbed. On a GPU the absorb is queued behind the round's end event and a
-//     watchdog abort can still complete that event with partial buffers, so synchronize() waits
-//     for the last absorbed round on the host and raises if it failed.
+//     transport's Work::wait() returns only for a round that completed, so a failed round is
+//     never absorbed: the CPU transports block until the messages are in, and the NCCL transport
+//     blocks until the round's end event and then checks that the watchdog did not abort it
+//     (an abort completes the event with partial buffers; Note [Gossip stream ordering]).
+//     synchronize() checks the last absorbed round once more before the parameters are handed
+//     out as final (sync_comms(), state_dict()).
+//   - A non-finite round is the exception to "changes nothing": the flag is raised by the absorb
+//     itself (Note [Non-finite messages]), so the values are in the parameters when it raises.
 //
 // Note [Push-sum state]
 // ~~~~~~~~~~~~~~~~~~~~~
