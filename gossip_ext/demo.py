@@ -190,6 +190,13 @@ def worker(rank: int, world_size: int, init_file: str, args, results) -> None:
     for mode, result in train_all(rank, world_size, f"file://{init_file}", args).items():
         if rank == 0:
             results[mode] = result
+    # The results are handed over: leave without interpreter finalization. torch's gloo worker
+    # threads can drop a Python-owned tensor while a finalizing process takes the GIL, which
+    # aborts it ("terminate called without an active exception", an upstream race in
+    # ProcessGroupGloo::runLoop, seen in a few percent of processes with plain torch).
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 SMOOTH = 3  # samples the loss is averaged over before it is compared with the target
