@@ -58,7 +58,11 @@ def _unique_id_keys(rank: int, world_size: int) -> list[str]:
     # Every rank creates every group, in the same order, as torch requires.
     halves = [dist.new_group([0, 1]), dist.new_group([2, 3])]
     mine = halves[rank // 2]
-    return [_transport.nccl_unique_id_key(mine), _transport.nccl_unique_id_key(mine)]
+    keys = [_transport.nccl_unique_id_key(mine), _transport.nccl_unique_id_key(mine)]
+    # No rank leaves while another still connects its group: a peer that exits mid-handshake
+    # fails the other's new_group ("Connection closed by peer").
+    dist.barrier()
+    return keys
 
 
 def test_nccl_unique_id_keys_differ_between_groups_and_wrappers_and_agree_within_a_group():
