@@ -172,7 +172,8 @@ void bind_engine(py::module_& m) {
       .def("ps_weight", &GossipEngine::ps_weight)
       .def("ps_numerators", &GossipEngine::ps_numerators)
       .def("kept_ps_weight", &GossipEngine::kept_ps_weight)
-      .def("restore", &GossipEngine::restore, py::arg("round"), py::arg("ps_weight"));
+      .def("restore", &GossipEngine::restore, py::arg("round"), py::arg("ps_weight"))
+      .def("set_peers_per_itr", &GossipEngine::set_peers_per_itr, py::arg("peers_per_itr"));
 
   m.def("simulate", &simulate, py::arg("values"), py::arg("rounds"), py::arg("options"),
         py::call_guard<py::gil_scoped_release>());

@@ -49,6 +49,12 @@ def check_arguments(
     slowmo_freq,
     slowmo_momentum,
     slowmo_lr,
+    slowmo_memory_efficient,
+    slowmo_num_shards,
+    base_algorithm,
+    start_in_forward,
+    broadcast_buffers,
+    gossip_buffers,
     log_every,
     verbose,
 ) -> None:
@@ -96,6 +102,43 @@ def check_arguments(
         )
     if nprocs_per_node < 1:
         raise ValueError(f"nprocs_per_node must be >= 1, got {nprocs_per_node}")
+    for name, value in (
+        ("slowmo_memory_efficient", slowmo_memory_efficient),
+        ("start_in_forward", start_in_forward),
+        ("broadcast_buffers", broadcast_buffers),
+        ("gossip_buffers", gossip_buffers),
+    ):
+        check_type(name, value, bool, "a bool")
+    if slowmo_num_shards is not None:
+        check_type("slowmo_num_shards", slowmo_num_shards, int, "an int or None")
+        if slowmo_num_shards < 1:
+            raise ValueError(
+                f"slowmo_num_shards must be >= 1 (None: every rank), got {slowmo_num_shards}"
+            )
+    if base_algorithm not in ("sgp", "localsgd"):
+        raise ValueError(f"base_algorithm must be 'sgp' or 'localsgd', got {base_algorithm!r}")
+    if base_algorithm == "localsgd" and not (global_avg_freq or slowmo_freq):
+        raise ValueError(
+            "base_algorithm='localsgd' runs no gossip, so it needs exact averages: set "
+            f"global_avg_freq (LocalSGD's averaging period) or slowmo_freq, got "
+            f"global_avg_freq={global_avg_freq!r}, slowmo_freq={slowmo_freq!r}"
+        )
+    if start_in_forward and not overlap:
+        raise ValueError(
+            "start_in_forward=True needs overlap=True: a synchronous round is absorbed by the "
+            "same forward that would start it"
+        )
+    if start_in_forward and slowmo_freq:
+        raise ValueError(
+            f"start_in_forward=True cannot be combined with slowmo_freq={slowmo_freq}: SlowMo "
+            "reads the learning rate of the optimizer given to register_optimizer(), whose hook "
+            "would start a second round after every step"
+        )
+    if broadcast_buffers and gossip_buffers:
+        raise ValueError(
+            "broadcast_buffers=True and gossip_buffers=True: the broadcast before every forward "
+            "would overwrite what gossip averaged; choose one"
+        )
     if timeout <= timedelta(0):
         raise ValueError(f"timeout must be positive, got {timeout}")
     if not dist.is_available() or not dist.is_initialized():
@@ -181,6 +224,23 @@ PROCESS_GROUP = "process_group"
 HOST_STAGING = "host_staging"
 
 
+def check_buffers(
+    named: list[tuple[str, torch.Tensor]], device: torch.device, gossip_buffers: bool
+) -> None:
+    """Floating-point buffers are averaged (and gossiped, if asked) with the parameters: they
+    must live where the parameters do."""
+    for name, b in named:
+        if b.device != device:
+            raise ValueError(
+                f"buffer {name!r} is on {b.device} but the parameters are on {device}: exact "
+                "averaging and gossip_buffers=True need the buffers beside the parameters"
+            )
+        if gossip_buffers and b.requires_grad:
+            raise ValueError(
+                f"buffer {name!r} requires grad; gossip_buffers=True cannot flatten it"
+            )
+
+
 def choose_transport(device: torch.device, comm_device, backend: str) -> str:
     """NCCL for CUDA parameters; the process-group transport for CPU parameters; host buffers
     over the process group for CUDA parameters with ``comm_device='cpu'``.
@@ -261,12 +321,19 @@ class ParameterWatch:
     _registrations = 0
     _hooked = False
 
-    def __init__(self, named: list[tuple[str, torch.Tensor]]):
+    def __init__(
+        self,
+        named: list[tuple[str, torch.Tensor]],
+        gossiped_buffers: list[tuple[str, torch.Tensor]] = (),
+    ):
         if not ParameterWatch._hooked:
             ParameterWatch._hooked = True
             nn.modules.module.register_module_parameter_registration_hook(ParameterWatch._count)
             nn.modules.module.register_module_module_registration_hook(ParameterWatch._count)
+            nn.modules.module.register_module_buffer_registration_hook(ParameterWatch._count)
         self._params = dict(named)
+        # gossip_buffers=True: a buffer assigned anew (module.running_mean = t) would leave gossip.
+        self._buffers = dict(gossiped_buffers)
         self._seen = ParameterWatch._registrations
 
     @staticmethod
@@ -279,6 +346,9 @@ class ParameterWatch:
         current = dict(module.named_parameters())
         added = [n for n in current if n not in self._params]
         replaced = [n for n, p in current.items() if n in self._params and self._params[n] is not p]
+        if self._buffers:
+            buffers = dict(module.named_buffers())
+            replaced += [n for n, b in self._buffers.items() if buffers.get(n) is not b]
         if added or replaced:
             changes = [f"added {added}"] if added else []
             changes += [f"replaced {replaced}"] if replaced else []
@@ -295,6 +365,7 @@ class ParameterWatch:
 
 BY_HAND = "by hand"
 BY_OPTIMIZER = "by register_optimizer() after optimizer.step()"
+BY_FORWARD = "by the forward (start_in_forward=True)"
 
 
 def check_transfer(previous: str | None, now: str, overlap: bool) -> None:

@@ -9,6 +9,7 @@ averaging and SlowMo in ``averaging``, the consensus metric in ``consensus``.
 from __future__ import annotations
 
 import contextlib
+import copy
 import logging
 import warnings
 import weakref
@@ -20,13 +21,31 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from gossip_ext import _C, _hierarchy, _schedule, _transport, _validation, averaging, consensus
+from gossip_ext import (
+    _C,
+    _checkpoint,
+    _hierarchy,
+    _schedule,
+    _transport,
+    _validation,
+    averaging,
+    consensus,
+)
 from gossip_ext.graphs import GraphBase, NPeerDynamicDirectedExponentialGraph
 from gossip_ext.mixing import MixingBase, UniformMixing
 
 __all__ = ["GossipDataParallel"]
 
 logger = logging.getLogger(__name__)
+
+# Buffer broadcasts go in buckets of DDP's size for module-state broadcasts.
+_BUCKET_BYTES = 250 * 1024 * 1024
+
+
+def _parameter_versions(module: nn.Module) -> int:
+    """The sum of the parameters' version counters: it changes when anything writes them in
+    place, as every optimizer step does."""
+    return sum(p._version for p in module.parameters())
 
 
 class GossipDataParallel(nn.Module):
@@ -126,6 +145,28 @@ class GossipDataParallel(nn.Module):
             the first forward. None or 0: off (default: None).
         slowmo_momentum (float): SlowMo's slow momentum ``beta``, in [0, 1) (default: 0.5).
         slowmo_lr (float): SlowMo's slow learning rate ``alpha`` > 0 (default: 1.0).
+        slowmo_memory_efficient (bool): shard SlowMo's state (the slow parameters and the slow
+            momentum, two model copies) over ``slowmo_num_shards`` ranks, each of which updates
+            its slice and sends it to the others: ``2 / slowmo_num_shards`` model copies per rank
+            for one all-gather's worth of extra traffic per SlowMo step (default: False).
+        slowmo_num_shards (int, optional): ranks that share the SlowMo state when
+            ``slowmo_memory_efficient``; None: every rank of the group (default: None).
+        base_algorithm (str): ``"sgp"``: a gossip round after every step (default).
+            ``"localsgd"``: no gossip at all, every worker trains alone between the exact averages
+            of ``global_avg_freq`` (LocalSGD, Lin et al., ICLR 2020) and the SlowMo steps of
+            ``slowmo_freq``, one of which it needs; no engine and no message buffers are made.
+        start_in_forward (bool): under ``overlap=True``, start every round from the training
+            forward, as the reference SGP does (its loop never calls :meth:`transfer_params`):
+            the forward absorbs the round in flight and sends the parameters it is about to use.
+            :meth:`transfer_params` then raises (default: False).
+        broadcast_buffers (bool): before every training forward, set every rank's buffers to rank
+            0's (as DDP and fairscale's SlowMo do): one broadcast of the buffers per step
+            (default: False).
+        gossip_buffers (bool): floating-point buffers (BatchNorm's running statistics) travel with
+            the parameters in every gossip round, so that each worker's statistics follow its
+            averaged weights. Every exact average (:meth:`average_parameters`,
+            ``global_avg_freq``, SlowMo) averages floating-point buffers whatever this says
+            (default: False).
         log_every (int): every ``log_every`` steps, log a running estimate of the consensus
             distance at INFO level to the ``gossip_ext.consensus`` logger, read off the next
             absorbed round without communication (see :attr:`consensus_estimate`); 0: never
@@ -168,6 +209,12 @@ class GossipDataParallel(nn.Module):
         slowmo_freq: int | None = None,
         slowmo_momentum: float = 0.5,
         slowmo_lr: float = 1.0,
+        slowmo_memory_efficient: bool = False,
+        slowmo_num_shards: int | None = None,
+        base_algorithm: str = "sgp",
+        start_in_forward: bool = False,
+        broadcast_buffers: bool = False,
+        gossip_buffers: bool = False,
         log_every: int = 0,
         verbose: bool = False,
     ):
@@ -191,6 +238,12 @@ class GossipDataParallel(nn.Module):
             slowmo_freq=slowmo_freq,
             slowmo_momentum=slowmo_momentum,
             slowmo_lr=slowmo_lr,
+            slowmo_memory_efficient=slowmo_memory_efficient,
+            slowmo_num_shards=slowmo_num_shards,
+            base_algorithm=base_algorithm,
+            start_in_forward=start_in_forward,
+            broadcast_buffers=broadcast_buffers,
+            gossip_buffers=gossip_buffers,
             log_every=log_every,
             verbose=verbose,
         )
@@ -203,12 +256,22 @@ class GossipDataParallel(nn.Module):
         self.overlap = overlap
         self.synch_freq = synch_freq
         self.nprocs_per_node = nprocs_per_node
+        self.base_algorithm = base_algorithm
+        self.start_in_forward = start_in_forward
+        self.broadcast_buffers = broadcast_buffers
+        self.gossip_buffers = gossip_buffers
         self.verbose = verbose
         self.process_group = dist.group.WORLD if process_group is None else process_group
 
         named = list(module.named_parameters())
         params = [p for _, p in named]
         device = _validation.check_parameters(module, named)
+        # Floating-point buffers: averaged by every exact average, and gossiped on request.
+        floating_buffers = [
+            (n, b) for n, b in module.named_buffers() if b.is_floating_point() and b.numel() > 0
+        ]
+        _validation.check_buffers(floating_buffers, device, gossip_buffers)
+        gossiped = named + (floating_buffers if gossip_buffers else [])
         self._transport_kind = _validation.choose_transport(
             device, comm_device, dist.get_backend(self.process_group)
         )
@@ -229,10 +292,26 @@ class GossipDataParallel(nn.Module):
             "nprocs_per_node": nprocs_per_node,
             # A 16-bit message read as 32 bits would be garbage: every rank must agree.
             "message_dtype": str(message_dtype),
+            "base_algorithm": base_algorithm,
+            "start_in_forward": start_in_forward,
+            "broadcast_buffers": broadcast_buffers,
+            "gossip_buffers": gossip_buffers,
             # Averaging steps are collectives: ranks on different schedules would hang.
             "global_avg_freq": global_avg_freq,
-            "slowmo": (slowmo_freq, slowmo_momentum, slowmo_lr) if slowmo_freq else None,
+            "slowmo": (
+                (
+                    slowmo_freq,
+                    slowmo_momentum,
+                    slowmo_lr,
+                    slowmo_memory_efficient,
+                    slowmo_num_shards,
+                )
+                if slowmo_freq
+                else None
+            ),
             "parameters": [(n, tuple(p.shape), str(p.dtype)) for n, p in named],
+            # Averaged or gossiped with the parameters: their layout must agree too.
+            "buffers": [(n, tuple(b.shape), str(b.dtype)) for n, b in floating_buffers],
         }
         _validation.check_ranks_agree(config, self.process_group, rank)
 
@@ -249,9 +328,14 @@ class GossipDataParallel(nn.Module):
                 dist.broadcast(
                     p, dist.get_global_rank(self.process_group, 0), group=self.process_group
                 )
+            if gossip_buffers:  # they start equal too, as the parameters
+                for _, b in floating_buffers:
+                    dist.broadcast(
+                        b, dist.get_global_rank(self.process_group, 0), group=self.process_group
+                    )
 
         self._engine = None
-        if self.is_gossip_leader:
+        if self.is_gossip_leader and base_algorithm == "sgp":
             # Synchronous modes leave the parameters alone while a round is in flight, so the
             # engine may send them in place (no send buffer; Note [Sending in place]).
             options = _C.EngineOptions(
@@ -266,10 +350,12 @@ class GossipDataParallel(nn.Module):
             transport = _transport.make_transport(
                 self._transport_kind, gossip_group, device, timeout
             )
-            self._engine = _C.GossipEngine(params, [n for n, _ in named], transport, options)
+            self._engine = _C.GossipEngine(
+                [t for _, t in gossiped], [n for n, _ in gossiped], transport, options
+            )
             if log_every > 0:
                 self._engine = consensus.MeasuredEngine(self._engine, graph, log_every)
-        if self.gossip_world_size == 1:
+        if self.gossip_world_size == 1 and base_algorithm == "sgp":
             warnings.warn(
                 "GossipDataParallel: there is one gossiping process, so gossip does nothing "
                 "and this trains like a single process",
@@ -281,7 +367,10 @@ class GossipDataParallel(nn.Module):
         # other processes have not received. Every process of the machine tracks it alike (it
         # changes with transfer_params() and the forward), so they agree on when to broadcast.
         self._node_behind = False
-        self._watch = _validation.ParameterWatch(named)
+        self._watch = _validation.ParameterWatch(named, gossiped[len(named) :])
+        # Parameter versions at the last training forward, until the first transfer_params():
+        # a step taken without it is reported (see _check_rounds_started).
+        self._versions_at_forward: int | None = None
         # Who called transfer_params() in this step, if anyone: a second caller is a bug.
         self._transferred = None
         self._steps = 0  # transfer_params() calls: the clock of the exact-averaging schedule
@@ -289,13 +378,22 @@ class GossipDataParallel(nn.Module):
         # reference: its step hook refers to this wrapper, and a cycle would keep both (and the
         # engine's transport thread) alive until the garbage collector runs, or past exit.
         self._optimizer_ref = None
+        self._floating_buffers = [b for _, b in floating_buffers]
+        self._module_buffers = list(module.buffers())
         self._averaging = averaging.ExactAveraging(
             params,
+            self._floating_buffers,
+            self.process_group,
             global_avg_freq=global_avg_freq,
             slowmo_freq=slowmo_freq,
             slowmo_momentum=slowmo_momentum,
             slowmo_lr=slowmo_lr,
+            slowmo_shards=(
+                min(world_size, slowmo_num_shards or world_size) if slowmo_memory_efficient else 1
+            ),
         )
+        # The graph as constructed (what a checkpoint must match) and as scheduled now.
+        self._constructed_graph = graph
         self._slow_start_pending = self._averaging.slow_start_pending
         if self._hierarchy is not None:
             self._hierarchy.hook_gradients(params)
@@ -304,6 +402,8 @@ class GossipDataParallel(nn.Module):
 
     def forward(self, *inputs: Any, **kwargs: Any) -> Any:
         self._watch.check(self.module)
+        if self.training:
+            self._check_rounds_started()
         self._transferred = None
         self._rounds.before_forward(self.training)
         if self._hierarchy is not None:
@@ -312,7 +412,38 @@ class GossipDataParallel(nn.Module):
         if self._slow_start_pending:
             self._slow_start_pending = False
             self._averaging.start_slow_params()
+        if self.training:
+            if self.broadcast_buffers and self._module_buffers:
+                dist._broadcast_coalesced(
+                    self.process_group, [b.detach() for b in self._module_buffers], _BUCKET_BYTES, 0
+                )
+            if self.start_in_forward:
+                self._transfer(_validation.BY_FORWARD)
+            elif self._steps == 0:
+                self._versions_at_forward = _parameter_versions(self.module)
         return self.module(*inputs, **kwargs)
+
+    def _check_rounds_started(self) -> None:
+        """Raises if an optimizer step changed the parameters since the last training forward
+        while transfer_params() was never called: such a loop would train every worker alone
+        with no gossip at all. Checked only until the first transfer_params(), on every rank
+        alike (every rank steps its optimizer)."""
+        if self._steps or self._versions_at_forward is None or self.start_in_forward:
+            return
+        if _parameter_versions(self.module) != self._versions_at_forward:
+            self._versions_at_forward = None  # raise once
+            overlap = (
+                "; with overlap=True, start_in_forward=True starts every round from the forward "
+                "instead, as the reference SGP does"
+                if self.overlap
+                else ""
+            )
+            raise RuntimeError(
+                "GossipDataParallel: the parameters changed since the last forward (an optimizer "
+                "step) but transfer_params() was never called, so no gossip round ran and every "
+                "worker trains alone. Call model.transfer_params() after every optimizer.step(), "
+                f"or model.register_optimizer(optimizer) once{overlap}"
+            )
 
     def transfer_params(self) -> None:
         """Starts a gossip round with the parameters the optimizer step just produced.
@@ -322,11 +453,17 @@ class GossipDataParallel(nn.Module):
         ``synch_freq > 0``, if the previous round is still in flight, the new round starts at the
         first forward that finds the previous one finished.
 
-        Raises RuntimeError, before any communication, if it was already called in this step
+        Raises RuntimeError under ``start_in_forward=True`` (the forward starts the rounds), and,
+        before any communication, if it was already called in this step
         (since the last forward or :meth:`sync_comms`) under ``overlap=True``, or once by hand
         and once by :meth:`register_optimizer`'s hook: either way two rounds would run in one
         step.
         """
+        if self.start_in_forward:
+            raise RuntimeError(
+                "start_in_forward=True: every training forward starts the gossip round, so do "
+                "not call transfer_params() (nor register_optimizer())"
+            )
         self._transfer(_validation.BY_HAND)
 
     def _transfer(self, caller: str) -> None:
@@ -355,6 +492,11 @@ class GossipDataParallel(nn.Module):
         _validation.check_type(
             "optimizer", optimizer, torch.optim.Optimizer, "a torch.optim.Optimizer"
         )
+        if self.start_in_forward:
+            raise RuntimeError(
+                "start_in_forward=True: every training forward starts the gossip round, so "
+                "register_optimizer() would start a second one after every step"
+            )
         if self._averaging.slowmo is not None:
             _validation.check_learning_rates(optimizer)
         self._optimizer_ref = weakref.ref(optimizer)
@@ -420,11 +562,50 @@ class GossipDataParallel(nn.Module):
         # Only gossiping processes hold push-sum state; the others join the all-reduce with zeros
         # and receive the average with everyone, so no broadcast inside the machine is needed.
         weight = self.ps_weight if self.is_gossip_leader else None
-        self._averaging.apply(weight, self.process_group, self._optimizer if slowmo else None)
+        # Buffers are de-biased values with the parameters' weight only when they are gossiped.
+        buffer_weight = weight if self.gossip_buffers or weight is None else 1.0
+        self._averaging.apply(weight, buffer_weight, self._optimizer if slowmo else None)
         if self._engine is not None:
             # Every worker holds the consensus value now, with x = z: push-sum restarts from
             # weights 1 (always 1 under lazy mixing). restore() needs an idle engine: drained.
             self._engine.restore(self._engine.round, 1.0)
+
+    # ----------------------------------------------------------------------------- peers schedule
+
+    @property
+    def peers_per_itr(self) -> int:
+        """Out-peers per gossip round now (see :meth:`set_peers_per_itr`)."""
+        return self.graph.peers_per_itr
+
+    def set_peers_per_itr(self, peers_per_itr: int) -> None:
+        """Gossips with ``peers_per_itr`` out-peers per round from the next round on: SGP's peers
+        schedule (more peers late in training tightens consensus as the learning rate falls).
+
+        Collective over the process group: every rank must call it between the same two steps
+        with the same value, which is checked (one all-gather). It first absorbs the round in
+        flight (as :meth:`sync_comms`). The checkpoint keeps the value, and loading it restores
+        it. Raises ValueError if the graph does not admit the value at this world size.
+        """
+        _validation.check_type("peers_per_itr", peers_per_itr, int, "an int")
+        graph = copy.copy(self.graph)
+        graph.peers_per_itr = peers_per_itr
+        _validation.gossip_world_size(
+            graph, self.push_sum, dist.get_world_size(self.process_group), self.nprocs_per_node
+        )
+        self.sync_comms()
+        _validation.check_ranks_agree(
+            {"peers_per_itr": peers_per_itr, "steps": self._steps},
+            self.process_group,
+            dist.get_rank(self.process_group),
+        )
+        self._set_graph(graph)
+
+    def _set_graph(self, graph: GraphBase) -> None:
+        if self._engine is not None:
+            self._engine.set_peers_per_itr(graph.peers_per_itr)
+            if isinstance(self._engine, consensus.MeasuredEngine):
+                self._engine._graph = graph
+        self.graph = graph
 
     @property
     def _optimizer(self) -> torch.optim.Optimizer | None:
@@ -492,7 +673,8 @@ class GossipDataParallel(nn.Module):
             "gossip_round": self.gossip_round,
             "ps_weight": self.ps_weight,
             "gossip_world_size": self.gossip_world_size,
-            "graph": repr(self.graph),
+            "graph": repr(self._constructed_graph),
+            "peers_per_itr": self.graph.peers_per_itr,
             "mixing": repr(self.mixing),
             "steps": self._steps,
             **self._averaging.state_dict(),
@@ -501,7 +683,7 @@ class GossipDataParallel(nn.Module):
     def set_extra_state(self, state: Mapping[str, Any]) -> None:
         mine = {
             "gossip_world_size": self.gossip_world_size,
-            "graph": repr(self.graph),
+            "graph": repr(self._constructed_graph),
             "mixing": repr(self.mixing),
         }
         _validation.check_checkpoint(state, mine)
@@ -512,6 +694,11 @@ class GossipDataParallel(nn.Module):
         if self._engine is not None:
             self._engine.finish_round()
             self._engine.restore(int(state["gossip_round"]), float(state["ps_weight"]))
+        peers = int(state.get("peers_per_itr", self._constructed_graph.peers_per_itr))
+        if peers != self.graph.peers_per_itr:
+            graph = copy.copy(self.graph)
+            graph.peers_per_itr = peers
+            self._set_graph(graph)
 
     def state_dict(self, *args, **kwargs):
         """The module's state under ``module.`` after finishing gossip in flight, plus what
@@ -532,3 +719,32 @@ class GossipDataParallel(nn.Module):
         """
         self.sync_comms()
         return super().state_dict(*args, **kwargs)
+
+    def load_state_dict(
+        self, state_dict: Mapping[str, Any], strict: bool = True, assign: bool = False
+    ):
+        """As ``nn.Module.load_state_dict``, for this wrapper's own checkpoints, and also for the
+        formats of the reference SGP (``{'state_dict', 'ps_weight', 'is_ps_numerator'}``), of
+        fairscale's SlowMoDistributedDataParallel (``module.*`` keys with ``ps_weight`` and
+        ``is_sgp_ps_numerator``) and of DistributedDataParallel (``module.*`` keys).
+
+        A foreign checkpoint carries no gossip round: the schedule restarts at round 0 on every
+        rank, with the saved push-sum weight (1 under lazy mixing), and parameters saved as
+        push-sum numerators are de-biased.
+        """
+        own, foreign = _checkpoint.parse(state_dict)
+        if foreign is None:
+            return super().load_state_dict(own, strict=strict, assign=assign)
+        result = self.module.load_state_dict(foreign.module_state, strict=strict, assign=assign)
+        self._watch.check(self.module)
+        weight = foreign.ps_weight
+        if foreign.is_numerator and weight != 1.0:
+            with torch.no_grad():
+                for p in self.module.parameters():
+                    p.div_(weight)
+        if self._engine is not None:
+            self._engine.finish_round()
+            lazy = bool(self._engine.lazy_mixing)
+            self._engine.restore(0, 1.0 if lazy else weight)
+        self._versions_at_forward = None
+        return result

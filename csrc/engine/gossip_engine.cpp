@@ -345,4 +345,26 @@ void GossipEngine::restore(int64_t round, double ps_weight) {
   weight_.fill_(ps_weight);
 }
 
+void GossipEngine::set_peers_per_itr(int peers_per_itr) {
+  raise_if_failed();
+  TORCH_CHECK(work_ == nullptr, "gossip_ext: cannot change peers_per_itr while gossip round ",
+              round_, " is in flight");
+  GraphOptions options = options_.graph;
+  options.peers_per_itr = peers_per_itr;
+  Graph graph(options, graph_.world_size());  // validates peers_per_itr for this world size
+  TORCH_CHECK_VALUE(options_.push_sum || graph.pairs_symmetrically(),
+                    "gossip_ext: push_sum=False needs a graph that pairs nodes symmetrically, but ",
+                    graph_kind_name(graph.kind()), " with peers_per_itr=", peers_per_itr,
+                    " at world size ", graph.world_size(), " does not");
+  // Lazy mixing (and with it the message layout) was chosen for a regular graph.
+  TORCH_CHECK_VALUE(graph.is_regular() == graph_.is_regular(), "gossip_ext: peers_per_itr=",
+                    peers_per_itr, " makes ", graph_kind_name(graph.kind()),
+                    graph.is_regular() ? " regular" : " irregular", " at world size ",
+                    graph.world_size(), ", unlike peers_per_itr=", graph_.peers_per_itr());
+  options_.graph = std::move(options);
+  graph_ = std::move(graph);
+  // In-peer counts change with the schedule: receive buffers are allocated again as needed.
+  for (std::vector<at::Tensor>& buffers : recv_) buffers.clear();
+}
+
 }  // namespace gossip

@@ -190,6 +190,13 @@ class GossipEngine {
   // the parameters already hold the checkpoint's de-biased values.
   void restore(int64_t round, double ps_weight);
 
+  // Changes the out-peers per round from the next round on (SGP's peers schedule); the engine
+  // must be idle. Every rank must make the same change before the same round: the schedule stays
+  // a pure function of (graph, round), so no rank needs to ask another. Throws ValueError if the
+  // graph does not admit `peers_per_itr` at this world size, or if the change would alter what
+  // the engine was built for (lazy mixing, the symmetric pairing push-pull needs).
+  void set_peers_per_itr(int peers_per_itr);
+
  private:
   void absorb();
   // Runs `body`; an exception leaves the engine failed for good with it.
