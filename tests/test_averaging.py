@@ -556,3 +556,41 @@ def test_ranks_on_different_averaging_schedules_all_raise(slowmo_every_step):
         error = r["misuse"]["disagree"]
         assert error is not None and error[0] is ValueError
         assert "global_avg_freq: rank 0 has 1, rank 1 has 2" in error[1], error[1]
+
+
+def _slowmo_sharded(rank: int, world_size: int) -> dict:
+    x, y = _data(world_size)
+    beta, alpha = HEAVY_BALL[-1]
+    torch.manual_seed(0)
+    module = nn.Linear(D, 1).double()
+    model = gossip_ext.GossipDataParallel(
+        module,
+        slowmo_freq=1,
+        slowmo_momentum=beta,
+        slowmo_lr=alpha,
+        slowmo_memory_efficient=True,
+        slowmo_num_shards=2,
+    )
+    opt = torch.optim.SGD(model.parameters(), lr=SLOWMO_LR)
+    model.register_optimizer(opt)
+    trajectory = [_snapshot(module)]
+    for _ in range(SLOWMO_STEPS):
+        loss = ((model(x[rank].double()) - y[rank].double()) ** 2).mean()
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        trajectory.append(_snapshot(module))
+    state = model._averaging.slowmo
+    return {"trajectory": trajectory, "kept": [t.numel() for t in state.slow + state.buffer]}
+
+
+def test_sharded_slowmo_is_the_same_heavy_ball_with_the_state_split_between_ranks():
+    # D + 1 = 5 parameters in two shards of 3 and 2; the third rank keeps no SlowMo state.
+    results = run_ranks(3, _slowmo_sharded)
+    assert [r["kept"] for r in results] == [[3, 3], [2, 2], [0, 0]]
+    beta, alpha = HEAVY_BALL[-1]
+    want = _heavy_ball(3, beta, alpha, results[0]["trajectory"][0])
+    for r in results:
+        for got, expected in zip(r["trajectory"], want):
+            for g, e in zip(got, expected):
+                torch.testing.assert_close(g, e, rtol=1e-12, atol=1e-12)
