@@ -378,6 +378,48 @@ def test_settings(test_settings) -> None:
     assert results == [True] * WORLD_SIZE
 
 
+# Upstream's 2-node test, commented out there for want of 4 GPUs: two nodes of two processes,
+# with the node and master groups given. Each step averages exactly (LocalSGD every step, or one
+# gossip round between two node leaders), so every process follows full-batch SGD.
+_TWO_NODE_SETTINGS = {
+    "localsgd": {"slowmo_base_algorithm": "localsgd", "localsgd_frequency": 1},
+    "localsgd_slowmo_freq_1": {
+        "slowmo_base_algorithm": "localsgd",
+        "localsgd_frequency": 1,
+        "slowmo_momentum": 0.5,
+        "slowmo_frequency": 1,
+    },
+    "sgp_slowmo_freq_1": {
+        "slowmo_base_algorithm": "sgp",
+        "slowmo_momentum": 0.5,
+        "slowmo_frequency": 1,
+        "slowmo_memory_efficient": False,
+    },
+}
+
+
+def _two_nodes_rank(rank: int, world_size: int, settings: dict[str, Any]) -> bool:
+    local_node_group = None
+    for node in range(world_size // 2):
+        group = torch.distributed.new_group([2 * node, 2 * node + 1])
+        if rank // 2 == node:
+            local_node_group = group
+    master_group = torch.distributed.new_group(list(range(0, world_size, 2)))
+    settings = {
+        "nprocs_per_node": 2,
+        "slowmo_momentum": 0.0,
+        "local_node_group": local_node_group,
+        "master_group": master_group,
+        **settings,
+    }
+    return _deterministic(rank, world_size, run_test_slowmo_with_slowmo_freq_1, settings)
+
+
+@pytest.mark.parametrize("settings", _TWO_NODE_SETTINGS.values(), ids=_TWO_NODE_SETTINGS.keys())
+def test_nccl_backend_2_proc_2_node(settings: dict[str, Any]) -> None:
+    assert run_ranks(4, _two_nodes_rank, settings) == [True] * 4
+
+
 # ----------------------------------------------------------------------------- the signature
 
 
@@ -591,7 +633,12 @@ def _errors_rank(rank: int, world_size: int) -> dict[str, Any]:
     errors["apex"] = _error(lambda: model.perform_slowmo(_ApexLikeSGD(model.parameters(), lr=0.1)))
     errors["optimizer"] = _error(lambda: model.perform_slowmo("sgd"))
     model.perform_slowmo(optimizer)
-    return {"errors": errors, "num_updates": model.num_updates, "sgp": model.sgp}
+    return {
+        "errors": errors,
+        "num_updates": model.num_updates,
+        "sgp": model.sgp,
+        "gossip_round": model.gossip_round,
+    }
 
 
 _EXPECTED_ERRORS = {
@@ -615,7 +662,8 @@ _EXPECTED_ERRORS = {
 
 def test_arguments_that_cannot_work_raise_on_every_rank() -> None:
     for result in run_ranks(WORLD_SIZE, _errors_rank):
-        assert result["num_updates"] == 1 and result["sgp"]
+        # One SGP round per perform_slowmo(), finished when it returns.
+        assert result["num_updates"] == 1 and result["sgp"] and result["gossip_round"] == 1
         for name, (kind, words) in _EXPECTED_ERRORS.items():
             got = result["errors"][name]
             assert got is not None, f"{name}: nothing raised"

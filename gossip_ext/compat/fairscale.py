@@ -3,7 +3,8 @@
 ``from gossip_ext.compat.fairscale import SlowMoDistributedDataParallel`` takes the place of
 ``fairscale.experimental.nn.data_parallel``'s (SlowMo over LocalSGD or SGP): same constructor
 (argument names, order and defaults), same ``perform_slowmo(optimizer)`` after every
-``optimizer.step()``, same attributes, same ``state_dict()`` keys. It is a
+``optimizer.step()``, same attributes, same ``state_dict()`` keys (and ``_extra_state``, with
+what resuming exactly needs). It is a
 :class:`gossip_ext.GossipDataParallel`, which does the work; nothing here communicates by itself.
 
 What is mapped:
@@ -38,10 +39,12 @@ ranks or groups that do not match the node layout, and wrongly typed arguments: 
 TypeError naming the argument and its value, on every rank at once.
 
 .. note::
-    Where fairscale takes the slow momentum step on parameters that are not averaged (with
-    ``slowmo_memory_efficient=False``, an SGP step without ``slowmo_sgp_average_params``, or a
-    LocalSGD step that is not also an averaging step), the step here averages exactly first.
-    At two workers one uniform gossip round is the exact average, so the two agree.
+    A SlowMo step always averages exactly, in place of that step's LocalSGD average or SGP round.
+    fairscale does the same with ``slowmo_memory_efficient`` (the default); without it, fairscale
+    runs the step's SGP round (or its LocalSGD average, when one is due) and then takes the slow
+    momentum step on each rank's own parameters, which are not averaged unless
+    ``slowmo_sgp_average_params`` or the LocalSGD average made them so. At two workers one
+    uniform gossip round is the exact average, so the two agree.
 """
 
 from __future__ import annotations
@@ -233,7 +236,6 @@ class SlowMoDistributedDataParallel(GossipDataParallel):
                 "torch.distributed.init_process_group() first"
             )
         error = layout = algorithm = None
-        slowmo = slowmo_lr != 1 or slowmo_momentum != 0
         try:
             _check_type("global_group", global_group, (dist.ProcessGroup, type(None)))
             algorithm = _check_arguments(
@@ -254,6 +256,8 @@ class SlowMoDistributedDataParallel(GossipDataParallel):
                 verbose=verbose,
                 profile_mode=profile_mode,
             )
+            # fairscale's rule: SlowMo off is SlowMo with slowmo_lr = 1 and slowmo_momentum = 0.
+            slowmo = slowmo_lr != 1 or slowmo_momentum != 0
             layout = _check_layout(
                 nprocs_per_node,
                 process_rank,
