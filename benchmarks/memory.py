@@ -46,6 +46,7 @@ from results import machine, record
 from torch import nn
 
 import gossip_ext
+from gossip_ext.compat.fairscale import SlowMoDistributedDataParallel
 
 WORLD_SIZE = 2
 WIDTH = 2048  # features of every Linear layer
@@ -62,6 +63,47 @@ CONFIGS = {
     "DDP": ("ddp", {}),
     "DDP gradient_as_bucket_view": ("ddp", {"gradient_as_bucket_view": True}),
     "plain push-sum (SGP-style)": ("plain", {}),
+}
+# fairscale's SlowMoDistributedDataParallel through gossip_ext.compat.fairscale, in fairscale's own
+# loop (step, zero_grad, perform_slowmo), beside the core wrapper with register_optimizer(), whose
+# hook averages right after the step, while the gradients are still alive.
+_SLOWMO = {"slowmo_momentum": 0.5, "slowmo_frequency": 1, "nprocs_per_node": 1}
+CONFIGS.update(
+    {
+        "fairscale SlowMo memory-efficient": (
+            "fairscale",
+            {**_SLOWMO, "localsgd_frequency": 100, "slowmo_memory_efficient": True},
+        ),
+        "fairscale SlowMo no sharding": (
+            "fairscale",
+            {**_SLOWMO, "localsgd_frequency": 100, "slowmo_memory_efficient": False},
+        ),
+        "fairscale LocalSGD + SlowMo memory-efficient": (
+            "fairscale",
+            {**_SLOWMO, "localsgd_frequency": 1, "slowmo_memory_efficient": True},
+        ),
+        "fairscale LocalSGD": (
+            "fairscale",
+            {"slowmo_momentum": 0.0, "localsgd_frequency": 1, "nprocs_per_node": 1},
+        ),
+        "gossip_ext LocalSGD (hook)": (
+            "hook",
+            {"base_algorithm": "localsgd", "global_avg_freq": 1},
+        ),
+        "gossip_ext SlowMo memory-efficient (hook)": (
+            "hook",
+            {"base_algorithm": "localsgd", "slowmo_freq": 1, "slowmo_memory_efficient": True},
+        ),
+        "gossip_ext SlowMo (hook)": ("hook", {"base_algorithm": "localsgd", "slowmo_freq": 1}),
+    }
+)
+# The extra model copies fairscale's tests/experimental/nn/data_parallel/test_gossip.py expects at
+# the peak (2 workers, so the memory-efficient state is split in halves) and this project's goals.
+SLOWMO_GOALS = {
+    "fairscale SlowMo memory-efficient": ("~1.0 (approx(1.0, rel 0.1))", 1.1),
+    "fairscale SlowMo no sharding": ("~2.0 (approx(2.0, rel 0.1))", 2.1),
+    "fairscale LocalSGD + SlowMo memory-efficient": ("1.0 + LocalSGD's < 0.3", 1.3),
+    "fairscale LocalSGD": ("< 0.3", 0.3),
 }
 GOSSIP_SYNC = "gossip_ext sync SGP"
 PEERS = ("DDP", "DDP gradient_as_bucket_view", "plain push-sum (SGP-style)")
@@ -193,6 +235,10 @@ def wrap(kind: str, options: dict, module: nn.Module, rank: int, world_size: int
         return gossip_ext.GossipDataParallel(module, **options)
     if kind == "ddp":
         return nn.parallel.DistributedDataParallel(module, **options)
+    if kind == "fairscale":
+        return SlowMoDistributedDataParallel(module, **options)
+    if kind == "hook":
+        return gossip_ext.GossipDataParallel(module, **options)
     if next(module.parameters()).device.type != "cpu":
         raise ValueError(
             "the plain push-sum sends with gloo point-to-point, which takes CPU tensors"
@@ -221,14 +267,20 @@ def measure(rank: int, world_size: int, config: str, args) -> dict:
     probe.end_peak("wrap peak")
     probe.mark("wrapped")
     opt = torch.optim.SGD(module.parameters(), lr=1e-3, momentum=0)
+    if kind == "hook":
+        model.register_optimizer(opt)
     dist.barrier()
     probe.start_peak()
     for x in inputs:
-        opt.zero_grad()
+        if kind != "fairscale":
+            opt.zero_grad()
         model(x).square().mean().backward()
         opt.step()
         if kind in ("gossip", "plain"):
             model.transfer_params()
+        elif kind == "fairscale":  # fairscale's loop: the gradients are freed before averaging
+            opt.zero_grad(set_to_none=True)
+            model.perform_slowmo(opt)
     if kind == "plain":
         # Its receive buffers are new each round: count them once the peer's message has landed
         # (gossip_ext's are persistent and were filled by the previous rounds).
@@ -362,6 +414,19 @@ def verdict(results: dict, metric: str) -> str:
     return "\n".join(lines)
 
 
+def slowmo_verdict(results: dict, metric: str) -> str:
+    lines = []
+    for config, (fairscale, goal) in SLOWMO_GOALS.items():
+        if config not in results or "error" in results[config][0]:
+            continue
+        peak = extra_copies(results, config, metric, "steps peak", "steps peak")
+        lines.append(
+            f"- {config}: peak {peak:.2f} extra copies; fairscale's tests expect {fairscale}; "
+            f"goal <= {goal} -> {'met' if peak <= goal else 'missed'}"
+        )
+    return "\n".join(lines)
+
+
 def composition(world_size: int) -> str:
     graph = gossip_ext.NPeerDynamicDirectedExponentialGraph()
     in_peers = max(
@@ -397,6 +462,7 @@ def report(results: dict, args) -> str:
         format_table(results, "rss"),
         "",
         verdict(results, "rss"),
+        slowmo_verdict(results, "rss"),
     ]
     if device.type == "cuda":
         parts += [
