@@ -424,7 +424,9 @@ def _bad_inputs(rank: int, world_size: int) -> dict:
     # Collectives, before any case: every rank creates every group.
     everyone = dist.new_group(list(range(world_size)))
     singles = [dist.new_group([r]) for r in range(world_size)]
+    pairs = [dist.new_group([2 * k, 2 * k + 1]) for k in range(world_size // 2)]
     other = (rank + 1) % world_size
+    node, other_node = rank // 2, (rank // 2 + 1) % 2
     errors = {
         "rank": _error(lambda: build(rank=other)),
         "world_size": _error(lambda: build(world_size=world_size + 1)),
@@ -436,6 +438,7 @@ def _bad_inputs(rank: int, world_size: int) -> dict:
         "local_node_group": _error(lambda: build(local_node_group=everyone)),
         "not_a_member": _error(lambda: build(local_node_group=singles[other])),
         "mixing": _error(lambda: build(mixing="uniform")),
+        "other_node": _error(lambda: build(nprocs_per_node=2, local_node_group=pairs[other_node])),
     }
     # Accepted: the arguments that mean nothing here, and a node group that is this node's.
     model = build(
@@ -443,19 +446,30 @@ def _bad_inputs(rank: int, world_size: int) -> dict:
     )
     errors["accepted_process_rank"] = (model.process_rank, model.local_rank)
     errors["attr"] = _error(lambda: model.update_gossiper("passive", True))
-    errors["ppi_too_large"] = _error(lambda: model.update_gossiper("peers_per_itr", 2))
+    errors["ppi_too_large"] = _error(lambda: model.update_gossiper("peers_per_itr", 4))
     errors["mix"] = _error(lambda: model.transfer_params(mix=1))
     errors["finish_gossip"] = _error(lambda: model.state_dict(finish_gossip=None))
     model.eval()
     errors["eval_transfer"] = model.transfer_params()  # SGP's eval() stops gossip
     model = build(overlap=True)
     errors["overlap_transfer"] = model.transfer_params()  # the forward starts rounds
+    # Two nodes of two processes, with SGP's graph for the node and the node's own group.
+    graph = sgp.RingGraph(node, world_size // 2, 2, rank % 2)
+    model = build(graph=graph, nprocs_per_node=2, local_node_group=pairs[node])
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    errors["node_transfers"] = []
+    for _ in range(2):
+        model(torch.full((1, 2), float(rank))).sum().backward()
+        optimizer.step()
+        errors["node_transfers"].append(model.transfer_params())
+    model.eval()
+    errors["node"] = (model.local_rank, model.gossip_round, graph.get_peers())
     return errors
 
 
 @pytest.fixture(scope="module")
 def bad():
-    results = run_ranks(2, _bad_inputs)
+    results = run_ranks(4, _bad_inputs)
     return {case: [r[case] for r in results] for case in results[0]}
 
 
@@ -470,21 +484,22 @@ def _assert_raised(errors: list, error_type: type, *fragments: str) -> None:
 def test_rank_or_world_size_that_disagree_with_torch_distributed(bad):
     _assert_raised(bad["rank"], ValueError, "disagrees with torch.distributed")
     assert bad["rank"][0][1].startswith("rank=1 ")
-    _assert_raised(bad["world_size"], ValueError, "world_size=3 disagrees")
+    _assert_raised(bad["world_size"], ValueError, "world_size=5 disagrees")
 
 
 def test_a_graph_built_for_another_process(bad):
     _assert_raised(bad["graph_rank"], ValueError, "graph=RingGraph(rank=", "another process")
-    assert "RingGraph(0, 2, 1, 0, peers_per_itr=1)" in bad["graph_rank"][0][1]
-    _assert_raised(bad["graph_world_size"], ValueError, "world_size=4", "world_size=2")
+    assert "RingGraph(0, 4, 1, 0, peers_per_itr=1)" in bad["graph_rank"][0][1]
+    _assert_raised(bad["graph_world_size"], ValueError, "world_size=8", "world_size=4")
     _assert_raised(bad["graph_nprocs"], ValueError, "nprocs_per_node=2", "nprocs_per_node=1")
 
 
 def test_a_local_node_group_that_is_not_this_node(bad):
-    _assert_raised(bad["local_node_group"], ValueError, "local_node_group must hold", "[0, 1]")
+    _assert_raised(bad["local_node_group"], ValueError, "must hold", "got [0, 1, 2, 3]")
     assert "this node's processes [1]" in bad["local_node_group"][1][1]
-    _assert_raised(bad["not_a_member"], ValueError, "local_node_group")
-    assert bad["not_a_member"][0][1].endswith("got a group without this process")
+    for case in ("not_a_member", "other_node"):
+        _assert_raised(bad[case], ValueError, "local_node_group must hold", "without this process")
+    assert "this node's processes [2, 3] (nprocs_per_node=2" in bad["other_node"][2][1]
 
 
 def test_a_mixing_without_equivalent(bad):
@@ -492,12 +507,23 @@ def test_a_mixing_without_equivalent(bad):
 
 
 def test_accepted_arguments_and_calls_on_a_built_model(bad):
-    assert bad["accepted_process_rank"] == [(0, 0), (1, 0)]
+    assert bad["accepted_process_rank"] == [(r, 0) for r in range(4)]
     _assert_raised(bad["attr"], ValueError, "attr must be 'peers_per_itr'", "'passive'")
-    _assert_raised(bad["ppi_too_large"], ValueError, "peers_per_itr must be < world_size (2)")
+    _assert_raised(bad["ppi_too_large"], ValueError, "peers_per_itr must be < world_size (4)")
     _assert_raised(bad["mix"], TypeError, "mix must be a bool, got int 1")
     _assert_raised(bad["finish_gossip"], TypeError, "finish_gossip must be a bool")
-    assert bad["eval_transfer"] == bad["overlap_transfer"] == [False, False]
+    assert bad["eval_transfer"] == bad["overlap_transfer"] == [False] * 4
+
+
+def test_several_processes_per_node(bad):
+    # Only each node's first process gossips; peers are process ranks (node * nprocs_per_node).
+    assert bad["node_transfers"] == [[True, True], [False, False]] * 2
+    assert bad["node"] == [
+        (0, 2, ([2], [2])),
+        (1, 0, ([2], [2])),
+        (0, 2, ([0], [0])),
+        (1, 0, ([0], [0])),
+    ]
 
 
 @pytest.mark.parametrize(
