@@ -417,7 +417,9 @@ def _error(call) -> tuple[type, str] | None:
     return None
 
 
-def _bad_inputs(rank: int, world_size: int) -> dict:
+def _at_four(rank: int, world_size: int) -> dict:
+    """Bad input, and the other cases that need no training loop: one 4-rank run."""
+
     def build(**kwargs):
         return sgp.GossipDataParallel(nn.Linear(2, 1), **kwargs)
 
@@ -464,12 +466,22 @@ def _bad_inputs(rank: int, world_size: int) -> dict:
         errors["node_transfers"].append(model.transfer_params())
     model.eval()
     errors["node"] = (model.local_rank, model.gossip_round, graph.get_peers())
+    # A checkpoint of SGP itself, its parameters saved as push-sum numerators x = w z.
+    model = build()
+    model.load_state_dict(
+        {
+            "state_dict": {"module.weight": torch.full((1, 2), 2.0), "module.bias": torch.ones(1)},
+            "ps_weight": torch.tensor([0.5]),
+            "is_ps_numerator": True,
+        }
+    )
+    errors["sgp_checkpoint"] = [p.detach().clone() for p in model.module.parameters()]
     return errors
 
 
 @pytest.fixture(scope="module")
 def bad():
-    results = run_ranks(4, _bad_inputs)
+    results = run_ranks(4, _at_four)
     return {case: [r[case] for r in results] for case in results[0]}
 
 
@@ -524,6 +536,12 @@ def test_several_processes_per_node(bad):
         (0, 2, ([0], [0])),
         (1, 0, ([0], [0])),
     ]
+
+
+def test_loading_a_checkpoint_of_sgp_itself(bad):
+    for weight, bias in bad["sgp_checkpoint"]:
+        assert torch.equal(weight, torch.full((1, 2), 4.0))  # de-biased: x / w
+        assert torch.equal(bias, torch.full((1,), 2.0))
 
 
 @pytest.mark.parametrize(
