@@ -20,7 +20,12 @@ Scripts written for SGP (its ``gossip_sgd.py``) run with only the import line ch
     nodes symmetrically, and no phone book ever lists the node itself (SGP's
     NPeerDynamicDirectedExponentialGraph does at 6 nodes with 2 peers). Every other phone book
     is SGP's. Changing ``peers_per_itr`` rebuilds the schedule for the new value, where SGP
-    kept the phone book built for the old one.
+    kept the phone book built for the old one (NPeerDynamicDirectedExponentialGraph's depends
+    on it).
+
+``overlap=True`` has SGP's semantics: every training forward absorbs the previous round and
+starts the next, so the script does not call ``transfer_params()`` (which then returns False).
+``ps_weight`` is the push-sum weight as a float (SGP's was a one-element tensor).
 
 Accepted and ignored: ``use_streams`` (the engine orders its own streams), ``device_ids`` of
 None or one device equal to the module's, ``mix`` of ``transfer_params`` (whether mixing is
