@@ -117,12 +117,6 @@ def check_arguments(
             )
     if base_algorithm not in ("sgp", "localsgd"):
         raise ValueError(f"base_algorithm must be 'sgp' or 'localsgd', got {base_algorithm!r}")
-    if base_algorithm == "localsgd" and not (global_avg_freq or slowmo_freq):
-        raise ValueError(
-            "base_algorithm='localsgd' runs no gossip, so it needs exact averages: set "
-            f"global_avg_freq (LocalSGD's averaging period) or slowmo_freq, got "
-            f"global_avg_freq={global_avg_freq!r}, slowmo_freq={slowmo_freq!r}"
-        )
     if start_in_forward and not overlap:
         raise ValueError(
             "start_in_forward=True needs overlap=True: a synchronous round is absorbed by the "
@@ -222,6 +216,21 @@ def check_parameters(module: nn.Module, named: list[tuple[str, torch.Tensor]]) -
 NCCL = "nccl"
 PROCESS_GROUP = "process_group"
 HOST_STAGING = "host_staging"
+
+
+def check_localsgd(base_algorithm: str, global_avg_freq, slowmo_freq, gossip_world_size: int):
+    """LocalSGD without exact averages would train every machine alone, unless there is only one
+    (one machine whose processes average gradients, as fairscale's single-node case)."""
+    if (
+        base_algorithm == "localsgd"
+        and not (global_avg_freq or slowmo_freq)
+        and gossip_world_size > 1
+    ):
+        raise ValueError(
+            "base_algorithm='localsgd' runs no gossip, so it needs exact averages: set "
+            f"global_avg_freq (LocalSGD's averaging period) or slowmo_freq, got "
+            f"global_avg_freq={global_avg_freq!r}, slowmo_freq={slowmo_freq!r}"
+        )
 
 
 def check_buffers(

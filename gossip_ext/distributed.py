@@ -280,6 +280,9 @@ class GossipDataParallel(nn.Module):
         self.gossip_world_size = _validation.gossip_world_size(
             graph, push_sum, world_size, nprocs_per_node
         )
+        _validation.check_localsgd(
+            base_algorithm, global_avg_freq, slowmo_freq, self.gossip_world_size
+        )
         _validation.check_no_sparse_gradients(module, nprocs_per_node)
         # The mixing's kind must agree, its weights need not: push-sum allows every node its own
         # column-stochastic share.

@@ -681,6 +681,32 @@ TEST(GossipEngineTest, ARoundThatFailsToPostChangesNothingAndStaysFailed) {
   }
 }
 
+TEST(GossipEngineTest, PeersPerItrChangesFromTheNextRoundAndKeepsMass) {
+  World world(8, options_for({GraphKind::kNPeerDynamicDirectedExponential, 1, kUniform}),
+              {at::kDouble});
+  run_rounds(world, 2);
+  const int64_t one_peer = world.engines[0]->bytes_sent() / 2;
+  for (auto& engine : world.engines) engine->set_peers_per_itr(2);
+  EXPECT_EQ(world.engines[0]->graph().peers_per_itr(), 2);
+  expect_mass_conserved(run_rounds(world, 3), {1e-12});
+  EXPECT_EQ(world.engines[0]->bytes_sent(), 2 * one_peer + 3 * 2 * one_peer);
+  // A peer per round for every node is more than 8 nodes have: refused, naming the option.
+  try {
+    world.engines[0]->set_peers_per_itr(8);
+    ADD_FAILURE() << "peers_per_itr=8 was accepted at world size 8";
+  } catch (const ValueError& e) {
+    EXPECT_NE(std::string(e.what()).find("peers_per_itr"), std::string::npos) << e.what();
+  }
+  EXPECT_EQ(world.engines[0]->graph().peers_per_itr(), 2);
+}
+
+TEST(GossipEngineTest, PeersPerItrCannotChangeWhileARoundIsInFlight) {
+  World world(2, options_for({GraphKind::kRing, 1, kUniform}), {at::kDouble});
+  world.engines[0]->start_round();
+  EXPECT_THROW(world.engines[0]->set_peers_per_itr(1), c10::Error);
+  world.hub->abort("test over");
+}
+
 TEST(GossipEngineTest, MessageDtypeMustBe16Bit) {
   EngineOptions options = options_for({GraphKind::kRing, 1, kUniform});
   options.message_dtype = at::kFloat;
