@@ -554,8 +554,13 @@ class GossipDataParallel(nn.Module):
         :meth:`sync_comms`), so that every message sent counts; the push-sum weights then restart
         at 1. The average is push-sum's consensus value ``sum_i w_i z_i / sum_i w_i``, which
         gossip converges to: the plain mean of the ``z_i`` whenever the weights are 1 (uniform
-        mixing). With ``nprocs_per_node > 1`` it averages the gossiping processes, one per
-        machine, and every process receives the result.
+        mixing). Floating-point buffers (BatchNorm's running statistics) are averaged too. With
+        ``nprocs_per_node > 1`` it averages the gossiping processes, one per machine, and every
+        process receives the result.
+
+        It holds one transient copy of the parameters of one dtype at a time, and writes the
+        parameters only once every all-reduce has succeeded, so a peer that fails in the middle
+        leaves them as they were.
         """
         self.sync_comms()
         self._average_exactly(slowmo=False)

@@ -21,23 +21,10 @@ import pytest
 import torch
 import torch.nn.functional as F
 from multiprocess import run_ranks
+from test_compat_fairscale import Net
 from torch import nn
 
 from gossip_ext.compat import fairscale as gossip
-
-
-class Net(nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.fc1 = nn.Linear(2, 10, bias=False)
-        self.fc2 = nn.Linear(10, 50, bias=False)
-        self.fc3 = nn.Linear(50, 4, bias=False)
-        self.relu = nn.ReLU()
-
-    def forward(self, x):
-        x = self.relu(self.fc1(x))
-        x = self.relu(self.fc2(x))
-        return F.softmax(self.fc3(x), dim=1)
 
 
 class LargeNet(Net):

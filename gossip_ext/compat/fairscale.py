@@ -50,7 +50,6 @@ TypeError naming the argument and its value, on every rank at once.
 from __future__ import annotations
 
 import logging
-import warnings
 import weakref
 from collections.abc import Mapping
 from enum import Enum
@@ -94,8 +93,6 @@ logger = logging.getLogger(__name__)
 
 # The transfer_params() caller perform_slowmo() reports, should the optimizer hook also gossip.
 _BY_PERFORM_SLOWMO = "by perform_slowmo()"
-# The core's warning for one gossiping process: with a single node this is DDP inside it.
-_ONE_GOSSIPER_WARNING = "GossipDataParallel: there is one gossiping process"
 
 
 class SlowMoBaseAlgorithm(str, Enum):
@@ -289,30 +286,27 @@ class SlowMoDistributedDataParallel(GossipDataParallel):
             logger.warning("SlowMo is being used without LocalSGD and SGP")
         if comm_device is None and dist.get_backend(global_group) == "gloo":
             comm_device = torch.device("cpu")  # fairscale's choice on gloo
-        # The core's LocalSGD needs an exact average to run; one node without SlowMo has none,
-        # and there gossip at one node is what does nothing.
-        base_algorithm = "sgp" if sgp or (layout.single_node and not slowmo) else "localsgd"
-        with warnings.catch_warnings():
-            if layout.single_node:
-                warnings.filterwarnings("ignore", message=_ONE_GOSSIPER_WARNING)
-            super().__init__(
-                module,
-                graph=core_graph,
-                mixing=core_mixing,
-                push_sum=push_sum,
-                base_algorithm=base_algorithm,
-                nprocs_per_node=nprocs_per_node,
-                process_group=global_group,
-                comm_device=comm_device,
-                broadcast_buffers=broadcast_buffers,
-                global_avg_freq=localsgd_frequency if localsgd else None,
-                slowmo_freq=slowmo_frequency if slowmo else None,
-                slowmo_momentum=slowmo_momentum if slowmo else 0.5,
-                slowmo_lr=slowmo_lr if slowmo else 1.0,
-                slowmo_memory_efficient=slowmo_memory_efficient,
-                slowmo_num_shards=slowmo_num_shards if slowmo_memory_efficient else None,
-                verbose=verbose,
-            )
+        # One node: no gossip at all (the core's LocalSGD with nothing to average but SlowMo's
+        # steps, if on), and the node's processes average gradients, as fairscale does.
+        base_algorithm = "sgp" if sgp else "localsgd"
+        super().__init__(
+            module,
+            graph=core_graph,
+            mixing=core_mixing,
+            push_sum=push_sum,
+            base_algorithm=base_algorithm,
+            nprocs_per_node=nprocs_per_node,
+            process_group=global_group,
+            comm_device=comm_device,
+            broadcast_buffers=broadcast_buffers,
+            global_avg_freq=localsgd_frequency if localsgd else None,
+            slowmo_freq=slowmo_frequency if slowmo else None,
+            slowmo_momentum=slowmo_momentum if slowmo else 0.5,
+            slowmo_lr=slowmo_lr if slowmo else 1.0,
+            slowmo_memory_efficient=slowmo_memory_efficient,
+            slowmo_num_shards=slowmo_num_shards if slowmo_memory_efficient else None,
+            verbose=verbose,
+        )
         # fairscale starts the slow parameters at the first perform_slowmo(), not at the first
         # forward as the core would.
         self._slow_start_pending = False
