@@ -259,8 +259,9 @@ class ExactAveraging:
     """The exact-averaging schedule of a GossipDataParallel, its SlowMo state, and one averaging
     step (the gossip state stays with the wrapper).
 
-    Memory: a step holds one transient flat copy of one dtype group at a time, so that the
-    parameters change only once every collective has succeeded (Note [The parameters are the
+    Memory: a step holds one transient flat copy of the parameters (every dtype group's average
+    until all are written), so that the parameters change only once every collective has
+    succeeded (Note [The parameters are the
     model] in the engine); SlowMo adds its state (see :class:`SlowMomentum`). Floating-point
     buffers (BatchNorm's running statistics) are averaged with the parameters.
     """
@@ -315,9 +316,8 @@ class ExactAveraging:
         """Sets the parameters to the exact average (see :func:`exact_average`), followed by the
         SlowMo update when an optimizer is given, and the floating buffers to theirs (weighted
         by ``buffer_weight``)."""
-        results = []
+        # Every bucket is averaged before any is written: one failed collective changes nothing.
         if optimizer is None:
-            # One bucket at a time, committed once every bucket has been averaged.
             results = [
                 exact_average(self.buckets, b, weight, self.group) for b in range(len(self.buckets))
             ]

@@ -42,6 +42,14 @@ logger = logging.getLogger(__name__)
 _BUCKET_BYTES = 250 * 1024 * 1024
 
 
+def _with_peers(graph: GraphBase, peers_per_itr: int) -> GraphBase:
+    """A copy of ``graph`` with another number of peers per round (the user's object is left
+    as it was constructed)."""
+    graph = copy.copy(graph)
+    graph.peers_per_itr = peers_per_itr
+    return graph
+
+
 def _parameter_versions(module: nn.Module) -> int:
     """The sum of the parameters' version counters: it changes when anything writes them in
     place, as every optimizer step does."""
@@ -558,9 +566,9 @@ class GossipDataParallel(nn.Module):
         ``nprocs_per_node > 1`` it averages the gossiping processes, one per machine, and every
         process receives the result.
 
-        It holds one transient copy of the parameters of one dtype at a time, and writes the
-        parameters only once every all-reduce has succeeded, so a peer that fails in the middle
-        leaves them as they were.
+        It holds one transient copy of the parameters and writes them only once every
+        all-reduce has succeeded, so a peer that fails in the middle leaves them as they were
+        (``tests/test_faults.py``).
         """
         self.sync_comms()
         self._average_exactly(slowmo=False)
@@ -595,8 +603,7 @@ class GossipDataParallel(nn.Module):
         it. Raises ValueError if the graph does not admit the value at this world size.
         """
         _validation.check_type("peers_per_itr", peers_per_itr, int, "an int")
-        graph = copy.copy(self.graph)
-        graph.peers_per_itr = peers_per_itr
+        graph = _with_peers(self.graph, peers_per_itr)
         _validation.gossip_world_size(
             graph, self.push_sum, dist.get_world_size(self.process_group), self.nprocs_per_node
         )
@@ -704,9 +711,7 @@ class GossipDataParallel(nn.Module):
             self._engine.restore(int(state["gossip_round"]), float(state["ps_weight"]))
         peers = int(state.get("peers_per_itr", self._constructed_graph.peers_per_itr))
         if peers != self.graph.peers_per_itr:
-            graph = copy.copy(self.graph)
-            graph.peers_per_itr = peers
-            self._set_graph(graph)
+            self._set_graph(_with_peers(self.graph, peers))
 
     def state_dict(self, *args, **kwargs):
         """The module's state under ``module.`` after finishing gossip in flight, plus what

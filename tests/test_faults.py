@@ -12,6 +12,7 @@ from multiprocess import run_ranks, run_ranks_tolerating_deaths
 from torch import nn
 
 import gossip_ext
+from gossip_ext.compat.fairscale import SlowMoDistributedDataParallel
 
 
 def _one_rank_stalls(rank: int, world_size: int, stall_s: float) -> dict:
@@ -340,3 +341,60 @@ def test_a_survivor_keeps_its_last_valid_model_and_the_failure_stays_raised(
         assert result["state_dict_is_last_model"], (rank, result["error"])
         for name in LATER_CALLS:
             assert result["later"][name] == ("TimeoutError", result["error"]), (rank, name, result)
+
+
+def _survivor_of_a_failed_average(
+    rank: int, world_size: int, dead: int, layer: str, sync_dir: str
+) -> dict:
+    """A peer dies right before the exact average of step 2 (LocalSGD's, or SlowMo's through
+    the fairscale layer): the survivors' all-reduce fails, and what they read then must be the
+    model of their last optimizer step."""
+    torch.manual_seed(0)
+    module = nn.Linear(3, 1)
+    if layer == "localsgd":
+        model = gossip_ext.GossipDataParallel(module, base_algorithm="localsgd", global_avg_freq=2)
+    else:
+        model = SlowMoDistributedDataParallel(
+            module, nprocs_per_node=1, slowmo_frequency=2, localsgd_frequency=100
+        )
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.5)
+    result = {"error": None}
+    try:
+        for step in range(2):
+            model(torch.full((1, 3), float(rank + 1))).sum().backward()
+            opt.step()
+            opt.zero_grad()
+            last_model = [p.detach().clone() for p in module.parameters()]
+            if step == 1 and rank == dead:
+                os.kill(os.getpid(), signal.SIGKILL)
+            if layer == "localsgd":
+                model.transfer_params()
+            else:
+                model.perform_slowmo(opt)
+    except RuntimeError as error:
+        state = module.state_dict()
+        result = {
+            "error": str(error),
+            "module_is_last_model": all(
+                torch.equal(p, q) for p, q in zip(module.parameters(), last_model)
+            ),
+            "state_dict_is_last_model": all(
+                torch.equal(state[name], q) for name, q in zip(["weight", "bias"], last_model)
+            ),
+        }
+    _leave_with_the_survivors(sync_dir, rank, world_size, dead)
+    return result
+
+
+@pytest.mark.parametrize("layer", ["localsgd", "fairscale slowmo"])
+def test_a_peer_dying_during_an_exact_average_leaves_the_survivors_last_model(tmp_path, layer):
+    dead = 1
+    outcomes = run_ranks_tolerating_deaths(
+        3, _survivor_of_a_failed_average, dead, layer, str(tmp_path), deadline_s=150.0
+    )
+    assert outcomes[dead].exitcode == -signal.SIGKILL, outcomes[dead]
+    for rank in (0, 2):
+        result = outcomes[rank].result
+        assert outcomes[rank].exitcode == 0 and result["error"] is not None, (rank, outcomes[rank])
+        assert result["module_is_last_model"], (rank, result["error"])
+        assert result["state_dict_is_last_model"], (rank, result["error"])
