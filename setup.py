@@ -52,8 +52,10 @@ def _extension():
     # -fopenmp: at::parallel_for runs in parallel only where the caller is compiled with OpenMP
     # (torch ships and loads libgomp itself). Release builds (the default) carry no debug
     # information and are stripped: 23 MB become about 2. GOSSIP_EXT_DEBUG=1 keeps both.
+    # -ffp-contract=off: no multiply-add is fused behind the source's back, so the CPU kernels give
+    # the same bits on every instruction set (tests/cpp/range_kernels_test.cpp), as in CMake.
     debug = os.environ.get("GOSSIP_EXT_DEBUG", "0") == "1"
-    cxx_flags = ["-O3", "-fvisibility=hidden", "-fopenmp", "-g" if debug else "-g0"]
+    cxx_flags = ["-O3", "-fvisibility=hidden", "-fopenmp", "-ffp-contract=off", "-g" if debug else "-g0"]
     link_flags = ["-fopenmp"] + ([] if debug else ["-s"])
     include_dirs = [os.path.join(ROOT, "csrc")]
 

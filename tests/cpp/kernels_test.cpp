@@ -15,7 +15,6 @@
 #include <c10/util/Exception.h>
 #include <gtest/gtest.h>
 
-#include "kernels/cpu/convert.h"
 #include "kernels/push_sum.h"
 
 namespace gossip {
@@ -252,52 +251,4 @@ TEST(PushSumKernels, AbsorbRejectsBadArguments) {
   EXPECT_EQ(values_of(x), values_of(before));
 }
 
-}  // namespace gossip
-
-namespace gossip {
-namespace {
-
-// kernels/cpu/convert.h against c10's own conversions, bit for bit: every 16-bit pattern into
-// float, and out of float every 16-bit value, the midpoints between neighbours (ties round to
-// even), their neighbouring floats, and a sweep of random bit patterns.
-std::vector<float> conversion_probes(float (*to_float)(uint16_t)) {
-  std::vector<float> probes;
-  for (uint32_t h = 0; h < 65536; ++h) {
-    const float f = to_float(static_cast<uint16_t>(h));
-    const float next = to_float(static_cast<uint16_t>(h + 1));
-    const float mid = f + (next - f) / 2;
-    for (float p : {f, mid, std::nextafter(mid, -INFINITY), std::nextafter(mid, INFINITY)}) {
-      probes.push_back(p);
-    }
-  }
-  std::mt19937 rng(7);
-  for (int i = 0; i < 1'000'000; ++i) probes.push_back(cpu::bits_to_float(rng()));
-  return probes;
-}
-
-bool same_bits_or_both_nan(float a, float b) {
-  return (std::isnan(a) && std::isnan(b)) || cpu::float_to_bits(a) == cpu::float_to_bits(b);
-}
-
-TEST(CpuConvertTest, BFloat16MatchesC10BitForBit) {
-  for (uint32_t h = 0; h < 65536; ++h) {
-    const float want = static_cast<float>(c10::BFloat16(static_cast<uint16_t>(h), c10::BFloat16::from_bits()));
-    ASSERT_TRUE(same_bits_or_both_nan(cpu::bfloat16_to_float(static_cast<uint16_t>(h)), want)) << h;
-  }
-  for (float f : conversion_probes(&cpu::bfloat16_to_float)) {
-    ASSERT_EQ(cpu::float_to_bfloat16(f), c10::BFloat16(f).x) << f;
-  }
-}
-
-TEST(CpuConvertTest, HalfMatchesC10BitForBit) {
-  for (uint32_t h = 0; h < 65536; ++h) {
-    const float want = static_cast<float>(c10::Half(static_cast<uint16_t>(h), c10::Half::from_bits()));
-    ASSERT_TRUE(same_bits_or_both_nan(cpu::half_to_float(static_cast<uint16_t>(h)), want)) << h;
-  }
-  for (float f : conversion_probes(&cpu::half_to_float)) {
-    ASSERT_EQ(cpu::float_to_half(f), c10::Half(f).x) << f;
-  }
-}
-
-}  // namespace
 }  // namespace gossip

@@ -1,6 +1,7 @@
-// gossip::cpu::avx2: the CPU range kernels compiled for AVX2 with FMA and F16C, run only where the
-// CPU has them (cpu_has_avx2()). The target pragma covers this file's own code, after the
-// standard headers, so nothing else in the library needs those instructions.
+// gossip::cpu::avx2: the CPU range kernels compiled for AVX2 with FMA and F16C, with explicit
+// vector lanes for float32, bfloat16 and float16 (lanes_avx2.h), run only where the CPU has those
+// instructions (cpu_has_avx2()). The target pragma covers this file's own code, after the
+// standard headers, so nothing else in the library needs them.
 #include <cstdint>
 #include <cstring>
 
@@ -8,8 +9,11 @@
 
 #if defined(__x86_64__) && defined(__GNUC__)
 
+#include <immintrin.h>
+
 #pragma GCC push_options
 #pragma GCC target("avx2,fma,f16c")
+#include "kernels/cpu/lanes_avx2.h"
 #define GOSSIP_RANGE_KERNELS_ISA avx2
 #include "kernels/cpu/range_kernels.inc"
 #pragma GCC pop_options
@@ -25,6 +29,17 @@ bool cpu_has_avx2() {
 }  // namespace gossip::cpu
 
 #else  // another architecture: the baseline kernels serve every call
+
+namespace gossip::cpu::avx2 {
+namespace {
+
+template <typename T>
+struct Lanes {
+  static constexpr bool kEnabled = false;
+};
+
+}  // namespace
+}  // namespace gossip::cpu::avx2
 
 #define GOSSIP_RANGE_KERNELS_ISA avx2
 #include "kernels/cpu/range_kernels.inc"

@@ -1,0 +1,265 @@
+// The CPU range kernels (kernels/cpu/range_kernels.h) below the dispatcher: the scalar
+// conversions of convert.h and the avx2 kernels' vector conversions against c10's own, bit for
+// bit, and the avx2 kernels against the baseline ones, bit for bit, on data full of the values
+// that conversions get wrong: NaN, infinities, signed zeros, subnormals, ties, overflow.
+#include <cmath>
+#include <cstdint>
+#include <cstdio>
+#include <limits>
+#include <random>
+#include <string>
+#include <type_traits>
+#include <vector>
+
+#include <c10/util/BFloat16.h>
+#include <c10/util/Half.h>
+#include <gtest/gtest.h>
+
+#include "kernels/cpu/convert.h"
+#include "kernels/cpu/range_kernels.h"
+
+namespace gossip {
+namespace {
+
+using cpu::BFloat16Bits;
+using cpu::HalfBits;
+
+// Floats that probe conversions to 16 bits: every 16-bit value, the midpoints between neighbours
+// (ties round to even), their neighbouring floats, and a sweep of random bit patterns.
+std::vector<float> conversion_probes(float (*to_float)(uint16_t)) {
+  std::vector<float> probes;
+  for (uint32_t h = 0; h < 65536; ++h) {
+    const float f = to_float(static_cast<uint16_t>(h));
+    const float next = to_float(static_cast<uint16_t>(h + 1));
+    const float mid = f + (next - f) / 2;
+    for (float p : {f, mid, std::nextafter(mid, -INFINITY), std::nextafter(mid, INFINITY)}) {
+      probes.push_back(p);
+    }
+  }
+  std::mt19937 rng(7);
+  for (int i = 0; i < 1'000'000; ++i) probes.push_back(cpu::bits_to_float(rng()));
+  return probes;
+}
+
+bool same_bits_or_both_nan(float a, float b) {
+  return (std::isnan(a) && std::isnan(b)) || cpu::float_to_bits(a) == cpu::float_to_bits(b);
+}
+
+float c10_to_float(BFloat16Bits h) {
+  return static_cast<float>(c10::BFloat16(h.bits, c10::BFloat16::from_bits()));
+}
+float c10_to_float(HalfBits h) {
+  return static_cast<float>(c10::Half(h.bits, c10::Half::from_bits()));
+}
+uint16_t c10_bits(float f, BFloat16Bits) { return c10::BFloat16(f).x; }
+uint16_t c10_bits(float f, HalfBits) { return c10::Half(f).x; }
+
+}  // namespace
+
+TEST(CpuConvertTest, BFloat16MatchesC10BitForBit) {
+  for (uint32_t h = 0; h < 65536; ++h) {
+    const float want = c10_to_float(BFloat16Bits{static_cast<uint16_t>(h)});
+    ASSERT_TRUE(same_bits_or_both_nan(cpu::bfloat16_to_float(static_cast<uint16_t>(h)), want)) << h;
+  }
+  for (float f : conversion_probes(&cpu::bfloat16_to_float)) {
+    ASSERT_EQ(cpu::float_to_bfloat16(f), c10::BFloat16(f).x) << f;
+  }
+}
+
+TEST(CpuConvertTest, HalfMatchesC10BitForBit) {
+  for (uint32_t h = 0; h < 65536; ++h) {
+    const float want = c10_to_float(HalfBits{static_cast<uint16_t>(h)});
+    ASSERT_TRUE(same_bits_or_both_nan(cpu::half_to_float(static_cast<uint16_t>(h)), want)) << h;
+  }
+  for (float f : conversion_probes(&cpu::half_to_float)) {
+    ASSERT_EQ(cpu::float_to_half(f), c10::Half(f).x) << f;
+  }
+}
+
+namespace {
+
+// The avx2 kernels' conversions, through kernels that do nothing else: compress_into with scale 1
+// and no fold stores each float rounded, and absorb of one received message into -0 * x loads
+// each message value exactly (-0 + v is v for every v, -0 and +0 included).
+template <typename M>
+void expect_vector_conversions_match_c10(float (*to_float)(uint16_t)) {
+  std::vector<M> patterns(65536);
+  for (uint32_t h = 0; h < 65536; ++h) patterns[h].bits = static_cast<uint16_t>(h);
+  std::vector<float> loaded(patterns.size(), 0.0f);
+  const M* received[] = {patterns.data()};
+  cpu::avx2::absorb<float, M, false>(loaded.data(), received, 1, nullptr, 0,
+                                     static_cast<int64_t>(loaded.size()), -0.0f, 0.0f, 1.0f);
+  for (uint32_t h = 0; h < 65536; ++h) {
+    ASSERT_TRUE(same_bits_or_both_nan(loaded[h], c10_to_float(patterns[h]))) << h;
+  }
+
+  std::vector<float> probes = conversion_probes(to_float);
+  std::vector<M> stored(probes.size());
+  cpu::avx2::compress_into<float, M>(probes.data(), stored.data(), 0,
+                                     static_cast<int64_t>(probes.size()), 1.0f, 0.0f);
+  for (size_t i = 0; i < probes.size(); ++i) {
+    ASSERT_EQ(stored[i].bits, c10_bits(probes[i], M{})) << probes[i];
+  }
+}
+
+}  // namespace
+
+TEST(RangeKernelsTest, Avx2ConversionsMatchC10BitForBit) {
+  if (!cpu::cpu_has_avx2()) GTEST_SKIP() << "this CPU lacks AVX2, FMA or F16C";
+  expect_vector_conversions_match_c10<BFloat16Bits>(&cpu::bfloat16_to_float);
+  expect_vector_conversions_match_c10<HalfBits>(&cpu::half_to_float);
+}
+
+namespace {
+
+constexpr int64_t kLength = 1000;  // not a multiple of any vector width: a tail is left
+constexpr int64_t kBegins[] = {0, 3};  // 3: a range that starts off the vector alignment
+
+// Values that every kernel should carry through both instruction sets alike: ordinary ones over
+// a wide range of magnitudes, and specials.
+std::vector<float> float_values(std::mt19937_64& rng) {
+  const float specials[] = {std::numeric_limits<float>::quiet_NaN(),
+                            -std::numeric_limits<float>::quiet_NaN(),
+                            std::numeric_limits<float>::infinity(),
+                            -std::numeric_limits<float>::infinity(),
+                            0.0f,
+                            -0.0f,
+                            1e-40f,       // float32 subnormal
+                            -3e-8f,       // float16 subnormal
+                            65504.0f,     // float16 maximum
+                            65520.0f,     // rounds to float16 infinity
+                            1.00390625f,  // a bfloat16 tie (1 + 2^-8)
+                            std::numeric_limits<float>::max()};
+  std::normal_distribution<float> normal;
+  std::uniform_int_distribution<int> exponent(-40, 40);
+  std::uniform_int_distribution<int> pick(0, 9);
+  std::vector<float> values(kLength);
+  for (float& v : values) {
+    if (pick(rng) == 0) {
+      v = specials[std::uniform_int_distribution<size_t>(0, std::size(specials) - 1)(rng)];
+    } else {
+      v = std::ldexp(normal(rng), exponent(rng));
+    }
+  }
+  return values;
+}
+
+template <typename T>
+std::vector<T> values_of_type(std::mt19937_64& rng) {
+  if constexpr (std::is_same_v<T, float>) {
+    return float_values(rng);
+  } else {
+    // Every 16-bit pattern is a value: NaNs, infinities and subnormals among them.
+    std::uniform_int_distribution<uint32_t> bits(0, 65535);
+    std::vector<T> values(kLength);
+    for (T& v : values) v.bits = static_cast<uint16_t>(bits(rng));
+    return values;
+  }
+}
+
+uint32_t bits_of(float v) { return cpu::float_to_bits(v); }
+uint32_t bits_of(BFloat16Bits v) { return v.bits; }
+uint32_t bits_of(HalfBits v) { return v.bits; }
+
+bool is_nan(float v) { return std::isnan(v); }
+bool is_nan(BFloat16Bits v) { return (v.bits & 0x7FFF) > 0x7F80; }
+bool is_nan(HalfBits v) { return (v.bits & 0x7FFF) > 0x7C00; }
+
+template <typename T>
+std::string hex(T v) {
+  char text[16];
+  std::snprintf(text, sizeof(text), "0x%08x", static_cast<unsigned>(bits_of(v)));
+  return text;
+}
+
+// Equal bits, or NaN in both: which NaN an operation on two NaNs returns (so its sign, which a
+// float16 store keeps) depends on the order of the operands, which the compiler may swap.
+template <typename T>
+::testing::AssertionResult same_bits(const std::vector<T>& avx2, const std::vector<T>& base) {
+  for (size_t i = 0; i < avx2.size(); ++i) {
+    if (bits_of(avx2[i]) != bits_of(base[i]) && !(is_nan(avx2[i]) && is_nan(base[i]))) {
+      return ::testing::AssertionFailure() << "element " << i << ": avx2 bits " << hex(avx2[i])
+                                           << ", base bits " << hex(base[i]);
+    }
+  }
+  return ::testing::AssertionSuccess();
+}
+
+template <typename T>
+void expect_scale_into_agrees(std::mt19937_64& rng) {
+  const std::vector<T> src = values_of_type<T>(rng);
+  for (int64_t begin : kBegins) {
+    std::vector<T> avx2(kLength), base(kLength);
+    cpu::avx2::scale_into<T>(src.data(), avx2.data(), begin, kLength, 0.37f);
+    cpu::base::scale_into<T>(src.data(), base.data(), begin, kLength, 0.37f);
+    EXPECT_TRUE(same_bits(avx2, base)) << "begin " << begin;
+  }
+}
+
+template <typename T, typename M, bool kCheckFinite>
+void expect_absorb_agrees(std::mt19937_64& rng, int num_received, bool with_sent) {
+  SCOPED_TRACE("received " + std::to_string(num_received) + (with_sent ? ", sent" : "") +
+               (kCheckFinite ? ", checked" : ""));
+  const std::vector<T> x = values_of_type<T>(rng);
+  std::vector<std::vector<M>> received;
+  std::vector<const M*> pointers;
+  for (int k = 0; k < num_received; ++k) received.push_back(values_of_type<M>(rng));
+  for (const std::vector<M>& r : received) pointers.push_back(r.data());
+  const std::vector<M> sent = values_of_type<M>(rng);
+  const M* own = with_sent ? sent.data() : nullptr;
+  for (int64_t begin : kBegins) {
+    std::vector<T> avx2 = x, base = x;
+    const bool avx2_nonfinite = cpu::avx2::absorb<T, M, kCheckFinite>(
+        avx2.data(), pointers.data(), num_received, own, begin, kLength, 0.83f, -0.5f, 1.37f);
+    const bool base_nonfinite = cpu::base::absorb<T, M, kCheckFinite>(
+        base.data(), pointers.data(), num_received, own, begin, kLength, 0.83f, -0.5f, 1.37f);
+    EXPECT_TRUE(same_bits(avx2, base)) << "begin " << begin;
+    EXPECT_EQ(avx2_nonfinite, base_nonfinite) << "begin " << begin;
+  }
+}
+
+template <typename T, typename M>
+void expect_absorb_agrees(std::mt19937_64& rng) {
+  for (int num_received : {0, 1, 3}) {
+    for (bool with_sent : {false, true}) {
+      expect_absorb_agrees<T, M, false>(rng, num_received, with_sent);
+      expect_absorb_agrees<T, M, true>(rng, num_received, with_sent);
+    }
+  }
+}
+
+template <typename M>
+void expect_compress_into_agrees(std::mt19937_64& rng) {
+  const std::vector<float> src = float_values(rng);
+  for (float fold : {0.0f, 1.0f, 0.7f}) {
+    for (int64_t begin : kBegins) {
+      std::vector<float> avx2_state = src, base_state = src;
+      std::vector<M> avx2(kLength), base(kLength);
+      cpu::avx2::compress_into<float, M>(avx2_state.data(), avx2.data(), begin, kLength, 0.61f,
+                                         fold);
+      cpu::base::compress_into<float, M>(base_state.data(), base.data(), begin, kLength, 0.61f,
+                                         fold);
+      EXPECT_TRUE(same_bits(avx2, base)) << "fold " << fold << ", begin " << begin;
+      EXPECT_TRUE(same_bits(avx2_state, base_state)) << "fold " << fold << ", begin " << begin;
+    }
+  }
+}
+
+}  // namespace
+
+TEST(RangeKernelsTest, Avx2MatchesBaseBitForBit) {
+  if (!cpu::cpu_has_avx2()) GTEST_SKIP() << "this CPU lacks AVX2, FMA or F16C";
+  std::mt19937_64 rng(3);
+  expect_scale_into_agrees<float>(rng);
+  expect_scale_into_agrees<BFloat16Bits>(rng);
+  expect_scale_into_agrees<HalfBits>(rng);
+  expect_absorb_agrees<float, float>(rng);
+  expect_absorb_agrees<BFloat16Bits, BFloat16Bits>(rng);
+  expect_absorb_agrees<HalfBits, HalfBits>(rng);
+  expect_absorb_agrees<float, BFloat16Bits>(rng);
+  expect_absorb_agrees<float, HalfBits>(rng);
+  expect_compress_into_agrees<BFloat16Bits>(rng);
+  expect_compress_into_agrees<HalfBits>(rng);
+}
+
+}  // namespace gossip
