@@ -1,21 +1,23 @@
-// The AVX2 lanes of the CPU range kernels: eight float32 values in one __m256, and the loads and
+// The AVX2 lanes of the CPU range kernels: float32 values in __m256 registers, and the loads and
 // stores that convert float16 (F16C) and bfloat16 (integer shifts) into and out of them. Included
 // only by range_kernels_avx2.cpp, inside its `#pragma GCC target("avx2,fma,f16c")` and after
 // <immintrin.h>, so nothing here is compiled for a CPU that lacks those instructions.
 //
 // The conversions are bit-exact with convert.h, and so with c10::BFloat16 and c10::Half: round to
 // nearest even, subnormals kept, a bfloat16 NaN stored as 0x7FC0; a float16 NaN keeps its sign
-// (tests/cpp/range_kernels_test.cpp). The range kernels take the interface from here:
-//   Lanes<T>          kEnabled; where true, it is a FloatLanes (Vec, kWidth, broadcast, add, sub,
-//                     mul, any_nan: the float32 arithmetic of T) with load(const T*) -> Vec and
-//                     store(T*, Vec) of kWidth elements
-//   Lanes<16-bit T>   also narrow(Vec) -> Narrow, store(T*, Narrow) and widen(Narrow) -> Vec: a
-//                     rounded message and the float value it holds, without reading it back
+// (tests/cpp/range_kernels_test.cpp).
+//
+// The range kernels take KernelLanes<T, M> (state T, messages M) from here: its State and Message
+// each have kEnabled and, where true, Vec, kWidth, broadcast, add, sub, mul, any_nan (the float32
+// arithmetic, the same for both) and load(const T*) -> Vec, store(T*, Vec) of kWidth elements. A
+// 16-bit Message under a float32 State also has narrow(Vec) -> Narrow, store(M*, Narrow) and
+// widen(Narrow) -> Vec: a rounded message and the float value it holds, without reading it back.
 #pragma once
 
 namespace gossip::cpu::avx2 {
 namespace {
 
+// Eight float32 values in their memory order.
 struct FloatLanes {
   using Vec = __m256;
   static constexpr int kWidth = 8;
@@ -25,6 +27,17 @@ struct FloatLanes {
   static Vec mul(Vec a, Vec b) { return _mm256_mul_ps(a, b); }
   static bool any_nan(Vec v) { return _mm256_movemask_ps(_mm256_cmp_ps(v, v, _CMP_UNORD_Q)) != 0; }
 };
+
+// float_to_bfloat16 on eight floats, up to the final shift: each 32-bit lane holds its rounded
+// bfloat16 in its top half (add 0x7FFF plus the lowest kept bit; NaN becomes 0x7FC0).
+__m256i bfloat16_in_top_halves(__m256 v) {
+  const __m256i bits = _mm256_castps_si256(v);
+  const __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(bits, 16), _mm256_set1_epi32(1));
+  const __m256i rounded =
+      _mm256_add_epi32(_mm256_add_epi32(bits, _mm256_set1_epi32(0x7FFF)), lsb);
+  const __m256i nan = _mm256_castps_si256(_mm256_cmp_ps(v, v, _CMP_UNORD_Q));
+  return _mm256_blendv_epi8(rounded, _mm256_set1_epi32(0x7FC00000), nan);
+}
 
 template <typename T>
 struct Lanes {
@@ -46,13 +59,7 @@ struct Lanes<BFloat16Bits> : FloatLanes {
     return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
   }
   static __m128i narrow(__m256 v) {
-    // float_to_bfloat16, eight at a time: add 0x7FFF plus the lowest kept bit, keep the top half.
-    const __m256i bits = _mm256_castps_si256(v);
-    const __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(bits, 16), _mm256_set1_epi32(1));
-    const __m256i rounded = _mm256_srli_epi32(
-        _mm256_add_epi32(_mm256_add_epi32(bits, _mm256_set1_epi32(0x7FFF)), lsb), 16);
-    const __m256i nan = _mm256_castps_si256(_mm256_cmp_ps(v, v, _CMP_UNORD_Q));
-    const __m256i value = _mm256_blendv_epi8(rounded, _mm256_set1_epi32(0x7FC0), nan);
+    const __m256i value = _mm256_srli_epi32(bfloat16_in_top_halves(v), 16);
     // Every value fits 16 bits, so the saturating pack only narrows.
     return _mm_packus_epi32(_mm256_castsi256_si128(value), _mm256_extracti128_si256(value, 1));
   }
@@ -81,6 +88,52 @@ struct Lanes<HalfBits> : FloatLanes {
   }
   static void store(HalfBits* p, __m128i h) { _mm_storeu_si128(reinterpret_cast<__m128i*>(p), h); }
   static void store(HalfBits* p, __m256 v) { store(p, narrow(v)); }
+};
+
+// Sixteen bfloat16 values as the even and the odd elements of one 256-bit load, for kernels whose
+// every operand is bfloat16. Each 32-bit lane holds an even element in its low half and an odd
+// one in its top half, so a shift and a mask make them floats, and a word blend puts the rounded
+// results back in place: no widening or packing shuffle, which in the eight-lane layout take
+// about half of a conversion's vector instructions.
+struct BFloat16PairLanes {
+  struct Vec {
+    __m256 even, odd;
+  };
+  static constexpr bool kEnabled = true;
+  static constexpr int kWidth = 16;
+  static Vec broadcast(float v) { return {_mm256_set1_ps(v), _mm256_set1_ps(v)}; }
+  static Vec add(Vec a, Vec b) {
+    return {_mm256_add_ps(a.even, b.even), _mm256_add_ps(a.odd, b.odd)};
+  }
+  static Vec sub(Vec a, Vec b) {
+    return {_mm256_sub_ps(a.even, b.even), _mm256_sub_ps(a.odd, b.odd)};
+  }
+  static Vec mul(Vec a, Vec b) {
+    return {_mm256_mul_ps(a.even, b.even), _mm256_mul_ps(a.odd, b.odd)};
+  }
+  static bool any_nan(Vec v) { return FloatLanes::any_nan(v.even) || FloatLanes::any_nan(v.odd); }
+  static Vec load(const BFloat16Bits* p) {
+    const __m256i pairs = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+    return {_mm256_castsi256_ps(_mm256_slli_epi32(pairs, 16)),
+            _mm256_castsi256_ps(_mm256_and_si256(pairs, _mm256_set1_epi32(-0x10000)))};
+  }
+  static void store(BFloat16Bits* p, Vec v) {
+    const __m256i even = _mm256_srli_epi32(bfloat16_in_top_halves(v.even), 16);
+    const __m256i odd = bfloat16_in_top_halves(v.odd);
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), _mm256_blend_epi16(even, odd, 0xAA));
+  }
+};
+
+template <typename T, typename M>
+struct KernelLanes {
+  using State = Lanes<T>;
+  using Message = Lanes<M>;
+};
+
+template <>
+struct KernelLanes<BFloat16Bits, BFloat16Bits> {
+  using State = BFloat16PairLanes;
+  using Message = BFloat16PairLanes;
 };
 
 }  // namespace

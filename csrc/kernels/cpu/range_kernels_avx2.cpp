@@ -32,12 +32,7 @@ bool cpu_has_avx2() {
 
 namespace gossip::cpu::avx2 {
 namespace {
-
-template <typename T>
-struct Lanes {
-  static constexpr bool kEnabled = false;
-};
-
+#include "kernels/cpu/no_lanes.inc"
 }  // namespace
 }  // namespace gossip::cpu::avx2
 

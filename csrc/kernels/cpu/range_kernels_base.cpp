@@ -3,13 +3,7 @@
 
 namespace gossip::cpu::base {
 namespace {
-
-// No explicit vector lanes: the generic loops, vectorized by the compiler, serve every type.
-template <typename T>
-struct Lanes {
-  static constexpr bool kEnabled = false;
-};
-
+#include "kernels/cpu/no_lanes.inc"
 }  // namespace
 }  // namespace gossip::cpu::base
 
