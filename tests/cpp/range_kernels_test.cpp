@@ -253,7 +253,63 @@ void expect_compress_into_agrees(std::mt19937_64& rng) {
   }
 }
 
+template <typename V>
+V from_float(float value) {
+  if constexpr (std::is_same_v<V, float>) {
+    return value;
+  } else if constexpr (std::is_same_v<V, BFloat16Bits>) {
+    return V{cpu::float_to_bfloat16(value)};
+  } else {
+    return V{cpu::float_to_half(value)};
+  }
+}
+
+// One NaN or Inf anywhere among the values absorb reads (x, each received message, sent), in the
+// vector part of the range or in its tail, and only there, makes the checked kernel report it.
+template <typename T, typename M>
+void expect_absorb_finds_each_nonfinite_value(float nonfinite) {
+  constexpr int kReceived = 2;
+  std::vector<T> x(kLength);
+  std::vector<std::vector<M>> messages(kReceived + 1, std::vector<M>(kLength));  // then sent
+  auto reset = [&] {
+    for (int64_t i = 0; i < kLength; ++i) {
+      const float value = 0.25f + static_cast<float>(i % 7);
+      x[i] = from_float<T>(value);
+      for (std::vector<M>& message : messages) message[i] = from_float<M>(value);
+    }
+  };
+  auto run = [&] {
+    const M* received[kReceived] = {messages[0].data(), messages[1].data()};
+    return cpu::avx2::absorb<T, M, true>(x.data(), received, kReceived,
+                                         messages[kReceived].data(), 0, kLength, 0.5f, 0.5f, 1.0f);
+  };
+  reset();
+  EXPECT_FALSE(run()) << "every value finite";
+  for (int64_t position : {int64_t{0}, int64_t{13}, kLength - 1}) {
+    reset();
+    x[position] = from_float<T>(nonfinite);
+    EXPECT_TRUE(run()) << nonfinite << " at " << position << " in x";
+    for (size_t m = 0; m < messages.size(); ++m) {
+      reset();
+      messages[m][position] = from_float<M>(nonfinite);
+      EXPECT_TRUE(run()) << nonfinite << " at " << position << " in message " << m;
+    }
+  }
+}
+
 }  // namespace
+
+TEST(RangeKernelsTest, Avx2AbsorbFindsEachNonFiniteValue) {
+  if (!cpu::cpu_has_avx2()) GTEST_SKIP() << "this CPU lacks AVX2, FMA or F16C";
+  for (float nonfinite : {std::numeric_limits<float>::quiet_NaN(),
+                          -std::numeric_limits<float>::infinity()}) {
+    expect_absorb_finds_each_nonfinite_value<float, float>(nonfinite);
+    expect_absorb_finds_each_nonfinite_value<BFloat16Bits, BFloat16Bits>(nonfinite);
+    expect_absorb_finds_each_nonfinite_value<HalfBits, HalfBits>(nonfinite);
+    expect_absorb_finds_each_nonfinite_value<float, BFloat16Bits>(nonfinite);
+    expect_absorb_finds_each_nonfinite_value<float, HalfBits>(nonfinite);
+  }
+}
 
 TEST(RangeKernelsTest, Avx2MatchesBaseBitForBit) {
   if (!cpu::cpu_has_avx2()) GTEST_SKIP() << "this CPU lacks AVX2, FMA or F16C";

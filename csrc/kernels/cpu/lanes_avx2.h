@@ -8,8 +8,9 @@
 // (tests/cpp/range_kernels_test.cpp).
 //
 // The range kernels take KernelLanes<T, M> (state T, messages M) from here: its State and Message
-// each have kEnabled and, where true, Vec, kWidth, broadcast, add, sub, mul, any_nan (the float32
-// arithmetic, the same for both) and load(const T*) -> Vec, store(T*, Vec) of kWidth elements. A
+// each have kEnabled and, where true, Vec, kWidth, broadcast, add, sub, mul, probe, any_nan (the
+// float32 arithmetic, the same for both) and load(const T*) -> Vec, store(T*, Vec) of kWidth
+// elements. A
 // 16-bit Message under a float32 State also has narrow(Vec) -> Narrow, store(M*, Narrow) and
 // widen(Narrow) -> Vec: a rounded message and the float value it holds, without reading it back.
 #pragma once
@@ -25,6 +26,13 @@ struct FloatLanes {
   static Vec add(Vec a, Vec b) { return _mm256_add_ps(a, b); }
   static Vec sub(Vec a, Vec b) { return _mm256_sub_ps(a, b); }
   static Vec mul(Vec a, Vec b) { return _mm256_mul_ps(a, b); }
+  // FiniteProbe's lane += v * 0, with the sum replaced by a bitwise or: v * 0 is +-0 for a finite
+  // v and NaN for a NaN or Inf, and or-ing NaN's bits (exponent all ones, mantissa not zero) into
+  // anything leaves a NaN. A chain of adds would bound the loop by its latency; a chain of ors
+  // takes one cycle a step.
+  static Vec probe(Vec lanes, Vec v) {
+    return _mm256_or_ps(lanes, _mm256_mul_ps(v, _mm256_setzero_ps()));
+  }
   static bool any_nan(Vec v) { return _mm256_movemask_ps(_mm256_cmp_ps(v, v, _CMP_UNORD_Q)) != 0; }
 };
 
@@ -54,20 +62,23 @@ struct Lanes<float> : FloatLanes {
 template <>
 struct Lanes<BFloat16Bits> : FloatLanes {
   static constexpr bool kEnabled = true;
-  using Narrow = __m128i;
-  static __m256 widen(__m128i h) {
-    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
-  }
-  static __m128i narrow(__m256 v) {
-    const __m256i value = _mm256_srli_epi32(bfloat16_in_top_halves(v), 16);
-    // Every value fits 16 bits, so the saturating pack only narrows.
-    return _mm_packus_epi32(_mm256_castsi256_si128(value), _mm256_extracti128_si256(value, 1));
+  // The rounded values still in the top halves of 32-bit lanes: read back as floats by a mask,
+  // without a shuffle; stored by a shift and a pack.
+  using Narrow = __m256i;
+  static Narrow narrow(__m256 v) { return bfloat16_in_top_halves(v); }
+  static __m256 widen(Narrow top) {
+    return _mm256_castsi256_ps(_mm256_and_si256(top, _mm256_set1_epi32(-0x10000)));
   }
   static __m256 load(const BFloat16Bits* p) {
-    return widen(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+    const __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
   }
-  static void store(BFloat16Bits* p, __m128i h) {
-    _mm_storeu_si128(reinterpret_cast<__m128i*>(p), h);
+  static void store(BFloat16Bits* p, Narrow top) {
+    const __m256i value = _mm256_srli_epi32(top, 16);
+    // Every value fits 16 bits, so the saturating pack only narrows.
+    _mm_storeu_si128(
+        reinterpret_cast<__m128i*>(p),
+        _mm_packus_epi32(_mm256_castsi256_si128(value), _mm256_extracti128_si256(value, 1)));
   }
   static void store(BFloat16Bits* p, __m256 v) { store(p, narrow(v)); }
 };
@@ -110,6 +121,9 @@ struct BFloat16PairLanes {
   }
   static Vec mul(Vec a, Vec b) {
     return {_mm256_mul_ps(a.even, b.even), _mm256_mul_ps(a.odd, b.odd)};
+  }
+  static Vec probe(Vec lanes, Vec v) {
+    return {FloatLanes::probe(lanes.even, v.even), FloatLanes::probe(lanes.odd, v.odd)};
   }
   static bool any_nan(Vec v) { return FloatLanes::any_nan(v.even) || FloatLanes::any_nan(v.odd); }
   static Vec load(const BFloat16Bits* p) {
