@@ -10,9 +10,12 @@
 // The range kernels take KernelLanes<T, M> (state T, messages M) from here: its State and Message
 // each have kEnabled and, where true, Vec, kWidth, broadcast, add, sub, mul, probe, any_nan (the
 // float32 arithmetic, the same for both) and load(const T*) -> Vec, store(T*, Vec) of kWidth
-// elements. A
-// 16-bit Message under a float32 State also has narrow(Vec) -> Narrow, store(M*, Narrow) and
-// widen(Narrow) -> Vec: a rounded message and the float value it holds, without reading it back.
+// elements. A 16-bit Message under a float32 State also has narrow(Vec) -> Narrow,
+// store(M*, Narrow) and widen(Narrow) -> Vec: a rounded message and the float value it holds,
+// without reading it back. The layouts:
+//   float32 alone, float16 with float16 or under float32   eight lanes in memory order
+//   bfloat16 with bfloat16                                  sixteen, even and odd elements apart
+//   bfloat16 under float32                                  sixteen in memory order
 #pragma once
 
 namespace gossip::cpu::avx2 {
@@ -60,30 +63,6 @@ struct Lanes<float> : FloatLanes {
 };
 
 template <>
-struct Lanes<BFloat16Bits> : FloatLanes {
-  static constexpr bool kEnabled = true;
-  // The rounded values still in the top halves of 32-bit lanes: read back as floats by a mask,
-  // without a shuffle; stored by a shift and a pack.
-  using Narrow = __m256i;
-  static Narrow narrow(__m256 v) { return bfloat16_in_top_halves(v); }
-  static __m256 widen(Narrow top) {
-    return _mm256_castsi256_ps(_mm256_and_si256(top, _mm256_set1_epi32(-0x10000)));
-  }
-  static __m256 load(const BFloat16Bits* p) {
-    const __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
-    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
-  }
-  static void store(BFloat16Bits* p, Narrow top) {
-    const __m256i value = _mm256_srli_epi32(top, 16);
-    // Every value fits 16 bits, so the saturating pack only narrows.
-    _mm_storeu_si128(
-        reinterpret_cast<__m128i*>(p),
-        _mm_packus_epi32(_mm256_castsi256_si128(value), _mm256_extracti128_si256(value, 1)));
-  }
-  static void store(BFloat16Bits* p, __m256 v) { store(p, narrow(v)); }
-};
-
-template <>
 struct Lanes<HalfBits> : FloatLanes {
   static constexpr bool kEnabled = true;
   using Narrow = __m128i;
@@ -101,41 +80,87 @@ struct Lanes<HalfBits> : FloatLanes {
   static void store(HalfBits* p, __m256 v) { store(p, narrow(v)); }
 };
 
-// Sixteen bfloat16 values as the even and the odd elements of one 256-bit load, for kernels whose
-// every operand is bfloat16. Each 32-bit lane holds an even element in its low half and an odd
-// one in its top half, so a shift and a mask make them floats, and a word blend puts the rounded
-// results back in place: no widening or packing shuffle, which in the eight-lane layout take
-// about half of a conversion's vector instructions.
-struct BFloat16PairLanes {
+// Sixteen float32 values in two registers: the arithmetic of the lanes that come in sixteens.
+struct FloatPairs {
   struct Vec {
-    __m256 even, odd;
+    __m256 first, second;
   };
   static constexpr bool kEnabled = true;
   static constexpr int kWidth = 16;
   static Vec broadcast(float v) { return {_mm256_set1_ps(v), _mm256_set1_ps(v)}; }
   static Vec add(Vec a, Vec b) {
-    return {_mm256_add_ps(a.even, b.even), _mm256_add_ps(a.odd, b.odd)};
+    return {_mm256_add_ps(a.first, b.first), _mm256_add_ps(a.second, b.second)};
   }
   static Vec sub(Vec a, Vec b) {
-    return {_mm256_sub_ps(a.even, b.even), _mm256_sub_ps(a.odd, b.odd)};
+    return {_mm256_sub_ps(a.first, b.first), _mm256_sub_ps(a.second, b.second)};
   }
   static Vec mul(Vec a, Vec b) {
-    return {_mm256_mul_ps(a.even, b.even), _mm256_mul_ps(a.odd, b.odd)};
+    return {_mm256_mul_ps(a.first, b.first), _mm256_mul_ps(a.second, b.second)};
   }
   static Vec probe(Vec lanes, Vec v) {
-    return {FloatLanes::probe(lanes.even, v.even), FloatLanes::probe(lanes.odd, v.odd)};
+    return {FloatLanes::probe(lanes.first, v.first), FloatLanes::probe(lanes.second, v.second)};
   }
-  static bool any_nan(Vec v) { return FloatLanes::any_nan(v.even) || FloatLanes::any_nan(v.odd); }
+  static bool any_nan(Vec v) {
+    return FloatLanes::any_nan(v.first) || FloatLanes::any_nan(v.second);
+  }
+};
+
+// Sixteen bfloat16 values as the even (first) and the odd (second) elements of one 256-bit load,
+// for kernels whose every operand is bfloat16. Each 32-bit lane holds an even element in its low
+// half and an odd one in its top half, so a shift and a mask make them floats, and a word blend
+// puts the rounded results back in place: no widening or packing shuffle, which in memory order
+// take about half of a conversion's vector instructions.
+struct BFloat16EvenOddLanes : FloatPairs {
   static Vec load(const BFloat16Bits* p) {
     const __m256i pairs = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
     return {_mm256_castsi256_ps(_mm256_slli_epi32(pairs, 16)),
             _mm256_castsi256_ps(_mm256_and_si256(pairs, _mm256_set1_epi32(-0x10000)))};
   }
   static void store(BFloat16Bits* p, Vec v) {
-    const __m256i even = _mm256_srli_epi32(bfloat16_in_top_halves(v.even), 16);
-    const __m256i odd = bfloat16_in_top_halves(v.odd);
+    const __m256i even = _mm256_srli_epi32(bfloat16_in_top_halves(v.first), 16);
+    const __m256i odd = bfloat16_in_top_halves(v.second);
     _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), _mm256_blend_epi16(even, odd, 0xAA));
   }
+};
+
+// Sixteen float32 values in memory order: the state of a kernel with bfloat16 messages.
+struct FloatSixteenLanes : FloatPairs {
+  static Vec load(const float* p) { return {_mm256_loadu_ps(p), _mm256_loadu_ps(p + 8)}; }
+  static void store(float* p, Vec v) {
+    _mm256_storeu_ps(p, v.first);
+    _mm256_storeu_ps(p + 8, v.second);
+  }
+};
+
+// Sixteen bfloat16 messages in memory order, under a float32 state. Rounded sixteen at a time,
+// they are stored by one pack and one permute, where eight at a time take a pack and an extract.
+struct BFloat16SixteenLanes : FloatPairs {
+  // The rounded values still in the top halves of 32-bit lanes: read back as floats by a mask,
+  // without a shuffle (compress_into's error feedback).
+  struct Narrow {
+    __m256i first, second;
+  };
+  static __m256 load8(const BFloat16Bits* p) {
+    const __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
+  }
+  static Vec load(const BFloat16Bits* p) { return {load8(p), load8(p + 8)}; }
+  static Narrow narrow(Vec v) {
+    return {bfloat16_in_top_halves(v.first), bfloat16_in_top_halves(v.second)};
+  }
+  static Vec widen(Narrow top) {
+    const __m256i mask = _mm256_set1_epi32(-0x10000);
+    return {_mm256_castsi256_ps(_mm256_and_si256(top.first, mask)),
+            _mm256_castsi256_ps(_mm256_and_si256(top.second, mask))};
+  }
+  static void store(BFloat16Bits* p, Narrow top) {
+    // Every value fits 16 bits, so the saturating pack only narrows; it packs within 128-bit
+    // halves (0-3 8-11 | 4-7 12-15), and the permute puts the quarters in order.
+    const __m256i packed = _mm256_packus_epi32(_mm256_srli_epi32(top.first, 16),
+                                               _mm256_srli_epi32(top.second, 16));
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), _mm256_permute4x64_epi64(packed, 0xD8));
+  }
+  static void store(BFloat16Bits* p, Vec v) { store(p, narrow(v)); }
 };
 
 template <typename T, typename M>
@@ -146,8 +171,14 @@ struct KernelLanes {
 
 template <>
 struct KernelLanes<BFloat16Bits, BFloat16Bits> {
-  using State = BFloat16PairLanes;
-  using Message = BFloat16PairLanes;
+  using State = BFloat16EvenOddLanes;
+  using Message = BFloat16EvenOddLanes;
+};
+
+template <>
+struct KernelLanes<float, BFloat16Bits> {
+  using State = FloatSixteenLanes;
+  using Message = BFloat16SixteenLanes;
 };
 
 }  // namespace
