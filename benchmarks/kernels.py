@@ -1,6 +1,6 @@
 """Push-sum kernels: gossip_ext's fused ops against the unfused torch op chain and a plain copy.
 
-    python benchmarks/kernels.py --device cpu --sizes 1e6 1e7 2.5e7 --dtypes float32 bfloat16
+    python benchmarks/kernels.py --device cpu --sizes 1e6 1e7 2.5e7 --dtypes float32 bfloat16 float16
 
 For every dtype and size (elements of the flat buffer), in the same run, this times:
 
@@ -311,7 +311,7 @@ def parse_args(argv=None):
     parser.add_argument(
         "--dtypes",
         nargs="+",
-        default=["float32", "bfloat16"],
+        default=["float32", "bfloat16", "float16"],
         choices=sorted(DTYPES),
         help="buffer dtypes (default: float32 bfloat16)",
     )
