@@ -55,7 +55,13 @@ def _extension():
     # -ffp-contract=off: no multiply-add is fused behind the source's back, so the CPU kernels give
     # the same bits on every instruction set (tests/cpp/range_kernels_test.cpp), as in CMake.
     debug = os.environ.get("GOSSIP_EXT_DEBUG", "0") == "1"
-    cxx_flags = ["-O3", "-fvisibility=hidden", "-fopenmp", "-ffp-contract=off", "-g" if debug else "-g0"]
+    cxx_flags = [
+        "-O3",
+        "-fvisibility=hidden",
+        "-fopenmp",
+        "-ffp-contract=off",
+        "-g" if debug else "-g0",
+    ]
     link_flags = ["-fopenmp"] + ([] if debug else ["-s"])
     include_dirs = [os.path.join(ROOT, "csrc")]
 

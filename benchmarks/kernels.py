@@ -1,6 +1,6 @@
 """Push-sum kernels: gossip_ext's fused ops against the unfused torch op chain and a plain copy.
 
-    python benchmarks/kernels.py --device cpu --sizes 1e6 1e7 2.5e7 --dtypes float32 bfloat16 float16
+    python benchmarks/kernels.py --device cpu --sizes 1e6 1e7 2.5e7 --dtypes float32 float16
 
 For every dtype and size (elements of the flat buffer), in the same run, this times:
 
