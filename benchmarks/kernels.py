@@ -23,6 +23,10 @@ chain. With every op bandwidth-bound, the chain moves 2x (scale_into), 7/3 = 2.3
 k = 1) and 13/5 = 2.6x (absorb_, k = 3) the fused op's bytes: those are its speedup ceilings.
 The three are timed in interleaved rounds (--rounds), so that a drift of the machine's memory
 bandwidth (other tenants) hits them alike.
+
+On CPUs the kernels run the best instruction set the CPU has (base, avx2 or avx512), capped by
+torch's CPU capability, and the header names it: ``ATEN_CPU_CAPABILITY=avx2`` times the avx2
+kernels on an AVX-512 machine, ``=default`` the baseline ones.
 """
 
 from __future__ import annotations
@@ -35,7 +39,7 @@ import torch
 from results import machine, record
 from torch.utils.benchmark import Timer
 
-import gossip_ext  # noqa: F401  (registers torch.ops.gossip_ext)
+import gossip_ext  # registers torch.ops.gossip_ext
 
 DTYPES = {
     "float32": torch.float32,
@@ -290,6 +294,7 @@ def record_results(table: str, goals: str, args) -> None:
     where = device.type
     if device.type == "cpu":
         where += f", {args.threads} thread{'s' if args.threads > 1 else ''}"
+        where += f", {gossip_ext._C.cpu_kernels_isa()} kernels"
     record(f"Push-sum kernels, {where}", f"{table}\n\n{goals}", device)
 
 
@@ -387,7 +392,11 @@ def main(argv=None) -> list[dict]:
     rows = run(args)
     table = format_table(rows)
     device = torch.device(args.device)
-    print(f"\nPush-sum kernels on {device.type} ({machine(device)}), torch {torch.__version__}")
+    kernels = f", {gossip_ext._C.cpu_kernels_isa()} kernels" if device.type == "cpu" else ""
+    print(
+        f"\nPush-sum kernels on {device.type} ({machine(device)}), torch {torch.__version__}"
+        f"{kernels}"
+    )
     print(table)
     goals = summary(rows)
     print("\n" + goals)

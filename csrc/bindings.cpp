@@ -8,6 +8,7 @@
 #include "common/error.h"
 #include "engine/gossip_engine.h"
 #include "engine/simulate.h"
+#include "kernels/push_sum.h"
 #include "topology/graph.h"
 #include "topology/mixing.h"
 #include "transport/host_staging/host_staging_transport.h"
@@ -177,6 +178,7 @@ void bind_engine(py::module_& m) {
 
   m.def("simulate", &simulate, py::arg("values"), py::arg("rounds"), py::arg("options"),
         py::call_guard<py::gil_scoped_release>());
+  m.def("cpu_kernels_isa", &cpu_kernels_isa);
 }
 
 }  // namespace

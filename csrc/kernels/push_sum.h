@@ -36,6 +36,7 @@
 #pragma once
 
 #include <optional>
+#include <string>
 
 #include <ATen/core/Tensor.h>
 
@@ -54,6 +55,11 @@ void check_absorb_args(const at::Tensor& x, at::TensorList received,
 // The dtype absorb_ reads its messages in: the received buffers', else `sent`'s, else x's.
 at::ScalarType absorb_message_dtype(const at::Tensor& x, at::TensorList received,
                                     const std::optional<at::Tensor>& sent);
+
+// The instruction set the CPU kernels run: "avx512", "avx2" or "base" (kernels/cpu/
+// range_kernels.h): the best this CPU has, capped by torch's CPU capability (so the environment
+// variable ATEN_CPU_CAPABILITY=avx2 or =default lowers it, as it lowers torch's own kernels).
+std::string cpu_kernels_isa();
 
 // Entry points through the dispatcher: they reach the kernel of the tensors' device.
 namespace ops {

@@ -1,8 +1,9 @@
 // The CPU range kernels (kernels/cpu/range_kernels.h) below the dispatcher: the scalar
-// conversions of convert.h and the avx2 kernels' vector conversions against c10's own, bit for
-// bit (a float16 NaN's payload aside), and the avx2 kernels against the baseline ones, bit for
-// bit, on data full of the values that conversions get wrong: NaN, infinities, signed zeros,
-// subnormals, ties, overflow.
+// conversions of convert.h and each vector instruction set's conversions (avx2, avx512) against
+// c10's own, bit for bit (a float16 NaN's payload aside), and each instruction set's kernels
+// against the baseline ones, bit for bit, on data full of the values that conversions get wrong:
+// NaN, infinities, signed zeros, subnormals, ties, overflow. An instruction set this CPU lacks is
+// skipped, visibly.
 #include <cmath>
 #include <cstdint>
 #include <cstdio>
@@ -59,6 +60,33 @@ bool is_nan(float v) { return std::isnan(v); }
 bool is_nan(BFloat16Bits v) { return (v.bits & 0x7FFF) > 0x7F80; }
 bool is_nan(HalfBits v) { return (v.bits & 0x7FFF) > 0x7C00; }
 
+// One vector instruction set's range kernels, for the typed tests below.
+#define GOSSIP_RANGE_KERNELS(Name, isa, has, lacks)                                             \
+  struct Name {                                                                                 \
+    static bool available() { return cpu::has(); }                                             \
+    static constexpr const char* kLacks = lacks;                                                \
+    template <typename T>                                                                       \
+    static void scale_into(const T* src, T* out, int64_t begin, int64_t end, float scale) {     \
+      cpu::isa::scale_into<T>(src, out, begin, end, scale);                                     \
+    }                                                                                           \
+    template <typename T, typename M, bool kCheckFinite>                                        \
+    static bool absorb(T* x, const M* const* received, int num_received, const M* sent,         \
+                       int64_t begin, int64_t end, float self_scale, float sent_scale,          \
+                       float out_scale) {                                                       \
+      return cpu::isa::absorb<T, M, kCheckFinite>(x, received, num_received, sent, begin, end,  \
+                                                  self_scale, sent_scale, out_scale);           \
+    }                                                                                           \
+    template <typename T, typename M>                                                           \
+    static void compress_into(T* src, M* out, int64_t begin, int64_t end, float scale,          \
+                              float fold) {                                                     \
+      cpu::isa::compress_into<T, M>(src, out, begin, end, scale, fold);                         \
+    }                                                                                           \
+  };
+GOSSIP_RANGE_KERNELS(Avx2, avx2, cpu_has_avx2, "this CPU lacks AVX2, FMA or F16C")
+GOSSIP_RANGE_KERNELS(Avx512, avx512, cpu_has_avx512,
+                     "this CPU lacks AVX-512 F/BW/VL/DQ or AVX512_BF16")
+#undef GOSSIP_RANGE_KERNELS
+
 }  // namespace
 
 TEST(CpuConvertTest, BFloat16MatchesC10BitForBit) {
@@ -83,25 +111,26 @@ TEST(CpuConvertTest, HalfMatchesC10BitForBit) {
 
 namespace {
 
-// The avx2 kernels' conversions, through kernels that do nothing else: compress_into with scale 1
-// and no fold stores each float rounded, and absorb of one received message into -0 * x loads
-// each message value exactly (-0 + v is v for every v, -0 and +0 included).
-template <typename M>
+// An instruction set's conversions, through kernels that do nothing else: compress_into with
+// scale 1 and no fold stores each float rounded, and absorb of one received message into -0 * x
+// loads each message value exactly (-0 + v is v for every v, -0 and +0 included).
+template <typename Kernels, typename M>
 void expect_vector_conversions_match_c10(float (*to_float)(uint16_t)) {
   std::vector<M> patterns(65536);
   for (uint32_t h = 0; h < 65536; ++h) patterns[h].bits = static_cast<uint16_t>(h);
   std::vector<float> loaded(patterns.size(), 0.0f);
   const M* received[] = {patterns.data()};
-  cpu::avx2::absorb<float, M, false>(loaded.data(), received, 1, nullptr, 0,
-                                     static_cast<int64_t>(loaded.size()), -0.0f, 0.0f, 1.0f);
+  Kernels::template absorb<float, M, false>(loaded.data(), received, 1, nullptr, 0,
+                                            static_cast<int64_t>(loaded.size()), -0.0f, 0.0f,
+                                            1.0f);
   for (uint32_t h = 0; h < 65536; ++h) {
     ASSERT_TRUE(same_bits_or_both_nan(loaded[h], c10_to_float(patterns[h]))) << h;
   }
 
   std::vector<float> probes = conversion_probes(to_float);
   std::vector<M> stored(probes.size());
-  cpu::avx2::compress_into<float, M>(probes.data(), stored.data(), 0,
-                                     static_cast<int64_t>(probes.size()), 1.0f, 0.0f);
+  Kernels::template compress_into<float, M>(probes.data(), stored.data(), 0,
+                                            static_cast<int64_t>(probes.size()), 1.0f, 0.0f);
   for (size_t i = 0; i < probes.size(); ++i) {
     const uint16_t want = c10_bits(probes[i], M{});
     if (is_nan(M{want})) {
@@ -116,10 +145,19 @@ void expect_vector_conversions_match_c10(float (*to_float)(uint16_t)) {
 
 }  // namespace
 
-TEST(RangeKernelsTest, Avx2ConversionsMatchC10BitForBit) {
-  if (!cpu::cpu_has_avx2()) GTEST_SKIP() << "this CPU lacks AVX2, FMA or F16C";
-  expect_vector_conversions_match_c10<BFloat16Bits>(&cpu::bfloat16_to_float);
-  expect_vector_conversions_match_c10<HalfBits>(&cpu::half_to_float);
+template <typename Kernels>
+class RangeKernelsTest : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    if (!Kernels::available()) GTEST_SKIP() << Kernels::kLacks;
+  }
+};
+using InstructionSets = ::testing::Types<Avx2, Avx512>;
+TYPED_TEST_SUITE(RangeKernelsTest, InstructionSets);
+
+TYPED_TEST(RangeKernelsTest, ConversionsMatchC10BitForBit) {
+  expect_vector_conversions_match_c10<TypeParam, BFloat16Bits>(&cpu::bfloat16_to_float);
+  expect_vector_conversions_match_c10<TypeParam, HalfBits>(&cpu::half_to_float);
 }
 
 namespace {
@@ -183,28 +221,28 @@ std::string hex(T v) {
 // Equal bits, or NaN in both: which NaN an operation on two NaNs returns (so its sign, which a
 // float16 store keeps) depends on the order of the operands, which the compiler may swap.
 template <typename T>
-::testing::AssertionResult same_bits(const std::vector<T>& avx2, const std::vector<T>& base) {
-  for (size_t i = 0; i < avx2.size(); ++i) {
-    if (bits_of(avx2[i]) != bits_of(base[i]) && !(is_nan(avx2[i]) && is_nan(base[i]))) {
-      return ::testing::AssertionFailure() << "element " << i << ": avx2 bits " << hex(avx2[i])
-                                           << ", base bits " << hex(base[i]);
+::testing::AssertionResult same_bits(const std::vector<T>& vector, const std::vector<T>& base) {
+  for (size_t i = 0; i < vector.size(); ++i) {
+    if (bits_of(vector[i]) != bits_of(base[i]) && !(is_nan(vector[i]) && is_nan(base[i]))) {
+      return ::testing::AssertionFailure() << "element " << i << ": vector bits "
+                                           << hex(vector[i]) << ", base bits " << hex(base[i]);
     }
   }
   return ::testing::AssertionSuccess();
 }
 
-template <typename T>
+template <typename Kernels, typename T>
 void expect_scale_into_agrees(std::mt19937_64& rng) {
   const std::vector<T> src = values_of_type<T>(rng);
   for (int64_t begin : kBegins) {
-    std::vector<T> avx2(kLength), base(kLength);
-    cpu::avx2::scale_into<T>(src.data(), avx2.data(), begin, kLength, 0.37f);
+    std::vector<T> vector(kLength), base(kLength);
+    Kernels::template scale_into<T>(src.data(), vector.data(), begin, kLength, 0.37f);
     cpu::base::scale_into<T>(src.data(), base.data(), begin, kLength, 0.37f);
-    EXPECT_TRUE(same_bits(avx2, base)) << "begin " << begin;
+    EXPECT_TRUE(same_bits(vector, base)) << "begin " << begin;
   }
 }
 
-template <typename T, typename M, bool kCheckFinite>
+template <typename Kernels, typename T, typename M, bool kCheckFinite>
 void expect_absorb_agrees(std::mt19937_64& rng, int num_received, bool with_sent) {
   SCOPED_TRACE("received " + std::to_string(num_received) + (with_sent ? ", sent" : "") +
                (kCheckFinite ? ", checked" : ""));
@@ -216,39 +254,39 @@ void expect_absorb_agrees(std::mt19937_64& rng, int num_received, bool with_sent
   const std::vector<M> sent = values_of_type<M>(rng);
   const M* own = with_sent ? sent.data() : nullptr;
   for (int64_t begin : kBegins) {
-    std::vector<T> avx2 = x, base = x;
-    const bool avx2_nonfinite = cpu::avx2::absorb<T, M, kCheckFinite>(
-        avx2.data(), pointers.data(), num_received, own, begin, kLength, 0.83f, -0.5f, 1.37f);
+    std::vector<T> vector = x, base = x;
+    const bool vector_nonfinite = Kernels::template absorb<T, M, kCheckFinite>(
+        vector.data(), pointers.data(), num_received, own, begin, kLength, 0.83f, -0.5f, 1.37f);
     const bool base_nonfinite = cpu::base::absorb<T, M, kCheckFinite>(
         base.data(), pointers.data(), num_received, own, begin, kLength, 0.83f, -0.5f, 1.37f);
-    EXPECT_TRUE(same_bits(avx2, base)) << "begin " << begin;
-    EXPECT_EQ(avx2_nonfinite, base_nonfinite) << "begin " << begin;
+    EXPECT_TRUE(same_bits(vector, base)) << "begin " << begin;
+    EXPECT_EQ(vector_nonfinite, base_nonfinite) << "begin " << begin;
   }
 }
 
-template <typename T, typename M>
+template <typename Kernels, typename T, typename M>
 void expect_absorb_agrees(std::mt19937_64& rng) {
-  for (int num_received : {0, 1, 3}) {
+  for (int num_received : {0, 1, 2, 3, 5}) {  // 1-3 have kernels of their own (range_kernels.inc)
     for (bool with_sent : {false, true}) {
-      expect_absorb_agrees<T, M, false>(rng, num_received, with_sent);
-      expect_absorb_agrees<T, M, true>(rng, num_received, with_sent);
+      expect_absorb_agrees<Kernels, T, M, false>(rng, num_received, with_sent);
+      expect_absorb_agrees<Kernels, T, M, true>(rng, num_received, with_sent);
     }
   }
 }
 
-template <typename M>
+template <typename Kernels, typename M>
 void expect_compress_into_agrees(std::mt19937_64& rng) {
   const std::vector<float> src = float_values(rng);
   for (float fold : {0.0f, 1.0f, 0.7f}) {
     for (int64_t begin : kBegins) {
-      std::vector<float> avx2_state = src, base_state = src;
-      std::vector<M> avx2(kLength), base(kLength);
-      cpu::avx2::compress_into<float, M>(avx2_state.data(), avx2.data(), begin, kLength, 0.61f,
-                                         fold);
+      std::vector<float> vector_state = src, base_state = src;
+      std::vector<M> vector(kLength), base(kLength);
+      Kernels::template compress_into<float, M>(vector_state.data(), vector.data(), begin,
+                                                kLength, 0.61f, fold);
       cpu::base::compress_into<float, M>(base_state.data(), base.data(), begin, kLength, 0.61f,
                                          fold);
-      EXPECT_TRUE(same_bits(avx2, base)) << "fold " << fold << ", begin " << begin;
-      EXPECT_TRUE(same_bits(avx2_state, base_state)) << "fold " << fold << ", begin " << begin;
+      EXPECT_TRUE(same_bits(vector, base)) << "fold " << fold << ", begin " << begin;
+      EXPECT_TRUE(same_bits(vector_state, base_state)) << "fold " << fold << ", begin " << begin;
     }
   }
 }
@@ -266,7 +304,7 @@ V from_float(float value) {
 
 // One NaN or Inf anywhere among the values absorb reads (x, each received message, sent), in the
 // vector part of the range or in its tail, and only there, makes the checked kernel report it.
-template <typename T, typename M>
+template <typename Kernels, typename T, typename M>
 void expect_absorb_finds_each_nonfinite_value(float nonfinite) {
   constexpr int kReceived = 2;
   std::vector<T> x(kLength);
@@ -280,8 +318,9 @@ void expect_absorb_finds_each_nonfinite_value(float nonfinite) {
   };
   auto run = [&] {
     const M* received[kReceived] = {messages[0].data(), messages[1].data()};
-    return cpu::avx2::absorb<T, M, true>(x.data(), received, kReceived,
-                                         messages[kReceived].data(), 0, kLength, 0.5f, 0.5f, 1.0f);
+    return Kernels::template absorb<T, M, true>(x.data(), received, kReceived,
+                                                messages[kReceived].data(), 0, kLength, 0.5f,
+                                                0.5f, 1.0f);
   };
   reset();
   EXPECT_FALSE(run()) << "every value finite";
@@ -299,31 +338,29 @@ void expect_absorb_finds_each_nonfinite_value(float nonfinite) {
 
 }  // namespace
 
-TEST(RangeKernelsTest, Avx2AbsorbFindsEachNonFiniteValue) {
-  if (!cpu::cpu_has_avx2()) GTEST_SKIP() << "this CPU lacks AVX2, FMA or F16C";
+TYPED_TEST(RangeKernelsTest, AbsorbFindsEachNonFiniteValue) {
   for (float nonfinite : {std::numeric_limits<float>::quiet_NaN(),
                           -std::numeric_limits<float>::infinity()}) {
-    expect_absorb_finds_each_nonfinite_value<float, float>(nonfinite);
-    expect_absorb_finds_each_nonfinite_value<BFloat16Bits, BFloat16Bits>(nonfinite);
-    expect_absorb_finds_each_nonfinite_value<HalfBits, HalfBits>(nonfinite);
-    expect_absorb_finds_each_nonfinite_value<float, BFloat16Bits>(nonfinite);
-    expect_absorb_finds_each_nonfinite_value<float, HalfBits>(nonfinite);
+    expect_absorb_finds_each_nonfinite_value<TypeParam, float, float>(nonfinite);
+    expect_absorb_finds_each_nonfinite_value<TypeParam, BFloat16Bits, BFloat16Bits>(nonfinite);
+    expect_absorb_finds_each_nonfinite_value<TypeParam, HalfBits, HalfBits>(nonfinite);
+    expect_absorb_finds_each_nonfinite_value<TypeParam, float, BFloat16Bits>(nonfinite);
+    expect_absorb_finds_each_nonfinite_value<TypeParam, float, HalfBits>(nonfinite);
   }
 }
 
-TEST(RangeKernelsTest, Avx2MatchesBaseBitForBit) {
-  if (!cpu::cpu_has_avx2()) GTEST_SKIP() << "this CPU lacks AVX2, FMA or F16C";
+TYPED_TEST(RangeKernelsTest, MatchesBaseBitForBit) {
   std::mt19937_64 rng(3);
-  expect_scale_into_agrees<float>(rng);
-  expect_scale_into_agrees<BFloat16Bits>(rng);
-  expect_scale_into_agrees<HalfBits>(rng);
-  expect_absorb_agrees<float, float>(rng);
-  expect_absorb_agrees<BFloat16Bits, BFloat16Bits>(rng);
-  expect_absorb_agrees<HalfBits, HalfBits>(rng);
-  expect_absorb_agrees<float, BFloat16Bits>(rng);
-  expect_absorb_agrees<float, HalfBits>(rng);
-  expect_compress_into_agrees<BFloat16Bits>(rng);
-  expect_compress_into_agrees<HalfBits>(rng);
+  expect_scale_into_agrees<TypeParam, float>(rng);
+  expect_scale_into_agrees<TypeParam, BFloat16Bits>(rng);
+  expect_scale_into_agrees<TypeParam, HalfBits>(rng);
+  expect_absorb_agrees<TypeParam, float, float>(rng);
+  expect_absorb_agrees<TypeParam, BFloat16Bits, BFloat16Bits>(rng);
+  expect_absorb_agrees<TypeParam, HalfBits, HalfBits>(rng);
+  expect_absorb_agrees<TypeParam, float, BFloat16Bits>(rng);
+  expect_absorb_agrees<TypeParam, float, HalfBits>(rng);
+  expect_compress_into_agrees<TypeParam, BFloat16Bits>(rng);
+  expect_compress_into_agrees<TypeParam, HalfBits>(rng);
 }
 
 }  // namespace gossip

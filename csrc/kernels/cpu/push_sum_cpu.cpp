@@ -4,12 +4,14 @@
 // hands each range to a range kernel (range_kernels.h), compiled once per instruction set and
 // picked at run time; float16/bfloat16 accumulate in float32 and round once when stored.
 #include <atomic>
+#include <string>
 #include <type_traits>
 #include <vector>
 
 #include <ATen/Dispatch.h>
 #include <ATen/OpMathType.h>
 #include <ATen/Parallel.h>
+#include <ATen/Version.h>
 #include <torch/library.h>
 
 #include "kernels/cpu/range_kernels.h"
@@ -44,6 +46,57 @@ static_assert(sizeof(at::BFloat16) == sizeof(cpu::BFloat16Bits) &&
 template <typename scalar_t>
 using bits_t = typename Bits<scalar_t>::type;
 
+enum class Isa { kBase, kAvx2, kAvx512 };
+
+// cpu_kernels_isa(), decided once.
+Isa range_kernels_isa() {
+  static const Isa isa = [] {
+    const std::string torch_capability = at::get_cpu_capability();
+    const bool torch_avx512 = torch_capability == "AVX512";
+    const bool torch_avx2 = torch_avx512 || torch_capability == "AVX2";
+    if (torch_avx512 && cpu::cpu_has_avx512()) return Isa::kAvx512;
+    if (torch_avx2 && cpu::cpu_has_avx2()) return Isa::kAvx2;
+    return Isa::kBase;
+  }();
+  return isa;
+}
+
+template <typename T>
+auto scale_into_kernel() {
+  switch (range_kernels_isa()) {
+    case Isa::kAvx512:
+      return &cpu::avx512::scale_into<T>;
+    case Isa::kAvx2:
+      return &cpu::avx2::scale_into<T>;
+    default:
+      return &cpu::base::scale_into<T>;
+  }
+}
+
+template <typename T, typename M, bool kCheckFinite>
+auto absorb_kernel() {
+  switch (range_kernels_isa()) {
+    case Isa::kAvx512:
+      return &cpu::avx512::absorb<T, M, kCheckFinite>;
+    case Isa::kAvx2:
+      return &cpu::avx2::absorb<T, M, kCheckFinite>;
+    default:
+      return &cpu::base::absorb<T, M, kCheckFinite>;
+  }
+}
+
+template <typename T, typename M>
+auto compress_into_kernel() {
+  switch (range_kernels_isa()) {
+    case Isa::kAvx512:
+      return &cpu::avx512::compress_into<T, M>;
+    case Isa::kAvx2:
+      return &cpu::avx2::compress_into<T, M>;
+    default:
+      return &cpu::base::compress_into<T, M>;
+  }
+}
+
 template <typename scalar_t>
 const bits_t<scalar_t>* bits(const at::Tensor& t) {
   return reinterpret_cast<const bits_t<scalar_t>*>(t.const_data_ptr<scalar_t>());
@@ -63,13 +116,9 @@ void scale_into_cpu(const at::Tensor& src, const at::Tensor& out, double alpha,
     const T* in = bits<scalar_t>(src);
     T* result = mutable_bits<scalar_t>(out);
     const auto s = static_cast<at::opmath_type<scalar_t>>(scale);
-    const bool avx2 = cpu::cpu_has_avx2();
+    const auto kernel = scale_into_kernel<T>();
     at::parallel_for(0, src.numel(), kGrainSize, [&](int64_t begin, int64_t end) {
-      if (avx2) {
-        cpu::avx2::scale_into<T>(in, result, begin, end, s);
-      } else {
-        cpu::base::scale_into<T>(in, result, begin, end, s);
-      }
+      kernel(in, result, begin, end, s);
     });
   });
 }
@@ -83,13 +132,9 @@ void compress_into_typed(const at::Tensor& src, const at::Tensor& out, double sc
   M* message = mutable_bits<message_t>(out);
   const auto s = static_cast<opmath_t>(scale);
   const auto f = static_cast<opmath_t>(fold);
-  const bool avx2 = cpu::cpu_has_avx2();
+  const auto kernel = compress_into_kernel<T, M>();
   at::parallel_for(0, src.numel(), kGrainSize, [&](int64_t begin, int64_t end) {
-    if (avx2) {
-      cpu::avx2::compress_into<T, M>(state, message, begin, end, s, f);
-    } else {
-      cpu::base::compress_into<T, M>(state, message, begin, end, s, f);
-    }
+    kernel(state, message, begin, end, s, f);
   });
 }
 
@@ -124,26 +169,13 @@ void absorb_typed(const at::Tensor& x, at::TensorList received, double self_scal
   const auto own_scale = static_cast<opmath_t>(sent_scale);
   const auto scale = static_cast<opmath_t>(out_scale);
   const int count = static_cast<int>(pointers.size());
-  const bool avx2 = cpu::cpu_has_avx2();
+  const auto kernel =
+      nonfinite.has_value() ? absorb_kernel<T, M, true>() : absorb_kernel<T, M, false>();
   std::atomic<bool> saw_nonfinite{false};
   at::parallel_for(0, x.numel(), kGrainSize, [&](int64_t begin, int64_t end) {
-    bool bad = false;
-    if (!nonfinite.has_value()) {
-      if (avx2) {
-        cpu::avx2::absorb<T, M, false>(state, pointers.data(), count, own, begin, end, self,
-                                       own_scale, scale);
-      } else {
-        cpu::base::absorb<T, M, false>(state, pointers.data(), count, own, begin, end, self,
-                                       own_scale, scale);
-      }
-    } else if (avx2) {
-      bad = cpu::avx2::absorb<T, M, true>(state, pointers.data(), count, own, begin, end, self,
-                                          own_scale, scale);
-    } else {
-      bad = cpu::base::absorb<T, M, true>(state, pointers.data(), count, own, begin, end, self,
-                                          own_scale, scale);
+    if (kernel(state, pointers.data(), count, own, begin, end, self, own_scale, scale)) {
+      saw_nonfinite.store(true, std::memory_order_relaxed);
     }
-    if (bad) saw_nonfinite.store(true, std::memory_order_relaxed);
   });
   if (saw_nonfinite.load(std::memory_order_relaxed)) nonfinite->fill_(1);
 }
@@ -175,6 +207,17 @@ void absorb_cpu(const at::Tensor& x, at::TensorList received, double alpha,
 }
 
 }  // namespace
+
+std::string cpu_kernels_isa() {
+  switch (range_kernels_isa()) {
+    case Isa::kAvx512:
+      return "avx512";
+    case Isa::kAvx2:
+      return "avx2";
+    default:
+      return "base";
+  }
+}
 
 TORCH_LIBRARY_IMPL(gossip_ext, CPU, m) {
   m.impl("scale_into", &scale_into_cpu);
