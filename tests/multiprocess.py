@@ -55,6 +55,16 @@ def exit_without_finalizing() -> None:
     os._exit(0)
 
 
+def error_of(call: Callable[[], Any]) -> tuple[type, str] | None:
+    """The type and message of what call() raises in a rank, for the test process to compare
+    (an exception object may not survive pickling); None if it returns."""
+    try:
+        call()
+    except Exception as error:
+        return type(error), str(error)
+    return None
+
+
 def run_ranks(world_size: int, fn: Callable, *args: Any) -> list[Any]:
     """Runs fn(rank, world_size, *args) on world_size processes; returns their results by rank.
 

@@ -321,6 +321,21 @@ SLOWMO_STEPS = 8
 HEAVY_BALL = ((0.5, 1.0), (0.9, 1.0), (0.7, 0.5))
 
 
+def _train_slowmo(model, module, x: torch.Tensor, y: torch.Tensor) -> list:
+    """SLOWMO_STEPS of plain SGD (no momentum) on this rank's data, the SlowMo step run by the
+    optimizer hook; the module's parameters before and after each step."""
+    opt = torch.optim.SGD(model.parameters(), lr=SLOWMO_LR)
+    model.register_optimizer(opt)
+    trajectory = [_snapshot(module)]
+    for _ in range(SLOWMO_STEPS):
+        loss = ((model(x.double()) - y.double()) ** 2).mean()
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        trajectory.append(_snapshot(module))
+    return trajectory
+
+
 def _slowmo_every_step(rank: int, world_size: int) -> dict:
     x, y = _data(world_size)
     trajectories = {"misuse": _misuse(rank)}
@@ -330,16 +345,7 @@ def _slowmo_every_step(rank: int, world_size: int) -> dict:
         model = gossip_ext.GossipDataParallel(
             module, slowmo_freq=1, slowmo_momentum=beta, slowmo_lr=alpha
         )
-        opt = torch.optim.SGD(model.parameters(), lr=SLOWMO_LR)  # plain SGD, no momentum
-        model.register_optimizer(opt)
-        trajectory = [_snapshot(module)]
-        for _ in range(SLOWMO_STEPS):
-            loss = ((model(x[rank].double()) - y[rank].double()) ** 2).mean()
-            opt.zero_grad()
-            loss.backward()
-            opt.step()  # the hook: the SlowMo step
-            trajectory.append(_snapshot(module))
-        trajectories[(beta, alpha)] = trajectory
+        trajectories[(beta, alpha)] = _train_slowmo(model, module, x[rank], y[rank])
     return trajectories
 
 
@@ -571,15 +577,7 @@ def _slowmo_sharded(rank: int, world_size: int) -> dict:
         slowmo_memory_efficient=True,
         slowmo_num_shards=2,
     )
-    opt = torch.optim.SGD(model.parameters(), lr=SLOWMO_LR)
-    model.register_optimizer(opt)
-    trajectory = [_snapshot(module)]
-    for _ in range(SLOWMO_STEPS):
-        loss = ((model(x[rank].double()) - y[rank].double()) ** 2).mean()
-        opt.zero_grad()
-        loss.backward()
-        opt.step()
-        trajectory.append(_snapshot(module))
+    trajectory = _train_slowmo(model, module, x[rank], y[rank])
     state = model._averaging.slowmo
     return {"trajectory": trajectory, "kept": [t.numel() for t in state.slow + state.buffer]}
 

@@ -20,7 +20,7 @@ from unittest import mock
 import pytest
 import torch
 import torch.distributed as dist
-from multiprocess import run_ranks
+from multiprocess import error_of, run_ranks
 from torch import nn
 
 import gossip_ext
@@ -52,17 +52,9 @@ def _no_communication():
         yield
 
 
-def _error(call) -> tuple[type, str] | None:
-    try:
-        call()
-    except Exception as error:  # the test process compares type and message
-        return type(error), str(error)
-    return None
-
-
 def _bad_construction(module: nn.Module, **kwargs) -> tuple[type, str] | None:
     with _no_communication():
-        return _error(lambda: gossip_ext.GossipDataParallel(module, **kwargs))
+        return error_of(lambda: gossip_ext.GossipDataParallel(module, **kwargs))
 
 
 def _assert_raised(errors: list, error_type: type, *fragments: str) -> None:
@@ -174,17 +166,17 @@ def _calls_out_of_order() -> dict:
         model.transfer_params()
     model.sync_comms()
     model.transfer_params()  # legal: sync_comms() finished the step's round on purpose
-    out["overlap_twice"] = _error(model.transfer_params)
+    out["overlap_twice"] = error_of(model.transfer_params)
     model.sync_comms()
 
     model = gossip_ext.GossipDataParallel(nn.Linear(2, 1))
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     model.register_optimizer(opt)
     _step(model, opt)
-    out["hook_then_hand"] = _error(model.transfer_params)
+    out["hook_then_hand"] = error_of(model.transfer_params)
     model(X).sum().backward()
     model.transfer_params()
-    out["hand_then_hook"] = _error(opt.step)
+    out["hand_then_hook"] = error_of(opt.step)
     model.sync_comms()
 
     # Legal without overlap: back-to-back manual rounds, as a gossip-only loop runs them
@@ -208,13 +200,13 @@ def _parameters_changed_after_wrapping() -> dict:
     _step(model, opt)
     model.transfer_params()
     module.new = nn.Linear(2, 2)
-    out["forward"] = _error(lambda: model(X))
-    out["transfer_params"] = _error(model.transfer_params)
+    out["forward"] = error_of(lambda: model(X))
+    out["transfer_params"] = error_of(model.transfer_params)
     del module.new
     nn.Linear(3, 3)  # registrations outside the wrapped module are none of its business
-    out["after_undo"] = _error(lambda: model(X))
+    out["after_undo"] = error_of(lambda: model(X))
     module.bias = nn.Parameter(torch.zeros(1))
-    out["replaced"] = _error(lambda: model(X))
+    out["replaced"] = error_of(lambda: model(X))
     model.sync_comms()
     return out
 
@@ -225,7 +217,7 @@ def _storage_replaced() -> tuple[type, str] | None:
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     module.weight.data = torch.zeros(1, 2)
     _step(model, opt)
-    return _error(model.transfer_params)
+    return error_of(model.transfer_params)
 
 
 def _sparse_batch(rank: int, step: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -236,7 +228,7 @@ def _sparse_batch(rank: int, step: int) -> tuple[torch.Tensor, torch.Tensor]:
 def _sparse_gradients(rank: int) -> dict:
     out = {"hierarchical": _bad_construction(_SparseEmbedding(), nprocs_per_node=2)}
     model = gossip_ext.GossipDataParallel(_FunctionalSparse(), nprocs_per_node=2)
-    out["unannounced"] = _error(lambda: model(torch.tensor([0, 1])).sum().backward())
+    out["unannounced"] = error_of(lambda: model(torch.tensor([0, 1])).sum().backward())
 
     torch.manual_seed(0)
     module = nn.Embedding(6, 3, sparse=True)
@@ -260,8 +252,8 @@ def _foreign_checkpoints(checkpoint_from_three: dict) -> dict:
     model = gossip_ext.GossipDataParallel(nn.Linear(2, 1))
     ring = gossip_ext.GossipDataParallel(nn.Linear(2, 1), graph=gossip_ext.RingGraph())
     return {
-        "world_size": _error(lambda: model.load_state_dict(checkpoint_from_three)),
-        "graph": _error(lambda: model.load_state_dict(ring.state_dict())),
+        "world_size": error_of(lambda: model.load_state_dict(checkpoint_from_three)),
+        "graph": error_of(lambda: model.load_state_dict(ring.state_dict())),
     }
 
 

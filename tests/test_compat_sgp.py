@@ -15,7 +15,7 @@ import os
 import pytest
 import torch
 import torch.distributed as dist
-from multiprocess import run_ranks
+from multiprocess import error_of, run_ranks
 from torch import nn
 
 import gossip_ext
@@ -409,14 +409,6 @@ def test_resuming_from_the_checkpoint_continues_the_run_exactly(runs, mode):
 # ----------------------------------------------------------------------------- bad input
 
 
-def _error(call) -> tuple[type, str] | None:
-    try:
-        call()
-    except Exception as error:  # the test process compares type and message
-        return type(error), str(error)
-    return None
-
-
 def _at_four(rank: int, world_size: int) -> dict:
     """Bad input, and the other cases that need no training loop: one 4-rank run."""
 
@@ -430,27 +422,29 @@ def _at_four(rank: int, world_size: int) -> dict:
     other = (rank + 1) % world_size
     node, other_node = rank // 2, (rank // 2 + 1) % 2
     errors = {
-        "rank": _error(lambda: build(rank=other)),
-        "world_size": _error(lambda: build(world_size=world_size + 1)),
-        "graph_rank": _error(lambda: build(graph=sgp.RingGraph(other, world_size))),
-        "graph_world_size": _error(lambda: build(graph=sgp.RingGraph(rank, 2 * world_size))),
-        "graph_nprocs": _error(
+        "rank": error_of(lambda: build(rank=other)),
+        "world_size": error_of(lambda: build(world_size=world_size + 1)),
+        "graph_rank": error_of(lambda: build(graph=sgp.RingGraph(other, world_size))),
+        "graph_world_size": error_of(lambda: build(graph=sgp.RingGraph(rank, 2 * world_size))),
+        "graph_nprocs": error_of(
             lambda: build(graph=sgp.RingGraph(rank, world_size, nprocs_per_node=2, local_rank=1))
         ),
-        "local_node_group": _error(lambda: build(local_node_group=everyone)),
-        "not_a_member": _error(lambda: build(local_node_group=singles[other])),
-        "mixing": _error(lambda: build(mixing="uniform")),
-        "other_node": _error(lambda: build(nprocs_per_node=2, local_node_group=pairs[other_node])),
+        "local_node_group": error_of(lambda: build(local_node_group=everyone)),
+        "not_a_member": error_of(lambda: build(local_node_group=singles[other])),
+        "mixing": error_of(lambda: build(mixing="uniform")),
+        "other_node": error_of(
+            lambda: build(nprocs_per_node=2, local_node_group=pairs[other_node])
+        ),
     }
     # Accepted: the arguments that mean nothing here, and a node group that is this node's.
     model = build(
         device_ids=[torch.device("cpu")], use_streams=False, local_node_group=singles[rank]
     )
     errors["accepted_process_rank"] = (model.process_rank, model.local_rank)
-    errors["attr"] = _error(lambda: model.update_gossiper("passive", True))
-    errors["ppi_too_large"] = _error(lambda: model.update_gossiper("peers_per_itr", 4))
-    errors["mix"] = _error(lambda: model.transfer_params(mix=1))
-    errors["finish_gossip"] = _error(lambda: model.state_dict(finish_gossip=None))
+    errors["attr"] = error_of(lambda: model.update_gossiper("passive", True))
+    errors["ppi_too_large"] = error_of(lambda: model.update_gossiper("peers_per_itr", 4))
+    errors["mix"] = error_of(lambda: model.transfer_params(mix=1))
+    errors["finish_gossip"] = error_of(lambda: model.state_dict(finish_gossip=None))
     model.eval()
     errors["eval_transfer"] = model.transfer_params()  # SGP's eval() stops gossip
     model = build(overlap=True)

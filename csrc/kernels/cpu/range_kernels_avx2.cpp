@@ -30,14 +30,8 @@ bool cpu_has_avx2() {
 
 #else  // another architecture: the baseline kernels serve every call
 
-namespace gossip::cpu::avx2 {
-namespace {
-#include "kernels/cpu/no_lanes.inc"
-}  // namespace
-}  // namespace gossip::cpu::avx2
-
 #define GOSSIP_RANGE_KERNELS_ISA avx2
-#include "kernels/cpu/range_kernels.inc"
+#include "kernels/cpu/range_kernels_without_lanes.inc"
 
 namespace gossip::cpu {
 

@@ -40,14 +40,8 @@ bool cpu_has_avx512() {
 
 #else  // another architecture: the baseline kernels serve every call
 
-namespace gossip::cpu::avx512 {
-namespace {
-#include "kernels/cpu/no_lanes.inc"
-}  // namespace
-}  // namespace gossip::cpu::avx512
-
 #define GOSSIP_RANGE_KERNELS_ISA avx512
-#include "kernels/cpu/range_kernels.inc"
+#include "kernels/cpu/range_kernels_without_lanes.inc"
 
 namespace gossip::cpu {
 
