@@ -304,14 +304,16 @@ V from_float(float value) {
 
 // One NaN or Inf anywhere among the values absorb reads (x, each received message, sent), in the
 // vector part of the range or in its tail, and only there, makes the checked kernel report it.
+// Values whose results overflow to Inf or fall to subnormals (where the vector part looks at the
+// inputs again) are finite, and are not reported, before or after a NaN that is.
 template <typename Kernels, typename T, typename M>
-void expect_absorb_finds_each_nonfinite_value(float nonfinite) {
+void expect_absorb_finds_each_nonfinite_value(float nonfinite, float magnitude) {
   constexpr int kReceived = 2;
   std::vector<T> x(kLength);
   std::vector<std::vector<M>> messages(kReceived + 1, std::vector<M>(kLength));  // then sent
   auto reset = [&] {
     for (int64_t i = 0; i < kLength; ++i) {
-      const float value = 0.25f + static_cast<float>(i % 7);
+      const float value = magnitude * (0.25f + static_cast<float>(i % 7));
       x[i] = from_float<T>(value);
       for (std::vector<M>& message : messages) message[i] = from_float<M>(value);
     }
@@ -323,17 +325,27 @@ void expect_absorb_finds_each_nonfinite_value(float nonfinite) {
                                                 0.5f, 1.0f);
   };
   reset();
-  EXPECT_FALSE(run()) << "every value finite";
+  EXPECT_FALSE(run()) << "every value finite, magnitude " << magnitude;
   for (int64_t position : {int64_t{0}, int64_t{13}, kLength - 1}) {
     reset();
     x[position] = from_float<T>(nonfinite);
-    EXPECT_TRUE(run()) << nonfinite << " at " << position << " in x";
+    EXPECT_TRUE(run()) << nonfinite << " at " << position << " in x, magnitude " << magnitude;
     for (size_t m = 0; m < messages.size(); ++m) {
       reset();
       messages[m][position] = from_float<M>(nonfinite);
-      EXPECT_TRUE(run()) << nonfinite << " at " << position << " in message " << m;
+      EXPECT_TRUE(run()) << nonfinite << " at " << position << " in message " << m
+                         << ", magnitude " << magnitude;
     }
   }
+}
+
+// Magnitudes of the values above (up to 6.25 times the magnitude; results 3 times a value):
+// ordinary; large enough that most results overflow T (the largest float16 is 65504); small
+// enough that results are float32 or float16 subnormals.
+template <typename T>
+std::vector<float> magnitudes() {
+  if constexpr (std::is_same_v<T, HalfBits>) return {1.0f, 1e4f, 1e-6f};
+  return {1.0f, 5e37f, 1e-39f};
 }
 
 }  // namespace
@@ -341,11 +353,18 @@ void expect_absorb_finds_each_nonfinite_value(float nonfinite) {
 TYPED_TEST(RangeKernelsTest, AbsorbFindsEachNonFiniteValue) {
   for (float nonfinite : {std::numeric_limits<float>::quiet_NaN(),
                           -std::numeric_limits<float>::infinity()}) {
-    expect_absorb_finds_each_nonfinite_value<TypeParam, float, float>(nonfinite);
-    expect_absorb_finds_each_nonfinite_value<TypeParam, BFloat16Bits, BFloat16Bits>(nonfinite);
-    expect_absorb_finds_each_nonfinite_value<TypeParam, HalfBits, HalfBits>(nonfinite);
-    expect_absorb_finds_each_nonfinite_value<TypeParam, float, BFloat16Bits>(nonfinite);
-    expect_absorb_finds_each_nonfinite_value<TypeParam, float, HalfBits>(nonfinite);
+    for (float magnitude : magnitudes<float>()) {
+      expect_absorb_finds_each_nonfinite_value<TypeParam, float, float>(nonfinite, magnitude);
+      expect_absorb_finds_each_nonfinite_value<TypeParam, BFloat16Bits, BFloat16Bits>(nonfinite,
+                                                                                       magnitude);
+      expect_absorb_finds_each_nonfinite_value<TypeParam, float, BFloat16Bits>(nonfinite,
+                                                                               magnitude);
+    }
+    for (float magnitude : magnitudes<HalfBits>()) {
+      expect_absorb_finds_each_nonfinite_value<TypeParam, HalfBits, HalfBits>(nonfinite,
+                                                                              magnitude);
+      expect_absorb_finds_each_nonfinite_value<TypeParam, float, HalfBits>(nonfinite, magnitude);
+    }
   }
 }
 

@@ -8,15 +8,18 @@
 // (tests/cpp/range_kernels_test.cpp).
 //
 // The range kernels take KernelLanes<T, M> (state T, messages M) from here: its State and Message
-// each have kEnabled and, where true, Vec, kWidth, broadcast, add, sub, mul, probe, any_nan (the
-// float32 arithmetic, the same for both) and load(const T*) -> Vec, store(T*, Vec) of kWidth
-// elements. A 16-bit Message under a float32 State also has narrow(Vec) -> Narrow,
-// store(M*, Narrow) and widen(Narrow) -> Vec: a rounded message and the float value it holds,
-// without reading it back. The layouts:
+// each have kEnabled and, where true, Vec, kWidth, broadcast, add, sub, mul (the float32
+// arithmetic, the same for both), any_nonfinite(Vec) and may_be_nonfinite(Vec) (exact, and a test
+// that may also take values it need not, for absorb's check), and load(const T*) -> Vec,
+// store(T*, Vec) of kWidth elements. A 16-bit Message under a float32 State also has
+// narrow(Vec) -> Narrow, store(M*, Narrow) and widen(Narrow) -> Vec: a rounded message and the
+// float value it holds, without reading it back. The layouts:
 //   float32 alone, float16 with float16 or under float32   eight lanes in memory order
 //   bfloat16 with bfloat16                                  sixteen, even and odd elements apart
 //   bfloat16 under float32                                  sixteen in memory order
 #pragma once
+
+#include "kernels/cpu/lane_pairs.h"
 
 namespace gossip::cpu::avx2 {
 namespace {
@@ -29,14 +32,12 @@ struct FloatLanes {
   static Vec add(Vec a, Vec b) { return _mm256_add_ps(a, b); }
   static Vec sub(Vec a, Vec b) { return _mm256_sub_ps(a, b); }
   static Vec mul(Vec a, Vec b) { return _mm256_mul_ps(a, b); }
-  // FiniteProbe's lane += v * 0, with the sum replaced by a bitwise or: v * 0 is +-0 for a finite
-  // v and NaN for a NaN or Inf, and or-ing NaN's bits (exponent all ones, mantissa not zero) into
-  // anything leaves a NaN. A chain of adds would bound the loop by its latency; a chain of ors
-  // takes one cycle a step.
-  static Vec probe(Vec lanes, Vec v) {
-    return _mm256_or_ps(lanes, _mm256_mul_ps(v, _mm256_setzero_ps()));
+  // v * 0 is +-0 where v is finite and NaN where it is NaN or Inf.
+  static bool any_nonfinite(Vec v) {
+    const Vec zero_or_nan = _mm256_mul_ps(v, _mm256_setzero_ps());
+    return _mm256_movemask_ps(_mm256_cmp_ps(zero_or_nan, zero_or_nan, _CMP_UNORD_Q)) != 0;
   }
-  static bool any_nan(Vec v) { return _mm256_movemask_ps(_mm256_cmp_ps(v, v, _CMP_UNORD_Q)) != 0; }
+  static bool may_be_nonfinite(Vec v) { return any_nonfinite(v); }
 };
 
 // float_to_bfloat16 on eight floats, up to the final shift: each 32-bit lane holds its rounded
@@ -81,28 +82,8 @@ struct Lanes<HalfBits> : FloatLanes {
 };
 
 // Sixteen float32 values in two registers: the arithmetic of the lanes that come in sixteens.
-struct FloatPairs {
-  struct Vec {
-    __m256 first, second;
-  };
+struct FloatPairs : LanePairs<FloatLanes> {
   static constexpr bool kEnabled = true;
-  static constexpr int kWidth = 16;
-  static Vec broadcast(float v) { return {_mm256_set1_ps(v), _mm256_set1_ps(v)}; }
-  static Vec add(Vec a, Vec b) {
-    return {_mm256_add_ps(a.first, b.first), _mm256_add_ps(a.second, b.second)};
-  }
-  static Vec sub(Vec a, Vec b) {
-    return {_mm256_sub_ps(a.first, b.first), _mm256_sub_ps(a.second, b.second)};
-  }
-  static Vec mul(Vec a, Vec b) {
-    return {_mm256_mul_ps(a.first, b.first), _mm256_mul_ps(a.second, b.second)};
-  }
-  static Vec probe(Vec lanes, Vec v) {
-    return {FloatLanes::probe(lanes.first, v.first), FloatLanes::probe(lanes.second, v.second)};
-  }
-  static bool any_nan(Vec v) {
-    return FloatLanes::any_nan(v.first) || FloatLanes::any_nan(v.second);
-  }
 };
 
 // Sixteen bfloat16 values as the even (first) and the odd (second) elements of one 256-bit load,

@@ -1,4 +1,4 @@
-// The AVX-512 lanes of the CPU range kernels: sixteen float32 values in one __m512, and the loads
+// The AVX-512 lanes of the CPU range kernels: float32 values in __m512 registers, and the loads
 // and stores that convert float16 (F16C at 512 bits) and bfloat16 (AVX512_BF16's rounding
 // conversion) into and out of them. Included only by range_kernels_avx512.cpp, inside its
 // `#pragma GCC target(...)` and after <immintrin.h>, so nothing here is compiled for a CPU that
@@ -9,8 +9,12 @@
 // float16 NaN keeps its sign (tests/cpp/range_kernels_test.cpp). AVX512_BF16 rounds every other
 // float exactly so; it flushes float32 subnormals to zero and keeps a NaN's payload, so a vector
 // that holds either takes convert.h's integer rounding instead (a branch never taken on ordinary
-// data). The interface is lanes_avx2.h's, every layout sixteen lanes in memory order.
+// data). The interface is lanes_avx2.h's; the layouts:
+//   float32, float16, and bfloat16 under float32   sixteen lanes in memory order
+//   bfloat16 with bfloat16                          thirty-two, even and odd elements apart
 #pragma once
+
+#include "kernels/cpu/lane_pairs.h"
 
 namespace gossip::cpu::avx512 {
 namespace {
@@ -22,12 +26,25 @@ struct FloatLanes {
   static Vec add(Vec a, Vec b) { return _mm512_add_ps(a, b); }
   static Vec sub(Vec a, Vec b) { return _mm512_sub_ps(a, b); }
   static Vec mul(Vec a, Vec b) { return _mm512_mul_ps(a, b); }
-  // FiniteProbe's lane += v * 0 as a bitwise or (lanes_avx2.h says why).
-  static Vec probe(Vec lanes, Vec v) {
-    return _mm512_or_ps(lanes, _mm512_mul_ps(v, _mm512_setzero_ps()));
-  }
-  static bool any_nan(Vec v) { return _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q) != 0; }
+  // fpclass 0x01 | 0x08 | 0x10 | 0x80: a quiet NaN, +Inf, -Inf or a signalling NaN.
+  static bool any_nonfinite(Vec v) { return _mm512_fpclass_ps_mask(v, 0x99) != 0; }
+  static bool may_be_nonfinite(Vec v) { return any_nonfinite(v); }
 };
+
+// float_to_bfloat16 on sixteen floats, up to the final shift: each 32-bit lane holds its rounded
+// bfloat16 in its top half (add 0x7FFF plus the lowest kept bit; NaN becomes 0x7FC0).
+__m512i bfloat16_in_top_halves(__m512 v) {
+  const __m512i bits = _mm512_castps_si512(v);
+  const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
+  const __m512i rounded =
+      _mm512_add_epi32(_mm512_add_epi32(bits, _mm512_set1_epi32(0x7FFF)), lsb);
+  const __mmask16 nan = _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q);
+  return _mm512_mask_mov_epi32(rounded, nan, _mm512_set1_epi32(0x7FC00000));
+}
+
+// Where AVX512_BF16's rounding differs from float_to_bfloat16: fpclass 0x01 | 0x20 | 0x80, a
+// quiet NaN, a subnormal or a signalling NaN.
+__mmask16 bfloat16_rounding_differs(__m512 v) { return _mm512_fpclass_ps_mask(v, 0xB9); }
 
 template <typename T>
 struct Lanes {
@@ -41,60 +58,97 @@ struct Lanes<float> : FloatLanes {
   static void store(float* p, __m512 v) { _mm512_storeu_ps(p, v); }
 };
 
-template <>
-struct Lanes<HalfBits> : FloatLanes {
+// Sixteen 16-bit values of type T in memory order, one __m256i of bits: what float16 and
+// bfloat16 share. Convert (the derived Lanes<T>) has widen(__m256i) -> __m512 and
+// narrow(__m512) -> __m256i.
+template <typename T, typename Convert>
+struct SixteenWords : FloatLanes {
   static constexpr bool kEnabled = true;
   using Narrow = __m256i;
+  static __m512 load(const T* p) {
+    return Convert::widen(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+  }
+  static void store(T* p, __m256i h) { _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), h); }
+  static void store(T* p, __m512 v) { store(p, Convert::narrow(v)); }
+};
+
+template <>
+struct Lanes<HalfBits> : SixteenWords<HalfBits, Lanes<HalfBits>> {
   static __m512 widen(__m256i h) { return _mm512_cvtph_ps(h); }
   // As lanes_avx2.h: F16C's rounding, a NaN's sign and payload kept.
   static __m256i narrow(__m512 v) {
     return _mm512_cvtps_ph(v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
   }
-  static __m512 load(const HalfBits* p) {
-    return widen(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+  // Whether the stored values will hold a NaN or an Inf, finite values too large for float16
+  // included: a test on the rounded bits, whose conversion the compiler shares with the store's,
+  // costs two 256-bit integer instructions where fpclass on the floats costs a 512-bit one. The
+  // bits, doubled to drop the sign, are NaN or Inf from 2 * 0x7C00 up.
+  static bool may_be_nonfinite(__m512 v) {
+    const __m256i h = narrow(v);
+    const __m256i bound = _mm256_set1_epi16(static_cast<int16_t>(2 * HalfBits::kExponentMask));
+    return _mm256_cmpge_epu16_mask(_mm256_add_epi16(h, h), bound) != 0;
   }
-  static void store(HalfBits* p, __m256i h) {
-    _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), h);
-  }
-  static void store(HalfBits* p, __m512 v) { store(p, narrow(v)); }
 };
 
 template <>
-struct Lanes<BFloat16Bits> : FloatLanes {
-  static constexpr bool kEnabled = true;
-  using Narrow = __m256i;
+struct Lanes<BFloat16Bits> : SixteenWords<BFloat16Bits, Lanes<BFloat16Bits>> {
   static __m512 widen(__m256i h) {
     return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
   }
   static __m256i narrow(__m512 v) {
-    const __m256i rounded = reinterpret_cast<__m256i>(_mm512_cvtneps_pbh(v));
-    // fpclass 0x01 | 0x20 | 0x80: quiet NaN, subnormal, signalling NaN.
-    const __mmask16 special = _mm512_fpclass_ps_mask(v, 0xA1);
-    if (__builtin_expect(special == 0, 1)) return rounded;
-    return _mm256_mask_mov_epi16(rounded, special, narrow_exactly(v));
+    if (__builtin_expect(bfloat16_rounding_differs(v) == 0, 1)) {
+      return reinterpret_cast<__m256i>(_mm512_cvtneps_pbh(v));
+    }
+    return _mm512_cvtepi32_epi16(_mm512_srli_epi32(bfloat16_in_top_halves(v), 16));
   }
-  // float_to_bfloat16, sixteen at a time: add 0x7FFF plus the lowest kept bit, keep the top half.
-  static __m256i narrow_exactly(__m512 v) {
-    const __m512i bits = _mm512_castps_si512(v);
-    const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
-    const __m512i rounded = _mm512_srli_epi32(
-        _mm512_add_epi32(_mm512_add_epi32(bits, _mm512_set1_epi32(0x7FFF)), lsb), 16);
-    const __mmask16 nan = _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q);
-    return _mm512_cvtepi32_epi16(_mm512_mask_mov_epi32(rounded, nan, _mm512_set1_epi32(0x7FC0)));
+};
+
+// Thirty-two bfloat16 values as the even (first) and the odd (second) elements of one 512-bit
+// load, for kernels whose every operand is bfloat16: a shift and a mask make them floats, and one
+// two-register rounding and one word permute store them, where memory order takes a widening
+// shuffle per load and a rounding per sixteen values (lanes_avx2.h's layout of the same name).
+struct BFloat16EvenOddLanes : LanePairs<FloatLanes> {
+  static constexpr bool kEnabled = true;
+  // The store's own test, which also takes subnormals: the check shares its instructions.
+  static bool may_be_nonfinite(Vec v) {
+    return (bfloat16_rounding_differs(v.first) | bfloat16_rounding_differs(v.second)) != 0;
   }
-  static __m512 load(const BFloat16Bits* p) {
-    return widen(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+  static Vec load(const BFloat16Bits* p) {
+    const __m512i pairs = _mm512_loadu_si512(p);
+    return {_mm512_castsi512_ps(_mm512_slli_epi32(pairs, 16)),
+            _mm512_castsi512_ps(_mm512_and_si512(pairs, _mm512_set1_epi32(-0x10000)))};
   }
-  static void store(BFloat16Bits* p, __m256i h) {
-    _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), h);
+  static void store(BFloat16Bits* p, Vec v) {
+    const __mmask16 differs =
+        bfloat16_rounding_differs(v.first) | bfloat16_rounding_differs(v.second);
+    __m512i pairs;
+    if (__builtin_expect(differs == 0, 1)) {
+      // The even elements rounded into words 0-15, the odd ones into 16-31; word 2j takes word j
+      // and word 2j + 1 word 16 + j.
+      const __m512i halves = reinterpret_cast<__m512i>(_mm512_cvtne2ps_pbh(v.second, v.first));
+      const __m512i j = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+      const __m512i interleave =
+          _mm512_or_si512(j, _mm512_slli_epi32(_mm512_add_epi32(j, _mm512_set1_epi32(16)), 16));
+      pairs = _mm512_permutexvar_epi16(interleave, halves);
+    } else {
+      pairs = _mm512_mask_blend_epi16(0xAAAAAAAA,
+                                      _mm512_srli_epi32(bfloat16_in_top_halves(v.first), 16),
+                                      bfloat16_in_top_halves(v.second));
+    }
+    _mm512_storeu_si512(p, pairs);
   }
-  static void store(BFloat16Bits* p, __m512 v) { store(p, narrow(v)); }
 };
 
 template <typename T, typename M>
 struct KernelLanes {
   using State = Lanes<T>;
   using Message = Lanes<M>;
+};
+
+template <>
+struct KernelLanes<BFloat16Bits, BFloat16Bits> {
+  using State = BFloat16EvenOddLanes;
+  using Message = BFloat16EvenOddLanes;
 };
 
 }  // namespace

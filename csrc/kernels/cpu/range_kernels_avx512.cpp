@@ -11,10 +11,12 @@
 #if defined(__x86_64__) && defined(__GNUC__)
 
 // GCC 12's avx512fintrin.h initializes its _mm512_undefined_* values from themselves, which
-// -Wmaybe-uninitialized reports in every function that inlines one (GCC bug 105593, fixed in GCC
-// 13). The warning is emitted at the header's lines, so it is silenced before the header.
+// -Wmaybe-uninitialized reports in every function that inlines one, and -Wuninitialized in a cold
+// one (GCC bug 105593, fixed in GCC 13). The warnings are emitted at the header's lines, so they
+// are silenced before the header.
 #pragma GCC diagnostic push
 #pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
+#pragma GCC diagnostic ignored "-Wuninitialized"
 #include <immintrin.h>
 
 #pragma GCC push_options

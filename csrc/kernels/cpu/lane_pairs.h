@@ -1,0 +1,34 @@
+// Two registers of float32 lanes used as one vector of twice the width: the arithmetic of the
+// layouts that convert 16-bit values two registers at a time (lanes_avx2.h, lanes_avx512.h).
+// Included by those headers inside their instruction set's `#pragma GCC target(...)`; each
+// translation unit's copy lives in its own anonymous namespace, so none is merged with another
+// instruction set's.
+#pragma once
+
+namespace gossip::cpu {
+namespace {
+
+template <typename Lanes>
+struct LanePairs {
+  struct Vec {
+    typename Lanes::Vec first, second;
+  };
+  static constexpr int kWidth = 2 * Lanes::kWidth;
+  static Vec broadcast(float v) { return {Lanes::broadcast(v), Lanes::broadcast(v)}; }
+  static Vec add(Vec a, Vec b) {
+    return {Lanes::add(a.first, b.first), Lanes::add(a.second, b.second)};
+  }
+  static Vec sub(Vec a, Vec b) {
+    return {Lanes::sub(a.first, b.first), Lanes::sub(a.second, b.second)};
+  }
+  static Vec mul(Vec a, Vec b) {
+    return {Lanes::mul(a.first, b.first), Lanes::mul(a.second, b.second)};
+  }
+  static bool any_nonfinite(Vec v) {
+    return Lanes::any_nonfinite(v.first) || Lanes::any_nonfinite(v.second);
+  }
+  static bool may_be_nonfinite(Vec v) { return any_nonfinite(v); }
+};
+
+}  // namespace
+}  // namespace gossip::cpu
