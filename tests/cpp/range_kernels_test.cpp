@@ -243,9 +243,10 @@ void expect_scale_into_agrees(std::mt19937_64& rng) {
 }
 
 template <typename Kernels, typename T, typename M, bool kCheckFinite>
-void expect_absorb_agrees(std::mt19937_64& rng, int num_received, bool with_sent) {
+void expect_absorb_agrees(std::mt19937_64& rng, int num_received, bool with_sent,
+                          float out_scale) {
   SCOPED_TRACE("received " + std::to_string(num_received) + (with_sent ? ", sent" : "") +
-               (kCheckFinite ? ", checked" : ""));
+               (kCheckFinite ? ", checked" : "") + ", out_scale " + std::to_string(out_scale));
   const std::vector<T> x = values_of_type<T>(rng);
   std::vector<std::vector<M>> received;
   std::vector<const M*> pointers;
@@ -256,9 +257,10 @@ void expect_absorb_agrees(std::mt19937_64& rng, int num_received, bool with_sent
   for (int64_t begin : kBegins) {
     std::vector<T> vector = x, base = x;
     const bool vector_nonfinite = Kernels::template absorb<T, M, kCheckFinite>(
-        vector.data(), pointers.data(), num_received, own, begin, kLength, 0.83f, -0.5f, 1.37f);
+        vector.data(), pointers.data(), num_received, own, begin, kLength, 0.83f, -0.5f,
+        out_scale);
     const bool base_nonfinite = cpu::base::absorb<T, M, kCheckFinite>(
-        base.data(), pointers.data(), num_received, own, begin, kLength, 0.83f, -0.5f, 1.37f);
+        base.data(), pointers.data(), num_received, own, begin, kLength, 0.83f, -0.5f, out_scale);
     EXPECT_TRUE(same_bits(vector, base)) << "begin " << begin;
     EXPECT_EQ(vector_nonfinite, base_nonfinite) << "begin " << begin;
   }
@@ -268,8 +270,10 @@ template <typename Kernels, typename T, typename M>
 void expect_absorb_agrees(std::mt19937_64& rng) {
   for (int num_received : {0, 1, 2, 3, 5}) {  // 1-3 have kernels of their own (range_kernels.inc)
     for (bool with_sent : {false, true}) {
-      expect_absorb_agrees<Kernels, T, M, false>(rng, num_received, with_sent);
-      expect_absorb_agrees<Kernels, T, M, true>(rng, num_received, with_sent);
+      for (float out_scale : {1.37f, 1.0f}) {  // 1: the vector part leaves out its multiply
+        expect_absorb_agrees<Kernels, T, M, false>(rng, num_received, with_sent, out_scale);
+        expect_absorb_agrees<Kernels, T, M, true>(rng, num_received, with_sent, out_scale);
+      }
     }
   }
 }
