@@ -318,7 +318,7 @@ def parse_args(argv=None):
         nargs="+",
         default=["float32", "bfloat16", "float16"],
         choices=sorted(DTYPES),
-        help="buffer dtypes (default: float32 bfloat16)",
+        help="buffer dtypes (default: float32 bfloat16 float16)",
     )
     parser.add_argument(
         "--threads",
