@@ -42,9 +42,11 @@ __m512i bfloat16_in_top_halves(__m512 v) {
   return _mm512_mask_mov_epi32(rounded, nan, _mm512_set1_epi32(0x7FC00000));
 }
 
-// Where AVX512_BF16's rounding differs from float_to_bfloat16: fpclass 0x01 | 0x20 | 0x80, a
-// quiet NaN, a subnormal or a signalling NaN.
-__mmask16 bfloat16_rounding_differs(__m512 v) { return _mm512_fpclass_ps_mask(v, 0xB9); }
+// fpclass 0x01 | 0x08 | 0x10 | 0x20 | 0x80. AVX512_BF16 rounds NaNs and subnormals unlike
+// float_to_bfloat16, so lanes of those take the exact rounding; Infs it rounds alike, but absorb's
+// non-finite check must see them, so one test serves the store and the check
+// (BFloat16EvenOddLanes::may_be_nonfinite), and the exact rounding is as right for an Inf.
+__mmask16 nan_inf_or_subnormal(__m512 v) { return _mm512_fpclass_ps_mask(v, 0xB9); }
 
 template <typename T>
 struct Lanes {
@@ -96,7 +98,7 @@ struct Lanes<BFloat16Bits> : SixteenWords<BFloat16Bits, Lanes<BFloat16Bits>> {
     return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
   }
   static __m256i narrow(__m512 v) {
-    if (__builtin_expect(bfloat16_rounding_differs(v) == 0, 1)) {
+    if (__builtin_expect(nan_inf_or_subnormal(v) == 0, 1)) {
       return reinterpret_cast<__m256i>(_mm512_cvtneps_pbh(v));
     }
     return _mm512_cvtepi32_epi16(_mm512_srli_epi32(bfloat16_in_top_halves(v), 16));
@@ -111,7 +113,7 @@ struct BFloat16EvenOddLanes : LanePairs<FloatLanes> {
   static constexpr bool kEnabled = true;
   // The store's own test, which also takes subnormals: the check shares its instructions.
   static bool may_be_nonfinite(Vec v) {
-    return (bfloat16_rounding_differs(v.first) | bfloat16_rounding_differs(v.second)) != 0;
+    return (nan_inf_or_subnormal(v.first) | nan_inf_or_subnormal(v.second)) != 0;
   }
   static Vec load(const BFloat16Bits* p) {
     const __m512i pairs = _mm512_loadu_si512(p);
@@ -120,7 +122,7 @@ struct BFloat16EvenOddLanes : LanePairs<FloatLanes> {
   }
   static void store(BFloat16Bits* p, Vec v) {
     const __mmask16 differs =
-        bfloat16_rounding_differs(v.first) | bfloat16_rounding_differs(v.second);
+        nan_inf_or_subnormal(v.first) | nan_inf_or_subnormal(v.second);
     __m512i pairs;
     if (__builtin_expect(differs == 0, 1)) {
       // The even elements rounded into words 0-15, the odd ones into 16-31; word 2j takes word j
