@@ -61,39 +61,16 @@ Isa range_kernels_isa() {
   return isa;
 }
 
-template <typename T>
-auto scale_into_kernel() {
+// The one of a kernel's three compilations that this process runs.
+template <typename Kernel>
+Kernel pick(Kernel base, Kernel avx2, Kernel avx512) {
   switch (range_kernels_isa()) {
     case Isa::kAvx512:
-      return &cpu::avx512::scale_into<T>;
+      return avx512;
     case Isa::kAvx2:
-      return &cpu::avx2::scale_into<T>;
+      return avx2;
     default:
-      return &cpu::base::scale_into<T>;
-  }
-}
-
-template <typename T, typename M, bool kCheckFinite>
-auto absorb_kernel() {
-  switch (range_kernels_isa()) {
-    case Isa::kAvx512:
-      return &cpu::avx512::absorb<T, M, kCheckFinite>;
-    case Isa::kAvx2:
-      return &cpu::avx2::absorb<T, M, kCheckFinite>;
-    default:
-      return &cpu::base::absorb<T, M, kCheckFinite>;
-  }
-}
-
-template <typename T, typename M>
-auto compress_into_kernel() {
-  switch (range_kernels_isa()) {
-    case Isa::kAvx512:
-      return &cpu::avx512::compress_into<T, M>;
-    case Isa::kAvx2:
-      return &cpu::avx2::compress_into<T, M>;
-    default:
-      return &cpu::base::compress_into<T, M>;
+      return base;
   }
 }
 
@@ -116,7 +93,8 @@ void scale_into_cpu(const at::Tensor& src, const at::Tensor& out, double alpha,
     const T* in = bits<scalar_t>(src);
     T* result = mutable_bits<scalar_t>(out);
     const auto s = static_cast<at::opmath_type<scalar_t>>(scale);
-    const auto kernel = scale_into_kernel<T>();
+    const auto kernel = pick(&cpu::base::scale_into<T>, &cpu::avx2::scale_into<T>,
+                             &cpu::avx512::scale_into<T>);
     at::parallel_for(0, src.numel(), kGrainSize, [&](int64_t begin, int64_t end) {
       kernel(in, result, begin, end, s);
     });
@@ -132,7 +110,8 @@ void compress_into_typed(const at::Tensor& src, const at::Tensor& out, double sc
   M* message = mutable_bits<message_t>(out);
   const auto s = static_cast<opmath_t>(scale);
   const auto f = static_cast<opmath_t>(fold);
-  const auto kernel = compress_into_kernel<T, M>();
+  const auto kernel = pick(&cpu::base::compress_into<T, M>, &cpu::avx2::compress_into<T, M>,
+                           &cpu::avx512::compress_into<T, M>);
   at::parallel_for(0, src.numel(), kGrainSize, [&](int64_t begin, int64_t end) {
     kernel(state, message, begin, end, s, f);
   });
@@ -170,7 +149,11 @@ void absorb_typed(const at::Tensor& x, at::TensorList received, double self_scal
   const auto scale = static_cast<opmath_t>(out_scale);
   const int count = static_cast<int>(pointers.size());
   const auto kernel =
-      nonfinite.has_value() ? absorb_kernel<T, M, true>() : absorb_kernel<T, M, false>();
+      nonfinite.has_value()
+          ? pick(&cpu::base::absorb<T, M, true>, &cpu::avx2::absorb<T, M, true>,
+                 &cpu::avx512::absorb<T, M, true>)
+          : pick(&cpu::base::absorb<T, M, false>, &cpu::avx2::absorb<T, M, false>,
+                 &cpu::avx512::absorb<T, M, false>);
   std::atomic<bool> saw_nonfinite{false};
   at::parallel_for(0, x.numel(), kGrainSize, [&](int64_t begin, int64_t end) {
     if (kernel(state, pointers.data(), count, own, begin, end, self, own_scale, scale)) {
