@@ -308,6 +308,8 @@ V from_float(float value) {
 
 // One NaN or Inf anywhere among the values absorb reads (x, each received message, sent), in the
 // vector part of the range or in its tail, and only there, makes the checked kernel report it.
+// The positions fall in each vector of a group tested at once (absorb_lanes), in the vectors
+// after the last group, and in the scalar tail.
 // Values whose results overflow to Inf or fall to subnormals (where the vector part looks at the
 // inputs again) are finite, and are not reported, before or after a NaN that is.
 template <typename Kernels, typename T, typename M>
@@ -330,7 +332,8 @@ void expect_absorb_finds_each_nonfinite_value(float nonfinite, float magnitude) 
   };
   reset();
   EXPECT_FALSE(run()) << "every value finite, magnitude " << magnitude;
-  for (int64_t position : {int64_t{0}, int64_t{13}, kLength - 1}) {
+  for (int64_t position : {int64_t{0}, int64_t{13}, int64_t{25}, int64_t{53}, int64_t{100},
+                           int64_t{970}, kLength - 1}) {
     reset();
     x[position] = from_float<T>(nonfinite);
     EXPECT_TRUE(run()) << nonfinite << " at " << position << " in x, magnitude " << magnitude;

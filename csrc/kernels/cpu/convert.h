@@ -75,7 +75,6 @@ struct BFloat16Bits {
   uint16_t bits;
 };
 struct HalfBits {
-  static constexpr uint16_t kExponentMask = 0x7C00;  // all set: NaN or Inf
   uint16_t bits;
 };
 

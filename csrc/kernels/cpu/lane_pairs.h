@@ -27,7 +27,12 @@ struct LanePairs {
   static bool any_nonfinite(Vec v) {
     return Lanes::any_nonfinite(v.first) || Lanes::any_nonfinite(v.second);
   }
-  static bool may_be_nonfinite(Vec v) { return any_nonfinite(v); }
+  // The halves' sum is NaN or Inf wherever one of them is, and where it overflows: one test.
+  static bool may_be_nonfinite(Vec v) {
+    return Lanes::any_nonfinite(Lanes::add(v.first, v.second));
+  }
+  // Two pairs, four registers: absorb's check tests as many as with FloatLanes.
+  static constexpr int kCheckGroup = 2;
 };
 
 }  // namespace
