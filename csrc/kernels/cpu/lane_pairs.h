@@ -31,7 +31,7 @@ struct LanePairs {
   static bool may_be_nonfinite(Vec v) {
     return Lanes::any_nonfinite(Lanes::add(v.first, v.second));
   }
-  // Two pairs, four registers: absorb's check tests as many as with FloatLanes.
+  // Two pairs are four registers, as many as FloatLanes' group of four.
   static constexpr int kCheckGroup = 2;
 };
 

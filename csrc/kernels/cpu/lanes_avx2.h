@@ -39,7 +39,7 @@ struct FloatLanes {
     return _mm256_movemask_ps(_mm256_cmp_ps(zero_or_nan, zero_or_nan, _CMP_UNORD_Q)) != 0;
   }
   static bool may_be_nonfinite(Vec v) { return any_nonfinite(v); }
-  // Four results, one test: a test per vector took a fifth of float16 absorb's time (AVX-512).
+  // Four results, one test: a test per vector took a quarter of float16 absorb's time (AVX-512).
   static constexpr int kCheckGroup = 4;
 };
 

@@ -29,7 +29,7 @@ struct FloatLanes {
   // fpclass 0x01 | 0x08 | 0x10 | 0x80: a quiet NaN, +Inf, -Inf or a signalling NaN.
   static bool any_nonfinite(Vec v) { return _mm512_fpclass_ps_mask(v, 0x99) != 0; }
   static bool may_be_nonfinite(Vec v) { return any_nonfinite(v); }
-  // Four results, one test: a test per vector took a fifth of float16 absorb's time.
+  // Four results, one test: a test per vector took a quarter of float16 absorb's time.
   static constexpr int kCheckGroup = 4;
 };
 
