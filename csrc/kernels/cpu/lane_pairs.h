@@ -27,12 +27,19 @@ struct LanePairs {
   static bool any_nonfinite(Vec v) {
     return Lanes::any_nonfinite(v.first) || Lanes::any_nonfinite(v.second);
   }
-  // The halves' sum is NaN or Inf wherever one of them is, and where it overflows: one test.
-  static bool may_be_nonfinite(Vec v) {
-    return Lanes::any_nonfinite(Lanes::add(v.first, v.second));
+  // Two pairs are four registers, as many as FloatLanes' group of four, and are tested as one
+  // group of Lanes.
+  static constexpr int kCheckGroup = Lanes::kCheckGroup / 2;
+  template <int N>
+  static bool may_be_nonfinite(const Vec (&results)[N]) {
+    typename Lanes::Vec halves[2 * N];
+#pragma GCC unroll 8
+    for (int g = 0; g < N; ++g) {
+      halves[2 * g] = results[g].first;
+      halves[2 * g + 1] = results[g].second;
+    }
+    return Lanes::may_be_nonfinite(halves);
   }
-  // Two pairs are four registers, as many as FloatLanes' group of four.
-  static constexpr int kCheckGroup = 2;
 };
 
 }  // namespace

@@ -9,10 +9,10 @@
 //
 // The range kernels take KernelLanes<T, M> (state T, messages M) from here: its State and Message
 // each have kEnabled and, where true, Vec, kWidth, broadcast, add, sub, mul (the float32
-// arithmetic, the same for both), any_nonfinite(Vec) and may_be_nonfinite(Vec) (exact, and a test
-// that may also take values it need not, for absorb's check), kCheckGroup (how many vectors'
-// results that check tests at once, on their sum), and load(const T*) -> Vec, store(T*, Vec) of
-// kWidth elements. A 16-bit Message under a float32 State also has
+// arithmetic, the same for both), any_nonfinite(Vec) (exact), kCheckGroup and
+// may_be_nonfinite(const Vec (&)[kCheckGroup]) (absorb's check: whether any of that many results
+// may be NaN or Inf, a test that may also take values it need not), and load(const T*) -> Vec,
+// store(T*, Vec) of kWidth elements. A 16-bit Message under a float32 State also has
 // narrow(Vec) -> Narrow, store(M*, Narrow) and widen(Narrow) -> Vec: a rounded message and the
 // float value it holds, without reading it back. The layouts:
 //   float32 alone, float16 with float16 or under float32   eight lanes in memory order
@@ -38,9 +38,17 @@ struct FloatLanes {
     const Vec zero_or_nan = _mm256_mul_ps(v, _mm256_setzero_ps());
     return _mm256_movemask_ps(_mm256_cmp_ps(zero_or_nan, zero_or_nan, _CMP_UNORD_Q)) != 0;
   }
-  static bool may_be_nonfinite(Vec v) { return any_nonfinite(v); }
-  // Four results, one test: a test per vector took a quarter of float16 absorb's time (AVX-512).
+  // Four results, one test of their sum, which is NaN or Inf wherever one of them is (Inf - Inf is
+  // NaN) and, rarely, where it overflows: a test per vector took a quarter of float16 absorb's
+  // time (measured on AVX-512, before lanes_avx512.h's masks).
   static constexpr int kCheckGroup = 4;
+  template <int N>
+  static bool may_be_nonfinite(const Vec (&results)[N]) {
+    Vec sum = results[0];
+#pragma GCC unroll 8
+    for (int g = 1; g < N; ++g) sum = add(sum, results[g]);
+    return any_nonfinite(sum);
+  }
 };
 
 // float_to_bfloat16 on eight floats that are not NaN, up to the final shift: each 32-bit lane
