@@ -1,11 +1,12 @@
-"""The CPU kernels' instruction set follows torch's CPU capability, and every instruction set gives
-the same bits.
+"""The CPU kernels' instruction set follows torch's CPU capability and GOSSIP_EXT_MAX_CPU_ISA, and
+every instruction set gives the same bits.
 
-Each capability torch can be set to (ATEN_CPU_CAPABILITY=default, avx2, avx512) runs the push-sum
-ops in a process of its own, on data full of the values conversions get wrong (NaN, infinities,
-signed zeros, subnormals, float16 overflow), and the outputs are compared bit for bit across the
-instruction sets they ran on (NaN against NaN: which NaN an operation on two NaNs returns depends
-on the order of its operands).
+Each capability torch can be set to (ATEN_CPU_CAPABILITY=default, avx2, avx512), and each cap
+gossip_ext's own variable sets under torch's AVX512 (GOSSIP_EXT_MAX_CPU_ISA=base, avx2, avx512),
+runs the push-sum ops in a process of its own, on data full of the values conversions get wrong
+(NaN, infinities, signed zeros, subnormals, float16 overflow), and the outputs are compared bit for
+bit across the instruction sets they ran on (NaN against NaN: which NaN an operation on two NaNs
+returns depends on the order of its operands).
 """
 
 from __future__ import annotations
@@ -17,7 +18,11 @@ import sys
 import pytest
 import torch
 
-CAPABILITIES = ["default", "avx2", "avx512"]
+ISAS = ["base", "avx2", "avx512", "avx512_bf16"]  # gossip_ext's, each needing those before it
+# A process each: (ATEN_CPU_CAPABILITY, GOSSIP_EXT_MAX_CPU_ISA or None).
+SETTINGS = [("default", None), ("avx2", None), ("avx512", None)] + [
+    ("avx512", cap) for cap in ISAS[:-1]
+]
 
 # Runs in each capability's process: reads the inputs (made once, in the test's process: torch's
 # own random kernels differ between capabilities) and writes what every op made of them.
@@ -92,35 +97,55 @@ def runs(tmp_path_factory) -> dict[str, dict]:
     folder = tmp_path_factory.mktemp("capabilities")
     torch.save(_inputs(), folder / "inputs.pt")
     results = {}
-    for capability in CAPABILITIES:
-        path = folder / f"{capability}.pt"
+    for capability, cap in SETTINGS:
+        path = folder / f"{capability}-{cap}.pt"
         env = dict(os.environ, ATEN_CPU_CAPABILITY=capability)
+        env.pop("GOSSIP_EXT_MAX_CPU_ISA", None)
+        if cap is not None:
+            env["GOSSIP_EXT_MAX_CPU_ISA"] = cap
         subprocess.run(
             [sys.executable, "-c", RUN, str(folder / "inputs.pt"), str(path)],
             env=env,
             check=True,
             timeout=120,
         )
-        results[capability] = torch.load(path)
+        results[(capability, cap)] = torch.load(path)
     return results
 
 
-def test_each_capability_picks_the_instruction_set_it_allows(runs):
+def test_each_setting_picks_the_instruction_set_it_allows(runs):
     flags = _cpu_flags()
     has_avx2 = {"avx2", "fma", "f16c"} <= flags
-    has_avx512 = (
-        has_avx2 and {"avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512_bf16"} <= flags
-    )
-    for capability, run in runs.items():
+    has_avx512 = has_avx2 and {"avx512f", "avx512bw", "avx512vl", "avx512dq"} <= flags
+    has_avx512_bf16 = has_avx512 and "avx512_bf16" in flags
+    for (capability, cap), run in runs.items():
         torch_capability = run["torch"]  # what torch made of the request on this CPU
-        if torch_capability == "AVX512" and has_avx512:
-            expected = "avx512"
+        if torch_capability == "AVX512" and has_avx512_bf16:
+            best = "avx512_bf16"
+        elif torch_capability == "AVX512" and has_avx512:
+            best = "avx512"
         elif torch_capability in ("AVX512", "AVX2") and has_avx2:
-            expected = "avx2"
+            best = "avx2"
         else:
-            expected = "base"
-        assert run["isa"] == expected, (capability, torch_capability)
-    assert runs["default"]["isa"] == "base"
+            best = "base"
+        expected = best if cap is None else min(best, cap, key=ISAS.index)
+        assert run["isa"] == expected, (capability, cap, torch_capability)
+    assert runs[("default", None)]["isa"] == "base"
+    assert runs[("avx512", "base")]["isa"] == "base"
+
+
+def test_an_unknown_cap_is_named_in_the_error():
+    env = dict(os.environ, GOSSIP_EXT_MAX_CPU_ISA="avx1024")
+    op = (
+        "import torch, gossip_ext\n"
+        "torch.ops.gossip_ext.scale_into(torch.ones(4), torch.empty(4), 1.0)"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", op], env=env, capture_output=True, text=True, timeout=120
+    )
+    assert done.returncode != 0
+    assert "GOSSIP_EXT_MAX_CPU_ISA='avx1024'" in done.stderr
+    assert "base, avx2, avx512 or avx512_bf16" in done.stderr
 
 
 def _same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:

@@ -1,22 +1,23 @@
 // The AVX-512 lanes of the CPU range kernels: float32 values in __m512 registers, and the loads
-// and stores that convert float16 (F16C at 512 bits) and bfloat16 (AVX512_BF16's rounding
-// conversion) into and out of them. Included only by range_kernels_avx512.cpp, inside its
-// `#pragma GCC target(...)` and after <immintrin.h>, so nothing here is compiled for a CPU that
-// lacks those instructions.
+// and stores that convert float16 (F16C at 512 bits) and bfloat16 into and out of them. Included
+// only by range_kernels_avx512.inc, inside its `#pragma GCC target(...)` and after <immintrin.h>,
+// so nothing here is compiled for a CPU that lacks those instructions; GOSSIP_AVX512_BF16 says
+// whether that target has AVX512_BF16, and GOSSIP_RANGE_KERNELS_ISA names the namespace.
 //
 // The conversions are bit-exact with convert.h, and so with c10::BFloat16 and c10::Half, as in
 // lanes_avx2.h: round to nearest even, subnormals kept, a bfloat16 NaN stored as 0x7FC0; a
-// float16 NaN keeps its sign (tests/cpp/range_kernels_test.cpp). AVX512_BF16 rounds every other
-// float exactly so; it flushes float32 subnormals to zero and keeps a NaN's payload, so a vector
-// that holds either takes convert.h's integer rounding instead (a branch never taken on ordinary
-// data). The interface is lanes_avx2.h's; the layouts:
+// float16 NaN keeps its sign (tests/cpp/range_kernels_test.cpp). bfloat16 rounds with integer
+// instructions, as convert.h does, or with AVX512_BF16 where the target has it. AVX512_BF16
+// rounds every other float exactly so; it flushes float32 subnormals to zero and keeps a NaN's
+// payload, so a vector that holds either takes the integer rounding instead (a branch never taken
+// on ordinary data). The interface is lanes_avx2.h's; the layouts:
 //   float32, float16, and bfloat16 under float32   sixteen lanes in memory order
 //   bfloat16 with bfloat16                          thirty-two, even and odd elements apart
 #pragma once
 
 #include "kernels/cpu/lane_pairs.h"
 
-namespace gossip::cpu::avx512 {
+namespace gossip::cpu::GOSSIP_RANGE_KERNELS_ISA {
 namespace {
 
 struct FloatLanes {
@@ -43,22 +44,28 @@ struct FloatLanes {
   }
 };
 
-// float_to_bfloat16 on sixteen floats, up to the final shift: each 32-bit lane holds its rounded
-// bfloat16 in its top half (add 0x7FFF plus the lowest kept bit; NaN becomes 0x7FC0).
-__m512i bfloat16_in_top_halves(__m512 v) {
+// float_to_bfloat16 on sixteen floats that are not NaN, up to the final shift: each 32-bit lane
+// holds its rounded bfloat16 in its top half (add 0x7FFF plus the lowest kept bit).
+__m512i bfloat16_rounded_in_top_halves(__m512 v) {
   const __m512i bits = _mm512_castps_si512(v);
   const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
-  const __m512i rounded =
-      _mm512_add_epi32(_mm512_add_epi32(bits, _mm512_set1_epi32(0x7FFF)), lsb);
-  const __mmask16 nan = _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q);
-  return _mm512_mask_mov_epi32(rounded, nan, _mm512_set1_epi32(0x7FC00000));
+  return _mm512_add_epi32(_mm512_add_epi32(bits, _mm512_set1_epi32(0x7FFF)), lsb);
 }
 
+// The same for any sixteen floats: a NaN becomes 0x7FC0.
+__m512i bfloat16_in_top_halves(__m512 v) {
+  const __mmask16 nan = _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q);
+  return _mm512_mask_mov_epi32(bfloat16_rounded_in_top_halves(v), nan,
+                               _mm512_set1_epi32(0x7FC00000));
+}
+
+#if GOSSIP_AVX512_BF16
 // fpclass 0x01 | 0x08 | 0x10 | 0x20 | 0x80. AVX512_BF16 rounds NaNs and subnormals unlike
 // float_to_bfloat16, so lanes of those take the exact rounding; Infs it rounds alike, but absorb's
 // non-finite check must see them, so one test serves the store and the check
 // (BFloat16EvenOddLanes::may_be_nonfinite), and the exact rounding is as right for an Inf.
 __mmask16 nan_inf_or_subnormal(__m512 v) { return _mm512_fpclass_ps_mask(v, 0xB9); }
+#endif
 
 template <typename T>
 struct Lanes {
@@ -101,9 +108,11 @@ struct Lanes<BFloat16Bits> : SixteenWords<BFloat16Bits, Lanes<BFloat16Bits>> {
     return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
   }
   static __m256i narrow(__m512 v) {
+#if GOSSIP_AVX512_BF16
     if (__builtin_expect(nan_inf_or_subnormal(v) == 0, 1)) {
       return reinterpret_cast<__m256i>(_mm512_cvtneps_pbh(v));
     }
+#endif
     return _mm512_cvtepi32_epi16(_mm512_srli_epi32(bfloat16_in_top_halves(v), 16));
   }
 };
@@ -114,17 +123,23 @@ struct Lanes<BFloat16Bits> : SixteenWords<BFloat16Bits, Lanes<BFloat16Bits>> {
 // shuffle per load and a rounding per sixteen values (lanes_avx2.h's layout of the same name).
 struct BFloat16EvenOddLanes : LanePairs<FloatLanes> {
   static constexpr bool kEnabled = true;
+  static Vec load(const BFloat16Bits* p) {
+    const __m512i pairs = _mm512_loadu_si512(p);
+    return {_mm512_castsi512_ps(_mm512_slli_epi32(pairs, 16)),
+            _mm512_castsi512_ps(_mm512_and_si512(pairs, _mm512_set1_epi32(-0x10000)))};
+  }
+  // The rounded even elements in words 2j, the odd ones in words 2j + 1.
+  static __m512i interleave(__m512i even_top_halves, __m512i odd_top_halves) {
+    return _mm512_mask_blend_epi16(0xAAAAAAAA, _mm512_srli_epi32(even_top_halves, 16),
+                                   odd_top_halves);
+  }
+#if GOSSIP_AVX512_BF16
   // The store's own test, which also takes subnormals: the check shares its instructions, one
   // vector at a time.
   static constexpr int kCheckGroup = 1;
   static bool may_be_nonfinite(const Vec (&results)[1]) {
     const Vec v = results[0];
     return (nan_inf_or_subnormal(v.first) | nan_inf_or_subnormal(v.second)) != 0;
-  }
-  static Vec load(const BFloat16Bits* p) {
-    const __m512i pairs = _mm512_loadu_si512(p);
-    return {_mm512_castsi512_ps(_mm512_slli_epi32(pairs, 16)),
-            _mm512_castsi512_ps(_mm512_and_si512(pairs, _mm512_set1_epi32(-0x10000)))};
   }
   static void store(BFloat16Bits* p, Vec v) {
     const __mmask16 differs =
@@ -135,16 +150,28 @@ struct BFloat16EvenOddLanes : LanePairs<FloatLanes> {
       // and word 2j + 1 word 16 + j.
       const __m512i halves = reinterpret_cast<__m512i>(_mm512_cvtne2ps_pbh(v.second, v.first));
       const __m512i j = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
-      const __m512i interleave =
+      const __m512i words =
           _mm512_or_si512(j, _mm512_slli_epi32(_mm512_add_epi32(j, _mm512_set1_epi32(16)), 16));
-      pairs = _mm512_permutexvar_epi16(interleave, halves);
+      pairs = _mm512_permutexvar_epi16(words, halves);
     } else {
-      pairs = _mm512_mask_blend_epi16(0xAAAAAAAA,
-                                      _mm512_srli_epi32(bfloat16_in_top_halves(v.first), 16),
-                                      bfloat16_in_top_halves(v.second));
+      pairs = interleave(bfloat16_in_top_halves(v.first), bfloat16_in_top_halves(v.second));
     }
     _mm512_storeu_si512(p, pairs);
   }
+#else
+  // One compare finds a NaN in either register (unordered), and as NaNs are rare, the rounding
+  // without the NaN's mask serves unless one is there (lanes_avx2.h's BFloat16TopHalves).
+  static void store(BFloat16Bits* p, Vec v) {
+    __m512i pairs;
+    if (__builtin_expect(_mm512_cmp_ps_mask(v.first, v.second, _CMP_UNORD_Q) == 0, 1)) {
+      pairs = interleave(bfloat16_rounded_in_top_halves(v.first),
+                         bfloat16_rounded_in_top_halves(v.second));
+    } else {
+      pairs = interleave(bfloat16_in_top_halves(v.first), bfloat16_in_top_halves(v.second));
+    }
+    _mm512_storeu_si512(p, pairs);
+  }
+#endif
 };
 
 template <typename T, typename M>
@@ -160,4 +187,4 @@ struct KernelLanes<BFloat16Bits, BFloat16Bits> {
 };
 
 }  // namespace
-}  // namespace gossip::cpu::avx512
+}  // namespace gossip::cpu::GOSSIP_RANGE_KERNELS_ISA

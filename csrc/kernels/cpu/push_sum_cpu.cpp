@@ -3,7 +3,11 @@
 // Each kernel makes one pass over memory: at::parallel_for splits the buffer across threads and
 // hands each range to a range kernel (range_kernels.h), compiled once per instruction set and
 // picked at run time; float16/bfloat16 accumulate in float32 and round once when stored.
+#include <algorithm>
 #include <atomic>
+#include <cstdlib>
+#include <cstring>
+#include <iterator>
 #include <string>
 #include <type_traits>
 #include <vector>
@@ -46,25 +50,50 @@ static_assert(sizeof(at::BFloat16) == sizeof(cpu::BFloat16Bits) &&
 template <typename scalar_t>
 using bits_t = typename Bits<scalar_t>::type;
 
-enum class Isa { kBase, kAvx2, kAvx512 };
+// The range kernels' instruction sets, each needing the instructions of those before it.
+enum class Isa { kBase, kAvx2, kAvx512, kAvx512Bf16 };
+constexpr const char* kIsaNames[] = {"base", "avx2", "avx512", "avx512_bf16"};
+constexpr const char* kMaxIsaVariable = "GOSSIP_EXT_MAX_CPU_ISA";
 
-// cpu_kernels_isa(), decided once.
+// The cap the environment sets, as ONEDNN_MAX_CPU_ISA caps oneDNN's kernels: for a comparison, or
+// to rule the vector kernels out. Unset or empty, none.
+Isa max_isa_from_environment() {
+  const char* value = std::getenv(kMaxIsaVariable);
+  if (value == nullptr || *value == '\0') return Isa::kAvx512Bf16;
+  for (size_t i = 0; i < std::size(kIsaNames); ++i) {
+    if (std::strcmp(value, kIsaNames[i]) == 0) return static_cast<Isa>(i);
+  }
+  TORCH_CHECK(false, kMaxIsaVariable, "='", value,
+              "' is not an instruction set of gossip_ext's CPU kernels: expected base, avx2, "
+              "avx512 or avx512_bf16");
+}
+
+// cpu_kernels_isa(), decided once: the best this CPU has that torch's CPU capability allows
+// (AVX512 allows both AVX-512 sets), capped by the environment.
 Isa range_kernels_isa() {
   static const Isa isa = [] {
     const std::string torch_capability = at::get_cpu_capability();
     const bool torch_avx512 = torch_capability == "AVX512";
     const bool torch_avx2 = torch_avx512 || torch_capability == "AVX2";
-    if (torch_avx512 && cpu::cpu_has_avx512()) return Isa::kAvx512;
-    if (torch_avx2 && cpu::cpu_has_avx2()) return Isa::kAvx2;
-    return Isa::kBase;
+    Isa best = Isa::kBase;
+    if (torch_avx512 && cpu::cpu_has_avx512_bf16()) {
+      best = Isa::kAvx512Bf16;
+    } else if (torch_avx512 && cpu::cpu_has_avx512()) {
+      best = Isa::kAvx512;
+    } else if (torch_avx2 && cpu::cpu_has_avx2()) {
+      best = Isa::kAvx2;
+    }
+    return std::min(best, max_isa_from_environment());
   }();
   return isa;
 }
 
-// The one of a kernel's three compilations that this process runs.
+// The one of a kernel's compilations that this process runs.
 template <typename Kernel>
-Kernel pick(Kernel base, Kernel avx2, Kernel avx512) {
+Kernel pick(Kernel base, Kernel avx2, Kernel avx512, Kernel avx512_bf16) {
   switch (range_kernels_isa()) {
+    case Isa::kAvx512Bf16:
+      return avx512_bf16;
     case Isa::kAvx512:
       return avx512;
     case Isa::kAvx2:
@@ -73,6 +102,11 @@ Kernel pick(Kernel base, Kernel avx2, Kernel avx512) {
       return base;
   }
 }
+
+// pick() over one range kernel's compilations, named once.
+#define GOSSIP_PICK_RANGE_KERNEL(...)                                                              \
+  pick(&cpu::base::__VA_ARGS__, &cpu::avx2::__VA_ARGS__, &cpu::avx512::__VA_ARGS__,                \
+       &cpu::avx512_bf16::__VA_ARGS__)
 
 template <typename scalar_t>
 const bits_t<scalar_t>* bits(const at::Tensor& t) {
@@ -93,8 +127,7 @@ void scale_into_cpu(const at::Tensor& src, const at::Tensor& out, double alpha,
     const T* in = bits<scalar_t>(src);
     T* result = mutable_bits<scalar_t>(out);
     const auto s = static_cast<at::opmath_type<scalar_t>>(scale);
-    const auto kernel = pick(&cpu::base::scale_into<T>, &cpu::avx2::scale_into<T>,
-                             &cpu::avx512::scale_into<T>);
+    const auto kernel = GOSSIP_PICK_RANGE_KERNEL(scale_into<T>);
     at::parallel_for(0, src.numel(), kGrainSize, [&](int64_t begin, int64_t end) {
       kernel(in, result, begin, end, s);
     });
@@ -110,8 +143,7 @@ void compress_into_typed(const at::Tensor& src, const at::Tensor& out, double sc
   M* message = mutable_bits<message_t>(out);
   const auto s = static_cast<opmath_t>(scale);
   const auto f = static_cast<opmath_t>(fold);
-  const auto kernel = pick(&cpu::base::compress_into<T, M>, &cpu::avx2::compress_into<T, M>,
-                           &cpu::avx512::compress_into<T, M>);
+  const auto kernel = GOSSIP_PICK_RANGE_KERNEL(compress_into<T, M>);
   at::parallel_for(0, src.numel(), kGrainSize, [&](int64_t begin, int64_t end) {
     kernel(state, message, begin, end, s, f);
   });
@@ -148,12 +180,8 @@ void absorb_typed(const at::Tensor& x, at::TensorList received, double self_scal
   const auto own_scale = static_cast<opmath_t>(sent_scale);
   const auto scale = static_cast<opmath_t>(out_scale);
   const int count = static_cast<int>(pointers.size());
-  const auto kernel =
-      nonfinite.has_value()
-          ? pick(&cpu::base::absorb<T, M, true>, &cpu::avx2::absorb<T, M, true>,
-                 &cpu::avx512::absorb<T, M, true>)
-          : pick(&cpu::base::absorb<T, M, false>, &cpu::avx2::absorb<T, M, false>,
-                 &cpu::avx512::absorb<T, M, false>);
+  const auto kernel = nonfinite.has_value() ? GOSSIP_PICK_RANGE_KERNEL(absorb<T, M, true>)
+                                            : GOSSIP_PICK_RANGE_KERNEL(absorb<T, M, false>);
   std::atomic<bool> saw_nonfinite{false};
   at::parallel_for(0, x.numel(), kGrainSize, [&](int64_t begin, int64_t end) {
     if (kernel(state, pointers.data(), count, own, begin, end, self, own_scale, scale)) {
@@ -191,16 +219,9 @@ void absorb_cpu(const at::Tensor& x, at::TensorList received, double alpha,
 
 }  // namespace
 
-std::string cpu_kernels_isa() {
-  switch (range_kernels_isa()) {
-    case Isa::kAvx512:
-      return "avx512";
-    case Isa::kAvx2:
-      return "avx2";
-    default:
-      return "base";
-  }
-}
+#undef GOSSIP_PICK_RANGE_KERNEL
+
+std::string cpu_kernels_isa() { return kIsaNames[static_cast<int>(range_kernels_isa())]; }
 
 TORCH_LIBRARY_IMPL(gossip_ext, CPU, m) {
   m.impl("scale_into", &scale_into_cpu);

@@ -2,11 +2,13 @@
 // with at::parallel_for and calls these on each. They take raw pointers and include no torch
 // header, so that each instruction set gets a translation unit of its own, as torch builds its
 // CPU kernels once per capability and picks one at run time:
-//   namespace base     range_kernels_base.cpp, the compiler's baseline (SSE2 on x86-64)
-//   namespace avx2     range_kernels_avx2.cpp, AVX2 with FMA and F16C (x86-64 only)
-//   namespace avx512   range_kernels_avx512.cpp, AVX-512 F/BW/VL/DQ with AVX512_BF16 (x86-64 only)
-// Every namespace declares the same functions (range_kernels_decl.inc); cpu_has_avx2() and
-// cpu_has_avx512() say which ones this CPU can run.
+//   namespace base          range_kernels_base.cpp, the compiler's baseline (SSE2 on x86-64)
+//   namespace avx2          range_kernels_avx2.cpp, AVX2 with FMA and F16C
+//   namespace avx512        range_kernels_avx512.cpp, AVX-512 F/BW/VL/DQ (torch's AVX512)
+//   namespace avx512_bf16   range_kernels_avx512_bf16.cpp, the same with AVX512_BF16
+// Every namespace declares the same functions (range_kernels_decl.inc); on other architectures
+// than x86-64 the vector ones compile the baseline code. cpu_features.cpp says which ones this CPU
+// can run.
 #pragma once
 
 #include <cstdint>
@@ -28,11 +30,19 @@ namespace avx512 {
 #include "kernels/cpu/range_kernels_decl.inc"
 }  // namespace avx512
 
+namespace avx512_bf16 {
+#include "kernels/cpu/range_kernels_decl.inc"
+}  // namespace avx512_bf16
+
 // Whether this CPU runs the avx2 kernels (AVX2, FMA and F16C); decided once.
 bool cpu_has_avx2();
 
-// Whether this CPU runs the avx512 kernels (AVX-512 F, BW, VL, DQ and BF16, FMA, F16C); decided
-// once.
+// Whether this CPU runs the avx512 kernels (AVX-512 F, BW, VL and DQ, with AVX2, FMA and F16C);
+// decided once.
 bool cpu_has_avx512();
+
+// Whether this CPU runs the avx512_bf16 kernels (the avx512 ones' instructions and AVX512_BF16);
+// decided once.
+bool cpu_has_avx512_bf16();
 
 }  // namespace gossip::cpu
