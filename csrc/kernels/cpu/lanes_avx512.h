@@ -45,11 +45,15 @@ struct FloatLanes {
 };
 
 // float_to_bfloat16 on sixteen floats that are not NaN, up to the final shift: each 32-bit lane
-// holds its rounded bfloat16 in its top half (add 0x7FFF plus the lowest kept bit).
+// holds its rounded bfloat16 in its top half (add 0x7FFF plus the lowest kept bit, bit 16). A mask
+// register picks 0x7FFF or 0x8000: three instructions and no shift, where the shift and mask that
+// bring bit 16 down take four, one of them on the shift units.
 __m512i bfloat16_rounded_in_top_halves(__m512 v) {
   const __m512i bits = _mm512_castps_si512(v);
-  const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
-  return _mm512_add_epi32(_mm512_add_epi32(bits, _mm512_set1_epi32(0x7FFF)), lsb);
+  const __mmask16 odd = _mm512_test_epi32_mask(bits, _mm512_set1_epi32(0x10000));
+  const __m512i bias =
+      _mm512_mask_blend_epi32(odd, _mm512_set1_epi32(0x7FFF), _mm512_set1_epi32(0x8000));
+  return _mm512_add_epi32(bits, bias);
 }
 
 // The same for any sixteen floats: a NaN becomes 0x7FC0.
