@@ -29,10 +29,15 @@ def machine(device: torch.device | None = None) -> str:
     return text
 
 
+# Environment variables that change what a benchmark measures: they belong to its command line.
+_SETTINGS = ("ATEN_CPU_CAPABILITY", "GOSSIP_EXT_MAX_CPU_ISA")
+
+
 def command_line() -> str:
-    """The command that reproduces this run."""
+    """The command that reproduces this run, with the settings that changed it."""
     script = os.path.relpath(sys.argv[0], os.path.dirname(os.path.dirname(RESULTS)))
-    return " ".join(["python", script, *sys.argv[1:]])
+    settings = [f"{name}={os.environ[name]}" for name in _SETTINGS if os.environ.get(name)]
+    return " ".join([*settings, "python", script, *sys.argv[1:]])
 
 
 def record(title: str, body: str, device: torch.device | None = None) -> None:
