@@ -106,20 +106,43 @@ struct Lanes<HalfBits> : SixteenWords<HalfBits, Lanes<HalfBits>> {
   }
 };
 
+__m512 bfloat16_words_to_floats(__m256i h) {
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+}
+
+#if GOSSIP_AVX512_BF16
 template <>
 struct Lanes<BFloat16Bits> : SixteenWords<BFloat16Bits, Lanes<BFloat16Bits>> {
-  static __m512 widen(__m256i h) {
-    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
-  }
+  static __m512 widen(__m256i h) { return bfloat16_words_to_floats(h); }
   static __m256i narrow(__m512 v) {
-#if GOSSIP_AVX512_BF16
     if (__builtin_expect(nan_inf_or_subnormal(v) == 0, 1)) {
       return reinterpret_cast<__m256i>(_mm512_cvtneps_pbh(v));
     }
-#endif
     return _mm512_cvtepi32_epi16(_mm512_srli_epi32(bfloat16_in_top_halves(v), 16));
   }
 };
+#else
+// Rounded with integer instructions, a message stays in the top halves of its 32-bit lanes until
+// it is stored, so compress_into reads its value back with a mask, where sixteen words would take
+// a narrowing and a widening shuffle (lanes_avx2.h's BFloat16SixteenLanes).
+template <>
+struct Lanes<BFloat16Bits> : FloatLanes {
+  static constexpr bool kEnabled = true;
+  using Narrow = __m512i;
+  static __m512 load(const BFloat16Bits* p) {
+    return bfloat16_words_to_floats(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+  }
+  static __m512i narrow(__m512 v) { return bfloat16_in_top_halves(v); }
+  static __m512 widen(__m512i top) {
+    return _mm512_castsi512_ps(_mm512_and_si512(top, _mm512_set1_epi32(-0x10000)));
+  }
+  static void store(BFloat16Bits* p, __m512i top) {
+    const __m256i words = _mm512_cvtepi32_epi16(_mm512_srli_epi32(top, 16));
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), words);
+  }
+  static void store(BFloat16Bits* p, __m512 v) { store(p, narrow(v)); }
+};
+#endif
 
 // Thirty-two bfloat16 values as the even (first) and the odd (second) elements of one 512-bit
 // load, for kernels whose every operand is bfloat16: a shift and a mask make them floats, and one
