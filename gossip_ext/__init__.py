@@ -25,6 +25,10 @@ from gossip_ext.simulate import simulate
 
 __version__ = "0.1.0"
 
+# The CPU kernels' instruction set, decided now rather than at the first op (possibly on the
+# engine's thread), so that a bad GOSSIP_EXT_MAX_CPU_ISA is reported here, by name.
+_C.cpu_kernels_isa()
+
 __all__ = [
     "CustomGraph",
     "DynamicBipartiteExponentialGraph",

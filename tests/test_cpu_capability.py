@@ -134,14 +134,14 @@ def test_each_setting_picks_the_instruction_set_it_allows(runs):
     assert runs[("avx512", "base")]["isa"] == "base"
 
 
-def test_an_unknown_cap_is_named_in_the_error():
+def test_an_unknown_cap_is_named_at_import():
     env = dict(os.environ, GOSSIP_EXT_MAX_CPU_ISA="avx1024")
-    op = (
-        "import torch, gossip_ext\n"
-        "torch.ops.gossip_ext.scale_into(torch.ones(4), torch.empty(4), 1.0)"
-    )
     done = subprocess.run(
-        [sys.executable, "-c", op], env=env, capture_output=True, text=True, timeout=120
+        [sys.executable, "-c", "import gossip_ext"],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
     )
     assert done.returncode != 0
     assert "GOSSIP_EXT_MAX_CPU_ISA='avx1024'" in done.stderr
