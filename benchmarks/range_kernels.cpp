@@ -1,0 +1,118 @@
+// The CPU range kernels without torch: each instruction set's scale_into and absorb (k=1) on one
+// buffer, side by side with memcpy of the same bytes, so that what a kernel costs is seen apart
+// from the op's dispatch and from torch's copy_. Build and run from the repository root:
+//
+//   g++ -O3 -std=c++20 -fopenmp -ffp-contract=off -Icsrc benchmarks/range_kernels.cpp \
+//       csrc/kernels/cpu/range_kernels_*.cpp csrc/kernels/cpu/cpu_features.cpp \
+//       -o build/range_kernels_bench && build/range_kernels_bench [elements] [threads]
+//
+// Defaults: 1M elements, 2 threads (OpenMP, the range split in equal parts as at::parallel_for
+// splits it). Times are medians of 1,000 calls; "of memcpy" is the bandwidth ratio of
+// benchmarks/kernels.py: bytes the kernel must move over its time, against memcpy's.
+#include <omp.h>
+
+#include <algorithm>
+#include <chrono>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <vector>
+
+#include "kernels/cpu/range_kernels.h"
+
+namespace {
+
+using gossip::cpu::BFloat16Bits;
+using gossip::cpu::HalfBits;
+
+template <typename F>
+double median_us(F f) {
+  std::vector<double> times;
+  for (int r = 0; r < 1000; ++r) {
+    const auto start = std::chrono::steady_clock::now();
+    f();
+    times.push_back(
+        std::chrono::duration<double, std::micro>(std::chrono::steady_clock::now() - start)
+            .count());
+  }
+  std::sort(times.begin(), times.end());
+  return times[times.size() / 2];
+}
+
+// f(begin, end) on `threads` equal parts of [0, n).
+template <typename F>
+void split(long n, int threads, F f) {
+#pragma omp parallel num_threads(threads)
+  {
+    const long t = omp_get_thread_num();
+    f(n * t / threads, n * (t + 1) / threads);
+  }
+}
+
+template <typename T>
+T* buffer(long n, float first) {
+  T* p = static_cast<T*>(std::aligned_alloc(64, (n * sizeof(T) + 63) / 64 * 64));
+  for (long i = 0; i < n; ++i) {
+    const float v = first + static_cast<float>(i % 1000) * 1e-3f;
+    if constexpr (std::is_same_v<T, float>) {
+      p[i] = v;
+    } else if constexpr (std::is_same_v<T, HalfBits>) {
+      p[i].bits = gossip::cpu::float_to_half(v);
+    } else {
+      p[i].bits = gossip::cpu::float_to_bfloat16(v);
+    }
+  }
+  return p;
+}
+
+// One instruction set's kernels on one type, printed as a row.
+template <typename T, typename Scale, typename Absorb>
+void row(const char* isa, const char* type, long n, int threads, Scale scale, Absorb absorb) {
+  T* src = buffer<T>(n, 1.0f);
+  T* out = buffer<T>(n, 0.0f);
+  T* x = buffer<T>(n, 2.0f);
+  const T* received[] = {src};
+  const double copy = median_us([&] {
+    split(n, threads, [&](long b, long e) { std::memcpy(out + b, src + b, (e - b) * sizeof(T)); });
+  });
+  const double s = median_us([&] {
+    split(n, threads, [&](long b, long e) { scale(src, out, b, e, 0.375f); });
+  });
+  const double a = median_us([&] {
+    split(n, threads, [&](long b, long e) { absorb(x, received, 1, nullptr, b, e, 0.5f, 0.0f, 1.0f); });
+  });
+  // memcpy moves 2n elements, scale_into 2n, absorb with one message 3n.
+  std::printf("| %s | %s | %.1f | %.1f | %.2fx | %.1f | %.2fx |\n", isa, type, copy, s, copy / s, a,
+              1.5 * copy / a);
+  std::free(src);
+  std::free(out);
+  std::free(x);
+}
+
+#define GOSSIP_ROWS(ns, name)                                                                    \
+  row<float>(name, "float32", n, threads, ns::scale_into<float>, ns::absorb<float, float, false>); \
+  row<BFloat16Bits>(name, "bfloat16", n, threads, ns::scale_into<BFloat16Bits>,                  \
+                    ns::absorb<BFloat16Bits, BFloat16Bits, false>);                              \
+  row<HalfBits>(name, "float16", n, threads, ns::scale_into<HalfBits>,                           \
+                ns::absorb<HalfBits, HalfBits, false>);
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  const long n = argc > 1 ? std::atol(argv[1]) : 1000000;
+  const int threads = argc > 2 ? std::atoi(argv[2]) : 2;
+  if (n < 1 || threads < 1) {
+    std::fprintf(stderr, "usage: %s [elements >= 1] [threads >= 1]\n", argv[0]);
+    return 2;
+  }
+  std::printf("%ld elements, %d thread%s; times in us, medians of 1000 calls\n\n", n, threads,
+              threads > 1 ? "s" : "");
+  std::printf(
+      "| kernels | dtype | memcpy | scale_into | of memcpy | absorb k=1 | of memcpy |\n"
+      "|---|---|---|---|---|---|---|\n");
+  GOSSIP_ROWS(gossip::cpu::base, "base")
+  if (gossip::cpu::cpu_has_avx2()) GOSSIP_ROWS(gossip::cpu::avx2, "avx2")
+  if (gossip::cpu::cpu_has_avx512()) GOSSIP_ROWS(gossip::cpu::avx512, "avx512")
+  if (gossip::cpu::cpu_has_avx512_bf16()) GOSSIP_ROWS(gossip::cpu::avx512_bf16, "avx512_bf16")
+  return 0;
+}
