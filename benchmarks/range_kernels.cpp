@@ -89,12 +89,46 @@ void row(const char* isa, const char* type, long n, int threads, Scale scale, Ab
   std::free(x);
 }
 
+// A compressed send and receive: compress_into a 16-bit message from a float32 state (with error
+// feedback) and absorb of one such message into a float32 state, printed as a row.
+template <typename M, typename Compress, typename Absorb>
+void compressed_row(const char* isa, const char* type, long n, int threads, Compress compress,
+                    Absorb absorb) {
+  float* state = buffer<float>(n, 1.0f);
+  float* copied = buffer<float>(n, 0.0f);
+  M* message = buffer<M>(n, 1.0f);
+  const M* received[] = {message};
+  const double copy = median_us([&] {
+    split(n, threads,
+          [&](long b, long e) { std::memcpy(copied + b, state + b, (e - b) * sizeof(float)); });
+  });
+  const double c = median_us([&] {
+    split(n, threads, [&](long b, long e) { compress(state, message, b, e, 0.375f, 2.0f); });
+  });
+  const double a = median_us([&] {
+    split(n, threads,
+          [&](long b, long e) { absorb(state, received, 1, nullptr, b, e, 0.5f, 0.0f, 1.0f); });
+  });
+  // Bytes in units of the state's n elements: compress_into reads and writes the state and
+  // writes the message (2 + 1/2), absorb reads the state and the message and writes the state.
+  std::printf("| %s | %s | %.1f | %.1f (compress_into) | %.2fx | %.1f | %.2fx |\n", isa, type, copy,
+              c, 1.25 * copy / c, a, 1.25 * copy / a);
+  std::free(state);
+  std::free(copied);
+  std::free(message);
+}
+
 #define GOSSIP_ROWS(ns, name)                                                                    \
   row<float>(name, "float32", n, threads, ns::scale_into<float>, ns::absorb<float, float, false>); \
   row<BFloat16Bits>(name, "bfloat16", n, threads, ns::scale_into<BFloat16Bits>,                  \
                     ns::absorb<BFloat16Bits, BFloat16Bits, false>);                              \
   row<HalfBits>(name, "float16", n, threads, ns::scale_into<HalfBits>,                           \
-                ns::absorb<HalfBits, HalfBits, false>);
+                ns::absorb<HalfBits, HalfBits, false>);                                          \
+  compressed_row<BFloat16Bits>(name, "float32 <- bfloat16", n, threads,                          \
+                               ns::compress_into<float, BFloat16Bits>,                           \
+                               ns::absorb<float, BFloat16Bits, false>);                          \
+  compressed_row<HalfBits>(name, "float32 <- float16", n, threads,                               \
+                           ns::compress_into<float, HalfBits>, ns::absorb<float, HalfBits, false>);
 
 }  // namespace
 
