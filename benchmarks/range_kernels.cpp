@@ -79,7 +79,8 @@ void row(const char* isa, const char* type, long n, int threads, Scale scale, Ab
     split(n, threads, [&](long b, long e) { scale(src, out, b, e, 0.375f); });
   });
   const double a = median_us([&] {
-    split(n, threads, [&](long b, long e) { absorb(x, received, 1, nullptr, b, e, 0.5f, 0.0f, 1.0f); });
+    split(n, threads,
+          [&](long b, long e) { absorb(x, received, 1, nullptr, b, e, 0.5f, 0.0f, 1.0f); });
   });
   // memcpy moves 2n elements, scale_into 2n, absorb with one message 3n.
   std::printf("| %s | %s | %.1f | %.1f | %.2fx | %.1f | %.2fx |\n", isa, type, copy, s, copy / s, a,
