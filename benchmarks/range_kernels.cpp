@@ -1,6 +1,7 @@
-// The CPU range kernels without torch: each instruction set's scale_into and absorb (k=1) on one
-// buffer, side by side with memcpy of the same bytes, so that what a kernel costs is seen apart
-// from the op's dispatch and from torch's copy_. Build and run from the repository root:
+// The CPU range kernels without torch: each instruction set's scale_into and absorb (k=1, with
+// and without the non-finite check) on one buffer, side by side with memcpy of the same bytes, so
+// that what a kernel costs is seen apart from the op's dispatch and from torch's copy_. Build and
+// run from the repository root:
 //
 //   g++ -O3 -std=c++20 -fopenmp -ffp-contract=off -Icsrc benchmarks/range_kernels.cpp \
 //       csrc/kernels/cpu/range_kernels_*.cpp csrc/kernels/cpu/cpu_features.cpp \
@@ -66,8 +67,9 @@ T* buffer(long n, float first) {
 }
 
 // One instruction set's kernels on one type, printed as a row.
-template <typename T, typename Scale, typename Absorb>
-void row(const char* isa, const char* type, long n, int threads, Scale scale, Absorb absorb) {
+template <typename T, typename Scale, typename Absorb, typename AbsorbChecked>
+void row(const char* isa, const char* type, long n, int threads, Scale scale, Absorb absorb,
+         AbsorbChecked absorb_checked) {
   T* src = buffer<T>(n, 1.0f);
   T* out = buffer<T>(n, 0.0f);
   T* x = buffer<T>(n, 2.0f);
@@ -82,9 +84,14 @@ void row(const char* isa, const char* type, long n, int threads, Scale scale, Ab
     split(n, threads,
           [&](long b, long e) { absorb(x, received, 1, nullptr, b, e, 0.5f, 0.0f, 1.0f); });
   });
+  const double c = median_us([&] {
+    split(n, threads, [&](long b, long e) {
+      absorb_checked(x, received, 1, nullptr, b, e, 0.5f, 0.0f, 1.0f);
+    });
+  });
   // memcpy moves 2n elements, scale_into 2n, absorb with one message 3n.
-  std::printf("| %s | %s | %.1f | %.1f | %.2fx | %.1f | %.2fx |\n", isa, type, copy, s, copy / s, a,
-              1.5 * copy / a);
+  std::printf("| %s | %s | %.1f | %.1f | %.2fx | %.1f | %.2fx | %.1f | %.2fx |\n", isa, type, copy,
+              s, copy / s, a, 1.5 * copy / a, c, 1.5 * copy / c);
   std::free(src);
   std::free(out);
   std::free(x);
@@ -112,19 +119,21 @@ void compressed_row(const char* isa, const char* type, long n, int threads, Comp
   });
   // Bytes in units of the state's n elements: compress_into reads and writes the state and
   // writes the message (2 + 1/2), absorb reads the state and the message and writes the state.
-  std::printf("| %s | %s | %.1f | %.1f (compress_into) | %.2fx | %.1f | %.2fx |\n", isa, type, copy,
-              c, 1.25 * copy / c, a, 1.25 * copy / a);
+  std::printf("| %s | %s | %.1f | %.1f (compress_into) | %.2fx | %.1f | %.2fx | | |\n", isa, type,
+              copy, c, 1.25 * copy / c, a, 1.25 * copy / a);
   std::free(state);
   std::free(copied);
   std::free(message);
 }
 
 #define GOSSIP_ROWS(ns, name)                                                                    \
-  row<float>(name, "float32", n, threads, ns::scale_into<float>, ns::absorb<float, float, false>); \
+  row<float>(name, "float32", n, threads, ns::scale_into<float>, ns::absorb<float, float, false>, \
+             ns::absorb<float, float, true>);                                                    \
   row<BFloat16Bits>(name, "bfloat16", n, threads, ns::scale_into<BFloat16Bits>,                  \
-                    ns::absorb<BFloat16Bits, BFloat16Bits, false>);                              \
+                    ns::absorb<BFloat16Bits, BFloat16Bits, false>,                               \
+                    ns::absorb<BFloat16Bits, BFloat16Bits, true>);                               \
   row<HalfBits>(name, "float16", n, threads, ns::scale_into<HalfBits>,                           \
-                ns::absorb<HalfBits, HalfBits, false>);                                          \
+                ns::absorb<HalfBits, HalfBits, false>, ns::absorb<HalfBits, HalfBits, true>);    \
   compressed_row<BFloat16Bits>(name, "float32 <- bfloat16", n, threads,                          \
                                ns::compress_into<float, BFloat16Bits>,                           \
                                ns::absorb<float, BFloat16Bits, false>);                          \
@@ -143,8 +152,9 @@ int main(int argc, char** argv) {
   std::printf("%ld elements, %d thread%s; times in us, medians of 1000 calls\n\n", n, threads,
               threads > 1 ? "s" : "");
   std::printf(
-      "| kernels | dtype | memcpy | scale_into | of memcpy | absorb k=1 | of memcpy |\n"
-      "|---|---|---|---|---|---|---|\n");
+      "| kernels | dtype | memcpy | scale_into | of memcpy | absorb k=1 | of memcpy "
+      "| absorb k=1 checked | of memcpy |\n"
+      "|---|---|---|---|---|---|---|---|---|\n");
   GOSSIP_ROWS(gossip::cpu::base, "base")
   if (gossip::cpu::cpu_has_avx2()) GOSSIP_ROWS(gossip::cpu::avx2, "avx2")
   if (gossip::cpu::cpu_has_avx512()) GOSSIP_ROWS(gossip::cpu::avx512, "avx512")
