@@ -183,35 +183,31 @@ struct HalfSixteenLanes : FloatPairs {
   static void store(HalfBits* p, Vec v) { store(p, narrow(v)); }
 };
 
+// The lanes of a kernel's state and of its messages.
+template <typename S, typename M>
+struct StateAndMessageLanes {
+  using State = S;
+  using Message = M;
+};
+
 template <typename T, typename M>
-struct KernelLanes {
-  using State = Lanes<T>;
-  using Message = Lanes<M>;
-};
+struct KernelLanes : StateAndMessageLanes<Lanes<T>, Lanes<M>> {};
 
 template <>
-struct KernelLanes<BFloat16Bits, BFloat16Bits> {
-  using State = BFloat16EvenOddLanes;
-  using Message = BFloat16EvenOddLanes;
-};
+struct KernelLanes<BFloat16Bits, BFloat16Bits>
+    : StateAndMessageLanes<BFloat16EvenOddLanes, BFloat16EvenOddLanes> {};
 
 template <>
-struct KernelLanes<float, BFloat16Bits> {
-  using State = FloatSixteenLanes;
-  using Message = BFloat16SixteenLanes;
-};
+struct KernelLanes<float, BFloat16Bits>
+    : StateAndMessageLanes<FloatSixteenLanes, BFloat16SixteenLanes> {};
 
 template <>
-struct KernelLanes<HalfBits, HalfBits> {
-  using State = HalfSixteenLanes;
-  using Message = HalfSixteenLanes;
-};
+struct KernelLanes<HalfBits, HalfBits>
+    : StateAndMessageLanes<HalfSixteenLanes, HalfSixteenLanes> {};
 
 template <>
-struct KernelLanes<float, HalfBits> {
-  using State = FloatSixteenLanes;
-  using Message = HalfSixteenLanes;
-};
+struct KernelLanes<float, HalfBits>
+    : StateAndMessageLanes<FloatSixteenLanes, HalfSixteenLanes> {};
 
 }  // namespace
 }  // namespace gossip::cpu::avx2
