@@ -7,6 +7,9 @@
 //       csrc/kernels/cpu/range_kernels_*.cpp csrc/kernels/cpu/cpu_features.cpp \
 //       -o build/range_kernels_bench && build/range_kernels_bench [elements] [threads]
 //
+// The test build (CMakeLists.txt) also builds it, as build/cmake/range_kernels_bench, so that it
+// keeps compiling; nothing runs it there.
+//
 // Defaults: 1M elements, 2 threads (OpenMP, the range split in equal parts as at::parallel_for
 // splits it). Times are medians of 1,000 calls; "of memcpy" is the bandwidth ratio of
 // benchmarks/kernels.py: bytes the kernel must move over its time, against memcpy's.
@@ -40,14 +43,16 @@ double median_us(F f) {
   return times[times.size() / 2];
 }
 
-// f(begin, end) on `threads` equal parts of [0, n).
+// The median time of f(begin, end) run on `threads` equal parts of [0, n).
 template <typename F>
-void split(long n, int threads, F f) {
+double split_median_us(long n, int threads, F f) {
+  return median_us([&] {
 #pragma omp parallel num_threads(threads)
-  {
-    const long t = omp_get_thread_num();
-    f(n * t / threads, n * (t + 1) / threads);
-  }
+    {
+      const long t = omp_get_thread_num();
+      f(n * t / threads, n * (t + 1) / threads);
+    }
+  });
 }
 
 template <typename T>
@@ -74,20 +79,15 @@ void row(const char* isa, const char* type, long n, int threads, Scale scale, Ab
   T* out = buffer<T>(n, 0.0f);
   T* x = buffer<T>(n, 2.0f);
   const T* received[] = {src};
-  const double copy = median_us([&] {
-    split(n, threads, [&](long b, long e) { std::memcpy(out + b, src + b, (e - b) * sizeof(T)); });
+  const double copy = split_median_us(
+      n, threads, [&](long b, long e) { std::memcpy(out + b, src + b, (e - b) * sizeof(T)); });
+  const double s =
+      split_median_us(n, threads, [&](long b, long e) { scale(src, out, b, e, 0.375f); });
+  const double a = split_median_us(n, threads, [&](long b, long e) {
+    absorb(x, received, 1, nullptr, b, e, 0.5f, 0.0f, 1.0f);
   });
-  const double s = median_us([&] {
-    split(n, threads, [&](long b, long e) { scale(src, out, b, e, 0.375f); });
-  });
-  const double a = median_us([&] {
-    split(n, threads,
-          [&](long b, long e) { absorb(x, received, 1, nullptr, b, e, 0.5f, 0.0f, 1.0f); });
-  });
-  const double c = median_us([&] {
-    split(n, threads, [&](long b, long e) {
-      absorb_checked(x, received, 1, nullptr, b, e, 0.5f, 0.0f, 1.0f);
-    });
+  const double c = split_median_us(n, threads, [&](long b, long e) {
+    absorb_checked(x, received, 1, nullptr, b, e, 0.5f, 0.0f, 1.0f);
   });
   // memcpy moves 2n elements, scale_into 2n, absorb with one message 3n.
   std::printf("| %s | %s | %.1f | %.1f | %.2fx | %.1f | %.2fx | %.1f | %.2fx |\n", isa, type, copy,
@@ -106,16 +106,13 @@ void compressed_row(const char* isa, const char* type, long n, int threads, Comp
   float* copied = buffer<float>(n, 0.0f);
   M* message = buffer<M>(n, 1.0f);
   const M* received[] = {message};
-  const double copy = median_us([&] {
-    split(n, threads,
-          [&](long b, long e) { std::memcpy(copied + b, state + b, (e - b) * sizeof(float)); });
+  const double copy = split_median_us(n, threads, [&](long b, long e) {
+    std::memcpy(copied + b, state + b, (e - b) * sizeof(float));
   });
-  const double c = median_us([&] {
-    split(n, threads, [&](long b, long e) { compress(state, message, b, e, 0.375f, 2.0f); });
-  });
-  const double a = median_us([&] {
-    split(n, threads,
-          [&](long b, long e) { absorb(state, received, 1, nullptr, b, e, 0.5f, 0.0f, 1.0f); });
+  const double c = split_median_us(
+      n, threads, [&](long b, long e) { compress(state, message, b, e, 0.375f, 2.0f); });
+  const double a = split_median_us(n, threads, [&](long b, long e) {
+    absorb(state, received, 1, nullptr, b, e, 0.5f, 0.0f, 1.0f);
   });
   // Bytes in units of the state's n elements: compress_into reads and writes the state and
   // writes the message (2 + 1/2), absorb reads the state and the message and writes the state.
@@ -126,19 +123,24 @@ void compressed_row(const char* isa, const char* type, long n, int threads, Comp
   std::free(message);
 }
 
-#define GOSSIP_ROWS(ns, name)                                                                    \
-  row<float>(name, "float32", n, threads, ns::scale_into<float>, ns::absorb<float, float, false>, \
-             ns::absorb<float, float, true>);                                                    \
-  row<BFloat16Bits>(name, "bfloat16", n, threads, ns::scale_into<BFloat16Bits>,                  \
-                    ns::absorb<BFloat16Bits, BFloat16Bits, false>,                               \
-                    ns::absorb<BFloat16Bits, BFloat16Bits, true>);                               \
-  row<HalfBits>(name, "float16", n, threads, ns::scale_into<HalfBits>,                           \
-                ns::absorb<HalfBits, HalfBits, false>, ns::absorb<HalfBits, HalfBits, true>);    \
-  compressed_row<BFloat16Bits>(name, "float32 <- bfloat16", n, threads,                          \
-                               ns::compress_into<float, BFloat16Bits>,                           \
-                               ns::absorb<float, BFloat16Bits, false>);                          \
-  compressed_row<HalfBits>(name, "float32 <- float16", n, threads,                               \
-                           ns::compress_into<float, HalfBits>, ns::absorb<float, HalfBits, false>);
+// Every row of one instruction set. One statement, so that `if (...) GOSSIP_ROWS(...)` guards
+// all of it: a CPU without the set must run none of its kernels.
+#define GOSSIP_ROWS(ns, name)                                                                      \
+  do {                                                                                             \
+    row<float>(name, "float32", n, threads, ns::scale_into<float>,                                 \
+               ns::absorb<float, float, false>, ns::absorb<float, float, true>);                   \
+    row<BFloat16Bits>(name, "bfloat16", n, threads, ns::scale_into<BFloat16Bits>,                  \
+                      ns::absorb<BFloat16Bits, BFloat16Bits, false>,                               \
+                      ns::absorb<BFloat16Bits, BFloat16Bits, true>);                               \
+    row<HalfBits>(name, "float16", n, threads, ns::scale_into<HalfBits>,                           \
+                  ns::absorb<HalfBits, HalfBits, false>, ns::absorb<HalfBits, HalfBits, true>);    \
+    compressed_row<BFloat16Bits>(name, "float32 <- bfloat16", n, threads,                          \
+                                 ns::compress_into<float, BFloat16Bits>,                           \
+                                 ns::absorb<float, BFloat16Bits, false>);                          \
+    compressed_row<HalfBits>(name, "float32 <- float16", n, threads,                               \
+                             ns::compress_into<float, HalfBits>,                                   \
+                             ns::absorb<float, HalfBits, false>);                                  \
+  } while (0)
 
 }  // namespace
 
@@ -155,9 +157,9 @@ int main(int argc, char** argv) {
       "| kernels | dtype | memcpy | scale_into | of memcpy | absorb k=1 | of memcpy "
       "| absorb k=1 checked | of memcpy |\n"
       "|---|---|---|---|---|---|---|---|---|\n");
-  GOSSIP_ROWS(gossip::cpu::base, "base")
-  if (gossip::cpu::cpu_has_avx2()) GOSSIP_ROWS(gossip::cpu::avx2, "avx2")
-  if (gossip::cpu::cpu_has_avx512()) GOSSIP_ROWS(gossip::cpu::avx512, "avx512")
-  if (gossip::cpu::cpu_has_avx512_bf16()) GOSSIP_ROWS(gossip::cpu::avx512_bf16, "avx512_bf16")
+  GOSSIP_ROWS(gossip::cpu::base, "base");
+  if (gossip::cpu::cpu_has_avx2()) GOSSIP_ROWS(gossip::cpu::avx2, "avx2");
+  if (gossip::cpu::cpu_has_avx512()) GOSSIP_ROWS(gossip::cpu::avx512, "avx512");
+  if (gossip::cpu::cpu_has_avx512_bf16()) GOSSIP_ROWS(gossip::cpu::avx512_bf16, "avx512_bf16");
   return 0;
 }
