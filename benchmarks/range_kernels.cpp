@@ -90,7 +90,7 @@ void row(const char* isa, const char* type, long n, int threads, Scale scale, Ab
     absorb_checked(x, received, 1, nullptr, b, e, 0.5f, 0.0f, 1.0f);
   });
   // memcpy moves 2n elements, scale_into 2n, absorb with one message 3n.
-  std::printf("| %s | %s | %.1f | %.1f | %.2fx | %.1f | %.2fx | %.1f | %.2fx |\n", isa, type, copy,
+  std::printf("| %s | %s | %.2f | %.2f | %.2fx | %.2f | %.2fx | %.2f | %.2fx |\n", isa, type, copy,
               s, copy / s, a, 1.5 * copy / a, c, 1.5 * copy / c);
   std::free(src);
   std::free(out);
@@ -116,7 +116,7 @@ void compressed_row(const char* isa, const char* type, long n, int threads, Comp
   });
   // Bytes in units of the state's n elements: compress_into reads and writes the state and
   // writes the message (2 + 1/2), absorb reads the state and the message and writes the state.
-  std::printf("| %s | %s | %.1f | %.1f (compress_into) | %.2fx | %.1f | %.2fx | | |\n", isa, type,
+  std::printf("| %s | %s | %.2f | %.2f (compress_into) | %.2fx | %.2f | %.2fx | | |\n", isa, type,
               copy, c, 1.25 * copy / c, a, 1.25 * copy / a);
   std::free(state);
   std::free(copied);
