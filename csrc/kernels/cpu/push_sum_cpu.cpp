@@ -26,8 +26,12 @@ namespace {
 
 constexpr int64_t kGrainSize = 1 << 15;  // elements per task: below this, one thread does it all
 
+// A weight's value, read in place: check_weight has made it one float32 or float64 element on
+// the CPU, and item() would take a trip through the dispatcher for it.
 double weight_value(const std::optional<at::Tensor>& weight) {
-  return weight.has_value() ? weight->item<double>() : 1.0;
+  if (!weight.has_value()) return 1.0;
+  return weight->scalar_type() == at::kFloat ? *weight->const_data_ptr<float>()
+                                             : *weight->const_data_ptr<double>();
 }
 
 // The range kernels' view of a tensor's elements: c10::BFloat16 and c10::Half are one uint16_t,
