@@ -30,14 +30,29 @@ class RoundSchedule:
         self._synch_freq = synch_freq
         self._unfinished_forwards = 0  # bounded asynchrony: forwards that found a round running
         self._start_deferred = False  # bounded asynchrony: a round owed by transfer_params()
+        self._failure: Exception | None = None  # a failed exact average (see fail)
+
+    def fail(self, error: Exception) -> None:
+        """Keeps ``error``, the failure of an exact average, raised by every later call, as the
+        engine keeps a failed round's: the ranks that saw a collective fail and those that did
+        not are at different collectives, so no later one may run between them."""
+        self._failure = error
+
+    def raise_if_failed(self) -> None:
+        """Raises the failure of an exact average or of a round, if one failed."""
+        if self._failure is not None:
+            # The same error each time, with this call's traceback (not every earlier one's).
+            raise self._failure.with_traceback(None)
+        if self._engine is not None:
+            self._engine.raise_if_failed()
 
     def before_forward(self, training: bool) -> None:
         """Absorbs what the schedule says the forward about to run must see."""
+        # A failure stays raised on every call that would see its parameters, also where this
+        # schedule does not absorb before the forward (overlap).
+        self.raise_if_failed()
         if self._engine is None:
             return
-        # A failed round stays raised on every call that would see its parameters, also where
-        # this schedule does not absorb before the forward (overlap).
-        self._engine.raise_if_failed()
         if not training:
             # Evaluation sees every message sent so far (the reference forgets to absorb).
             self._engine.finish_round()
@@ -49,6 +64,7 @@ class RoundSchedule:
     def start(self) -> None:
         """Starts the round of the optimizer step just taken (or owes it, under bounded
         asynchrony), after absorbing the previous one where the schedule says so."""
+        self.raise_if_failed()
         if self._engine is None:
             return
         if self._synch_freq > 0:
@@ -61,6 +77,7 @@ class RoundSchedule:
         """Waits for the round in flight, and any round still owed, and absorbs them; then waits
         on the host until the last absorbed round has really completed (a GPU's absorb is only
         stream-ordered behind it), raising if it failed."""
+        self.raise_if_failed()
         if self._engine is None:
             return
         self._engine.finish_round()

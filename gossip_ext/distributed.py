@@ -95,7 +95,8 @@ class GossipDataParallel(nn.Module):
         :meth:`average_parameters` and :meth:`consensus_distance` raises the same error, naming
         the peer and the round. A round that timed out or lost a peer changes nothing: the
         parameters stay the last valid model, so ``model.module.state_dict()`` can still be
-        saved. (A non-finite round has already been absorbed when it is detected.)
+        saved. (A non-finite round has already been absorbed when it is detected.) An exact
+        average whose all-reduce fails likewise writes nothing and stays raised.
 
     .. note::
         With ``nprocs_per_node > 1``, :meth:`sync_comms`, ``eval()`` and ``state_dict()`` bring
@@ -480,6 +481,7 @@ class GossipDataParallel(nn.Module):
     def _transfer(self, caller: str) -> None:
         # Checked on every rank, gossiping or not, so that all of them raise alike.
         self._watch.check(self.module)
+        self._rounds.raise_if_failed()  # also where no round would start (LocalSGD)
         _validation.check_transfer(self._transferred, caller, self.overlap)
         _validation.check_slowmo_optimizer(self._averaging.slowmo_freq, self._optimizer)
         self._steps += 1
@@ -567,7 +569,8 @@ class GossipDataParallel(nn.Module):
         process receives the result.
 
         It holds one transient copy of the parameters and writes them only once every
-        all-reduce has succeeded, so a peer that fails in the middle leaves them as they were
+        all-reduce has succeeded, so a peer that fails in the middle leaves them as they were;
+        the error then stays raised by every later call, as a failed round's
         (``tests/test_faults.py``).
         """
         self.sync_comms()
@@ -580,7 +583,12 @@ class GossipDataParallel(nn.Module):
         weight = self.ps_weight if self.is_gossip_leader else None
         # Buffers are de-biased values with the parameters' weight only when they are gossiped.
         buffer_weight = weight if self.gossip_buffers or weight is None else 1.0
-        self._averaging.apply(weight, buffer_weight, self._optimizer if slowmo else None)
+        try:
+            self._averaging.apply(weight, buffer_weight, self._optimizer if slowmo else None)
+        except Exception as error:
+            # Left as they were here, but perhaps written on ranks whose collectives succeeded.
+            self._rounds.fail(error)
+            raise
         if self._engine is not None:
             # Every worker holds the consensus value now, with x = z: push-sum restarts from
             # weights 1 (always 1 under lazy mixing). restore() needs an idle engine: drained.
@@ -636,8 +644,7 @@ class GossipDataParallel(nn.Module):
         ``log_every`` gives a free estimate.
         """
         _validation.check_type("relative", relative, bool, "a bool")
-        if self._engine is not None:
-            self._engine.raise_if_failed()
+        self._rounds.raise_if_failed()
         return consensus.consensus_distance(
             list(self.module.parameters()),
             self.process_group,

@@ -347,8 +347,8 @@ def _survivor_of_a_failed_average(
     rank: int, world_size: int, dead: int, layer: str, sync_dir: str
 ) -> dict:
     """A peer dies right before the exact average of step 2 (LocalSGD's, or SlowMo's through
-    the fairscale layer): the survivors' all-reduce fails, and what they read then must be the
-    model of their last optimizer step."""
+    the fairscale layer): the survivors' all-reduce fails, what they read then must be the
+    model of their last optimizer step, and every later call raises the same error."""
     torch.manual_seed(0)
     module = nn.Linear(3, 1)
     if layer == "localsgd":
@@ -375,13 +375,21 @@ def _survivor_of_a_failed_average(
         state = module.state_dict()
         result = {
             "error": str(error),
+            "type": type(error).__name__,
             "module_is_last_model": all(
                 torch.equal(p, q) for p, q in zip(module.parameters(), last_model)
             ),
             "state_dict_is_last_model": all(
                 torch.equal(state[name], q) for name, q in zip(["weight", "bias"], last_model)
             ),
+            "later": {},
         }
+        for name in LATER_CALLS:
+            try:
+                _later_call(model, name)
+                result["later"][name] = None
+            except Exception as again:  # noqa: BLE001 - recorded for the test to judge
+                result["later"][name] = (type(again).__name__, str(again))
     _leave_with_the_survivors(sync_dir, rank, world_size, dead)
     return result
 
@@ -398,3 +406,6 @@ def test_a_peer_dying_during_an_exact_average_leaves_the_survivors_last_model(tm
         assert outcomes[rank].exitcode == 0 and result["error"] is not None, (rank, outcomes[rank])
         assert result["module_is_last_model"], (rank, result["error"])
         assert result["state_dict_is_last_model"], (rank, result["error"])
+        # The ranks are at different collectives now: none may run another.
+        for name in LATER_CALLS:
+            assert result["later"][name] == (result["type"], result["error"]), (rank, name, result)
