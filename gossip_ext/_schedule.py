@@ -64,7 +64,6 @@ class RoundSchedule:
     def start(self) -> None:
         """Starts the round of the optimizer step just taken (or owes it, under bounded
         asynchrony), after absorbing the previous one where the schedule says so."""
-        self.raise_if_failed()
         if self._engine is None:
             return
         if self._synch_freq > 0:

@@ -481,7 +481,9 @@ class GossipDataParallel(nn.Module):
     def _transfer(self, caller: str) -> None:
         # Checked on every rank, gossiping or not, so that all of them raise alike.
         self._watch.check(self.module)
-        self._rounds.raise_if_failed()  # also where no round would start (LocalSGD)
+        # A failed round or exact average, before this step counts; also where no round would
+        # start (LocalSGD has no engine).
+        self._rounds.raise_if_failed()
         _validation.check_transfer(self._transferred, caller, self.overlap)
         _validation.check_slowmo_optimizer(self._averaging.slowmo_freq, self._optimizer)
         self._steps += 1

@@ -239,6 +239,30 @@ def _later_call(model, name: str) -> None:
     calls[name]()
 
 
+def _what_a_survivor_reads(model, module: nn.Module, last_model, error: Exception) -> dict:
+    """What a rank that caught ``error`` reads: whether the module and its state_dict() are
+    ``last_model`` bit for bit, then what each of LATER_CALLS raises (None if nothing)."""
+    state = module.state_dict()
+    result = {
+        "error": str(error),
+        "type": type(error).__name__,
+        "module_is_last_model": all(
+            torch.equal(p, q) for p, q in zip(module.parameters(), last_model)
+        ),
+        "state_dict_is_last_model": all(
+            torch.equal(state[name], q) for name, q in zip(["weight", "bias"], last_model)
+        ),
+        "later": {},
+    }
+    for name in LATER_CALLS:
+        try:
+            _later_call(model, name)
+            result["later"][name] = None
+        except Exception as again:  # noqa: BLE001 - recorded for the test to judge
+            result["later"][name] = (type(again).__name__, str(again))
+    return result
+
+
 def _survivor_keeps_its_last_model(
     rank: int, world_size: int, dead: int, kill_step: int, when: str, mode: str, sync_dir: str
 ) -> dict:
@@ -278,24 +302,7 @@ def _survivor_keeps_its_last_model(
             if rank == dead and step == kill_step and when == "after_transfer":
                 die()
     except (RuntimeError, TimeoutError) as error:
-        state = module.state_dict()
-        result = {
-            "error": str(error),
-            "type": type(error).__name__,
-            "module_is_last_model": all(
-                torch.equal(p, q) for p, q in zip(module.parameters(), last_model)
-            ),
-            "state_dict_is_last_model": all(
-                torch.equal(state[name], q) for name, q in zip(["weight", "bias"], last_model)
-            ),
-            "later": {},
-        }
-        for name in LATER_CALLS:
-            try:
-                _later_call(model, name)
-                result["later"][name] = None
-            except Exception as again:  # noqa: BLE001 - recorded for the test to judge
-                result["later"][name] = (type(again).__name__, str(again))
+        result = _what_a_survivor_reads(model, module, last_model, error)
     _leave_with_the_survivors(sync_dir, rank, world_size, dead)
     return result
 
@@ -372,24 +379,7 @@ def _survivor_of_a_failed_average(
             else:
                 model.perform_slowmo(opt)
     except RuntimeError as error:
-        state = module.state_dict()
-        result = {
-            "error": str(error),
-            "type": type(error).__name__,
-            "module_is_last_model": all(
-                torch.equal(p, q) for p, q in zip(module.parameters(), last_model)
-            ),
-            "state_dict_is_last_model": all(
-                torch.equal(state[name], q) for name, q in zip(["weight", "bias"], last_model)
-            ),
-            "later": {},
-        }
-        for name in LATER_CALLS:
-            try:
-                _later_call(model, name)
-                result["later"][name] = None
-            except Exception as again:  # noqa: BLE001 - recorded for the test to judge
-                result["later"][name] = (type(again).__name__, str(again))
+        result = _what_a_survivor_reads(model, module, last_model, error)
     _leave_with_the_survivors(sync_dir, rank, world_size, dead)
     return result
 
