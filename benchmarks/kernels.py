@@ -24,10 +24,12 @@ k = 1) and 13/5 = 2.6x (absorb_, k = 3) the fused op's bytes: those are its spee
 The three are timed in interleaved rounds (--rounds), so that a drift of the machine's memory
 bandwidth (other tenants) hits them alike.
 
-On CPUs the kernels run the best instruction set the CPU has (base, avx2, avx512 or
-avx512_bf16), capped by torch's CPU capability and by ``GOSSIP_EXT_MAX_CPU_ISA``, and the header
-names it: ``GOSSIP_EXT_MAX_CPU_ISA=avx512`` times the kernels of AVX-512 CPUs without AVX512_BF16
-on one that has it, ``=avx2`` the avx2 ones, ``=base`` the baseline ones.
+On CPUs the kernels run the best instruction set the CPU has (base, avx2, avx512, avx512_bf16,
+or zen4: avx512_bf16 as AMD Zen 4 runs it best), capped by torch's CPU capability and by
+``GOSSIP_EXT_MAX_CPU_ISA``, and the header names it: on Zen 4,
+``GOSSIP_EXT_MAX_CPU_ISA=avx512_bf16`` times the kernels other CPUs with AVX512_BF16 run,
+``=avx512`` those of AVX-512 CPUs without AVX512_BF16, ``=avx2`` the avx2 ones, ``=base`` the
+baseline ones.
 """
 
 from __future__ import annotations

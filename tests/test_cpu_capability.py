@@ -2,7 +2,8 @@
 every instruction set gives the same bits.
 
 Each capability torch can be set to (ATEN_CPU_CAPABILITY=default, avx2, avx512), and each cap
-gossip_ext's own variable sets under torch's AVX512 (GOSSIP_EXT_MAX_CPU_ISA=base, avx2, avx512),
+gossip_ext's own variable sets under torch's AVX512 (GOSSIP_EXT_MAX_CPU_ISA=base, avx2, avx512,
+avx512_bf16: on Zen 4, the set other CPUs with AVX512_BF16 run),
 runs the push-sum ops in a process of its own, on data full of the values conversions get wrong
 (NaN, infinities, signed zeros, subnormals, float16 overflow), and the outputs are compared bit for
 bit across the instruction sets they ran on (NaN against NaN: which NaN an operation on two NaNs
@@ -18,7 +19,8 @@ import sys
 import pytest
 import torch
 
-ISAS = ["base", "avx2", "avx512", "avx512_bf16"]  # gossip_ext's, each needing those before it
+# gossip_ext's, each needing those before it; zen4 is avx512_bf16 as Zen 4 runs it best.
+ISAS = ["base", "avx2", "avx512", "avx512_bf16", "zen4"]
 # A process each: (ATEN_CPU_CAPABILITY, GOSSIP_EXT_MAX_CPU_ISA or None).
 SETTINGS = [("default", None), ("avx2", None), ("avx512", None)] + [
     ("avx512", cap) for cap in ISAS[:-1]
@@ -81,15 +83,21 @@ def _inputs() -> dict[torch.dtype, list[torch.Tensor]]:
     return inputs
 
 
-def _cpu_flags() -> set[str]:
+def _cpu_info() -> dict[str, str]:
+    """The first processor's fields of /proc/cpuinfo."""
+    fields = {}
     try:
         with open("/proc/cpuinfo") as info:
             for line in info:
-                if line.startswith("flags"):
-                    return set(line.split(":", 1)[1].split())
+                if not line.strip():
+                    break
+                key, _, value = line.partition(":")
+                fields[key.strip()] = value.strip()
     except OSError:
         pass
-    pytest.skip("needs /proc/cpuinfo to know this CPU's instruction sets")
+    if "flags" not in fields:
+        pytest.skip("needs /proc/cpuinfo to know this CPU's instruction sets")
+    return fields
 
 
 @pytest.fixture(scope="module")
@@ -114,13 +122,19 @@ def runs(tmp_path_factory) -> dict[str, dict]:
 
 
 def test_each_setting_picks_the_instruction_set_it_allows(runs):
-    flags = _cpu_flags()
+    info = _cpu_info()
+    flags = set(info["flags"].split())
     has_avx2 = {"avx2", "fma", "f16c"} <= flags
     has_avx512 = has_avx2 and {"avx512f", "avx512bw", "avx512vl", "avx512dq"} <= flags
     has_avx512_bf16 = has_avx512 and "avx512_bf16" in flags
+    # AMD's family 25 (19h) is Zen 3 and Zen 4; only Zen 4 has AVX-512.
+    zen4 = has_avx512_bf16 and info.get("vendor_id") == "AuthenticAMD"
+    zen4 = zen4 and info.get("cpu family") == "25"
     for (capability, cap), run in runs.items():
         torch_capability = run["torch"]  # what torch made of the request on this CPU
-        if torch_capability == "AVX512" and has_avx512_bf16:
+        if torch_capability == "AVX512" and zen4:
+            best = "zen4"
+        elif torch_capability == "AVX512" and has_avx512_bf16:
             best = "avx512_bf16"
         elif torch_capability == "AVX512" and has_avx512:
             best = "avx512"
@@ -145,7 +159,7 @@ def test_an_unknown_cap_is_named_at_import():
     )
     assert done.returncode != 0
     assert "GOSSIP_EXT_MAX_CPU_ISA='avx1024'" in done.stderr
-    assert "base, avx2, avx512 or avx512_bf16" in done.stderr
+    assert "base, avx2, avx512, avx512_bf16 or zen4" in done.stderr
 
 
 def _same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:

@@ -56,10 +56,11 @@ void check_absorb_args(const at::Tensor& x, at::TensorList received,
 at::ScalarType absorb_message_dtype(const at::Tensor& x, at::TensorList received,
                                     const std::optional<at::Tensor>& sent);
 
-// The instruction set the CPU kernels run: "avx512_bf16", "avx512", "avx2" or "base" (kernels/
-// cpu/range_kernels.h): the best this CPU has, capped by torch's CPU capability (so the
-// environment variable ATEN_CPU_CAPABILITY=avx2 or =default lowers it, as it lowers torch's own
-// kernels) and by GOSSIP_EXT_MAX_CPU_ISA, one of those four names.
+// The instruction set the CPU kernels run: "zen4" (avx512_bf16 as Zen 4 runs it best),
+// "avx512_bf16", "avx512", "avx2" or "base" (kernels/cpu/range_kernels.h): the best this CPU has,
+// capped by torch's CPU capability (so the environment variable ATEN_CPU_CAPABILITY=avx2 or
+// =default lowers it, as it lowers torch's own kernels) and by GOSSIP_EXT_MAX_CPU_ISA, one of
+// those five names.
 std::string cpu_kernels_isa();
 
 // Entry points through the dispatcher: they reach the kernel of the tensors' device.

@@ -1,6 +1,6 @@
 // The CPU range kernels (kernels/cpu/range_kernels.h) below the dispatcher: the scalar
 // conversions of convert.h and each vector instruction set's conversions (avx2, avx512,
-// avx512_bf16) against c10's own, bit for bit (a float16 NaN's payload aside), and each
+// avx512_bf16, zen4) against c10's own, bit for bit (a float16 NaN's payload aside), and each
 // instruction set's kernels against the baseline ones, bit for bit, on data full of the values
 // that conversions get wrong: NaN, infinities, signed zeros, subnormals, ties, overflow. An
 // instruction set this CPU lacks is skipped, visibly.
@@ -85,6 +85,8 @@ bool is_nan(HalfBits v) { return (v.bits & 0x7FFF) > 0x7C00; }
 GOSSIP_RANGE_KERNELS(Avx2, avx2, cpu_has_avx2, "this CPU lacks AVX2, FMA or F16C")
 GOSSIP_RANGE_KERNELS(Avx512, avx512, cpu_has_avx512, "this CPU lacks AVX-512 F/BW/VL/DQ")
 GOSSIP_RANGE_KERNELS(Avx512Bf16, avx512_bf16, cpu_has_avx512_bf16, "this CPU lacks AVX512_BF16")
+// Picked only on Zen 4, but its instructions are avx512_bf16's: tested wherever those run.
+GOSSIP_RANGE_KERNELS(Zen4, zen4, cpu_has_avx512_bf16, "this CPU lacks AVX512_BF16")
 #undef GOSSIP_RANGE_KERNELS
 
 }  // namespace
@@ -152,7 +154,7 @@ class RangeKernelsTest : public ::testing::Test {
     if (!Kernels::available()) GTEST_SKIP() << Kernels::kLacks;
   }
 };
-using InstructionSets = ::testing::Types<Avx2, Avx512, Avx512Bf16>;
+using InstructionSets = ::testing::Types<Avx2, Avx512, Avx512Bf16, Zen4>;
 TYPED_TEST_SUITE(RangeKernelsTest, InstructionSets);
 
 TYPED_TEST(RangeKernelsTest, ConversionsMatchC10BitForBit) {

@@ -24,11 +24,18 @@ bool cpu_has_avx512_bf16() {
   return has;
 }
 
+// AMD's family 19h is Zen 3 and Zen 4, and only Zen 4 has AVX-512.
+bool cpu_is_zen4() {
+  static const bool is = cpu_has_avx512_bf16() && __builtin_cpu_is("amdfam19h");
+  return is;
+}
+
 #else  // another architecture: the baseline kernels serve every call
 
 bool cpu_has_avx2() { return false; }
 bool cpu_has_avx512() { return false; }
 bool cpu_has_avx512_bf16() { return false; }
+bool cpu_is_zen4() { return false; }
 
 #endif
 

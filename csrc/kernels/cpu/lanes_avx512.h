@@ -2,7 +2,9 @@
 // and stores that convert float16 (F16C at 512 bits) and bfloat16 into and out of them. Included
 // only by range_kernels_avx512.inc, inside its `#pragma GCC target(...)` and after <immintrin.h>,
 // so nothing here is compiled for a CPU that lacks those instructions; GOSSIP_AVX512_BF16 says
-// whether that target has AVX512_BF16, and GOSSIP_RANGE_KERNELS_ISA names the namespace.
+// whether that target has AVX512_BF16, GOSSIP_FLOAT16_STATE_256 whether kernels whose every
+// operand is float16 convert 256 bits at a time (the zen4 set), and GOSSIP_RANGE_KERNELS_ISA names
+// the namespace.
 //
 // The conversions are bit-exact with convert.h, and so with c10::BFloat16 and c10::Half, as in
 // lanes_avx2.h: round to nearest even, subnormals kept, a bfloat16 NaN stored as 0x7FC0; a
@@ -13,6 +15,7 @@
 // on ordinary data). The interface is lanes_avx2.h's; the layouts:
 //   float32, float16, and bfloat16 under float32   sixteen lanes in memory order
 //   bfloat16 with bfloat16                          thirty-two, even and odd elements apart
+//   float16 with float16, in the zen4 set           sixteen in memory order, as two halves
 #pragma once
 
 #include "kernels/cpu/lane_pairs.h"
@@ -201,6 +204,55 @@ struct BFloat16EvenOddLanes : LanePairs<FloatLanes> {
 #endif
 };
 
+#if GOSSIP_FLOAT16_STATE_256
+// Eight float32 values in a __m256, classified into mask registers as FloatLanes does.
+struct EightFloatLanes {
+  using Vec = __m256;
+  static constexpr int kWidth = 8;
+  static Vec broadcast(float v) { return _mm256_set1_ps(v); }
+  static Vec add(Vec a, Vec b) { return _mm256_add_ps(a, b); }
+  static Vec sub(Vec a, Vec b) { return _mm256_sub_ps(a, b); }
+  static Vec mul(Vec a, Vec b) { return _mm256_mul_ps(a, b); }
+  static __mmask8 nonfinite(Vec v) { return _mm256_fpclass_ps_mask(v, 0x99); }
+  static bool any_nonfinite(Vec v) { return nonfinite(v) != 0; }
+  // Sixty-four values a branch, as FloatLanes.
+  static constexpr int kCheckGroup = 8;
+  template <int N>
+  static bool may_be_nonfinite(const Vec (&results)[N]) {
+    __mmask8 found = nonfinite(results[0]);
+#pragma GCC unroll 8
+    for (int g = 1; g < N; ++g) found |= nonfinite(results[g]);
+    return found != 0;
+  }
+};
+
+// Sixteen float16 values in memory order, converted eight at a time, for kernels whose every
+// operand is float16, in the zen4 set. Zen 4 runs a 512-bit instruction on two 256-bit halves, and
+// there these 256-bit conversions made float16 scale_into, absorb and checked absorb take
+// 0.73-0.88x the time of Lanes<HalfBits>'s 512-bit ones, from 16K to 1M elements
+// (benchmarks/RESULTS.md, "float16 in 256-bit halves on Zen 4"). On Intel's AVX-512 cores every
+// F16C conversion also takes one uop on the shuffle port whatever its width, so halving the width
+// would double that port's work: the other sets keep Lanes<HalfBits> (uops.info's port tables; not
+// measured on an Intel CPU). A float32 state with float16 messages converts each message once, and
+// keeps the 512-bit conversions on Zen 4 too: there the avx2 kernels' 256-bit layout was the slower
+// (RESULTS.md, same section).
+struct HalfPairLanes : LanePairs<EightFloatLanes> {
+  static constexpr bool kEnabled = true;
+  static __m256 load8(const HalfBits* p) {
+    return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+  }
+  static Vec load(const HalfBits* p) { return {load8(p), load8(p + 8)}; }
+  // As Lanes<HalfBits>::narrow, eight values.
+  static __m128i narrow8(__m256 v) {
+    return _mm256_cvtps_ph(v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  }
+  static void store(HalfBits* p, Vec v) {
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(p), narrow8(v.first));
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(p + 8), narrow8(v.second));
+  }
+};
+#endif
+
 template <typename T, typename M>
 struct KernelLanes {
   using State = Lanes<T>;
@@ -212,6 +264,14 @@ struct KernelLanes<BFloat16Bits, BFloat16Bits> {
   using State = BFloat16EvenOddLanes;
   using Message = BFloat16EvenOddLanes;
 };
+
+#if GOSSIP_FLOAT16_STATE_256
+template <>
+struct KernelLanes<HalfBits, HalfBits> {
+  using State = HalfPairLanes;
+  using Message = HalfPairLanes;
+};
+#endif
 
 }  // namespace
 }  // namespace gossip::cpu::GOSSIP_RANGE_KERNELS_ISA

@@ -54,33 +54,37 @@ static_assert(sizeof(at::BFloat16) == sizeof(cpu::BFloat16Bits) &&
 template <typename scalar_t>
 using bits_t = typename Bits<scalar_t>::type;
 
-// The range kernels' instruction sets, each needing the instructions of those before it.
-enum class Isa { kBase, kAvx2, kAvx512, kAvx512Bf16 };
-constexpr const char* kIsaNames[] = {"base", "avx2", "avx512", "avx512_bf16"};
+// The range kernels' instruction sets, each needing the instructions of those before it; zen4
+// needs avx512_bf16's and is picked only on Zen 4, so capping at avx512_bf16 there runs the set
+// other CPUs run.
+enum class Isa { kBase, kAvx2, kAvx512, kAvx512Bf16, kZen4 };
+constexpr const char* kIsaNames[] = {"base", "avx2", "avx512", "avx512_bf16", "zen4"};
 constexpr const char* kMaxIsaVariable = "GOSSIP_EXT_MAX_CPU_ISA";
 
 // The cap the environment sets, as ONEDNN_MAX_CPU_ISA caps oneDNN's kernels: for a comparison, or
 // to rule the vector kernels out. Unset or empty, none.
 Isa max_isa_from_environment() {
   const char* value = std::getenv(kMaxIsaVariable);
-  if (value == nullptr || *value == '\0') return Isa::kAvx512Bf16;
+  if (value == nullptr || *value == '\0') return Isa::kZen4;
   for (size_t i = 0; i < std::size(kIsaNames); ++i) {
     if (std::strcmp(value, kIsaNames[i]) == 0) return static_cast<Isa>(i);
   }
   TORCH_CHECK(false, kMaxIsaVariable, "='", value,
               "' is not an instruction set of gossip_ext's CPU kernels: expected base, avx2, "
-              "avx512 or avx512_bf16");
+              "avx512, avx512_bf16 or zen4");
 }
 
 // cpu_kernels_isa(), decided once: the best this CPU has that torch's CPU capability allows
-// (AVX512 allows both AVX-512 sets), capped by the environment.
+// (AVX512 allows the AVX-512 sets), capped by the environment.
 Isa range_kernels_isa() {
   static const Isa isa = [] {
     const std::string torch_capability = at::get_cpu_capability();
     const bool torch_avx512 = torch_capability == "AVX512";
     const bool torch_avx2 = torch_avx512 || torch_capability == "AVX2";
     Isa best = Isa::kBase;
-    if (torch_avx512 && cpu::cpu_has_avx512_bf16()) {
+    if (torch_avx512 && cpu::cpu_is_zen4()) {
+      best = Isa::kZen4;
+    } else if (torch_avx512 && cpu::cpu_has_avx512_bf16()) {
       best = Isa::kAvx512Bf16;
     } else if (torch_avx512 && cpu::cpu_has_avx512()) {
       best = Isa::kAvx512;
@@ -94,8 +98,10 @@ Isa range_kernels_isa() {
 
 // The one of a kernel's compilations that this process runs.
 template <typename Kernel>
-Kernel pick(Kernel base, Kernel avx2, Kernel avx512, Kernel avx512_bf16) {
+Kernel pick(Kernel base, Kernel avx2, Kernel avx512, Kernel avx512_bf16, Kernel zen4) {
   switch (range_kernels_isa()) {
+    case Isa::kZen4:
+      return zen4;
     case Isa::kAvx512Bf16:
       return avx512_bf16;
     case Isa::kAvx512:
@@ -110,7 +116,7 @@ Kernel pick(Kernel base, Kernel avx2, Kernel avx512, Kernel avx512_bf16) {
 // pick() over one range kernel's compilations, named once.
 #define GOSSIP_PICK_RANGE_KERNEL(...)                                                              \
   pick(&cpu::base::__VA_ARGS__, &cpu::avx2::__VA_ARGS__, &cpu::avx512::__VA_ARGS__,                \
-       &cpu::avx512_bf16::__VA_ARGS__)
+       &cpu::avx512_bf16::__VA_ARGS__, &cpu::zen4::__VA_ARGS__)
 
 template <typename scalar_t>
 const bits_t<scalar_t>* bits(const at::Tensor& t) {

@@ -6,6 +6,7 @@
 //   namespace avx2          range_kernels_avx2.cpp, AVX2 with FMA and F16C
 //   namespace avx512        range_kernels_avx512.cpp, AVX-512 F/BW/VL/DQ (torch's AVX512)
 //   namespace avx512_bf16   range_kernels_avx512_bf16.cpp, the same with AVX512_BF16
+//   namespace zen4          range_kernels_zen4.cpp, avx512_bf16 with float16 laid out for Zen 4
 // Every namespace declares the same functions (range_kernels_decl.inc); on other architectures
 // than x86-64 the vector ones compile the baseline code. cpu_features.cpp says which ones this CPU
 // can run.
@@ -34,6 +35,10 @@ namespace avx512_bf16 {
 #include "kernels/cpu/range_kernels_decl.inc"
 }  // namespace avx512_bf16
 
+namespace zen4 {
+#include "kernels/cpu/range_kernels_decl.inc"
+}  // namespace zen4
+
 // Whether this CPU runs the avx2 kernels (AVX2, FMA and F16C); decided once.
 bool cpu_has_avx2();
 
@@ -44,5 +49,9 @@ bool cpu_has_avx512();
 // Whether this CPU runs the avx512_bf16 kernels (the avx512 ones' instructions and AVX512_BF16);
 // decided once.
 bool cpu_has_avx512_bf16();
+
+// Whether this CPU is an AMD Zen 4, which runs the zen4 kernels (the avx512_bf16 ones tuned for
+// it); decided once.
+bool cpu_is_zen4();
 
 }  // namespace gossip::cpu

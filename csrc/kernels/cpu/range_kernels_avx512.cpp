@@ -3,4 +3,5 @@
 // has those instructions (cpu_has_avx512()). bfloat16 rounds with integer instructions here.
 #define GOSSIP_RANGE_KERNELS_ISA avx512
 #define GOSSIP_AVX512_BF16 0
+#define GOSSIP_FLOAT16_STATE_256 0
 #include "kernels/cpu/range_kernels_avx512.inc"
