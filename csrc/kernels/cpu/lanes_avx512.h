@@ -23,29 +23,62 @@
 namespace gossip::cpu::GOSSIP_RANGE_KERNELS_ISA {
 namespace {
 
-struct FloatLanes {
-  using Vec = __m512;
-  static constexpr int kWidth = 16;
-  static Vec broadcast(float v) { return _mm512_set1_ps(v); }
-  static Vec add(Vec a, Vec b) { return _mm512_add_ps(a, b); }
-  static Vec sub(Vec a, Vec b) { return _mm512_sub_ps(a, b); }
-  static Vec mul(Vec a, Vec b) { return _mm512_mul_ps(a, b); }
+// The register of kWidth float32 values. (A vector type as a template argument would lose its
+// attributes, -Wignored-attributes: the width is the argument instead.)
+template <int kWidth>
+struct FloatRegister;
+template <>
+struct FloatRegister<16> {
+  using type = __m512;
+};
+template <>
+struct FloatRegister<8> {
+  using type = __m256;
+};
+
+// kLanes float32 values in one register: sixteen (FloatLanes), or eight (the zen4 set's float16
+// layout, HalfPairLanes), classified into mask registers at either width.
+template <int kLanes>
+struct FloatRegisterLanes {
+  using Vec = typename FloatRegister<kLanes>::type;
+  static constexpr int kWidth = kLanes;
+  static constexpr bool kWide = kWidth == 16;
+  static Vec broadcast(float v) {
+    if constexpr (kWide) {
+      return _mm512_set1_ps(v);
+    } else {
+      return _mm256_set1_ps(v);
+    }
+  }
+  // GCC's vector operators, which its intrinsics are made of: vaddps, vsubps, vmulps.
+  static Vec add(Vec a, Vec b) { return a + b; }
+  static Vec sub(Vec a, Vec b) { return a - b; }
+  static Vec mul(Vec a, Vec b) { return a * b; }
   // fpclass 0x01 | 0x08 | 0x10 | 0x80: a quiet NaN, +Inf, -Inf or a signalling NaN.
-  static __mmask16 nonfinite(Vec v) { return _mm512_fpclass_ps_mask(v, 0x99); }
+  static auto nonfinite(Vec v) {
+    if constexpr (kWide) {
+      return _mm512_fpclass_ps_mask(v, 0x99);
+    } else {
+      return _mm256_fpclass_ps_mask(v, 0x99);
+    }
+  }
   static bool any_nonfinite(Vec v) { return nonfinite(v) != 0; }
-  // Four results, one branch: a branch per vector took a quarter of float16 absorb's time. Each
-  // result is classified into a mask register and the masks are OR'ed. Adding the results and
-  // classifying their sum (lanes_avx2.h) made the check cost float16 absorb 14-15% of its time,
-  // the masks 9-10% (measured side by side, Zen 4); float32 and bfloat16 see no difference.
-  static constexpr int kCheckGroup = 4;
+  // Sixty-four results, one branch: a branch per vector took a quarter of float16 absorb's time.
+  // Each result is classified into a mask register and the masks are OR'ed. Adding the results
+  // and classifying their sum (lanes_avx2.h) made the check cost float16 absorb 14-15% of its
+  // time, the masks 9-10% (measured side by side, Zen 4, sixteen lanes); float32 and bfloat16 see
+  // no difference.
+  static constexpr int kCheckGroup = 64 / kWidth;
   template <int N>
   static bool may_be_nonfinite(const Vec (&results)[N]) {
-    __mmask16 found = nonfinite(results[0]);
+    auto found = nonfinite(results[0]);
 #pragma GCC unroll 8
     for (int g = 1; g < N; ++g) found |= nonfinite(results[g]);
     return found != 0;
   }
 };
+
+using FloatLanes = FloatRegisterLanes<16>;
 
 // float_to_bfloat16 on sixteen floats that are not NaN, up to the final shift: each 32-bit lane
 // holds its rounded bfloat16 in its top half (add 0x7FFF plus the lowest kept bit, bit 16). A mask
@@ -204,28 +237,6 @@ struct BFloat16EvenOddLanes : LanePairs<FloatLanes> {
 #endif
 };
 
-#if GOSSIP_FLOAT16_STATE_256
-// Eight float32 values in a __m256, classified into mask registers as FloatLanes does.
-struct EightFloatLanes {
-  using Vec = __m256;
-  static constexpr int kWidth = 8;
-  static Vec broadcast(float v) { return _mm256_set1_ps(v); }
-  static Vec add(Vec a, Vec b) { return _mm256_add_ps(a, b); }
-  static Vec sub(Vec a, Vec b) { return _mm256_sub_ps(a, b); }
-  static Vec mul(Vec a, Vec b) { return _mm256_mul_ps(a, b); }
-  static __mmask8 nonfinite(Vec v) { return _mm256_fpclass_ps_mask(v, 0x99); }
-  static bool any_nonfinite(Vec v) { return nonfinite(v) != 0; }
-  // Sixty-four values a branch, as FloatLanes.
-  static constexpr int kCheckGroup = 8;
-  template <int N>
-  static bool may_be_nonfinite(const Vec (&results)[N]) {
-    __mmask8 found = nonfinite(results[0]);
-#pragma GCC unroll 8
-    for (int g = 1; g < N; ++g) found |= nonfinite(results[g]);
-    return found != 0;
-  }
-};
-
 // Sixteen float16 values in memory order, converted eight at a time, for kernels whose every
 // operand is float16, in the zen4 set. Zen 4 runs a 512-bit instruction on two 256-bit halves, and
 // there these 256-bit conversions made float16 scale_into, absorb and checked absorb take
@@ -236,7 +247,7 @@ struct EightFloatLanes {
 // measured on an Intel CPU). A float32 state with float16 messages converts each message once, and
 // keeps the 512-bit conversions on Zen 4 too: there the avx2 kernels' 256-bit layout was the slower
 // (RESULTS.md, same section).
-struct HalfPairLanes : LanePairs<EightFloatLanes> {
+struct HalfPairLanes : LanePairs<FloatRegisterLanes<8>> {
   static constexpr bool kEnabled = true;
   static __m256 load8(const HalfBits* p) {
     return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
@@ -251,7 +262,6 @@ struct HalfPairLanes : LanePairs<EightFloatLanes> {
     _mm_storeu_si128(reinterpret_cast<__m128i*>(p + 8), narrow8(v.second));
   }
 };
-#endif
 
 template <typename T, typename M>
 struct KernelLanes {
