@@ -22,6 +22,7 @@ import math
 import os
 import sys
 import tempfile
+import threading
 import time
 import warnings
 from datetime import timedelta
@@ -117,6 +118,10 @@ def run_mode(mode: str, rank: int, world_size: int, args) -> dict:
     if rank == 0 and not args.quiet:
         from tqdm import tqdm
 
+        # One process draws bars, so a thread lock serves. tqdm's default lock adds a
+        # multiprocessing one, whose semaphore the resource tracker reports as leaked at exit
+        # because the worker leaves by os._exit (see worker).
+        tqdm.set_lock(threading.RLock())
         progress = tqdm(total=args.steps, desc=f"{mode:>7}", leave=True)
     dist.barrier()
     start = time.perf_counter()
