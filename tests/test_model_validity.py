@@ -35,17 +35,36 @@ MODES = {
     "compressed_overlap": {"message_dtype": torch.bfloat16, "overlap": True},
     "compressed_float16": {"message_dtype": torch.float16},
     "hierarchical": {"nprocs_per_node": 2},
+    "float16_model": {},
+    "bfloat16_model": {},
 }
+# A model of 16-bit parameters gossips 16-bit messages: the kernels whose every operand is 16-bit.
+# Its 41 parameters are more than the widest vector loop takes at once (32), so that the CPU
+# kernels' vector code runs, not only their scalar tail.
+MODEL_DTYPE = {"float16_model": torch.float16, "bfloat16_model": torch.bfloat16}
+WIDE_D = 40
 # bfloat16 messages round each message to 8 bits of mantissa (float16: 11); the error feedback
 # keeps the mean but not each worker's value, so compressed modes are checked to the message
 # precision. A half-absorbed round would be off by a third or half of the parameters' size (about
 # 0.3 here).
-TOLERANCE = {"compressed": 2e-2, "compressed_overlap": 2e-2, "compressed_float16": 3e-3}
+# A 16-bit model computes its gradients and steps in its own precision, against the reference's
+# float64.
+TOLERANCE = {
+    "compressed": 2e-2,
+    "compressed_overlap": 2e-2,
+    "compressed_float16": 3e-3,
+    "float16_model": 3e-3,
+    "bfloat16_model": 2e-2,
+}
 
 
-def _data(world_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+def _width(mode: str) -> int:
+    return WIDE_D if mode in MODEL_DTYPE else D
+
+
+def _data(world_size: int, d: int = D) -> tuple[torch.Tensor, torch.Tensor]:
     g = torch.Generator().manual_seed(4321)
-    return torch.randn(world_size, 3, D, generator=g), torch.randn(world_size, 3, 1, generator=g)
+    return torch.randn(world_size, 3, d, generator=g), torch.randn(world_size, 3, 1, generator=g)
 
 
 def _snapshot(module: nn.Module) -> list[torch.Tensor]:
@@ -55,9 +74,10 @@ def _snapshot(module: nn.Module) -> list[torch.Tensor]:
 def _train_and_read(rank: int, world_size: int, mode: str) -> dict:
     kwargs = MODES[mode]
     m = kwargs.get("nprocs_per_node", 1)
-    x, y = _data(world_size)
+    dtype = MODEL_DTYPE.get(mode, torch.float32)
+    x, y = (t.to(dtype) for t in _data(world_size, _width(mode)))
     torch.manual_seed(0)
-    module = nn.Linear(D, 1)
+    module = nn.Linear(_width(mode), 1).to(dtype)
     model = gossip_ext.GossipDataParallel(module, **kwargs)
     opt = torch.optim.SGD(model.parameters(), lr=LR)
     model.register_optimizer(opt)
@@ -94,7 +114,7 @@ def _train_and_read(rank: int, world_size: int, mode: str) -> dict:
     )
     torch.manual_seed(0)
     return {
-        "init": _snapshot(nn.Linear(D, 1)),
+        "init": _snapshot(nn.Linear(_width(mode), 1).to(dtype)),
         "events": events,
         "reads": reads,
         "is_leader": rank % m == 0,
@@ -106,7 +126,7 @@ def _expected_at(world_size: int, mode: str, results: list[dict], node: int, cut
     kwargs = MODES[mode]
     m = kwargs.get("nprocs_per_node", 1)
     nodes = world_size // m
-    x, y = _data(world_size)
+    x, y = _data(world_size, _width(mode))
     graph = kwargs.get("graph")
     kind = "ring" if graph is not None else "npeer_exponential"
     p = graph.peers_per_itr if graph is not None else 1
