@@ -13,6 +13,7 @@ from setuptools import find_packages, setup
 ROOT = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.join(ROOT, "tools"))
 
+import nccl_paths  # noqa: E402  (tools/nccl_paths.py)
 import sources  # noqa: E402  (tools/sources.py)
 import torch  # noqa: E402
 from torch.utils.cpp_extension import (  # noqa: E402
@@ -32,18 +33,25 @@ def _want_cuda() -> bool:
     return torch.version.cuda is not None and CUDA_HOME is not None
 
 
-def _nccl_flags() -> tuple[list[str], list[str]]:
-    """Include dirs and link args for NCCL: NCCL_HOME if set, else the nvidia-nccl wheel that
-    CUDA builds of torch depend on (it ships libnccl.so.2 without the unversioned link)."""
-    home = os.environ.get("NCCL_HOME")
-    if home:
-        lib = os.path.join(home, "lib")
-        return [os.path.join(home, "include")], [f"-L{lib}", "-lnccl", f"-Wl,-rpath,{lib}"]
-    import nvidia.nccl  # only CUDA builds need it
+def _check_cuda_home() -> None:
+    """torch takes CUDA_HOME from the environment, else from the folder above the nvcc on PATH; a
+    wrapper script there (as in /usr/local/bin) gives a folder without the toolkit's headers."""
+    header = os.path.join(CUDA_HOME or "", "include", "cuda_runtime_api.h")
+    if CUDA_HOME is None or not os.path.isfile(header):
+        raise RuntimeError(
+            f"gossip_ext: a CUDA build needs the CUDA toolkit, and CUDA_HOME={CUDA_HOME!r} (as "
+            "torch found it) has no include/cuda_runtime_api.h: set CUDA_HOME to the toolkit's "
+            "folder (e.g. /usr/local/cuda), or GOSSIP_EXT_CUDA=0 for a CPU build"
+        )
 
-    root = os.path.dirname(nvidia.nccl.__file__)
-    lib = os.path.join(root, "lib")
-    return [os.path.join(root, "include")], [f"-L{lib}", "-l:libnccl.so.2", f"-Wl,-rpath,{lib}"]
+
+_CONFIGURATION = "-".join(
+    [
+        f"py{sys.version_info.major}.{sys.version_info.minor}",
+        f"torch{torch.__version__}",
+        "cuda" if _want_cuda() else "cpu",
+    ]
+)
 
 
 def _extension():
@@ -66,14 +74,19 @@ def _extension():
     include_dirs = [os.path.join(ROOT, "csrc")]
 
     if cuda:
-        nccl_include, nccl_link = _nccl_flags()
+        _check_cuda_home()
+        nccl = nccl_paths.find_nccl()
+        # Arithmetic as the CPU twins do it: no --use_fast_math (de-bias and error feedback
+        # divide, and approximate division would not match) and no fused multiply-add behind the
+        # source's back (--fmad=false, as -ffp-contract=off for the CPU). The kernels are
+        # memory-bound: exact arithmetic costs them nothing measurable.
         return CUDAExtension(
             "gossip_ext._C",
             files,
-            include_dirs=include_dirs + nccl_include,
+            include_dirs=include_dirs + [nccl.include_dir],
             define_macros=[("GOSSIP_WITH_CUDA", "1")],
-            extra_compile_args={"cxx": cxx_flags, "nvcc": ["-O3", "--use_fast_math"]},
-            extra_link_args=link_flags + nccl_link,
+            extra_compile_args={"cxx": cxx_flags, "nvcc": ["-O3", "--fmad=false"]},
+            extra_link_args=link_flags + nccl.link_args,
         )
     return CppExtension(
         "gossip_ext._C",
@@ -85,13 +98,15 @@ def _extension():
 
 
 class _BuildExt(BuildExtension.with_options(use_ninja=True)):
-    """torch's ninja build, always with its objects in build/temp: pip's editable and wheel
-    builds would otherwise compile into a fresh temporary directory every time, and ninja then
-    recompiles everything; with one directory it recompiles only what changed."""
+    """torch's ninja build, always with its objects in one folder per configuration under
+    build/temp: pip's editable and wheel builds would otherwise compile into a fresh temporary
+    directory every time, and ninja then recompiles everything; with one directory it recompiles
+    only what changed. One folder per configuration (Python, torch, CPU or CUDA), so that a CUDA
+    build in another environment (tools/rehearse_cuda_build.sh) leaves the CPU build's objects."""
 
     def finalize_options(self) -> None:
         super().finalize_options()
-        self.build_temp = os.path.join(ROOT, "build", "temp")
+        self.build_temp = os.path.join(ROOT, "build", "temp", _CONFIGURATION)
 
 
 setup(

@@ -35,7 +35,7 @@ here=$(pwd)
 installed=$(cd / && "$PYTHON" -c "import gossip_ext, os; print(os.path.dirname(os.path.dirname(os.path.realpath(gossip_ext.__file__))))" 2>/dev/null || true)
 if [ "$installed" = "$here" ]; then
   # Installed from this checkout already: ninja recompiles only what changed (objects in
-  # build/temp, see setup.py), then the extension is linked again.
+  # build/temp/<configuration>, see setup.py), then the extension is linked again.
   echo "Building gossip_ext._C in place (only what changed)"
   MAX_JOBS=${MAX_JOBS:-$(nproc)} "$PYTHON" setup.py build_ext --inplace 2>&1 | progress || failed
 else
