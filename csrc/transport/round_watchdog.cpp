@@ -79,7 +79,24 @@ bool RoundWatchdog::drain() {
   return settled && failure_ == nullptr;
 }
 
+void RoundWatchdog::release_done() {
+  std::vector<std::shared_ptr<WatchedRound>> done;
+  {
+    std::lock_guard<std::mutex> lock(mutex_);
+    done.swap(done_);
+  }
+  // The rounds die here, on the caller's thread, with no lock of the watchdog held.
+}
+
 void RoundWatchdog::loop() {
+  if (options_.prepare_thread) {
+    try {
+      options_.prepare_thread();
+    } catch (...) {
+      std::unique_lock<std::mutex> lock(mutex_);
+      fail_locked(std::current_exception(), lock);
+    }
+  }
   std::unique_lock<std::mutex> lock(mutex_);
   while (!stopping_) {
     changed_.wait_for(lock, options_.period, [&] { return stopping_; });
@@ -104,8 +121,8 @@ void RoundWatchdog::check(std::unique_lock<std::mutex>& lock) {
   if (!done.empty()) {
     lock.unlock();
     for (const auto& round : done) round->on_done();
-    done.clear();
     lock.lock();
+    for (auto& round : done) done_.push_back(std::move(round));  // see release_done()
     changed_.notify_all();  // drain() may be waiting
   }
   if (!error && async_error_) {
@@ -145,6 +162,7 @@ void RoundWatchdog::fail_locked(std::exception_ptr error, std::unique_lock<std::
   for (const auto& round : failed) round->fail(error);
   if (abort_) abort_();
   lock.lock();
+  for (auto& round : failed) done_.push_back(std::move(round));  // see release_done()
   aborting_ = false;
   changed_.notify_all();
 }

@@ -12,6 +12,7 @@
 // aborted (the `abort` hook), with no lock of the watchdog held, so that whoever wakes up because
 // the abort completed a round's device work already finds the round's error. Later calls raise
 // the same error (throw_if_failed()).
+// The thread never destroys a round: completed rounds wait for release_done() on a caller's thread.
 // Teardown: drain() waits for the rounds in flight, at most the timeout, so that a rank that
 // finishes first does not abort while its peers still receive from it; the transport then
 // finalizes its backend normally, or aborts it if drain() gave up.
@@ -80,6 +81,11 @@ class RoundWatchdog {
     // How often the thread looks at the rounds: the backend offers no completion callback (as
     // for c10d's ProcessGroupNCCL watchdog, a thread queries events).
     std::chrono::milliseconds period{100};
+    // Runs first on the watchdog's thread, before any hook. A CUDA backend makes its device
+    // current there (the runtime would otherwise create a context on device 0, for every rank of
+    // a node) and relaxes the thread's stream-capture mode (so that its event queries never
+    // invalidate a CUDA graph the user captures meanwhile). Throwing fails the watchdog.
+    std::function<void()> prepare_thread;
   };
 
   // `async_error` returns the backend's asynchronous error, or "" while healthy. `abort` aborts
@@ -104,6 +110,11 @@ class RoundWatchdog {
   // Waits until every watched round has completed, at most the timeout. Returns true if they
   // all did; false if a round failed or the timeout passed (the backend must then be aborted).
   bool drain();
+  // Destroys, on the calling thread, the rounds the watchdog's thread found done. That thread
+  // never drops the last reference to a round: releasing a round's buffers may need what the
+  // caller holds (the GIL, for a tensor that has a Python object), so the transport calls this
+  // from its own calls (exchange) and the rest goes with the watchdog's destructor.
+  void release_done();
   std::chrono::milliseconds timeout() const { return options_.timeout; }
 
  private:
@@ -118,6 +129,7 @@ class RoundWatchdog {
   mutable std::mutex mutex_;
   std::condition_variable changed_;
   std::deque<std::shared_ptr<WatchedRound>> rounds_;  // in posting order
+  std::vector<std::shared_ptr<WatchedRound>> done_;   // completed, for release_done()
   std::exception_ptr failure_;
   bool aborting_ = false;  // between failing and the abort hook's return
   bool stopping_ = false;

@@ -181,6 +181,76 @@ TEST(RoundWatchdogTest, AFailureTheTransportSawItselfAbortsAndSticks) {
   EXPECT_FALSE(watchdog.drain());
 }
 
+TEST(RoundWatchdogTest, ARoundDiesOnTheThreadThatReleasesIt) {
+  // The watchdog's thread finds the round done but never drops the last reference: a round's
+  // buffers may need the caller's GIL to be released.
+  Pair pair;
+  Hooks hooks;
+  RoundWatchdog watchdog = hooks.make(5s);
+  auto round = pair.receive(0);
+  const std::weak_ptr<InProcRound> alive = round;
+  watchdog.watch(std::move(round));
+  pair.send(0);
+  EXPECT_TRUE(watchdog.drain());
+  ASSERT_FALSE(alive.expired());  // done, but held for release_done()
+  EXPECT_TRUE(alive.lock()->released);
+  watchdog.release_done();
+  EXPECT_TRUE(alive.expired());
+}
+
+TEST(RoundWatchdogTest, FailedRoundsAreAlsoLeftForTheCallerToRelease) {
+  Pair pair;
+  Hooks hooks;
+  RoundWatchdog watchdog = hooks.make(100ms);
+  auto round = pair.receive(0);
+  const std::weak_ptr<InProcRound> alive = round;
+  watchdog.watch(std::move(round));
+  EXPECT_TRUE(fails_within(watchdog, 5s));
+  EXPECT_FALSE(watchdog.drain());
+  EXPECT_FALSE(alive.expired());
+  watchdog.release_done();
+  EXPECT_TRUE(alive.expired());
+}
+
+TEST(RoundWatchdogTest, ThePrepareHookRunsFirstOnTheWatchdogsThread) {
+  std::atomic<bool> prepared{false};
+  std::thread::id where;
+  std::atomic<bool> polled_unprepared{false};
+  struct Probe final : WatchedRound {
+    Probe(std::atomic<bool>& prepared, std::atomic<bool>& unprepared)
+        : WatchedRound(0, {1}), prepared_(prepared), unprepared_(unprepared) {}
+    bool poll_done() override {
+      if (!prepared_) unprepared_ = true;
+      return true;
+    }
+    std::atomic<bool>& prepared_;
+    std::atomic<bool>& unprepared_;
+  };
+  RoundWatchdog watchdog({.timeout = 5s,
+                          .period = 5ms,
+                          .prepare_thread =
+                              [&] {
+                                where = std::this_thread::get_id();
+                                prepared = true;
+                              }},
+                         {}, {});
+  watchdog.watch(std::make_shared<Probe>(prepared, polled_unprepared));
+  EXPECT_TRUE(watchdog.drain());
+  EXPECT_TRUE(prepared);
+  EXPECT_FALSE(polled_unprepared);
+  EXPECT_NE(where, std::this_thread::get_id());
+}
+
+TEST(RoundWatchdogTest, APrepareHookThatThrowsFailsTheWatchdog) {
+  RoundWatchdog watchdog(
+      {.timeout = 5s,
+       .period = 5ms,
+       .prepare_thread = [] { throw std::runtime_error("no such device"); }},
+      {}, {});
+  EXPECT_TRUE(fails_within(watchdog, 5s));
+  EXPECT_THROW(watchdog.throw_if_failed(), std::runtime_error);
+}
+
 TEST(RoundWatchdogTest, OptionsAreChecked) {
   EXPECT_THROW(RoundWatchdog({.timeout = 0ms}, {}, {}), ValueError);
   EXPECT_THROW(RoundWatchdog({.timeout = 1s, .period = 0ms}, {}, {}), ValueError);

@@ -11,7 +11,9 @@
 // fixed point of equal workers) while every byte crosses the transport.
 //
 // drop_sends(k) leaves out the last k sends of the next round, so that k receives never get their
-// message: a stalled peer, for the timeout path.
+// message: a stalled peer, for the timeout path, over transports that accept a receive without its
+// send (in-process). NCCL rejects one from self outright ("Trying to recv to self without a
+// matching send"); tests/gpu holds a round behind a busy compute stream instead.
 #pragma once
 
 #include <memory>

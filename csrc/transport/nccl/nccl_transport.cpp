@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <cstring>
+#include <functional>
 #include <thread>
 
 #include <c10/cuda/CUDACachingAllocator.h>
@@ -46,6 +47,18 @@ class NcclGroupGuard {
   bool open_ = true;
 };
 
+// Run first on the watchdog's thread (RoundWatchdog::Options::prepare_thread): the transport's
+// device is made current, so that the event queries do not create a context on device 0, and the
+// thread's stream-capture mode is relaxed, so that they never invalidate a CUDA graph that the user
+// captures meanwhile (under the default global mode, a call of another thread can).
+std::function<void()> watchdog_thread_setup(c10::Device device) {
+  return [device] {
+    GOSSIP_CUDA_CHECK(cudaSetDevice(device.index()));
+    cudaStreamCaptureMode mode = cudaStreamCaptureModeRelaxed;
+    GOSSIP_CUDA_CHECK(cudaThreadExchangeStreamCaptureMode(&mode));
+  };
+}
+
 // The transport's gossip stream, after checking the device it is taken on.
 c10::cuda::CUDAStream gossip_stream(c10::Device device) {
   GOSSIP_CHECK_ARG(device.is_cuda() && device.has_index(),
@@ -87,23 +100,20 @@ class NcclWork final : public Work, public WatchedRound {
         cudaStreamWaitEvent(c10::cuda::getCurrentCUDAStream(device_.index()), end_.get(), 0));
   }
 
-  // The watchdog's side.
+  // The watchdog's side (its thread has the device current: watchdog_thread_setup()).
   bool poll_done() override {
     const cudaError_t status = cudaEventQuery(end_.get());
     if (status == cudaErrorNotReady) return false;
     GOSSIP_CUDA_CHECK(status);
     return true;
   }
-  void on_done() override {
-    std::lock_guard<std::mutex> lock(mutex_);
-    tensors_.clear();
-  }
 
  private:
   const c10::Device device_;
   const CudaEvent end_{/*blocking=*/true};
-  std::mutex mutex_;
-  std::vector<at::Tensor> tensors_;  // every buffer of the round, until its end event completes
+  // Every buffer of the round (rule 4), released with the Work: by the engine, or by
+  // RoundWatchdog::release_done() on a caller's thread, never on the watchdog's.
+  const std::vector<at::Tensor> tensors_;
   const std::weak_ptr<RoundWatchdog> watchdog_;
 };
 
@@ -219,7 +229,9 @@ NcclTransport::NcclTransport(c10::intrusive_ptr<c10d::Store> store, const std::s
   const c10::cuda::CUDAGuard guard(device_);
   comm_ = std::make_shared<NcclComm>(id, rank, world_size, timeout);
   watchdog_ = std::make_shared<RoundWatchdog>(
-      RoundWatchdog::Options{rank, "nccl", timeout}, [comm = comm_] { return comm->async_error(); },
+      RoundWatchdog::Options{rank, "nccl", timeout, std::chrono::milliseconds(100),
+                             watchdog_thread_setup(device_)},
+      [comm = comm_] { return comm->async_error(); },
       [comm = comm_] { comm->abort(); });
 }
 
@@ -238,6 +250,7 @@ NcclTransport::~NcclTransport() {
 
 std::shared_ptr<Work> NcclTransport::exchange(std::vector<PeerMessage> sends,
                                               std::vector<PeerMessage> recvs, int64_t round) {
+  watchdog_->release_done();
   watchdog_->throw_if_failed();
   const c10::cuda::CUDAGuard guard(device_);
   std::vector<at::Tensor> tensors;
@@ -267,6 +280,11 @@ std::shared_ptr<Work> NcclTransport::exchange(std::vector<PeerMessage> sends,
   std::exception_ptr error;
   try {
     std::lock_guard<std::mutex> lock(comm_->mutex());
+    // The watchdog may have aborted the communicator since the check above: never post on it.
+    if (!comm_->alive_locked()) {
+      watchdog_->throw_if_failed();
+      throw std::runtime_error("gossip_ext: the nccl communicator was aborted");
+    }
     {
       NcclGroupGuard group;
       for (const PeerMessage& m : recvs) {

@@ -16,8 +16,9 @@
 //    launch latency of the kernels that follow, not the round's time: the round itself still
 //    runs on the gossip stream beside the compute stream. is_completed() never blocks.
 // 4. Every tensor of the round is recorded on the gossip stream with the caching allocator and
-//    held by the Work until the end event has completed, so no buffer is reused while NCCL
-//    still reads or writes it.
+//    held by the Work, which lives at least until the end event has completed (the watchdog holds
+//    it until then), so no buffer is reused while NCCL still reads or writes it. The watchdog's
+//    thread never drops the last reference (RoundWatchdog::release_done()).
 // 5. Failure, timeout and teardown are the RoundWatchdog's (transport/round_watchdog.h): a round
 //    past its deadline or an asynchronous NCCL error fails every round in flight, then aborts the
 //    communicator; the next call raises gossip::TimeoutError naming the peers and the round.
@@ -32,6 +33,16 @@
 // the caller then polls ncclCommGetAsyncError (the only way NCCL offers) with a short sleep, up
 // to a deadline, and aborts the communicator if it passes. So the mutex is never held longer
 // than the timeout, and initialisation, posting and finalisation all time out.
+//
+// Note [Beside the user's NCCL communicators]
+// ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+// A gossip round in flight on the gossip stream can run beside the user's own NCCL collectives
+// (an exact average, a node-local all-reduce under nprocs_per_node). NCCL warns that kernels of
+// two communicators can deadlock when each waits for a peer whose kernel cannot start; every rank
+// here issues the two in the same program order (the schedule and the wrapper's collectives are
+// deterministic), and NCCL_LAUNCH_ORDER_IMPLICIT=1 (NCCL 2.26+) makes NCCL keep that host order on
+// the device as well. A point-to-point kernel occupies one block per channel, far from a whole
+// GPU, so both are normally resident at once.
 //
 // Usage:
 //   auto transport = std::make_shared<gossip::NcclTransport>(store, key, rank, world_size,
@@ -74,6 +85,8 @@ class NcclComm {
   // Held by whoever calls into the communicator.
   std::mutex& mutex() { return mutex_; }
   ncclComm_t get() const { return comm_; }
+  // With mutex() held: false once aborted or finalized, when get() must not be used.
+  bool alive_locked() const { return alive_; }
   // With mutex() held: polls the last non-blocking call until it settles. Returns false if
   // `deadline` passed first; throws on an NCCL error.
   bool wait_ready(Clock::time_point deadline);
