@@ -70,14 +70,41 @@ def test_absorb_matches_cpu(dtype, n, offset, num_received, weighted):
     torch.testing.assert_close(got.cpu(), want, rtol=tol, atol=tol)
 
 
-def test_kernels_run_on_the_current_stream():
+# Each op on a side stream held busy by a sleeping kernel: run on the current stream, it waits
+# behind the sleep; run on any other stream, its result shows before the side stream is done.
+STREAM_OPS = {
+    "scale_into": lambda x, r: torch.ops.gossip_ext.scale_into(r, x, 1.5),
+    "absorb_": lambda x, r: torch.ops.gossip_ext.absorb_(x, [r], 0.5),
+}
+
+
+@pytest.mark.parametrize("op", sorted(STREAM_OPS))
+def test_kernels_run_on_the_current_stream(op):
     x = torch.ones(1 << 20, device="cuda")
     r = torch.ones_like(x)
-    stream = torch.cuda.Stream()
-    with torch.cuda.stream(stream):
-        torch.ops.gossip_ext.absorb_(x, [r], 0.5)
-    stream.synchronize()
-    assert torch.all(x == 1.5)
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())  # the fills above come first
+    with torch.cuda.stream(side):
+        torch.cuda._sleep(1 << 31)  # about a second at GPU clocks: the side stream stays busy
+        STREAM_OPS[op](x, r)
+    # The default stream is not ordered after the side stream: x is still all ones there, unless
+    # the kernel ran on a stream other than the side stream (.item() waits for the default only).
+    assert torch.all(x == 1.0).item(), f"{op} did not run on the current stream"
+    side.synchronize()
+    assert torch.all(x == 1.5).item()
+
+
+def test_compress_into_runs_on_the_current_stream():
+    src = torch.ones(1 << 20, device="cuda")
+    message = torch.zeros(1 << 20, dtype=torch.bfloat16, device="cuda")
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        torch.cuda._sleep(1 << 31)
+        torch.ops.gossip_ext.compress_into_(src, message, 0.5)
+    assert torch.all(message == 0).item(), "compress_into_ did not run on the current stream"
+    side.synchronize()
+    assert torch.all(message == 0.5).item()
 
 
 MESSAGE_DTYPES = [torch.bfloat16, torch.float16]
