@@ -245,4 +245,18 @@ std::vector<int> Graph::in_peers(int rank, int64_t round) const {
   return peers;
 }
 
+std::vector<int> Graph::peers(int rank) const {
+  std::vector<bool> is_peer(world_size_, false);
+  for (const int q : phone_book(rank)) is_peer[q] = true;  // phone_book() validates rank
+  for (int q = 0; q < world_size_; ++q) {
+    const std::vector<int>& book = phone_books_[q];
+    if (std::find(book.begin(), book.end(), rank) != book.end()) is_peer[q] = true;
+  }
+  std::vector<int> result;
+  for (int q = 0; q < world_size_; ++q) {
+    if (is_peer[q]) result.push_back(q);
+  }
+  return result;
+}
+
 }  // namespace gossip

@@ -59,6 +59,10 @@ class Graph {
   // Ordered by slot, then by sender rank: a fixed order, so sums over received messages are
   // reproducible.
   std::vector<int> in_peers(int rank, int64_t round) const;
+  // Every rank that `rank` exchanges a message with in some round, ascending: its phone book and
+  // the ranks whose phone book holds it. Symmetric: q is among peers(r) exactly when r is among
+  // peers(q). What a transport that connects its peers ahead of the rounds connects.
+  std::vector<int> peers(int rank) const;
 
   // The schedule repeats after this many rounds.
   int64_t period() const { return period_; }

@@ -209,6 +209,28 @@ TEST(GraphSchedule, EveryKindFollowsItsPhoneBookSlots) {
   });
 }
 
+TEST(GraphSchedule, PeersAreEveryRankMetOverAPeriodAndSymmetric) {
+  // What the NCCL transport connects ahead of the rounds: checked against the rounds themselves.
+  const Graph n8 = make_graph(GraphKind::kNPeerDynamicDirectedExponential, 8);
+  EXPECT_EQ(n8.peers(0), (std::vector<int>{1, 2, 4, 6, 7}));  // out +1,+2,+4; in -1,-2,-4
+  for_each_valid_graph([](const Graph& graph, int, int n) {
+    for (int r = 0; r < n; ++r) {
+      std::set<int> met;
+      for (int64_t t = 0; t < graph.period(); ++t) {
+        for (const int q : graph.out_peers(r, t)) met.insert(q);
+        for (const int q : graph.in_peers(r, t)) met.insert(q);
+      }
+      const std::vector<int> peers = graph.peers(r);
+      EXPECT_EQ(std::set<int>(peers.begin(), peers.end()), met) << "rank " << r;
+      EXPECT_TRUE(std::is_sorted(peers.begin(), peers.end()));
+      for (const int q : peers) {
+        const std::vector<int> back = graph.peers(q);
+        EXPECT_TRUE(std::find(back.begin(), back.end(), r) != back.end()) << r << " " << q;
+      }
+    }
+  });
+}
+
 TEST(GraphSchedule, IntegerLogarithmsAreExact) {
   // (p+1)^5 = 243 <= n-1 = 243: the offset 243 belongs in the book, and so does 2*243 = 486,
   // which wraps to 242. A float log_3(243) = 4.999... would drop both (L = 10).
