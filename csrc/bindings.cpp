@@ -106,6 +106,8 @@ void bind_engine(py::module_& m) {
       .def_property_readonly("rank", &Transport::rank)
       .def_property_readonly("world_size", &Transport::world_size)
       .def_property_readonly("name", &Transport::name)
+      .def("connect_peers", &Transport::connect_peers, py::arg("peers"),
+           py::call_guard<py::gil_scoped_release>())
       // One round of raw messages, (peer, tensor) pairs, as the engine posts them: for tests that
       // drive a transport directly (a receive from self whose send never comes, say).
       .def(

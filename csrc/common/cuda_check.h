@@ -20,11 +20,11 @@
     }                                                                                       \
   } while (0)
 
-// ncclInProgress is not an error: non-blocking communicators return it while work is queued.
+// The transport's communicator is blocking: ncclInProgress would be an error too.
 #define GOSSIP_NCCL_CHECK(expr)                                                             \
   do {                                                                                      \
     const ncclResult_t gossip_nccl_result = (expr);                                         \
-    if (gossip_nccl_result != ncclSuccess && gossip_nccl_result != ncclInProgress) {        \
+    if (gossip_nccl_result != ncclSuccess) {                                                \
       throw std::runtime_error(::gossip::detail::str_cat(                                   \
           "gossip_ext: NCCL error in ", #expr, " at ", __FILE__, ":", __LINE__, ": ",       \
           ncclGetErrorString(gossip_nccl_result)));                                         \

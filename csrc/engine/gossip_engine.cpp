@@ -94,6 +94,7 @@ GossipEngine::GossipEngine(const std::vector<at::Tensor>& params,
     message.zero_();  // padding bytes travel too: keep them deterministic
     send_.push_back(message);
   }
+  transport_->connect_peers(graph_.peers(rank()));  // collective: every rank builds its engine
 }
 
 at::Tensor GossipEngine::weight_slot(const at::Tensor& message) const {
@@ -361,6 +362,7 @@ void GossipEngine::set_peers_per_itr(int peers_per_itr) {
                     peers_per_itr, " makes ", graph_kind_name(graph.kind()),
                     graph.is_regular() ? " regular" : " irregular", " at world size ",
                     graph.world_size(), ", unlike peers_per_itr=", graph_.peers_per_itr());
+  transport_->connect_peers(graph.peers(rank()));  // collective, as set_peers_per_itr is
   options_.graph = std::move(options);
   graph_ = std::move(graph);
   // In-peer counts change with the schedule: receive buffers are allocated again as needed.

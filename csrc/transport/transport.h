@@ -58,6 +58,12 @@ class Transport {
   // from `recvs[j].peer`. `round` names the round in tags and error messages.
   virtual std::shared_ptr<Work> exchange(std::vector<PeerMessage> sends,
                                          std::vector<PeerMessage> recvs, int64_t round) = 0;
+  // Every rank of the group calls this together, with every peer its rounds may use from now on
+  // (the schedule's Graph::peers), before those rounds: when the engine is built and when its
+  // schedule changes. A transport whose peers connect on first use needs nothing; NCCL connects
+  // them here, since a round that connects can wait for a peer beyond any timeout (Note [NCCL
+  // communicator calls] in nccl/nccl_transport.h).
+  virtual void connect_peers(const std::vector<int>& peers) { (void)peers; }
   virtual std::string name() const = 0;
 };
 

@@ -10,6 +10,7 @@
 #include <memory>
 #include <optional>
 #include <random>
+#include <set>
 #include <string>
 #include <thread>
 #include <vector>
@@ -698,6 +699,73 @@ TEST(GossipEngineTest, PeersPerItrChangesFromTheNextRoundAndKeepsMass) {
     EXPECT_NE(std::string(e.what()).find("peers_per_itr"), std::string::npos) << e.what();
   }
   EXPECT_EQ(world.engines[0]->graph().peers_per_itr(), 2);
+}
+
+// An in-process rank that records the peers it is asked to connect (what NCCL connects).
+class ConnectRecordingTransport final : public Transport {
+ public:
+  ConnectRecordingTransport(std::shared_ptr<InProcHub> hub, int rank) : inner_(hub, rank) {}
+  int rank() const override { return inner_.rank(); }
+  int world_size() const override { return inner_.world_size(); }
+  std::shared_ptr<Work> exchange(std::vector<PeerMessage> sends, std::vector<PeerMessage> recvs,
+                                 int64_t round) override {
+    for (const auto* list : {&sends, &recvs}) {
+      for (const PeerMessage& m : *list) used.insert(m.peer);
+    }
+    return inner_.exchange(std::move(sends), std::move(recvs), round);
+  }
+  std::string name() const override { return "recording"; }
+  void connect_peers(const std::vector<int>& peers) override { connected.push_back(peers); }
+
+  std::vector<std::vector<int>> connected;
+  std::set<int> used;
+
+ private:
+  InProcTransport inner_;
+};
+
+TEST(GossipEngineTest, TheEngineConnectsEveryPeerItsRoundsUseFirst) {
+  const int n = 8;
+  auto hub = std::make_shared<InProcHub>(n);
+  const EngineOptions options =
+      options_for({GraphKind::kNPeerDynamicDirectedExponential, 1, kUniform});
+  std::vector<std::shared_ptr<ConnectRecordingTransport>> transports;
+  std::vector<std::unique_ptr<GossipEngine>> engines;
+  for (int r = 0; r < n; ++r) {
+    transports.push_back(std::make_shared<ConnectRecordingTransport>(hub, r));
+    engines.push_back(std::make_unique<GossipEngine>(std::vector<at::Tensor>{at::ones({4})},
+                                                     std::vector<std::string>{"w"},
+                                                     transports.back(), options));
+  }
+  const auto rounds = [&](int count) {
+    for (int t = 0; t < count; ++t) {
+      std::vector<std::thread> threads;
+      for (auto& engine : engines) {
+        threads.emplace_back([&engine] {
+          engine->start_round();
+          engine->finish_round();
+        });
+      }
+      for (std::thread& thread : threads) thread.join();
+    }
+  };
+  rounds(3);
+  // Built: rank 0 connected out-peers +1, +2, +4 and in-peers -1, -2, -4, before any round.
+  ASSERT_EQ(transports[0]->connected.size(), 1u);
+  EXPECT_EQ(transports[0]->connected[0], (std::vector<int>{1, 2, 4, 6, 7}));
+  for (const auto& transport : transports) {
+    const std::vector<int>& peers = transport->connected[0];
+    for (const int q : transport->used) {
+      EXPECT_TRUE(std::find(peers.begin(), peers.end(), q) != peers.end())
+          << "rank " << transport->rank() << " used peer " << q << " it had not connected";
+    }
+  }
+  // A new schedule connects its peers (n = 8, p = 2: offsets 1, 2, 3, 6) before its rounds.
+  for (auto& engine : engines) engine->set_peers_per_itr(2);
+  ASSERT_EQ(transports[0]->connected.size(), 2u);
+  EXPECT_EQ(transports[0]->connected[1], engines[0]->graph().peers(0));
+  EXPECT_EQ(transports[0]->connected[1], (std::vector<int>{1, 2, 3, 5, 6, 7}));
+  rounds(2);
 }
 
 TEST(GossipEngineTest, PeersPerItrCannotChangeWhileARoundIsInFlight) {

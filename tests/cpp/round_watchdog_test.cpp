@@ -192,8 +192,11 @@ TEST(RoundWatchdogTest, ARoundDiesOnTheThreadThatReleasesIt) {
   watchdog.watch(std::move(round));
   pair.send(0);
   EXPECT_TRUE(watchdog.drain());
-  ASSERT_FALSE(alive.expired());  // done, but held for release_done()
-  EXPECT_TRUE(alive.lock()->released);
+  {
+    const std::shared_ptr<InProcRound> held = alive.lock();  // done, but kept for release_done()
+    ASSERT_NE(held, nullptr);
+    EXPECT_TRUE(held->released.load());
+  }
   watchdog.release_done();
   EXPECT_TRUE(alive.expired());
 }

@@ -72,6 +72,7 @@ def _round_behind_a_busy_stream(rank: int, world_size: int) -> dict:
     from datetime import timedelta
 
     transport = _nccl_transport("test/slow-round", 1.0)
+    transport.connect_peers([0])
     sent = torch.full((1024,), 7.0, device="cuda")
     received = torch.zeros(1024, device="cuda")
     # The round waits for the compute stream (Note [Gossip stream ordering], rule 1), which
@@ -114,11 +115,12 @@ def _one_peer_stalls(rank: int, world_size: int) -> dict:
     torch.cuda.set_device(rank)
     store = dist.distributed_c10d._get_default_store()
     transport = _C.NcclTransport(store, "test/stall", rank, 2, rank, timedelta(seconds=2))
+    transport.connect_peers([1 - rank])
     result = {"error": None, "elapsed": 0.0}
     if rank == 0:
         buffer = torch.zeros(1 << 16, device="cuda")
         start = time.monotonic()
-        try:  # posting times out if NCCL connects the peer lazily; else the wait does
+        try:
             work = transport.exchange([(1, buffer.clone())], [(1, buffer)], 3)
             work.wait(timedelta(seconds=2))
         except TimeoutError as e:

@@ -34,6 +34,7 @@ class HostStagingTransport final : public Transport {
   std::shared_ptr<Work> exchange(std::vector<PeerMessage> sends, std::vector<PeerMessage> recvs,
                                  int64_t round) override;
   std::string name() const override;
+  void connect_peers(const std::vector<int>& peers) override { inner_->connect_peers(peers); }
 
  private:
   std::shared_ptr<Transport> inner_;

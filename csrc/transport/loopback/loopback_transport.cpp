@@ -37,6 +37,10 @@ std::shared_ptr<Work> LoopbackTransport::exchange(std::vector<PeerMessage> sends
   return inner_->exchange(std::move(sends), std::move(recvs), round);
 }
 
+void LoopbackTransport::connect_peers(const std::vector<int>& peers) {
+  inner_->connect_peers(peers.empty() ? std::vector<int>{} : std::vector<int>{inner_->rank()});
+}
+
 std::string LoopbackTransport::name() const {
   return detail::str_cat("loopback(rank ", rank_, " of ", world_size_, ") over ", inner_->name());
 }

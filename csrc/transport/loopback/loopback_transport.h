@@ -34,6 +34,8 @@ class LoopbackTransport final : public Transport {
   std::shared_ptr<Work> exchange(std::vector<PeerMessage> sends, std::vector<PeerMessage> recvs,
                                  int64_t round) override;
   std::string name() const override;
+  // Every peer maps to the inner transport's own rank: it connects that rank, if any peer.
+  void connect_peers(const std::vector<int>& peers) override;
 
   void drop_sends(int count);
 

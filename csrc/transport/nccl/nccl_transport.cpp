@@ -3,12 +3,13 @@
 #include <algorithm>
 #include <cstring>
 #include <functional>
-#include <thread>
 
+#include <ATen/ops/zeros.h>
 #include <c10/cuda/CUDACachingAllocator.h>
 #include <c10/cuda/CUDAGuard.h>
 
 #include "common/cuda_check.h"
+#include "transport/store_check_in.h"
 
 namespace gossip {
 namespace {
@@ -117,50 +118,17 @@ class NcclWork final : public Work, public WatchedRound {
   const std::weak_ptr<RoundWatchdog> watchdog_;
 };
 
-NcclComm::NcclComm(ncclUniqueId id, int rank, int world_size, std::chrono::milliseconds timeout) {
+NcclComm::NcclComm(ncclUniqueId id, int rank, int world_size) {
   ncclConfig_t config = NCCL_CONFIG_INITIALIZER;
-  config.blocking = 0;
+  config.blocking = 1;  // Note [NCCL communicator calls]
   std::lock_guard<std::mutex> lock(mutex_);
   GOSSIP_NCCL_CHECK(ncclCommInitRankConfig(&comm_, world_size, id, rank, &config));
   alive_ = true;
-  bool ready = false;
-  try {
-    ready = wait_ready(Clock::now() + timeout);
-  } catch (...) {
-    abort_locked();
-    throw;
-  }
-  if (!ready) {
-    abort_locked();
-    throw TimeoutError(detail::str_cat(
-        "gossip_ext: rank ", rank, " timed out after ", timeout.count(),
-        " ms initialising its NCCL communicator of ", world_size,
-        " ranks: a rank did not join (every rank of the group must construct the wrapper)"));
-  }
 }
 
 NcclComm::~NcclComm() {
   std::lock_guard<std::mutex> lock(mutex_);
   abort_locked();
-}
-
-bool NcclComm::wait_ready(Clock::time_point deadline) {
-  // Note [NCCL communicator calls]: polling is NCCL's interface for non-blocking calls; sleep
-  // between polls, starting short since posting a round usually settles within microseconds.
-  auto pause = std::chrono::microseconds(5);
-  while (true) {
-    ncclResult_t state = ncclSuccess;
-    GOSSIP_NCCL_CHECK(ncclCommGetAsyncError(comm_, &state));
-    if (state == ncclSuccess) return true;
-    if (state != ncclInProgress) {
-      throw std::runtime_error(detail::str_cat("gossip_ext: NCCL failed: ",
-                                               ncclGetErrorString(state), ": ",
-                                               ncclGetLastError(comm_)));
-    }
-    if (Clock::now() >= deadline) return false;
-    std::this_thread::sleep_for(pause);
-    pause = std::min(pause * 2, std::chrono::microseconds(1000));
-  }
 }
 
 void NcclComm::abort() {
@@ -174,18 +142,15 @@ void NcclComm::abort_locked() {
   ncclCommAbort(comm_);  // best effort: nothing more can be done with a failing communicator
 }
 
-void NcclComm::finalize(Clock::time_point deadline) {
+void NcclComm::finalize() {
   std::lock_guard<std::mutex> lock(mutex_);
   if (!alive_) return;
-  try {
-    GOSSIP_NCCL_CHECK(ncclCommFinalize(comm_));
-    if (wait_ready(deadline)) {
-      alive_ = false;
-      ncclCommDestroy(comm_);
-      return;
-    }
-  } catch (const std::exception&) {
-    // Finalizing failed: abort below instead.
+  // Finalizing waits for this rank's own operations (its streams and its proxy), which have
+  // completed when the transport calls it: no peer is waited for.
+  if (ncclCommFinalize(comm_) == ncclSuccess) {
+    alive_ = false;
+    ncclCommDestroy(comm_);
+    return;
   }
   abort_locked();
 }
@@ -206,8 +171,11 @@ NcclTransport::NcclTransport(c10::intrusive_ptr<c10d::Store> store, const std::s
       world_size_(world_size),
       device_(device),
       timeout_(timeout),
+      store_(std::move(store)),
+      key_(key),
+      connected_(std::max(world_size, 0), false),
       stream_(gossip_stream(device)) {
-  GOSSIP_CHECK_ARG(store, "NcclTransport: store must not be None");
+  GOSSIP_CHECK_ARG(store_, "NcclTransport: store must not be None");
   GOSSIP_CHECK_ARG(!key.empty(), "NcclTransport: key must not be empty");
   GOSSIP_CHECK_ARG(world_size >= 1 && rank >= 0 && rank < world_size,
                    "NcclTransport: rank must be in [0, world_size), got rank ", rank,
@@ -215,24 +183,58 @@ NcclTransport::NcclTransport(c10::intrusive_ptr<c10d::Store> store, const std::s
   GOSSIP_CHECK_ARG(timeout.count() > 0, "NcclTransport: timeout must be positive, got ",
                    timeout.count(), " ms");
 
+  // Rank 0 publishes the unique id before it checks in, so it is there once the check-in is done.
   ncclUniqueId id;
+  const std::string id_key = key_ + "/unique_id";
   if (rank == 0) {
     GOSSIP_NCCL_CHECK(ncclGetUniqueId(&id));
     const auto* bytes = reinterpret_cast<const uint8_t*>(&id);
-    store->set(key, std::vector<uint8_t>(bytes, bytes + sizeof(id)));
-  } else {
-    const std::vector<uint8_t> bytes = store->get(key);  // waits up to the store timeout
-    TORCH_CHECK(bytes.size() == sizeof(id), "gossip_ext: the NCCL unique id under ", key,
+    store_->set(id_key, std::vector<uint8_t>(bytes, bytes + sizeof(id)));
+  }
+  store_check_in(*store_, key_ + "/init", rank_, world_size_, timeout_,
+                 "initialise the NCCL communicator (every rank of the group builds its gossip "
+                 "engine at the same point)");
+  if (rank != 0) {
+    const std::vector<uint8_t> bytes = store_->get(id_key);
+    TORCH_CHECK(bytes.size() == sizeof(id), "gossip_ext: the NCCL unique id under ", id_key,
                 " has ", bytes.size(), " bytes, expected ", sizeof(id));
     std::memcpy(&id, bytes.data(), sizeof(id));
   }
   const c10::cuda::CUDAGuard guard(device_);
-  comm_ = std::make_shared<NcclComm>(id, rank, world_size, timeout);
+  comm_ = std::make_shared<NcclComm>(id, rank, world_size);
   watchdog_ = std::make_shared<RoundWatchdog>(
       RoundWatchdog::Options{rank, "nccl", timeout, std::chrono::milliseconds(100),
                              watchdog_thread_setup(device_)},
       [comm = comm_] { return comm->async_error(); },
       [comm = comm_] { comm->abort(); });
+}
+
+void NcclTransport::connect_peers(const std::vector<int>& peers) {
+  for (const int peer : peers) {
+    GOSSIP_CHECK_ARG(peer >= 0 && peer < world_size_ && (peer != rank_ || world_size_ == 1),
+                     "NcclTransport: peers must be other ranks in [0, ", world_size_,
+                     ") (or rank 0 itself in a world of one), got ", peers, " on rank ", rank_);
+  }
+  store_check_in(*store_, detail::str_cat(key_, "/connect/", connections_++), rank_,
+                 world_size_, timeout_,
+                 "connect their NCCL peers (every rank of the group builds its gossip engine, and "
+                 "changes its schedule, at the same point)");
+  std::vector<int> fresh;
+  for (const int peer : peers) {
+    if (!connected_[peer]) fresh.push_back(peer);
+    connected_[peer] = true;
+  }
+  if (fresh.empty()) return;
+  // One byte each way with every new peer, in one group: NCCL connects them while every rank is
+  // here (Note [NCCL communicator calls]). The round is -1 in error messages.
+  const at::Tensor bytes = at::zeros({2 * static_cast<int64_t>(fresh.size())},
+                                     at::TensorOptions().dtype(at::kByte).device(device_));
+  std::vector<PeerMessage> sends, recvs;
+  for (size_t i = 0; i < fresh.size(); ++i) {
+    sends.push_back({fresh[i], bytes.narrow(0, 2 * i, 1)});
+    recvs.push_back({fresh[i], bytes.narrow(0, 2 * i + 1, 1)});
+  }
+  post(sends, recvs, /*round=*/-1)->synchronize(timeout_);
 }
 
 NcclTransport::~NcclTransport() {
@@ -242,7 +244,7 @@ NcclTransport::~NcclTransport() {
   const bool settled = watchdog_->drain();
   watchdog_.reset();  // joins its thread: no hook runs after this
   if (settled) {
-    comm_->finalize(NcclComm::Clock::now() + timeout_);
+    comm_->finalize();
   } else {
     comm_->abort();
   }
@@ -250,11 +252,24 @@ NcclTransport::~NcclTransport() {
 
 std::shared_ptr<Work> NcclTransport::exchange(std::vector<PeerMessage> sends,
                                               std::vector<PeerMessage> recvs, int64_t round) {
+  for (const auto* list : {&recvs, &sends}) {
+    for (const PeerMessage& m : *list) {
+      TORCH_CHECK(m.peer >= 0 && m.peer < world_size_ && connected_[m.peer],
+                  "gossip_ext: round ", round, " of rank ", rank_, " exchanges with rank ",
+                  m.peer, ", which its NCCL transport has not connected (Note [NCCL communicator "
+                  "calls]): connect_peers() must name every peer of the schedule first");
+    }
+  }
+  return post(sends, recvs, round);
+}
+
+std::shared_ptr<Work> NcclTransport::post(const std::vector<PeerMessage>& sends,
+                                          const std::vector<PeerMessage>& recvs, int64_t round) {
   watchdog_->release_done();
   watchdog_->throw_if_failed();
   const c10::cuda::CUDAGuard guard(device_);
   std::vector<at::Tensor> tensors;
-  std::vector<int> recv_peers, send_peers;
+  std::vector<int> recv_peers;
   for (const auto* list : {&recvs, &sends}) {
     for (const PeerMessage& m : *list) {
       TORCH_CHECK(m.buffer.device() == device_, "gossip_ext: the NCCL transport on ", device_,
@@ -264,7 +279,6 @@ std::shared_ptr<Work> NcclTransport::exchange(std::vector<PeerMessage> sends,
     }
   }
   for (const PeerMessage& m : recvs) recv_peers.push_back(m.peer);
-  for (const PeerMessage& m : sends) send_peers.push_back(m.peer);
 
   // Note [Gossip stream ordering], rule 1: the gossip stream waits for the compute stream.
   {
@@ -274,10 +288,8 @@ std::shared_ptr<Work> NcclTransport::exchange(std::vector<PeerMessage> sends,
     GOSSIP_CUDA_CHECK(cudaStreamWaitEvent(stream_.stream(), ready.get(), 0));
   }
   auto work = std::make_shared<NcclWork>(device_, round, recv_peers, tensors, watchdog_);
-  // Rule 2: the whole round in one group, then the end event. Posting holds the communicator
-  // (Note [NCCL communicator calls]) at most until the deadline.
-  bool posted = false;
-  std::exception_ptr error;
+  // Rule 2: the whole round in one group, then the end event. Every peer is connected, so the
+  // group only enqueues (Note [NCCL communicator calls]).
   try {
     std::lock_guard<std::mutex> lock(comm_->mutex());
     // The watchdog may have aborted the communicator since the check above: never post on it.
@@ -297,18 +309,9 @@ std::shared_ptr<Work> NcclTransport::exchange(std::vector<PeerMessage> sends,
       }
       group.end();
     }
-    posted = comm_->wait_ready(NcclComm::Clock::now() + timeout_);
-    if (posted) GOSSIP_CUDA_CHECK(cudaEventRecord(work->end_event(), stream_.stream()));
+    GOSSIP_CUDA_CHECK(cudaEventRecord(work->end_event(), stream_.stream()));
   } catch (...) {
-    error = std::current_exception();
-  }
-  if (!posted && !error) {
-    error = std::make_exception_ptr(TimeoutError(detail::str_cat(
-        "gossip_ext: rank ", rank_, " timed out after ", timeout_.count(), " ms in gossip round ",
-        round, " posting its messages: peers ", recv_peers, " (receives) and ", send_peers,
-        " (sends) did not connect (nccl transport); the nccl communicator was aborted")));
-  }
-  if (error) {
+    const std::exception_ptr error = std::current_exception();
     watchdog_->fail(error);  // the communicator is released above: the abort may take it
     std::rethrow_exception(error);
   }

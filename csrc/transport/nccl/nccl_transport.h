@@ -26,13 +26,21 @@
 // Note [NCCL communicator calls]
 // ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
 // NCCL allows one thread at a time per communicator. NcclComm serialises every call on it (the
-// posting of a round, the watchdog's error query and abort, teardown) with one mutex. The
-// communicator is non-blocking (config.blocking = 0): NCCL connects a peer lazily inside
-// ncclGroupEnd, so a blocking communicator would hang the host, mutex held, on a peer that is
-// alive but never answers, beyond any timeout. Non-blocking calls return ncclInProgress at once;
-// the caller then polls ncclCommGetAsyncError (the only way NCCL offers) with a short sleep, up
-// to a deadline, and aborts the communicator if it passes. So the mutex is never held longer
-// than the timeout, and initialisation, posting and finalisation all time out.
+// posting of a round, the watchdog's error query and abort, teardown) with one mutex.
+// The communicator is blocking, NCCL's default: a non-blocking one runs every ncclGroupEnd on a
+// thread that NCCL creates for it (NCCL 2.23 and later) and leaves its caller to poll for the
+// result, a thread and a polling loop per round. A blocking ncclGroupEnd returns once the round is
+// enqueued on the gossip stream, without waiting for any peer, unless it must first connect a peer
+// (NCCL connects point-to-point peers lazily), which waits for that peer to post too: a peer alive
+// but silent would then hold the host, and the mutex, beyond any timeout. So no round connects a
+// peer. connect_peers() connects, with a one-byte round, every peer the rank's rounds will use
+// (Graph::peers: its in- and out-peers over the whole schedule), called by the engine on every
+// rank at the same point: when it is built and when its schedule changes. There the ranks first
+// check in through the store, which times out naming the ranks that did not come, and only then
+// connect; the constructor initialises the communicator the same way. A round to a peer not
+// connected is refused. Posting then holds the mutex only while it enqueues, so the watchdog can
+// always take it to abort. (What remains unbounded: a rank that stops between its check-in and
+// its connection round, a window of one call.)
 //
 // Note [Beside the user's NCCL communicators]
 // ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
@@ -47,6 +55,7 @@
 // Usage:
 //   auto transport = std::make_shared<gossip::NcclTransport>(store, key, rank, world_size,
 //                                                            device, std::chrono::minutes(5));
+//   transport->connect_peers(graph.peers(rank));   // on every rank
 //   auto work = transport->exchange(sends, recvs, round);
 //   work->wait(timeout);   // the round has completed; the current stream is ordered after it
 #pragma once
@@ -55,6 +64,7 @@
 #include <memory>
 #include <mutex>
 #include <string>
+#include <vector>
 
 #include <c10/core/Device.h>
 #include <c10/cuda/CUDAStream.h>
@@ -65,18 +75,16 @@
 #include "transport/transport.h"
 
 #if !defined(NCCL_VERSION_CODE) || NCCL_VERSION_CODE < NCCL_VERSION(2, 14, 0)
-#error "gossip_ext needs NCCL 2.14 or newer (non-blocking communicators, ncclCommFinalize)"
+#error "gossip_ext needs NCCL 2.14 or newer (ncclCommInitRankConfig, ncclCommFinalize)"
 #endif
 
 namespace gossip {
 
-// Owns a non-blocking NCCL communicator (Note [NCCL communicator calls]).
+// Owns a blocking NCCL communicator (Note [NCCL communicator calls]).
 class NcclComm {
  public:
-  using Clock = std::chrono::steady_clock;
-
-  // Initialises the communicator, polled until `timeout`; throws TimeoutError after it.
-  NcclComm(ncclUniqueId id, int rank, int world_size, std::chrono::milliseconds timeout);
+  // Initialises the communicator; every rank of the group must be here (after the check-in).
+  NcclComm(ncclUniqueId id, int rank, int world_size);
   // Aborts if still alive (finalize() was not called or failed). Never throws.
   ~NcclComm();
   NcclComm(const NcclComm&) = delete;
@@ -87,14 +95,11 @@ class NcclComm {
   ncclComm_t get() const { return comm_; }
   // With mutex() held: false once aborted or finalized, when get() must not be used.
   bool alive_locked() const { return alive_; }
-  // With mutex() held: polls the last non-blocking call until it settles. Returns false if
-  // `deadline` passed first; throws on an NCCL error.
-  bool wait_ready(Clock::time_point deadline);
   // Aborts outstanding operations, releasing a stream blocked on an absent peer. Takes mutex().
   void abort();
-  // Flushes and destroys the communicator, polled until `deadline`; aborts instead if it passes.
-  // Takes mutex().
-  void finalize(Clock::time_point deadline);
+  // Flushes and destroys the communicator once its rounds have completed (a local wait); aborts
+  // instead if that fails. Takes mutex().
+  void finalize();
   // The communicator's asynchronous error as a message, "" when healthy or busy (another thread
   // holds the communicator: that thread sees the error itself). Takes mutex() if free.
   std::string async_error();
@@ -111,7 +116,9 @@ class NcclTransport final : public Transport {
  public:
   // Every rank of the gossip group calls this collectively: rank 0 creates the NCCL unique id
   // and publishes it in `store` under `key`, which must be unique to this group and this
-  // transport (see gossip_ext/_transport.py); the others read it there.
+  // transport (see gossip_ext/_transport.py); every rank checks in under `key` and waits for the
+  // others, at most `timeout` (TimeoutError naming the missing ranks); then each initialises the
+  // communicator. No peer is connected yet: see connect_peers().
   NcclTransport(c10::intrusive_ptr<c10d::Store> store, const std::string& key, int rank,
                 int world_size, c10::Device device, std::chrono::milliseconds timeout);
   // Waits for the rounds in flight (at most the timeout), then finalizes the communicator, or
@@ -125,12 +132,25 @@ class NcclTransport final : public Transport {
   std::shared_ptr<Work> exchange(std::vector<PeerMessage> sends, std::vector<PeerMessage> recvs,
                                  int64_t round) override;
   std::string name() const override { return "nccl"; }
+  // Collective: every rank checks in (TimeoutError naming the ranks that did not), then connects
+  // the peers in `peers` it has not connected yet with a one-byte round each way. `peers` must be
+  // symmetric across the group (q lists r exactly when r lists q), as Graph::peers is. A round may
+  // only exchange with connected peers (Note [NCCL communicator calls]).
+  void connect_peers(const std::vector<int>& peers) override;
 
  private:
+  // Posts one round on the gossip stream (Note [Gossip stream ordering], rules 1, 2 and 4).
+  std::shared_ptr<Work> post(const std::vector<PeerMessage>& sends,
+                             const std::vector<PeerMessage>& recvs, int64_t round);
+
   const int rank_;
   const int world_size_;
   const c10::Device device_;
   const std::chrono::milliseconds timeout_;
+  const c10::intrusive_ptr<c10d::Store> store_;
+  const std::string key_;
+  int connections_ = 0;          // connect_peers() calls so far: names each check-in
+  std::vector<bool> connected_;  // connected_[p]: p was connected by connect_peers()
   c10::cuda::CUDAStream stream_;
   std::shared_ptr<NcclComm> comm_;
   std::shared_ptr<RoundWatchdog> watchdog_;  // last: its thread uses comm_
