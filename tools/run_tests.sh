@@ -1,8 +1,10 @@
 #!/usr/bin/env bash
 # Runs every test of gossip_ext on a fresh machine: installs what is missing (torch, ninja, pytest,
 # GoogleTest), builds the extension and the C++ tests, then runs ctest (plain, then under ASan+UBSan
-# and TSan: tools/run_sanitizers.sh) and pytest. Exits non-zero if anything fails. CPU only; the GPU
-# tests skip visibly where no GPU is present.
+# and TSan: tools/run_sanitizers.sh), rehearses a GPU user's CUDA build where nvcc is present
+# (tools/rehearse_cuda_build.sh: torch 2.11's CUDA build on Python 3.12, the test suite against it)
+# and runs pytest. Exits non-zero if anything fails. CPU only; the GPU tests skip visibly where no
+# GPU is present.
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 
@@ -38,8 +40,8 @@ ctest --test-dir build/cmake --output-on-failure -j "$(nproc)"
 step "C++ tests under sanitizers (ASan+UBSan: all; TSan: in-process transport)"
 bash tools/run_sanitizers.sh
 
-step "Compile the CUDA sources (nvcc; needs no GPU)"
-bash tools/check_cuda_sources.sh
+step "Rehearse a GPU user's build without a GPU (torch 2.11 CUDA build, Python 3.12; needs nvcc)"
+bash tools/rehearse_cuda_build.sh
 
 step "Python tests (pytest)"
 "$PYTHON" -m pytest tests -q

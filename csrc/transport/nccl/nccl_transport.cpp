@@ -122,7 +122,15 @@ NcclComm::NcclComm(ncclUniqueId id, int rank, int world_size) {
   ncclConfig_t config = NCCL_CONFIG_INITIALIZER;
   config.blocking = 1;  // Note [NCCL communicator calls]
   std::lock_guard<std::mutex> lock(mutex_);
-  GOSSIP_NCCL_CHECK(ncclCommInitRankConfig(&comm_, world_size, id, rank, &config));
+  const ncclResult_t result = ncclCommInitRankConfig(&comm_, world_size, id, rank, &config);
+  if (result == ncclInProgress) {  // NCCL_COMM_BLOCKING=0 overrides the config
+    alive_ = true;
+    abort_locked();
+    throw std::runtime_error(
+        "gossip_ext: NCCL made the gossip communicator non-blocking (NCCL_COMM_BLOCKING=0 in the "
+        "environment?); the NCCL transport needs a blocking one: unset NCCL_COMM_BLOCKING");
+  }
+  GOSSIP_NCCL_CHECK(result);
   alive_ = true;
 }
 
