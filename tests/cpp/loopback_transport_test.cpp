@@ -5,6 +5,7 @@
 #include <limits>
 #include <memory>
 #include <optional>
+#include <stdexcept>
 #include <string>
 #include <vector>
 
@@ -112,6 +113,28 @@ TEST(LoopbackTransportTest, ANonFiniteParameterIsCaughtOnItsWayBack) {
                       options_for({"sent in place", {.kind = MixingKind::kUniform}, true, {}}));
   engine.start_round();
   EXPECT_THROW(engine.finish_round(), NonFiniteError);
+}
+
+// A world of one that records what it is asked to connect, as the NCCL transport would connect.
+class RecordingSelf final : public Transport {
+ public:
+  int rank() const override { return 0; }
+  int world_size() const override { return 1; }
+  std::shared_ptr<Work> exchange(std::vector<PeerMessage>, std::vector<PeerMessage>,
+                                 int64_t) override {
+    throw std::logic_error("not used");
+  }
+  std::string name() const override { return "recording"; }
+  void connect_peers(const std::vector<int>& peers) override { connected.push_back(peers); }
+  std::vector<std::vector<int>> connected;
+};
+
+TEST(LoopbackTransportTest, ConnectingPeersConnectsTheInnerRankToItself) {
+  auto inner = std::make_shared<RecordingSelf>();
+  LoopbackTransport loopback(inner, /*rank=*/2, /*world_size=*/5);
+  loopback.connect_peers({0, 1, 3, 4});
+  loopback.connect_peers({});
+  EXPECT_EQ(inner->connected, (std::vector<std::vector<int>>{{0}, {}}));
 }
 
 TEST(LoopbackTransportTest, ArgumentsAreChecked) {
