@@ -76,7 +76,7 @@ fi
 # The registry's torch of this version is the CUDA build: its nvidia-* packages come along. The
 # rest is what tools/build.sh --demo and tools/run_tests.sh install for the test suite.
 "$PY" -m pip install --quiet "torch==$TORCH_VERSION" ninja "setuptools>=77" wheel pytest numpy \
-  matplotlib tqdm >"$ROOT/environment.log" 2>&1 ||
+  matplotlib tqdm torchft==0.2.0 decent-dp==0.2.3 >"$ROOT/environment.log" 2>&1 ||
   failed "installing the environment" "$ROOT/environment.log"
 "$PY" - <<'EOF'
 import sys, setuptools, torch

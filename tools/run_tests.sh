@@ -1,10 +1,10 @@
 #!/usr/bin/env bash
 # Runs every test of gossip_ext on a fresh machine: installs what is missing (torch, ninja, pytest,
-# GoogleTest), builds the extension and the C++ tests, then runs ctest (plain, then under ASan+UBSan
-# and TSan: tools/run_sanitizers.sh), rehearses a GPU user's CUDA build where nvcc is present
-# (tools/rehearse_cuda_build.sh: torch 2.11's CUDA build on Python 3.12, the test suite against it)
-# and runs pytest. Exits non-zero if anything fails. CPU only; the GPU tests skip visibly where no
-# GPU is present.
+# torchft and decent-dp, GoogleTest), builds the extension and the C++ tests, then runs ctest
+# (plain, then under ASan+UBSan and TSan: tools/run_sanitizers.sh), rehearses a GPU user's CUDA
+# build where nvcc is present (tools/rehearse_cuda_build.sh: torch 2.11's CUDA build on Python
+# 3.12, the test suite against it) and runs pytest. Exits non-zero if anything fails. CPU only; the
+# GPU tests skip visibly where no GPU is present.
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 
@@ -18,7 +18,9 @@ step "Python dependencies"
 if ! "$PYTHON" -c "import torch, sys; sys.exit(torch.__version__.split('+')[0] != '$TORCH_VERSION')" 2>/dev/null; then
   "$PYTHON" -m pip install "torch==$TORCH_VERSION"
 fi
-"$PYTHON" -m pip install --quiet pytest
+# pytest, and the systems the comparison runs beside gossip_ext (benchmark and test dependencies
+# only: tests/test_compare_systems.py).
+"$PYTHON" -m pip install --quiet pytest torchft==0.2.0 decent-dp==0.2.3
 
 step "GoogleTest"
 if [ ! -f /usr/include/gtest/gtest.h ]; then

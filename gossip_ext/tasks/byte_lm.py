@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from collections.abc import Callable, Iterable
 
 import torch
 import torch.nn.functional as F
@@ -117,28 +118,35 @@ def heldout_bits_per_byte(model: nn.Module, windows: torch.Tensor, chunk: int = 
 
 
 def make_optimizer(
-    model: nn.Module,
+    params: nn.Module | Iterable[tuple[str, nn.Parameter]],
     lr: float,
     warmup: int,
     total_steps: int,
     weight_decay: float = 0.1,
     betas: tuple[float, float] = (0.9, 0.95),
 ) -> tuple[torch.optim.AdamW, torch.optim.lr_scheduler.LambdaLR]:
-    """AdamW (no decay on biases, norms and positions) and a schedule that warms up linearly over
-    ``warmup`` steps, then decays by a cosine to a tenth of ``lr`` at ``total_steps``."""
-    if not 0 <= warmup < total_steps:
-        raise ValueError(
-            f"make_optimizer: need 0 <= warmup < total_steps, got warmup={warmup}, "
-            f"total_steps={total_steps}"
-        )
-    decayed = [p for p in model.parameters() if p.dim() >= 2 and p is not _positions(model)]
+    """AdamW over a module's parameters (or (name, parameter) pairs), weight decay on matrices
+    but not on biases, norms and the positions, and :func:`schedule_factor`'s schedule."""
+    named = list(params.named_parameters() if isinstance(params, nn.Module) else params)
+    decayed = [p for name, p in named if p.dim() >= 2 and not name.endswith("positions")]
     ids = {id(p) for p in decayed}
-    rest = [p for p in model.parameters() if id(p) not in ids]
+    rest = [p for _, p in named if id(p) not in ids]
     opt = torch.optim.AdamW(
         [{"params": decayed, "weight_decay": weight_decay}, {"params": rest, "weight_decay": 0.0}],
         lr=lr,
         betas=betas,
     )
+    return opt, torch.optim.lr_scheduler.LambdaLR(opt, schedule_factor(warmup, total_steps))
+
+
+def schedule_factor(warmup: int, total_steps: int) -> Callable[[int], float]:
+    """The learning rate's factor at a step: linear warmup over ``warmup`` steps, then a cosine
+    decay to a tenth at ``total_steps``."""
+    if not 0 <= warmup < total_steps:
+        raise ValueError(
+            f"make_optimizer: need 0 <= warmup < total_steps, got warmup={warmup}, "
+            f"total_steps={total_steps}"
+        )
 
     def factor(step: int) -> float:
         if step < warmup:
@@ -146,9 +154,4 @@ def make_optimizer(
         progress = min(1.0, (step - warmup) / max(1, total_steps - warmup))
         return 0.1 + 0.9 * 0.5 * (1.0 + math.cos(math.pi * progress))
 
-    return opt, torch.optim.lr_scheduler.LambdaLR(opt, factor)
-
-
-def _positions(model: nn.Module) -> torch.Tensor | None:
-    inner = getattr(model, "module", model)  # a wrapped model's own
-    return getattr(inner, "positions", None)
+    return factor

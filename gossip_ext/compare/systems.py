@@ -1,0 +1,259 @@
+"""The systems a user on a slow network would pick, each driving one training step its own way.
+
+Every system trains the same module with the same inner optimizer (AdamW, warmup and cosine
+decay: ``byte_lm.make_optimizer``) on the same batches; what differs is how workers communicate:
+
+==================  ==========================================================================
+ddp                 DistributedDataParallel: gradients all-reduced every step
+powersgd_r1, _r4    DDP with torch's PowerSGD hook (rank 1 or 4, warm start, error feedback);
+                    one bucket, since with several gloo aborts (their collectives interleave)
+decent_dp           decent-dp 0.2.3: D-PSGD on the one-peer exponential graph, its own optimizer
+                    step inside backward, communication overlapped with the next step
+torchft_localsgd    torchft 0.2.0 LocalSGD: parameters averaged every ``local_steps`` steps
+torchft_diloco      torchft 0.2.0 DiLoCo: every ``local_steps`` steps, an outer Nesterov SGD
+                    step (lr 0.7, momentum 0.9) on the averaged pseudo-gradient
+sgp, overlap_sgp    gossip_ext SGP, synchronous or one step stale; ``_bf16``: bfloat16 messages
+dpsgd               gossip_ext D-PSGD (push-pull on the bipartite exponential graph)
+localsgd, slowmo    gossip_ext LocalSGD and SlowMo, exact average every ``local_steps`` steps
+==================  ==========================================================================
+
+torchft and decent-dp are benchmark dependencies, never the library's: :func:`available` says
+which systems this Python can run and why not.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import importlib.util
+import os
+from datetime import timedelta
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+import gossip_ext
+from gossip_ext.tasks import byte_lm
+
+GOSSIP = ("sgp", "overlap_sgp", "sgp_bf16", "overlap_sgp_bf16", "dpsgd", "localsgd", "slowmo")
+PEERS = ("ddp", "powersgd_r1", "powersgd_r4", "decent_dp", "torchft_localsgd", "torchft_diloco")
+ALL = PEERS + GOSSIP
+
+
+@dataclasses.dataclass(frozen=True)
+class Recipe:
+    """What every system shares: the optimizer's schedule and the sync period of the periodic
+    ones (LocalSGD, SlowMo, DiLoCo)."""
+
+    steps: int
+    lr: float = 2e-3
+    warmup: int = 20
+    local_steps: int = 8
+    timeout: timedelta = timedelta(minutes=2)
+
+
+def needs(system: str) -> str | None:
+    """The module a system needs beyond torch and gossip_ext, if any."""
+    if system == "decent_dp":
+        return "decent_dp"
+    if system.startswith("torchft"):
+        return "torchft"
+    return None
+
+
+def available(system: str) -> str | None:
+    """None if this Python can run ``system``, else why not."""
+    if system not in ALL:
+        raise ValueError(f"unknown system {system!r}; the systems are {', '.join(ALL)}")
+    module = needs(system)
+    if module and importlib.util.find_spec(module) is None:
+        package = {"decent_dp": "decent-dp==0.2.3", "torchft": "torchft==0.2.0"}[module]
+        return f"{system} needs {module} (pip install {package})"
+    return None
+
+
+class System:
+    """One worker's side of a system: ``train_step`` runs a whole step (forward, backward,
+    optimizer step and whatever communication the system does), ``module`` is the worker's model
+    to evaluate between steps, ``finish`` completes communication in flight, ``close`` tears down
+    what the system started."""
+
+    def __init__(self, module: nn.Module, recipe: Recipe) -> None:
+        self.module = module
+        self.recipe = recipe
+
+    def train_step(self, inputs: torch.Tensor, targets: torch.Tensor) -> float:
+        raise NotImplementedError
+
+    def finish(self) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+
+class _OptimizerStep(System):
+    """Systems whose loop is the plain one: forward, backward, optimizer step, schedule step."""
+
+    def __init__(self, module: nn.Module, recipe: Recipe, model: nn.Module) -> None:
+        super().__init__(module, recipe)
+        self.model = model
+        self.opt, self.schedule = byte_lm.make_optimizer(
+            module, recipe.lr, recipe.warmup, recipe.steps
+        )
+
+    def train_step(self, inputs: torch.Tensor, targets: torch.Tensor) -> float:
+        loss = byte_lm.next_byte_loss(self.model, inputs, targets)
+        self.opt.zero_grad()
+        loss.backward()
+        self.opt.step()
+        self.schedule.step()
+        return loss.item()
+
+
+class _Ddp(_OptimizerStep):
+    def __init__(self, module: nn.Module, recipe: Recipe, powersgd_rank: int | None) -> None:
+        if powersgd_rank is None:
+            model = nn.parallel.DistributedDataParallel(module)
+        else:
+            from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook
+
+            # One bucket: with several, PowerSGD's per-bucket callbacks issue collectives in
+            # different orders on different ranks, which gloo cannot match.
+            model = nn.parallel.DistributedDataParallel(module, bucket_cap_mb=1 << 16)
+            state = powerSGD_hook.PowerSGDState(
+                process_group=None,
+                matrix_approximation_rank=powersgd_rank,
+                start_powerSGD_iter=max(2, recipe.warmup),
+                warm_start=True,
+                use_error_feedback=True,
+            )
+            model.register_comm_hook(state, powerSGD_hook.powerSGD_hook)
+        super().__init__(module, recipe, model)
+
+
+class _Gossip(_OptimizerStep):
+    def __init__(self, module: nn.Module, recipe: Recipe, system: str) -> None:
+        world_size = dist.get_world_size()
+        options: dict[str, Any] = {"timeout": recipe.timeout}
+        if system.endswith("_bf16"):
+            options["message_dtype"] = torch.bfloat16
+        if system.startswith("overlap_sgp"):
+            options["overlap"] = True
+        if system == "dpsgd":
+            options["push_sum"] = False
+            options["graph"] = (
+                gossip_ext.DynamicBipartiteExponentialGraph()
+                if world_size % 2 == 0
+                else gossip_ext.RingGraph(peers_per_itr=2)
+            )
+        if system == "localsgd":
+            options.update(base_algorithm="localsgd", global_avg_freq=recipe.local_steps)
+        if system == "slowmo":
+            options.update(slowmo_freq=recipe.local_steps, slowmo_momentum=0.5)
+        model = gossip_ext.GossipDataParallel(module, **options)
+        super().__init__(module, recipe, model)
+        model.register_optimizer(self.opt)
+
+    def finish(self) -> None:
+        self.model.sync_comms()
+
+
+class _DecentDp(System):
+    """decent-dp's loop is forward and backward only: its hooks step its own optimizers."""
+
+    def __init__(self, module: nn.Module, recipe: Recipe) -> None:
+        super().__init__(module, recipe)
+        from decent_dp.ddp import DecentralizedDataParallel
+        from loguru import logger
+
+        logger.disable("decent_dp")  # it logs its topology at DEBUG on every rank
+
+        os.environ.setdefault("LOCAL_WORLD_SIZE", "1")  # read at construction; any divisor works
+
+        def optim_fn(named: list[tuple[str, nn.Parameter]]) -> torch.optim.Optimizer:
+            # The same AdamW as every system, one per bucket of decent-dp's.
+            opt, _ = byte_lm.make_optimizer(named, recipe.lr, recipe.warmup, recipe.steps)
+            return opt
+
+        def schedule_fn(opt: torch.optim.Optimizer):
+            return torch.optim.lr_scheduler.LambdaLR(
+                opt, byte_lm.schedule_factor(recipe.warmup, recipe.steps)
+            )
+
+        self.model = DecentralizedDataParallel(
+            module, optim_fn=optim_fn, lr_scheduler_fn=schedule_fn, topology="one-peer-exp"
+        )
+        self.model.train()
+
+    def train_step(self, inputs: torch.Tensor, targets: torch.Tensor) -> float:
+        loss = byte_lm.next_byte_loss(self.model, inputs, targets)
+        loss.backward()
+        return loss.item()
+
+
+class _Torchft(_OptimizerStep):
+    """One replica group of one worker per rank, coordinated by the lighthouse at
+    ``lighthouse`` (started by the runner), over torchft's own gloo process group."""
+
+    def __init__(self, module: nn.Module, recipe: Recipe, system: str, lighthouse: str) -> None:
+        super().__init__(module, recipe, module)
+        from torch.distributed import TCPStore
+        from torchft import Manager, ProcessGroupGloo
+        from torchft.local_sgd import DiLoCo, LocalSGD
+
+        os.environ.setdefault("RUST_LOG", "warn")
+        rank, world_size = dist.get_rank(), dist.get_world_size()
+        self._store = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+        self.manager = Manager(
+            pg=ProcessGroupGloo(timeout=recipe.timeout),
+            load_state_dict=lambda sd: self.module.load_state_dict(sd["model"]),
+            state_dict=lambda: {"model": self.module.state_dict()},
+            min_replica_size=world_size,
+            use_async_quorum=False,  # DiLoCo needs it; LocalSGD's own tests use it too
+            replica_id=f"replica_{rank}",
+            store_addr="127.0.0.1",
+            store_port=self._store.port,
+            rank=0,
+            world_size=1,
+            lighthouse_addr=lighthouse,
+            hostname=os.environ.get("GOSSIP_EXT_HOST", "127.0.0.1"),
+            init_sync=False,  # every replica starts from the same seed: no healing at step 0
+            timeout=recipe.timeout,
+            quorum_timeout=recipe.timeout,
+            connect_timeout=recipe.timeout,
+        )
+        self._stack = contextlib.ExitStack()
+        if system == "torchft_diloco":
+            self.outer = torch.optim.SGD(module.parameters(), lr=0.7, momentum=0.9, nesterov=True)
+            algorithm = DiLoCo(
+                self.manager, [module], self.opt, self.outer, sync_every=recipe.local_steps
+            )
+        else:
+            algorithm = LocalSGD(self.manager, module, self.opt, sync_every=recipe.local_steps)
+        self._stack.enter_context(algorithm)
+
+    def close(self) -> None:
+        self._stack.close()
+        self.manager.shutdown(wait=False)
+
+
+def make(system: str, module: nn.Module, recipe: Recipe, lighthouse: str | None = None) -> System:
+    """``system``'s worker side for ``module``, on the default process group. Collective: every
+    rank calls it together, after seeding ``module`` alike."""
+    why_not = available(system)
+    if why_not:
+        raise RuntimeError(why_not)
+    if system == "ddp":
+        return _Ddp(module, recipe, None)
+    if system.startswith("powersgd_r"):
+        return _Ddp(module, recipe, int(system.removeprefix("powersgd_r")))
+    if system == "decent_dp":
+        return _DecentDp(module, recipe)
+    if system.startswith("torchft"):
+        if lighthouse is None:
+            raise ValueError(f"{system} needs the address of a torchft lighthouse")
+        return _Torchft(module, recipe, system, lighthouse)
+    return _Gossip(module, recipe, system)

@@ -1,0 +1,67 @@
+"""Every system of the comparison, as the benchmark runs it, on 2 local workers for a few steps: so
+that the benchmark cannot rot. A system whose package is missing skips, saying what to install
+(the test command installs torchft and decent-dp)."""
+
+import math
+
+import pytest
+import torch
+
+from gossip_ext.compare import runner, systems, worker
+from gossip_ext.tasks import byte_lm
+from gossip_ext.tasks.byte_lm import ByteLM, ByteLMConfig
+from gossip_ext.tasks.stdlib_text import StdlibText
+
+TINY = ByteLMConfig(layers=1, width=32, heads=2, context=32)
+
+
+def _config(system: str, steps: int = 6) -> worker.RunConfig:
+    return worker.RunConfig(
+        system=system,
+        recipe=systems.Recipe(steps=steps, warmup=2, local_steps=2),
+        model=TINY,
+        batch_size=4,
+        eval_every=3,
+        eval_windows=8,
+    )
+
+
+@pytest.mark.parametrize("system", systems.ALL)
+def test_every_system_trains_two_workers_and_reports_its_heldout_loss(system):
+    why_not = systems.available(system)
+    if why_not:
+        pytest.skip(why_not)
+    result = runner.run_local(_config(system), workers=2)
+    history = result["history"]
+    assert result["system"] == system and result["workers"] == 2
+    assert history["step"] == [3, 6]
+    assert all(math.isfinite(b) and 0 < b < 9 for b in history["heldout_bpb"]), history
+    assert history["time"][0] < history["time"][1]
+    assert result["step_ms"] > 0 and result["peak_rss_mib"] > 0
+
+
+def test_ddp_on_two_workers_matches_one_process_on_both_batches():
+    # An independent reference for the harness: two DDP workers with their own batches take the
+    # step one process takes on both batches together, so the held-out loss is the same.
+    steps = 6
+    result = runner.run_local(_config("ddp", steps), workers=2)
+    data = StdlibText.load()
+    torch.manual_seed(0)
+    model = ByteLM(TINY)
+    opt, schedule = byte_lm.make_optimizer(model, 2e-3, 2, steps)
+    for step in range(steps):
+        parts = [data.batch(step, rank, 4, TINY.context, 0) for rank in (0, 1)]
+        inputs = torch.cat([x for x, _ in parts])
+        targets = torch.cat([y for _, y in parts])
+        loss = byte_lm.next_byte_loss(model, inputs, targets)
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        schedule.step()
+    want = byte_lm.heldout_bits_per_byte(model, data.heldout_windows(TINY.context, 8))
+    assert result["final_bpb"] == pytest.approx(want, abs=1e-4)
+
+
+def test_an_unknown_system_is_named():
+    with pytest.raises(ValueError, match="unknown system 'allreduce'"):
+        systems.available("allreduce")
