@@ -1,4 +1,4 @@
-"""What every benchmark shares: the machine it ran on and appending a section to RESULTS.md."""
+"""What every benchmark shares: the machine it ran on, and writing its section of RESULTS.md."""
 
 from __future__ import annotations
 
@@ -48,6 +48,27 @@ def record(title: str, body: str, device: torch.device | None = None) -> None:
         f"Machine: {machine(device)}; torch {torch.__version__}.\n"
         f"Command: `{command_line()}`\n\n{body}\n"
     )
+
+
+def replace_section(title: str, body: str, device: torch.device | None = None) -> None:
+    """Writes `body` as record() does, in place of the section with the same title if
+    RESULTS.md has one (one current section per benchmark), else at the end."""
+    section = (
+        f"## {title} ({datetime.now(UTC):%Y-%m-%d %H:%M} UTC)\n\n"
+        f"Machine: {machine(device)}; torch {torch.__version__}.\n"
+        f"Command: `{command_line()}`\n\n{body}\n"
+    )
+    text = open(RESULTS, encoding="utf-8").read() if os.path.exists(RESULTS) else _TITLE
+    lines = text.splitlines(keepends=True)
+    start = next((i for i, line in enumerate(lines) if line.startswith(f"## {title} (")), None)
+    if start is None:
+        append_section("\n" + section)
+        return
+    end = next((i for i in range(start + 1, len(lines)) if lines[i].startswith("## ")), len(lines))
+    tail = "".join(lines[end:])
+    with open(RESULTS, "w", encoding="utf-8") as f:
+        f.write("".join(lines[:start]) + section + ("\n" + tail if tail else ""))
+    print(f"rewrote its section of {RESULTS}")
 
 
 def append_section(section: str) -> None:

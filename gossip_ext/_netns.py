@@ -209,7 +209,8 @@ class EmulatedCluster:
                     procs.append(
                         subprocess.Popen(
                             ["ip", "netns", "exec", self.namespace(rank), *argv],
-                            env=env,
+                            # The worker's own address, for servers it tells its peers about.
+                            env=dict(env, GOSSIP_EXT_HOST=self.address(rank)),
                             # Rank 0 shows its progress; the others' output is kept for errors.
                             stdout=None if rank == 0 else log,
                             stderr=log,

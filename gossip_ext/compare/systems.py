@@ -4,6 +4,8 @@ Every system trains the same module with the same inner optimizer (AdamW, warmup
 decay: ``byte_lm.make_optimizer``) on the same batches; what differs is how workers communicate:
 
 ==================  ==========================================================================
+alone               no communication at all: each worker trains by itself (the compute floor
+                    a step cannot go below when all workers share the machine)
 ddp                 DistributedDataParallel: gradients all-reduced every step
 powersgd_r1, _r4    DDP with torch's PowerSGD hook (rank 1 or 4, warm start, error feedback);
                     one bucket, since with several gloo aborts (their collectives interleave)
@@ -39,7 +41,7 @@ from gossip_ext.tasks import byte_lm
 
 GOSSIP = ("sgp", "overlap_sgp", "sgp_bf16", "overlap_sgp_bf16", "dpsgd", "localsgd", "slowmo")
 PEERS = ("ddp", "powersgd_r1", "powersgd_r4", "decent_dp", "torchft_localsgd", "torchft_diloco")
-ALL = PEERS + GOSSIP
+ALL = ("alone",) + PEERS + GOSSIP
 
 
 @dataclasses.dataclass(frozen=True)
@@ -206,7 +208,10 @@ class _Torchft(_OptimizerStep):
 
         os.environ.setdefault("RUST_LOG", "warn")
         rank, world_size = dist.get_rank(), dist.get_world_size()
-        self._store = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+        # The replica group's store: the quorum hands its address to the other replicas, so it is
+        # the worker's own address on the emulated cluster (GOSSIP_EXT_HOST), else loopback.
+        host = os.environ.get("GOSSIP_EXT_HOST", "127.0.0.1")
+        self._store = TCPStore(host, 0, is_master=True, wait_for_workers=False)
         self.manager = Manager(
             pg=ProcessGroupGloo(timeout=recipe.timeout),
             load_state_dict=lambda sd: self.module.load_state_dict(sd["model"]),
@@ -214,12 +219,12 @@ class _Torchft(_OptimizerStep):
             min_replica_size=world_size,
             use_async_quorum=False,  # DiLoCo needs it; LocalSGD's own tests use it too
             replica_id=f"replica_{rank}",
-            store_addr="127.0.0.1",
+            store_addr=host,
             store_port=self._store.port,
             rank=0,
             world_size=1,
             lighthouse_addr=lighthouse,
-            hostname=os.environ.get("GOSSIP_EXT_HOST", "127.0.0.1"),
+            hostname=host,
             init_sync=False,  # every replica starts from the same seed: no healing at step 0
             timeout=recipe.timeout,
             quorum_timeout=recipe.timeout,
@@ -246,6 +251,8 @@ def make(system: str, module: nn.Module, recipe: Recipe, lighthouse: str | None 
     why_not = available(system)
     if why_not:
         raise RuntimeError(why_not)
+    if system == "alone":
+        return _OptimizerStep(module, recipe, module)
     if system == "ddp":
         return _Ddp(module, recipe, None)
     if system.startswith("powersgd_r"):

@@ -11,6 +11,7 @@ model each would keep (gossip and decent-dp workers differ slightly; DDP's are i
 from __future__ import annotations
 
 import dataclasses
+import os
 import resource
 import time
 import warnings
@@ -44,6 +45,16 @@ def _mean_over_workers(value: float) -> float:
     return t.item() / dist.get_world_size()
 
 
+def _bytes_sent() -> int | None:
+    """The bytes this worker's NIC has sent (GLOO_SOCKET_IFNAME, as on the emulated cluster), or
+    None on loopback."""
+    nic = os.environ.get("GLOO_SOCKET_IFNAME")
+    if not nic or nic == "lo":
+        return None
+    with open(f"/sys/class/net/{nic}/statistics/tx_bytes") as f:
+        return int(f.read())
+
+
 def train(rank: int, world_size: int, init_method: str, config: RunConfig) -> dict:
     """Runs ``config`` on this worker; returns its history and summary (rank 0's is reported)."""
     torch.set_num_threads(config.threads)
@@ -73,6 +84,7 @@ def _train(rank: int, world_size: int, config: RunConfig) -> dict:
     steps = config.recipe.steps
     try:
         dist.barrier()
+        sent_before = _bytes_sent()
         start = time.perf_counter()
         for step in range(steps):
             inputs, targets = data.batch(
@@ -91,6 +103,7 @@ def _train(rank: int, world_size: int, config: RunConfig) -> dict:
                 losses.clear()
                 paused += time.perf_counter() - sampled
         elapsed = history["time"][-1]
+        sent = _bytes_sent()
     finally:
         system.close()
     return {
@@ -99,6 +112,13 @@ def _train(rank: int, world_size: int, config: RunConfig) -> dict:
         "params": sum(p.numel() for p in module.parameters()),
         "step_ms": 1000 * _mean_over_workers(elapsed) / steps,
         "final_bpb": history["heldout_bpb"][-1],
+        # Measured on the worker's NIC, all it sent (evaluation's few bytes included); None on
+        # loopback, whose counters count every process of the machine.
+        "wire_bytes_per_step": (
+            None
+            if sent is None or sent_before is None
+            else _mean_over_workers((sent - sent_before) / steps)
+        ),
         "peak_rss_mib": _mean_over_workers(
             resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
         ),
