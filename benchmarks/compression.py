@@ -17,7 +17,7 @@ import argparse
 from datetime import UTC, datetime
 
 import torch
-from results import append_section, command_line, machine
+from results import command_line, machine, write_section
 from round_time import (
     add_worker_arguments,
     gossip_round,
@@ -90,12 +90,13 @@ def main(argv=None) -> None:
     consensus = consensus_table(nodes=8, dim=100_000, rounds=args.rounds)
     print(rounds, "\n", consensus, sep="\n")
     if not args.no_record:
-        append_section(
-            f"\n## Compressed messages ({datetime.now(UTC):%Y-%m-%d})\n\n"
+        write_section(
+            "Compressed messages",
+            f"## Compressed messages ({datetime.now(UTC):%Y-%m-%d})\n\n"
             f"Machine: {machine()}; torch {torch.__version__}; gloo on one machine "
             f"(loopback), one thread per worker.\n"
             f"Command: `{command_line()}`\n\n{rounds}\n\nPure gossip in-process, 8 nodes, "
-            f"100,000 float32 values each:\n\n{consensus}\n"
+            f"100,000 float32 values each:\n\n{consensus}\n",
         )
 
 

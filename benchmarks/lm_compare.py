@@ -21,10 +21,7 @@ benchmarks/RESULTS.md.
 from __future__ import annotations
 
 import argparse
-import contextlib
-import dataclasses
 import os
-import subprocess
 import sys
 import time
 
@@ -33,112 +30,10 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import results  # noqa: E402  (benchmarks/results.py)
 
 from gossip_ext import _netns  # noqa: E402
-from gossip_ext.compare import runner, systems, worker  # noqa: E402
+from gossip_ext.compare import report, runner, systems, worker  # noqa: E402
 from gossip_ext.tasks.byte_lm import ByteLMConfig  # noqa: E402
 
-LIGHTHOUSE_PORT = 29510
 TITLE = "Time to the same held-out quality: gossip_ext beside DDP, PowerSGD, decent-dp, torchft"
-
-
-@contextlib.contextmanager
-def _lighthouse_in(cluster: _netns.EmulatedCluster):
-    """torchft's lighthouse in rank 0's namespace; yields its address."""
-    address = f"{cluster.address(0)}:{LIGHTHOUSE_PORT}"
-    code = (
-        "import time\n"
-        "from torchft.coordination import LighthouseServer\n"
-        f"server = LighthouseServer(bind={address!r}, min_replicas={cluster.workers})\n"
-        "print('ready', flush=True)\n"
-        "time.sleep(1e9)\n"
-    )
-    env = dict(os.environ, RUST_LOG="warn")
-    proc = subprocess.Popen(
-        ["ip", "netns", "exec", cluster.namespace(0), sys.executable, "-c", code],
-        env=env,
-        stdout=subprocess.PIPE,
-        text=True,
-    )
-    try:
-        if proc.stdout.readline().strip() != "ready":
-            raise RuntimeError("torchft's lighthouse did not start")
-        yield f"http://{address}"
-    finally:
-        proc.kill()
-        proc.wait()
-
-
-def run_system(config: worker.RunConfig, workers: int, rate: float | None, timeout: float) -> dict:
-    if rate is None:
-        return runner.run_local(config, workers)
-    with _netns.EmulatedCluster(workers, rate) as cluster:
-        with contextlib.ExitStack() as stack:
-            if config.system.startswith("torchft"):
-                address = stack.enter_context(_lighthouse_in(cluster))
-                config = dataclasses.replace(config, lighthouse=address)
-            return cluster.run("gossip_ext.compare.worker:train", config, timeout)
-
-
-def time_to(result: dict, bpb: float) -> float | None:
-    """Seconds of training until the held-out loss first reached ``bpb`` (at an evaluation)."""
-    history = result["history"]
-    for t, b in zip(history["time"], history["heldout_bpb"]):
-        if b <= bpb:
-            return t
-    return None
-
-
-def _seconds(value: float | None) -> str:
-    return "not reached" if value is None else f"{value:.1f} s"
-
-
-def table(rows: dict[str, dict], target: float) -> str:
-    ddp = rows.get("ddp")
-    ddp_final = ddp["final_bpb"] if ddp else None
-    ddp_time = time_to(ddp, ddp_final) if ddp else None
-    alone = rows["alone"]["step_ms"] if "alone" in rows else None
-    to_ddp_heading = f"to DDP's final {ddp_final:.3f} bpb" if ddp else "to DDP's final"
-    lines = [
-        f"| system | ms/step | compute alone | sent/worker/step | {to_ddp_heading} | "
-        f"to {target:.2f} bpb | final bpb | peak RSS |",
-        "|---|---|---|---|---|---|---|---|",
-    ]
-    for name, r in rows.items():
-        wire = r["wire_bytes_per_step"]
-        to_ddp = time_to(r, ddp_final) if ddp_final is not None else None
-        ratio = f" ({to_ddp / ddp_time:.2f}x)" if to_ddp is not None and ddp_time else ""
-        cells = [
-            name,
-            f"{r['step_ms']:.0f}",
-            "-" if alone is None else f"{alone:.0f}",
-            "-" if wire is None else f"{wire / 1e6:.2f} MB",
-            _seconds(to_ddp) + ratio,
-            _seconds(time_to(r, target)),
-            f"{r['final_bpb']:.3f}",
-            f"{r['peak_rss_mib']:.0f} MiB",
-        ]
-        lines.append("| " + " | ".join(cells) + " |")
-    return "\n".join(lines)
-
-
-def plot(all_rows: dict[str, dict[str, dict]], path: str) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, axes = plt.subplots(1, len(all_rows), figsize=(7 * len(all_rows), 5), squeeze=False)
-    for ax, (setting, rows) in zip(axes[0], all_rows.items()):
-        for name, r in rows.items():
-            style = "-" if name in systems.GOSSIP else "--"
-            ax.plot(r["history"]["time"], r["history"]["heldout_bpb"], style, label=name)
-        ax.set_title(setting)
-        ax.set_xlabel("wall-clock seconds of training")
-        ax.set_ylabel("held-out bits per byte")
-        ax.legend(fontsize=8)
-        ax.grid(alpha=0.3)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    print(f"plot written to {path}")
 
 
 def parse_args(argv=None):
@@ -194,17 +89,17 @@ def main(argv=None) -> dict:
                     eval_windows=args.eval_windows,
                 )
                 start = time.monotonic()
-                rows[name] = run_system(config, workers, rate, args.timeout)
+                rows[name] = runner.run(config, workers, rate, args.timeout)
                 print(
                     f"{setting}: {name}: {rows[name]['step_ms']:.0f} ms/step, final "
                     f"{rows[name]['final_bpb']:.3f} bpb ({time.monotonic() - start:.0f} s)",
                     flush=True,
                 )
             all_rows[setting] = rows
-            text = table(rows, args.target_bpb)
+            text = report.table(rows, args.target_bpb)
             print(f"\n{setting}\n{text}\n")
             sections.append(f"### {setting}\n\n{text}")
-    plot(all_rows, args.plot)
+    report.plot(all_rows, args.plot)
     params = next(iter(next(iter(all_rows.values())).values()))["params"]
     body = (
         f"Byte-level transformer of {params / 1e6:.2f}M parameters ({args.layers} layers, width "
@@ -214,7 +109,7 @@ def main(argv=None) -> dict:
         + "\n\n".join(sections)
     )
     if not args.no_record:
-        results.replace_section(TITLE, body)
+        results.record(TITLE, body)
     return all_rows
 
 

@@ -41,41 +41,34 @@ def command_line() -> str:
 
 
 def record(title: str, body: str, device: torch.device | None = None) -> None:
-    """Appends `body` under a heading with the title, the UTC time, the machine, the torch
-    version and the command that reproduces it."""
-    append_section(
-        f"\n## {title} ({datetime.now(UTC):%Y-%m-%d %H:%M} UTC)\n\n"
-        f"Machine: {machine(device)}; torch {torch.__version__}.\n"
-        f"Command: `{command_line()}`\n\n{body}\n"
-    )
-
-
-def replace_section(title: str, body: str, device: torch.device | None = None) -> None:
-    """Writes `body` as record() does, in place of the section with the same title if
-    RESULTS.md has one (one current section per benchmark), else at the end."""
-    section = (
+    """Writes `body` under a heading with the title, the UTC time, the machine, the torch version
+    and the command that reproduces it, in place of this benchmark's earlier section."""
+    write_section(
+        title,
         f"## {title} ({datetime.now(UTC):%Y-%m-%d %H:%M} UTC)\n\n"
         f"Machine: {machine(device)}; torch {torch.__version__}.\n"
-        f"Command: `{command_line()}`\n\n{body}\n"
+        f"Command: `{command_line()}`\n\n{body}\n",
     )
+
+
+def write_section(title: str, section: str) -> None:
+    """Puts `section` (markdown starting with ``## <title> (``) in benchmarks/RESULTS.md in place
+    of the section with the same title, or at the end: one current section per benchmark, git
+    keeping the earlier ones."""
+    section = section.strip("\n") + "\n"
+    if not section.startswith(f"## {title} ("):
+        raise ValueError(f"a section must start with '## {title} (', got {section[:60]!r}")
     text = open(RESULTS, encoding="utf-8").read() if os.path.exists(RESULTS) else _TITLE
     lines = text.splitlines(keepends=True)
     start = next((i for i, line in enumerate(lines) if line.startswith(f"## {title} (")), None)
     if start is None:
-        append_section("\n" + section)
-        return
-    end = next((i for i in range(start + 1, len(lines)) if lines[i].startswith("## ")), len(lines))
-    tail = "".join(lines[end:])
+        text = text.rstrip("\n") + "\n\n" + section
+    else:
+        end = next(
+            (i for i in range(start + 1, len(lines)) if lines[i].startswith("## ")), len(lines)
+        )
+        tail = "".join(lines[end:])
+        text = "".join(lines[:start]) + section + ("\n" + tail if tail else "")
     with open(RESULTS, "w", encoding="utf-8") as f:
-        f.write("".join(lines[:start]) + section + ("\n" + tail if tail else ""))
-    print(f"rewrote its section of {RESULTS}")
-
-
-def append_section(section: str) -> None:
-    """Appends a markdown section to benchmarks/RESULTS.md, creating the file with its title."""
-    new = not os.path.exists(RESULTS) or os.path.getsize(RESULTS) == 0
-    with open(RESULTS, "a", encoding="utf-8") as f:
-        if new:
-            f.write(_TITLE)
-        f.write(section)
-    print(f"appended to {RESULTS}")
+        f.write(text)
+    print(f"wrote its section of {RESULTS}")

@@ -28,7 +28,7 @@ from datetime import UTC, datetime, timedelta
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
-from results import append_section, command_line, machine
+from results import command_line, machine, write_section
 from torch import nn
 from torch.distributed.algorithms.model_averaging.averagers import PeriodicModelAverager
 
@@ -252,11 +252,12 @@ def main(argv=None) -> None:
             f"({'met' if plain <= 0.7 else 'missed'})"
         )
     if not args.no_record:
-        append_section(
-            f"\n## Round time ({datetime.now(UTC):%Y-%m-%d})\n\n"
+        write_section(
+            "Round time",
+            f"## Round time ({datetime.now(UTC):%Y-%m-%d})\n\n"
             f"Machine: {machine()}; torch {torch.__version__}; gloo on one machine "
             f"(loopback), one thread per worker.\n"
-            f"Command: `{command_line()}`\n\n{table}\n"
+            f"Command: `{command_line()}`\n\n{table}\n",
         )
 
 

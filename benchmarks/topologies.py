@@ -36,7 +36,7 @@ import tempfile
 import time
 
 import torch
-from results import append_section, machine
+from results import machine, write_section
 
 import gossip_ext
 from gossip_ext import (
@@ -441,12 +441,12 @@ def main(argv=None) -> int:
     if not args.no_record:
         now = datetime.datetime.now().astimezone().strftime("%Y-%m-%d %H:%M %Z")
         section = (
-            f"\n## Topologies: rounds to consensus ({now})\n\n"
+            f"## Topologies: rounds to consensus ({now})\n\n"
             f"- machine: {machine()}\n"
             f"- torch {torch.__version__}, python {platform.python_version()}\n"
             f"- command: `{command}`\n\n{table}\n"
         )
-        append_section(section)
+        write_section("Topologies: rounds to consensus", section)
     return 0
 
 

@@ -3,6 +3,8 @@
 import os
 import sys
 
+import pytest
+
 BENCHMARKS = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks")
 
 
@@ -32,3 +34,26 @@ def test_the_command_line_carries_the_settings_that_change_a_run(monkeypatch):
 def test_the_command_line_is_plain_without_settings(monkeypatch):
     line = _command_line(monkeypatch, {"GOSSIP_EXT_MAX_CPU_ISA": ""})
     assert line == "python benchmarks/kernels.py --sizes 1e6"
+
+
+def test_a_benchmark_rewrites_its_own_section_and_leaves_the_others(monkeypatch, tmp_path):
+    monkeypatch.syspath_prepend(BENCHMARKS)
+    import results
+
+    path = tmp_path / "RESULTS.md"
+    path.write_text(
+        "# Benchmark results\n\n## Round time (2026-01-01)\n\nold round table\n\n"
+        "## Memory, cpu (2026-01-02)\n\nmemory table\n"
+    )
+    monkeypatch.setattr(results, "RESULTS", str(path))
+    results.write_section("Round time", "## Round time (2026-02-01)\n\nnew round table\n")
+    results.write_section("Soak (short)", "## Soak (short) (2026-02-02)\n\nsoak table\n")
+    results.write_section("Memory, cpu", "## Memory, cpu (2026-02-03)\n\nnew memory table\n")
+    text = path.read_text()
+    assert text == (
+        "# Benchmark results\n\n## Round time (2026-02-01)\n\nnew round table\n\n"
+        "## Memory, cpu (2026-02-03)\n\nnew memory table\n\n"
+        "## Soak (short) (2026-02-02)\n\nsoak table\n"
+    )
+    with pytest.raises(ValueError, match="must start with '## Soak"):
+        results.write_section("Soak", "## Memory (x)\n")
