@@ -1,7 +1,8 @@
-"""A local gossip-training demo: N worker processes on gloo, four ways of keeping them together.
+"""The quick demo on a small MLP: N worker processes on gloo, four ways of keeping them together.
+(The main demo, python -m gossip_ext.demo, compares systems on a real task.)
 
-    python -m gossip_ext.demo --workers 4
-    python -m gossip_ext.demo --bandwidth 100mbit --hidden 2048     # as root: over 100 Mbit/s NICs
+    python -m gossip_ext.demo_mlp --workers 4
+    python -m gossip_ext.demo_mlp --bandwidth 100mbit --hidden 2048   # as root: 100 Mbit/s NICs
 
 Every worker trains the same small MLP on its own shard of a synthetic 10-class data set
 (generated deterministically: no download) with SGP, overlap SGP, D-PSGD and DDP all-reduce in
@@ -333,7 +334,7 @@ def plot(results: dict, path: str, network: str = "loopback") -> None:
 
 def parse_args(argv=None):
     parser = argparse.ArgumentParser(
-        prog="python -m gossip_ext.demo",
+        prog="python -m gossip_ext.demo_mlp",
         description="Train a small MLP on N local worker processes (gloo) with SGP, overlap SGP, "
         "D-PSGD and DDP all-reduce, and compare them.",
     )
@@ -365,7 +366,7 @@ def parse_args(argv=None):
     )
     parser.add_argument(
         "--plot",
-        default=os.path.join(tempfile.gettempdir(), "gossip_demo.png"),
+        default=os.path.join(tempfile.gettempdir(), "gossip_demo_mlp.png"),
         help="where to write the PNG plot (default: %(default)s)",
     )
     parser.add_argument(
@@ -404,13 +405,13 @@ def main(argv=None) -> dict:
     if args.bandwidth is not None:
         reason = _netns.unavailable()
         if reason:
-            print(f"python -m gossip_ext.demo --bandwidth: {reason}", file=sys.stderr)
+            print(f"python -m gossip_ext.demo_mlp --bandwidth: {reason}", file=sys.stderr)
             sys.exit(2)
         network = f"each worker behind its own {_netns.format_rate(args.rate)} NIC"
         args.quiet = True  # the workers' output goes through ip netns exec: no progress bars
         with _netns.EmulatedCluster(args.workers, args.rate) as cluster:
             print(f"emulated cluster: {args.workers} network namespaces, {network}")
-            results = cluster.run("gossip_ext.demo:train_all", args, timeout=3600)
+            results = cluster.run("gossip_ext.demo_mlp:train_all", args, timeout=3600)
     else:
         network = "loopback"
         # Starting the workers and their process group takes a few seconds before the first bar.

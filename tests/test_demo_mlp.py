@@ -1,4 +1,4 @@
-"""The README's main job, python -m gossip_ext.demo, on a short run."""
+"""The quick MLP demo, python -m gossip_ext.demo_mlp, on a short run."""
 
 import math
 import subprocess
@@ -6,7 +6,7 @@ import sys
 
 import pytest
 
-from gossip_ext import demo
+from gossip_ext import demo_mlp as demo
 
 
 def test_demo_trains_every_mode_and_writes_the_plot(tmp_path, capsys):
@@ -51,7 +51,8 @@ def test_demo_rejects_bad_flags(capsys):
 def test_the_demo_as_a_user_runs_it_prints_no_warning(tmp_path):
     # With its progress bars (no --quiet) and in a process of its own, whose exit is where the
     # multiprocessing resource tracker reports what the workers left behind.
-    command = [sys.executable, "-m", "gossip_ext.demo", "--workers", "2", "--steps", "40"]
+    command = [sys.executable, "-m", "gossip_ext.demo_mlp", "--workers", "2"]
+    command += ["--steps", "40"]
     command += ["--modes", "sgp", "--plot", str(tmp_path / "demo.png")]
     done = subprocess.run(command, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr

@@ -5,7 +5,8 @@
 # and the test command both start with it, so the second does not rebuild what the first built.
 #
 # Installs what is missing first: torch (the CPU build unless another is installed), ninja,
-# setuptools and wheel, and, with --demo, what the demo plots with (matplotlib, tqdm).
+# setuptools and wheel, and, with --demo, what the demo plots with (matplotlib, tqdm) and the
+# systems it compares gossip_ext with (torchft, decent-dp).
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 
@@ -16,7 +17,9 @@ if ! "$PYTHON" -c "import torch" 2>/dev/null; then
   "$PYTHON" -m pip install "torch==$TORCH_VERSION"
 fi
 extras=(ninja "setuptools>=77" wheel)
-[ "${1:-}" = "--demo" ] && extras+=(matplotlib tqdm)
+# The demo plots (matplotlib; tqdm for the MLP demo's bars) and runs the systems users compare
+# gossip_ext with (torchft, decent-dp): demo dependencies, never the library's.
+[ "${1:-}" = "--demo" ] && extras+=(matplotlib tqdm torchft==0.2.0 decent-dp==0.2.3)
 PIP_ROOT_USER_ACTION=ignore "$PYTHON" -m pip install --quiet "${extras[@]}"
 
 # Root installs in a container are the norm here: pip need not warn about them.

@@ -1,0 +1,75 @@
+"""What a comparison reports: time to a held-out quality, the table, the plot."""
+
+from __future__ import annotations
+
+from gossip_ext.compare import systems
+
+
+def time_to(result: dict, bpb: float) -> float | None:
+    """Seconds of training until the held-out loss first reached ``bpb`` (at an evaluation)."""
+    history = result["history"]
+    for t, b in zip(history["time"], history["heldout_bpb"]):
+        if b <= bpb:
+            return t
+    return None
+
+
+def _seconds(value: float | None) -> str:
+    return "not reached" if value is None else f"{value:.1f} s"
+
+
+def table(rows: dict[str, dict], target: float | None = None) -> str:
+    """One row per system; times to DDP's final held-out loss (and to ``target``, if given)."""
+    ddp = rows.get("ddp")
+    ddp_final = ddp["final_bpb"] if ddp else None
+    ddp_time = time_to(ddp, ddp_final) if ddp else None
+    alone = rows["alone"]["step_ms"] if "alone" in rows else None
+    heading = ["system", "ms/step", "compute alone", "sent/worker/step"]
+    heading.append(f"to DDP's final {ddp_final:.3f} bpb" if ddp else "to DDP's final")
+    if target is not None:
+        heading.append(f"to {target:.2f} bpb")
+    heading += ["final bpb", "peak RSS"]
+    lines = ["| " + " | ".join(heading) + " |", "|" + "---|" * len(heading)]
+    for name, r in rows.items():
+        wire = r["wire_bytes_per_step"]
+        to_ddp = time_to(r, ddp_final) if ddp_final is not None else None
+        ratio = f" ({to_ddp / ddp_time:.2f}x)" if to_ddp is not None and ddp_time else ""
+        cells = [
+            name,
+            f"{r['step_ms']:.0f}",
+            "-" if alone is None else f"{alone:.0f}",
+            "-" if wire is None else f"{wire / 1e6:.2f} MB",
+            _seconds(to_ddp) + ratio,
+        ]
+        if target is not None:
+            cells.append(_seconds(time_to(r, target)))
+        cells += [f"{r['final_bpb']:.3f}", f"{r['peak_rss_mib']:.0f} MiB"]
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def plot(all_rows: dict[str, dict[str, dict]], path: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, len(all_rows), figsize=(7 * len(all_rows), 5), squeeze=False)
+    for ax, (setting, rows) in zip(axes[0], all_rows.items()):
+        for name, r in rows.items():
+            style = "-" if name in systems.GOSSIP else "--"
+            ax.plot(r["history"]["time"], r["history"]["heldout_bpb"], style, label=name)
+        ax.set_title(setting)
+        ax.set_xlabel("wall-clock seconds of training")
+        ax.set_ylabel("held-out bits per byte")
+        ax.legend(fontsize=8)
+        ax.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    print(f"plot written to {path}")
+
+
+def fastest(rows: dict[str, dict], bpb: float) -> tuple[str, float] | None:
+    """The system that first reached ``bpb``, and when; None if none did."""
+    reached = [(t, name) for name, r in rows.items() if (t := time_to(r, bpb)) is not None]
+    return (min(reached)[1], min(reached)[0]) if reached else None
