@@ -42,6 +42,20 @@ def parse_rate(text: str) -> float:
     return float(match.group(1)) * _RATE_UNITS[match.group(2)]
 
 
+def rate_option(parser, bandwidth: str | None, workers: int) -> float | None:
+    """A command's --bandwidth in bits/s, None when not given; an argparse error naming the flag
+    when it does not parse or there are fewer than two workers to connect."""
+    if bandwidth is None:
+        return None
+    try:
+        rate = parse_rate(bandwidth)
+    except ValueError as e:
+        parser.error(f"--bandwidth: {e}")
+    if workers < 2:
+        parser.error(f"--bandwidth needs --workers >= 2, got {workers}")
+    return rate
+
+
 def format_rate(bits_per_s: float) -> str:
     if bits_per_s >= 1e9:
         return f"{bits_per_s / 1e9:g} Gbit/s"

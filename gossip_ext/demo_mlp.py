@@ -390,13 +390,7 @@ def parse_args(argv=None):
             parser.error(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
     if args.samples < args.workers:
         parser.error(f"--samples ({args.samples}) must be >= --workers ({args.workers})")
-    if args.bandwidth is not None:
-        try:
-            args.rate = _netns.parse_rate(args.bandwidth)
-        except ValueError as e:
-            parser.error(f"--bandwidth: {e}")
-        if args.workers < 2:
-            parser.error(f"--bandwidth needs --workers >= 2, got {args.workers}")
+    args.rate = _netns.rate_option(parser, args.bandwidth, args.workers)
     return args
 
 
