@@ -56,9 +56,16 @@ def plot(all_rows: dict[str, dict[str, dict]], path: str) -> None:
 
     fig, axes = plt.subplots(1, len(all_rows), figsize=(7 * len(all_rows), 5), squeeze=False)
     for ax, (setting, rows) in zip(axes[0], all_rows.items()):
-        for name, r in rows.items():
+        colors = plt.cm.tab20.colors  # one color per system: the default cycle has ten
+        for i, (name, r) in enumerate(rows.items()):
             style = "-" if name in systems.GOSSIP else "--"
-            ax.plot(r["history"]["time"], r["history"]["heldout_bpb"], style, label=name)
+            ax.plot(
+                r["history"]["time"],
+                r["history"]["heldout_bpb"],
+                style,
+                color=colors[(2 * i) % 20 + (2 * i) // 20],
+                label=name,
+            )
         ax.set_title(setting)
         ax.set_xlabel("wall-clock seconds of training")
         ax.set_ylabel("held-out bits per byte")
