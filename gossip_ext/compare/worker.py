@@ -110,6 +110,7 @@ def _train(rank: int, world_size: int, config: RunConfig) -> dict:
         "system": config.system,
         "workers": world_size,
         "params": sum(p.numel() for p in module.parameters()),
+        "lr": config.recipe.lr,
         "step_ms": 1000 * _mean_over_workers(elapsed) / steps,
         "final_bpb": history["heldout_bpb"][-1],
         # Measured on the worker's NIC, all it sent (evaluation's few bytes included); None on
