@@ -1,16 +1,22 @@
 """Time to the same held-out quality: gossip_ext beside the systems a user would pick instead.
 
 Every system (gossip_ext.compare.systems) trains the byte-level transformer of gossip_ext.tasks
-on the standard library's sources with the same data order, seeds, batch size and learning-rate
-schedule, for the same number of steps; every worker's held-out bits per byte is measured every
---eval-every steps, off the clock. The table gives, per system: the time a step took and the step
-time of the same workers computing without any communication (``alone``: the floor that a
-network cannot lower); the bytes each worker sent per step, read off its NIC's counters on the
-emulated network; the wall-clock time to DDP's final held-out loss and to --target-bpb; the final
-held-out loss; the peak memory of a worker.
+on the standard library's sources with the same data order, seeds, batch size and schedule shape
+(AdamW, warmup, cosine decay), each at its own peak learning rate (systems.PEAK_LR, from a sweep).
+DDP runs --ddp-steps and its final held-out loss is the target; the others run --steps (twice as
+many by default), so that a system needing more steps than DDP can still reach it, and the
+question is who gets there first in wall-clock time. Every worker's held-out bits per byte is
+measured every --eval-every steps, off the clock. The table gives, per system: the time a step
+took, and whether it is bound by the CPU (within 1.3x of the same workers computing without any
+communication, ``alone``: the floor no network can lower) or by communication; the bytes each
+worker sent per step, read off its NIC's counters on the emulated network; the wall-clock time to
+DDP's final held-out loss and to --target-bpb; the final held-out loss; the peak memory of a
+worker. With several settings on the emulated network, a goals table compares the best gossip_ext
+mode with DDP, PowerSGD, decent-dp and torchft's DiLoCo.
 
     python benchmarks/lm_compare.py                                   # loopback, 2 workers
-    python benchmarks/lm_compare.py --workers 4 8 --bandwidth 1gbit 100mbit --steps 600  # as root
+    python benchmarks/lm_compare.py --workers 4 8 --bandwidth 100mbit 1gbit  # as root
+    python benchmarks/lm_compare.py --settings 4x100mbit 4x1gbit 8x1gbit
 
 With --bandwidth, each worker runs in its own network namespace behind a NIC capped with tbf
 (gossip_ext._netns); torchft's lighthouse runs in rank 0's namespace. Writes a plot of held-out
@@ -23,17 +29,21 @@ from __future__ import annotations
 import argparse
 import os
 import sys
-import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import results  # noqa: E402  (benchmarks/results.py)
 
 from gossip_ext import _netns  # noqa: E402
-from gossip_ext.compare import report, runner, systems, worker  # noqa: E402
+from gossip_ext.compare import report, runner, systems  # noqa: E402
 from gossip_ext.tasks.byte_lm import ByteLMConfig  # noqa: E402
 
 TITLE = "Time to the same held-out quality: gossip_ext beside DDP, PowerSGD, decent-dp, torchft"
+GOALS = {  # (workers, NIC rate): the best gossip_ext mode's time to DDP's final held-out loss
+    (8, 1e9): "<= 0.3x DDP, <= 0.6x decent-dp, no later than DDP + PowerSGD's best",
+    (4, 1e8): "<= 0.15x DDP",
+    (8, 1e8): "<= 0.15x DDP",
+}
 
 
 def parse_args(argv=None):
@@ -41,71 +51,151 @@ def parse_args(argv=None):
     p.add_argument("--systems", nargs="+", default=list(systems.ALL), choices=systems.ALL)
     p.add_argument("--workers", nargs="+", type=int, default=[2])
     p.add_argument(
+        "--settings",
+        nargs="+",
+        metavar="WORKERSxRATE",
+        help="settings to run instead of every --workers with every --bandwidth, e.g. "
+        "4x100mbit 8x1gbit (needs root)",
+    )
+    p.add_argument(
         "--bandwidth", nargs="+", default=[], help="NIC rates, e.g. 1gbit 100mbit (needs root)"
     )
-    p.add_argument("--steps", type=int, default=200)
-    p.add_argument("--eval-every", type=int, default=20)
+    p.add_argument("--steps", type=int, default=960, help="steps of every system but DDP")
+    p.add_argument(
+        "--ddp-steps",
+        type=int,
+        help="DDP's steps; its final held-out loss is the target (default: half of --steps, so "
+        "that a system needing more steps than DDP can still reach it)",
+    )
+    p.add_argument("--eval-every", type=int, default=30)
     p.add_argument("--eval-windows", type=int, default=64)
-    p.add_argument("--batch-size", type=int, default=16)
-    p.add_argument("--layers", type=int, default=4)
-    p.add_argument("--width", type=int, default=256)
-    p.add_argument("--context", type=int, default=128)
-    p.add_argument("--lr", type=float, default=2e-3)
+    p.add_argument("--batch-size", type=int, default=8)
+    p.add_argument("--layers", type=int, default=2)
+    p.add_argument("--width", type=int, default=128)
+    p.add_argument("--context", type=int, default=64)
+    p.add_argument(
+        "--lr", type=float, help="one peak learning rate for all (default: each system's own)"
+    )
+    p.add_argument(
+        "--outer-lr", type=float, default=systems.Recipe.outer_lr, help="DiLoCo's outer lr"
+    )
     p.add_argument("--warmup", type=int, default=20)
-    p.add_argument("--local-steps", type=int, default=8, help="H of LocalSGD, SlowMo, DiLoCo")
-    p.add_argument("--target-bpb", type=float, default=3.0)
+    p.add_argument("--local-steps", type=int, default=4, help="H of LocalSGD, SlowMo, DiLoCo")
+    p.add_argument("--target-bpb", type=float, default=3.1)
     p.add_argument("--timeout", type=float, default=3600, help="seconds per system")
     p.add_argument("--plot", default="/tmp/gossip_lm_compare.png")
     p.add_argument("--no-record", action="store_true")
-    return p.parse_args(argv)
+    args = p.parse_args(argv)
+    args.ddp_steps = args.ddp_steps or args.steps // 2
+    for name in ("steps", "ddp_steps", "eval_every", "batch_size"):
+        if getattr(args, name) < 1:
+            p.error(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
+    if min(args.steps, args.ddp_steps) <= args.warmup:
+        p.error(f"--steps and --ddp-steps must exceed --warmup ({args.warmup})")
+    try:
+        rates = [_netns.parse_rate(b) for b in args.bandwidth] or [None]
+    except ValueError as e:
+        p.error(f"--bandwidth: {e}")
+    args.settings_parsed = [(w, r) for w in args.workers for r in rates]
+    if args.settings:
+        args.settings_parsed = []
+        for text in args.settings:
+            workers, _, rate = text.partition("x")
+            try:
+                args.settings_parsed.append((int(workers), _netns.parse_rate(rate)))
+            except ValueError as e:
+                p.error(f"--settings: {text!r} is not WORKERSxRATE like 4x100mbit ({e})")
+    if any(w < 1 for w, _ in args.settings_parsed):
+        p.error(f"--workers must be >= 1, got {args.workers}")
+    return args
+
+
+def _first(rows, names, target: float, ddp_time: float) -> tuple[float | None, str]:
+    """The first of ``names`` to ``target``: when, and as a table cell with its ratio to DDP."""
+    if not any(name in rows for name in names):
+        return None, "not run"
+    found = report.best(rows, names, target)
+    if found is None:
+        return None, "not reached"
+    name, t = found
+    return t, f"{name} {t:.1f} s ({t / ddp_time:.2f}x)"
+
+
+def goals(all_rows: dict[tuple[int, float | None], dict[str, dict]]) -> str:
+    """The issue's goals, each measured against its setting's rows: the best gossip_ext mode's
+    time to DDP's final held-out loss, beside DDP's, decent-dp's, PowerSGD's best and torchft
+    DiLoCo's (the bar for gossip_ext's own DiLoCo)."""
+    lines = [
+        "| setting | goal | best gossip_ext mode | DDP | PowerSGD's best | decent-dp "
+        "| torchft DiLoCo | met |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    for (workers, rate), rows in all_rows.items():
+        if rate is None or "ddp" not in rows:
+            continue
+        target = rows["ddp"]["final_bpb"]
+        ddp_time = report.time_to(rows["ddp"], target)
+        ours, ours_text = _first(rows, systems.GOSSIP, target, ddp_time)
+        powersgd, powersgd_text = _first(rows, ("powersgd_r1", "powersgd_r4"), target, ddp_time)
+        decent, decent_text = _first(rows, ("decent_dp",), target, ddp_time)
+        _, diloco_text = _first(rows, ("torchft_diloco",), target, ddp_time)
+        goal = GOALS.get((workers, rate), "-")
+        met = "-"
+        if goal != "-":
+            checks = [ours is not None and ours <= (0.3 if rate >= 1e9 else 0.15) * ddp_time]
+            if rate >= 1e9:
+                checks.append(ours is not None and (decent is None or ours <= 0.6 * decent))
+                checks.append(ours is not None and (powersgd is None or ours <= powersgd))
+            met = "yes" if all(checks) else "no"
+        lines.append(
+            f"| {workers} workers, {_netns.format_rate(rate)} | {goal} | {ours_text} | "
+            f"{ddp_time:.1f} s | {powersgd_text} | {decent_text} | {diloco_text} | {met} |"
+        )
+    return "\n".join(lines)
 
 
 def main(argv=None) -> dict:
     args = parse_args(argv)
-    rates = [_netns.parse_rate(b) for b in args.bandwidth] or [None]
-    if args.bandwidth and (why := _netns.unavailable()):
+    networked = any(rate is not None for _, rate in args.settings_parsed)
+    if networked and (why := _netns.unavailable()):
         sys.exit(f"--bandwidth needs an emulated network: {why}")
-    model = ByteLMConfig(layers=args.layers, width=args.width, heads=4, context=args.context)
-    recipe = systems.Recipe(
-        steps=args.steps, lr=args.lr, warmup=args.warmup, local_steps=args.local_steps
+    protocol = runner.Protocol(
+        steps=args.steps,
+        ddp_steps=args.ddp_steps,
+        model=ByteLMConfig(layers=args.layers, width=args.width, heads=4, context=args.context),
+        batch_size=args.batch_size,
+        warmup=args.warmup,
+        local_steps=args.local_steps,
+        eval_every=args.eval_every,
+        eval_windows=args.eval_windows,
+        lr=args.lr,
+        outer_lr=args.outer_lr,
     )
-    chosen = [s for s in args.systems if not systems.available(s)]
-    for s in set(args.systems) - set(chosen):
-        print(f"skipped: {systems.available(s)}")
-    all_rows: dict[str, dict[str, dict]] = {}
+    all_rows: dict[tuple[int, float | None], dict[str, dict]] = {}
     sections = []
-    for workers in args.workers:
-        for rate in rates:
-            network = "loopback" if rate is None else f"{_netns.format_rate(rate)} NICs"
-            setting = f"{workers} workers, {network}"
-            rows: dict[str, dict] = {}
-            for name in chosen:
-                config = worker.RunConfig(
-                    system=name,
-                    recipe=recipe,
-                    model=model,
-                    batch_size=args.batch_size,
-                    eval_every=args.eval_every,
-                    eval_windows=args.eval_windows,
-                )
-                start = time.monotonic()
-                rows[name] = runner.run(config, workers, rate, args.timeout)
-                print(
-                    f"{setting}: {name}: {rows[name]['step_ms']:.0f} ms/step, final "
-                    f"{rows[name]['final_bpb']:.3f} bpb ({time.monotonic() - start:.0f} s)",
-                    flush=True,
-                )
-            all_rows[setting] = rows
-            text = report.table(rows, args.target_bpb)
-            print(f"\n{setting}\n{text}\n")
-            sections.append(f"### {setting}\n\n{text}")
-    report.plot(all_rows, args.plot)
+    for workers, rate in args.settings_parsed:
+        network = "loopback" if rate is None else f"{_netns.format_rate(rate)} NICs"
+        setting = f"{workers} workers, {network}"
+        rows = runner.run_systems(args.systems, protocol, workers, rate, args.timeout)
+        all_rows[(workers, rate)] = rows
+        text = report.table(rows, args.target_bpb)
+        print(f"\n{setting}\n{text}\n", flush=True)
+        sections.append(f"### {setting}\n\n{text}")
+    report.plot(
+        {
+            f"{w} workers, " + ("loopback" if r is None else _netns.format_rate(r)): rows
+            for (w, r), rows in all_rows.items()
+        },
+        args.plot,
+    )
+    goal_table = goals(all_rows)
+    print(goal_table)
     params = next(iter(next(iter(all_rows.values())).values()))["params"]
     body = (
-        f"Byte-level transformer of {params / 1e6:.2f}M parameters ({args.layers} layers, width "
-        f"{args.width}, context {args.context}), batch {args.batch_size} per worker, "
-        f"{args.steps} steps, AdamW lr {args.lr} (warmup {args.warmup}, cosine), H = "
-        f"{args.local_steps}; held-out bits per byte every {args.eval_every} steps.\n\n"
+        protocol.describe(params)
+        + f" `bound by`: CPU where a step takes at most {report.CPU_BOUND}x the workers "
+        "computing alone (`alone`), communication otherwise.\n\n"
+        + ("### Goals\n\n" + goal_table + "\n\n" if "|---|" in goal_table else "")
         + "\n\n".join(sections)
     )
     if not args.no_record:

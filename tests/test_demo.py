@@ -13,12 +13,15 @@ def test_the_demo_compares_systems_names_the_fastest_and_writes_the_plot(tmp_pat
     plot = tmp_path / "demo.png"
     systems = ["alone", "ddp", "sgp_bf16"]
     rows = demo.main(
-        ["--systems", *systems, "--steps", "12", "--eval-every", "6", "--plot", str(plot)]
+        ["--systems", *systems, "--steps", "24", "--eval-every", "6", "--plot", str(plot)]
     )
     out = capsys.readouterr().out
     assert list(rows) == systems
+    # DDP runs half the steps: its final held-out loss is the target the others race to.
+    assert rows["ddp"]["history"]["step"] == [6, 12]
     for name in systems:
-        assert rows[name]["history"]["step"] == [6, 12]
+        if name != "ddp":
+            assert rows[name]["history"]["step"] == [6, 12, 18, 24]
         assert math.isfinite(rows[name]["final_bpb"])
         assert f"| {name} |" in out
     assert "fastest to DDP's final held-out loss" in out
@@ -34,10 +37,13 @@ def test_the_demo_rejects_bad_flags(capsys):
     with pytest.raises(SystemExit):
         demo.parse_args(["--bandwidth", "fast"])
     assert "--bandwidth" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        demo.parse_args(["--steps", "20"])
+    assert "--steps must be > 20 (twice the warmup), got 20" in capsys.readouterr().err
 
 
 def test_the_demo_as_a_user_runs_it_prints_no_warning(tmp_path):
-    command = [sys.executable, "-m", "gossip_ext.demo", "--systems", "sgp", "--steps", "12"]
+    command = [sys.executable, "-m", "gossip_ext.demo", "--systems", "sgp", "--steps", "24"]
     command += ["--plot", str(tmp_path / "demo.png")]
     done = subprocess.run(command, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr

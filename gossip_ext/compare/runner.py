@@ -12,12 +12,14 @@ import pickle
 import subprocess
 import sys
 import tempfile
-from collections.abc import Iterator
+import time
+from collections.abc import Iterable, Iterator
 
 import torch.multiprocessing as mp
 
 from gossip_ext import _netns
-from gossip_ext.compare import worker
+from gossip_ext.compare import systems, worker
+from gossip_ext.tasks.byte_lm import ByteLMConfig
 
 _LIGHTHOUSE_PORT = 29510  # in rank 0's namespace on the emulated network
 
@@ -107,3 +109,85 @@ def run(config: worker.RunConfig, workers: int, rate: float | None, timeout: flo
                 address = stack.enter_context(_lighthouse_in(cluster))
                 config = dataclasses.replace(config, lighthouse=address)
             return cluster.run("gossip_ext.compare.worker:train", config, timeout)
+
+
+@dataclasses.dataclass(frozen=True)
+class Protocol:
+    """How a comparison runs every system: the same model, batches, warmup and sync period; each
+    system at its own peak learning rate (``systems.PEAK_LR``) unless ``lr`` sets one for all.
+    DDP runs ``ddp_steps`` and its final held-out loss is the target; every other system runs
+    ``steps``, more by default, so that one needing more steps than DDP can still reach it. Each
+    schedule decays over its system's own steps."""
+
+    steps: int
+    ddp_steps: int
+    model: ByteLMConfig = ByteLMConfig(layers=2, width=128, heads=4, context=64)
+    batch_size: int = 8
+    warmup: int = 20
+    local_steps: int = 4
+    eval_every: int = 30
+    eval_windows: int = 64
+    lr: float | None = None
+    outer_lr: float = systems.Recipe.outer_lr
+
+    def config(self, system: str) -> worker.RunConfig:
+        recipe = systems.Recipe(
+            steps=self.ddp_steps if system == "ddp" else self.steps,
+            lr=self.lr or systems.PEAK_LR[system],
+            warmup=self.warmup,
+            local_steps=self.local_steps,
+            outer_lr=self.outer_lr,
+        )
+        return worker.RunConfig(
+            system=system,
+            recipe=recipe,
+            model=self.model,
+            batch_size=self.batch_size,
+            eval_every=self.eval_every,
+            eval_windows=self.eval_windows,
+        )
+
+    def describe(self, params: int) -> str:
+        m = self.model
+        return (
+            f"Byte-level transformer of {params / 1e6:.2f}M parameters ({m.layers} layers, width "
+            f"{m.width}, context {m.context}), batch {self.batch_size} per worker, one torch "
+            f"thread per worker. Every system runs {self.steps} steps but DDP, which runs "
+            f"{self.ddp_steps}: DDP's final held-out loss is the target, and the others may need "
+            f"more steps to reach it. AdamW, warmup {self.warmup} steps then cosine decay over "
+            f"each system's own steps, at "
+            + (
+                f"peak learning rate {self.lr:g}"
+                if self.lr
+                else "each system's peak learning rate (`lr`: gossip_ext.compare.systems.PEAK_LR)"
+            )
+            + f"; H = {self.local_steps} for LocalSGD, SlowMo and DiLoCo, DiLoCo's outer lr "
+            f"{self.outer_lr:g} (momentum 0.9, Nesterov). Held-out bits per byte "
+            f"every {self.eval_every} steps (the mean over workers of each worker's own model), "
+            f"off the clock."
+        )
+
+
+def run_systems(
+    names: Iterable[str],
+    protocol: Protocol,
+    workers: int,
+    rate: float | None,
+    timeout: float,
+) -> dict[str, dict]:
+    """Each system of ``names`` that this Python can run (the others are named and left out),
+    one after the other under ``protocol``; their results by name, progress on stdout."""
+    rows: dict[str, dict] = {}
+    for name in names:
+        why_not = systems.available(name)
+        if why_not:
+            print(f"left out: {why_not}", flush=True)
+            continue
+        started = time.monotonic()
+        rows[name] = run(protocol.config(name), workers, rate, timeout)
+        print(
+            f"{name:>17}: {rows[name]['step_ms']:6.0f} ms/step, held-out "
+            f"{rows[name]['final_bpb']:.3f} bits per byte ({time.monotonic() - started:.0f} s)",
+            flush=True,
+        )
+    return rows

@@ -1,0 +1,120 @@
+"""What a comparison reports, on made-up histories whose answers are known by hand: time to a
+held-out loss, the table's ratios and `bound by`, the goals of benchmarks/lm_compare.py; and the
+protocol each system runs under."""
+
+import os
+
+import pytest
+
+from gossip_ext.compare import report, runner, systems
+
+BENCHMARKS = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks")
+
+
+def _row(name, times, bpbs, step_ms, lr=2e-3, wire=None):
+    return {
+        "system": name,
+        "lr": lr,
+        "step_ms": step_ms,
+        "wire_bytes_per_step": wire,
+        "final_bpb": bpbs[-1],
+        "peak_rss_mib": 400.0,
+        "history": {
+            "step": [10 * (i + 1) for i in range(len(times))],
+            "time": times,
+            "heldout_bpb": bpbs,
+        },
+    }
+
+
+ROWS = {
+    "alone": _row("alone", [1.0, 2.0], [4.0, 3.8], step_ms=50),
+    "ddp": _row("ddp", [10.0, 20.0], [3.5, 3.0], step_ms=250, wire=2.6e6),
+    "powersgd_r4": _row("powersgd_r4", [4.0, 8.0, 12.0], [3.6, 3.1, 2.9], step_ms=100),
+    "decent_dp": _row("decent_dp", [6.0, 12.0, 18.0], [3.4, 3.05, 2.99], step_ms=150),
+    "sgp_bf16": _row("sgp_bf16", [3.0, 6.0, 9.0], [3.5, 3.2, 3.0], step_ms=60, wire=0.9e6),
+    "torchft_diloco": _row("torchft_diloco", [3.0, 6.0], [3.9, 3.6], step_ms=55),
+}
+
+
+def test_time_to_is_the_first_evaluation_at_or_below_the_loss():
+    assert report.time_to(ROWS["ddp"], 3.0) == 20.0
+    assert report.time_to(ROWS["sgp_bf16"], 3.2) == 6.0
+    assert report.time_to(ROWS["torchft_diloco"], 3.0) is None
+
+
+def test_best_and_fastest_pick_the_earliest_to_the_loss():
+    assert report.best(ROWS, systems.GOSSIP, 3.0) == ("sgp_bf16", 9.0)
+    assert report.best(ROWS, ("torchft_diloco",), 3.0) is None
+    assert report.fastest(ROWS, 3.0) == ("sgp_bf16", 9.0)
+    # The workers computing alone are the floor of a step, not a way to train.
+    assert report.fastest(ROWS, 3.8) == ("sgp_bf16", 3.0)
+
+
+def test_the_table_gives_each_system_its_ratio_to_ddp_and_what_bounds_its_step():
+    lines = report.table(ROWS, target=3.5).splitlines()
+    assert "to DDP's final 3.000 bpb" in lines[0] and "to 3.50 bpb" in lines[0]
+    by_name = {line.split(" | ")[0].removeprefix("| "): line for line in lines[2:]}
+    assert "| 20.0 s (1.00x) |" in by_name["ddp"]
+    assert "| 9.0 s (0.45x) |" in by_name["sgp_bf16"]
+    assert "| 12.0 s (0.60x) |" in by_name["powersgd_r4"]
+    assert "| not reached |" in by_name["torchft_diloco"]
+    # 60 ms against 50 alone is within 1.3x: the cores, not the network, set the pace.
+    assert "| 60 | CPU |" in by_name["sgp_bf16"]
+    assert "| 250 | communication | 2.60 MB |" in by_name["ddp"]
+    assert "| 0.008 |" not in by_name["ddp"] and "| 0.002 | 20 |" in by_name["ddp"]
+
+
+@pytest.fixture
+def lm_compare(monkeypatch):
+    monkeypatch.syspath_prepend(BENCHMARKS)
+    import lm_compare
+
+    return lm_compare
+
+
+def test_the_goals_compare_the_best_gossip_mode_with_each_peer(lm_compare):
+    lines = lm_compare.goals({(8, 1e9): ROWS, (4, None): ROWS}).splitlines()
+    assert len(lines) == 3, "loopback settings have no goals"
+    cells = [c.strip() for c in lines[2].strip("|").split("|")]
+    assert cells[0] == "8 workers, 1 Gbit/s"
+    assert cells[2] == "sgp_bf16 9.0 s (0.45x)"
+    assert cells[3] == "20.0 s"
+    assert cells[4] == "powersgd_r4 12.0 s (0.60x)"
+    assert cells[5] == "decent_dp 18.0 s (0.90x)"
+    assert cells[6] == "not reached"
+    # 0.45x DDP misses the 0.3x goal, though it beats decent-dp (0.5x) and PowerSGD.
+    assert cells[7] == "no"
+    faster = dict(ROWS, sgp_bf16=_row("sgp_bf16", [3.0, 5.0], [3.2, 3.0], step_ms=60))
+    assert lm_compare.goals({(8, 1e9): faster}).splitlines()[2].endswith("| yes |")
+    without = {k: v for k, v in faster.items() if k != "decent_dp"}
+    assert "| not run |" in lm_compare.goals({(8, 1e9): without})
+
+
+def test_the_benchmark_rejects_bad_flags(lm_compare, capsys):
+    with pytest.raises(SystemExit):
+        lm_compare.parse_args(["--bandwidth", "fast"])
+    assert "--bandwidth" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        lm_compare.parse_args(["--steps", "30", "--warmup", "20"])
+    assert "must exceed --warmup (20)" in capsys.readouterr().err
+    assert lm_compare.parse_args(["--steps", "480"]).ddp_steps == 240
+    settings = lm_compare.parse_args(["--settings", "4x100mbit", "8x1gbit"]).settings_parsed
+    assert settings == [(4, 1e8), (8, 1e9)]
+    with pytest.raises(SystemExit):
+        lm_compare.parse_args(["--settings", "4at1gbit"])
+    assert "--settings: '4at1gbit' is not WORKERSxRATE" in capsys.readouterr().err
+
+
+def test_every_system_has_a_peak_learning_rate():
+    assert set(systems.PEAK_LR) == set(systems.ALL)
+
+
+def test_the_protocol_runs_ddp_for_its_own_steps_and_each_system_at_its_rate():
+    protocol = runner.Protocol(steps=480, ddp_steps=240, outer_lr=0.3)
+    ddp, sgp = protocol.config("ddp"), protocol.config("sgp_bf16")
+    assert (ddp.recipe.steps, ddp.recipe.lr) == (240, systems.PEAK_LR["ddp"])
+    assert (sgp.recipe.steps, sgp.recipe.lr) == (480, systems.PEAK_LR["sgp_bf16"])
+    assert protocol.config("torchft_diloco").recipe.outer_lr == 0.3
+    one_rate = runner.Protocol(steps=480, ddp_steps=240, lr=1e-3)
+    assert {one_rate.config(name).recipe.lr for name in systems.ALL} == {1e-3}
