@@ -20,13 +20,16 @@ mode with DDP, PowerSGD, decent-dp and torchft's DiLoCo.
 
 With --bandwidth, each worker runs in its own network namespace behind a NIC capped with tbf
 (gossip_ext._netns); torchft's lighthouse runs in rank 0's namespace. Writes a plot of held-out
-bits per byte against time (--plot) and, unless --no-record, rewrites this benchmark's section of
-benchmarks/RESULTS.md.
+bits per byte against time (--plot), every result with its held-out history (--rows, JSON) and,
+unless --no-record, rewrites this benchmark's section of benchmarks/RESULTS.md.
+--from-rows FILE reports a saved run again (table, goals, plot, RESULTS.md) without running it.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
+import json
 import os
 import sys
 
@@ -84,6 +87,8 @@ def parse_args(argv=None):
     p.add_argument("--target-bpb", type=float, default=3.1)
     p.add_argument("--timeout", type=float, default=3600, help="seconds per system")
     p.add_argument("--plot", default="/tmp/gossip_lm_compare.png")
+    p.add_argument("--rows", default="/tmp/gossip_lm_compare.json", help="write every result here")
+    p.add_argument("--from-rows", metavar="FILE", help="report the run saved in FILE again")
     p.add_argument("--no-record", action="store_true")
     args = p.parse_args(argv)
     args.ddp_steps = args.ddp_steps or args.steps // 2
@@ -154,8 +159,61 @@ def goals(all_rows: dict[tuple[int, float | None], dict[str, dict]]) -> str:
     return "\n".join(lines)
 
 
+def _setting(workers: int, rate: float | None) -> str:
+    return f"{workers} workers, " + ("loopback" if rate is None else _netns.format_rate(rate))
+
+
+def save_rows(path: str, protocol: runner.Protocol, all_rows) -> None:
+    """The run, as the report reads it: the protocol and every setting's results."""
+    run = {
+        "protocol": dataclasses.asdict(protocol),
+        "settings": [
+            {"workers": w, "rate": r, "rows": rows} for (w, r), rows in all_rows.items()
+        ],
+    }
+    with open(path, "w") as f:
+        json.dump(run, f)
+    print(f"results written to {path}")
+
+
+def load_rows(path: str):
+    with open(path) as f:
+        run = json.load(f)
+    fields = run["protocol"]
+    protocol = runner.Protocol(**{**fields, "model": ByteLMConfig(**fields["model"])})
+    all_rows = {(s["workers"], s["rate"]): s["rows"] for s in run["settings"]}
+    return protocol, all_rows
+
+
+def report_all(args, protocol: runner.Protocol, all_rows, echo: bool) -> None:
+    """Tables (printed if ``echo``), goals and plot of a run; into RESULTS.md unless --no-record."""
+    sections = []
+    for (workers, rate), rows in all_rows.items():
+        text = report.table(rows, args.target_bpb)
+        if echo:
+            print(f"\n{_setting(workers, rate)}\n{text}\n", flush=True)
+        sections.append(f"### {_setting(workers, rate)}\n\n{text}")
+    report.plot({_setting(w, r): rows for (w, r), rows in all_rows.items()}, args.plot)
+    goal_table = goals(all_rows)
+    print(goal_table)
+    params = next(iter(next(iter(all_rows.values())).values()))["params"]
+    body = (
+        protocol.describe(params)
+        + f" `bound by`: CPU where a step takes at most {report.CPU_BOUND}x the workers "
+        "computing alone (`alone`), communication otherwise.\n\n"
+        + ("### Goals\n\n" + goal_table + "\n\n" if "|---|" in goal_table else "")
+        + "\n\n".join(sections)
+    )
+    if not args.no_record:
+        results.record(TITLE, body)
+
+
 def main(argv=None) -> dict:
     args = parse_args(argv)
+    if args.from_rows:
+        protocol, all_rows = load_rows(args.from_rows)
+        report_all(args, protocol, all_rows, echo=True)
+        return all_rows
     networked = any(rate is not None for _, rate in args.settings_parsed)
     if networked and (why := _netns.unavailable()):
         sys.exit(f"--bandwidth needs an emulated network: {why}")
@@ -172,34 +230,12 @@ def main(argv=None) -> dict:
         outer_lr=args.outer_lr,
     )
     all_rows: dict[tuple[int, float | None], dict[str, dict]] = {}
-    sections = []
     for workers, rate in args.settings_parsed:
-        network = "loopback" if rate is None else f"{_netns.format_rate(rate)} NICs"
-        setting = f"{workers} workers, {network}"
         rows = runner.run_systems(args.systems, protocol, workers, rate, args.timeout)
         all_rows[(workers, rate)] = rows
-        text = report.table(rows, args.target_bpb)
-        print(f"\n{setting}\n{text}\n", flush=True)
-        sections.append(f"### {setting}\n\n{text}")
-    report.plot(
-        {
-            f"{w} workers, " + ("loopback" if r is None else _netns.format_rate(r)): rows
-            for (w, r), rows in all_rows.items()
-        },
-        args.plot,
-    )
-    goal_table = goals(all_rows)
-    print(goal_table)
-    params = next(iter(next(iter(all_rows.values())).values()))["params"]
-    body = (
-        protocol.describe(params)
-        + f" `bound by`: CPU where a step takes at most {report.CPU_BOUND}x the workers "
-        "computing alone (`alone`), communication otherwise.\n\n"
-        + ("### Goals\n\n" + goal_table + "\n\n" if "|---|" in goal_table else "")
-        + "\n\n".join(sections)
-    )
-    if not args.no_record:
-        results.record(TITLE, body)
+        print(f"\n{_setting(workers, rate)}\n{report.table(rows, args.target_bpb)}\n", flush=True)
+        save_rows(args.rows, protocol, all_rows)  # after each setting: a long run keeps its part
+    report_all(args, protocol, all_rows, echo=False)
     return all_rows
 
 

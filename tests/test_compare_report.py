@@ -118,3 +118,18 @@ def test_the_protocol_runs_ddp_for_its_own_steps_and_each_system_at_its_rate():
     assert protocol.config("torchft_diloco").recipe.outer_lr == 0.3
     one_rate = runner.Protocol(steps=480, ddp_steps=240, lr=1e-3)
     assert {one_rate.config(name).recipe.lr for name in systems.ALL} == {1e-3}
+
+
+def test_a_saved_run_is_reported_again_without_running(lm_compare, tmp_path, capsys):
+    protocol = runner.Protocol(steps=480, ddp_steps=240, lr=1e-3)
+    rows = {name: dict(row, params=1_000_000) for name, row in ROWS.items()}
+    saved = tmp_path / "run.json"
+    lm_compare.save_rows(str(saved), protocol, {(8, 1e9): rows, (4, None): rows})
+    assert lm_compare.load_rows(str(saved)) == (protocol, {(8, 1e9): rows, (4, None): rows})
+    plot = tmp_path / "run.png"
+    args = ["--from-rows", str(saved), "--plot", str(plot), "--no-record"]
+    assert lm_compare.main(args) == {(8, 1e9): rows, (4, None): rows}
+    out = capsys.readouterr().out
+    assert "8 workers, 1 Gbit/s\n| system |" in out and "4 workers, loopback\n| system |" in out
+    assert "| 9.0 s (0.45x) |" in out, "the table is made from the saved histories"
+    assert plot.stat().st_size > 10_000
