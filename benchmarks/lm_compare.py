@@ -167,9 +167,7 @@ def save_rows(path: str, protocol: runner.Protocol, all_rows) -> None:
     """The run, as the report reads it: the protocol and every setting's results."""
     run = {
         "protocol": dataclasses.asdict(protocol),
-        "settings": [
-            {"workers": w, "rate": r, "rows": rows} for (w, r), rows in all_rows.items()
-        ],
+        "settings": [{"workers": w, "rate": r, "rows": rows} for (w, r), rows in all_rows.items()],
     }
     with open(path, "w") as f:
         json.dump(run, f)

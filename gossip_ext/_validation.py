@@ -52,6 +52,9 @@ def check_arguments(
     slowmo_memory_efficient,
     slowmo_num_shards,
     base_algorithm,
+    outer_optimizer,
+    sync_every,
+    outer_device,
     start_in_forward,
     broadcast_buffers,
     gossip_buffers,
@@ -117,6 +120,7 @@ def check_arguments(
             )
     if base_algorithm not in ("sgp", "localsgd"):
         raise ValueError(f"base_algorithm must be 'sgp' or 'localsgd', got {base_algorithm!r}")
+    check_outer(outer_optimizer, sync_every, outer_device, global_avg_freq, slowmo_freq)
     if start_in_forward and not overlap:
         raise ValueError(
             "start_in_forward=True needs overlap=True: a synchronous round is absorbed by the "
@@ -218,17 +222,71 @@ PROCESS_GROUP = "process_group"
 HOST_STAGING = "host_staging"
 
 
-def check_localsgd(base_algorithm: str, global_avg_freq, slowmo_freq, gossip_world_size: int):
+def check_outer(outer_optimizer, sync_every, outer_device, global_avg_freq, slowmo_freq) -> None:
+    """DiLoCo's outer step: its own arguments, and the schedules it cannot share a step with."""
+    if outer_optimizer is not None and not callable(outer_optimizer):
+        raise TypeError(
+            "outer_optimizer must be a callable that builds a torch.optim.Optimizer from a list "
+            "of tensors (e.g. `lambda params: torch.optim.SGD(params, lr=0.7, momentum=0.9, "
+            f"nesterov=True)`), got {type(outer_optimizer).__name__} {outer_optimizer!r}"
+        )
+    if sync_every is not None:
+        check_type("sync_every", sync_every, int, "an int or None")
+        if sync_every < 1:
+            raise ValueError(f"sync_every must be >= 1 (None: no outer step), got {sync_every}")
+    if outer_optimizer is not None and sync_every is None:
+        raise ValueError(
+            "outer_optimizer needs sync_every, the inner steps between two outer steps, got "
+            "sync_every=None"
+        )
+    if sync_every and global_avg_freq:
+        raise ValueError(
+            f"sync_every={sync_every} and global_avg_freq={global_avg_freq} both schedule exact "
+            "averages (sync_every without outer_optimizer is LocalSGD's plain average); choose one"
+        )
+    if sync_every and slowmo_freq:
+        raise ValueError(
+            f"sync_every={sync_every} and slowmo_freq={slowmo_freq} both schedule an outer step; "
+            "choose one (SlowMo is the outer step of heavy-ball SGD scaled by the inner lr)"
+        )
+    if outer_device is not None:
+        if outer_optimizer is None:
+            raise ValueError(
+                f"outer_device={outer_device!r} places the outer optimizer's state, but "
+                "outer_optimizer is None"
+            )
+        check_type("outer_device", outer_device, (str, torch.device), "a torch.device, str or None")
+        try:
+            torch.device(outer_device)
+        except RuntimeError as error:
+            raise ValueError(f"outer_device: {outer_device!r} is not a device ({error})") from None
+
+
+def check_outer_device(outer_device, device: torch.device) -> None:
+    """theta_global lives beside the parameters or in host memory."""
+    if outer_device is None:
+        return
+    where = torch.device(outer_device)
+    if where.type != "cpu" and where != device:
+        raise ValueError(
+            f"outer_device must be 'cpu' or the parameters' device {device}, got {outer_device!r}"
+        )
+
+
+def check_localsgd(
+    base_algorithm: str, global_avg_freq, slowmo_freq, sync_every, gossip_world_size: int
+):
     """LocalSGD without exact averages would train every machine alone, unless there is only one
     (one machine whose processes average gradients, as fairscale's single-node case)."""
     if (
         base_algorithm == "localsgd"
-        and not (global_avg_freq or slowmo_freq)
+        and not (global_avg_freq or slowmo_freq or sync_every)
         and gossip_world_size > 1
     ):
         raise ValueError(
             "base_algorithm='localsgd' runs no gossip, so it needs exact averages: set "
-            f"global_avg_freq (LocalSGD's averaging period) or slowmo_freq, got "
+            f"sync_every (DiLoCo's outer period, with outer_optimizer; LocalSGD's without), "
+            f"global_avg_freq or slowmo_freq, got sync_every={sync_every!r}, "
             f"global_avg_freq={global_avg_freq!r}, slowmo_freq={slowmo_freq!r}"
         )
 

@@ -22,6 +22,7 @@ import torch.distributed as dist
 # What an exact-averaging step of the training loop does (ExactAveraging.kind).
 AVERAGE = "average"
 SLOWMO = "slowmo"
+OUTER = "outer"  # DiLoCo's outer optimizer step (gossip_ext.outer)
 
 
 def accumulation_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -277,6 +278,8 @@ class ExactAveraging:
         slowmo_momentum: float,
         slowmo_lr: float,
         slowmo_shards: int = 1,
+        outer=None,
+        sync_every: int = 0,
     ):
         self.buckets = ParameterBuckets(params)
         self.buffer_buckets = ParameterBuckets(buffers)
@@ -288,10 +291,17 @@ class ExactAveraging:
             rank = dist.get_rank(group)
             shard = 0 if slowmo_shards == 1 else (rank if rank < slowmo_shards else None)
             self.slowmo = SlowMomentum(slowmo_momentum, slowmo_lr, slowmo_shards, shard)
+        # DiLoCo's outer step (a gossip_ext.outer.OuterStep) every sync_every steps; the
+        # argument checks keep it apart from SlowMo and global_avg_freq.
+        self.outer = outer
+        self.sync_every = sync_every
+        self._outer_start_pending = outer is not None
 
     def kind(self, step: int) -> str | None:
-        """What the ``step``-th optimizer step (1-based) ends with: SLOWMO (which averages too)
-        takes precedence over a plain AVERAGE; None: a gossip round, as usual."""
+        """What the ``step``-th optimizer step (1-based) ends with: OUTER or SLOWMO (which average
+        too) take precedence over a plain AVERAGE; None: a gossip round, as usual."""
+        if self.outer is not None and step % self.sync_every == 0:
+            return OUTER
         if self.slowmo_freq and step % self.slowmo_freq == 0:
             return SLOWMO
         if self.global_avg_freq and step % self.global_avg_freq == 0:
@@ -299,34 +309,47 @@ class ExactAveraging:
         return None
 
     @property
-    def slow_start_pending(self) -> bool:
-        return self.slowmo is not None and not self.slowmo.initialized
+    def start_pending(self) -> bool:
+        """Whether SlowMo's x_slow or DiLoCo's theta_global is still to start from the
+        parameters of the next forward."""
+        return self._outer_start_pending or (
+            self.slowmo is not None and not self.slowmo.initialized
+        )
 
-    def start_slow_params(self) -> None:
-        """SlowMo's x_slow starts at the parameters the first forward sees: the common starting
-        point of every rank, after any weights the user loaded into the wrapped module."""
-        self.slowmo.reset(self.buckets)
+    def start_from_parameters(self) -> None:
+        """SlowMo's x_slow and DiLoCo's theta_global start at the parameters the first forward
+        sees: the common starting point of every rank, after any weights the user loaded into
+        the wrapped module."""
+        if self.slowmo is not None and not self.slowmo.initialized:
+            self.slowmo.reset(self.buckets)
+        if self._outer_start_pending:
+            self.outer.reset()
+            self._outer_start_pending = False
 
     def apply(
         self,
+        kind: str,
         weight: float | None,
         buffer_weight: float | None,
         optimizer: torch.optim.Optimizer | None = None,
     ) -> None:
-        """Sets the parameters to the exact average (see :func:`exact_average`), followed by the
-        SlowMo update when an optimizer is given, and the floating buffers to theirs (weighted
-        by ``buffer_weight``)."""
+        """Sets the parameters to the exact average (see :func:`exact_average`), followed by
+        SlowMo's update (``kind`` SLOWMO, with the base ``optimizer``) or the outer optimizer's
+        step (OUTER), and the floating buffers to their average (weighted by
+        ``buffer_weight``)."""
         # Every bucket is averaged before any is written: one failed collective changes nothing.
-        if optimizer is None:
+        if kind == SLOWMO:
+            results = self._slow_step(weight, optimizer)
+        else:
             results = [
                 exact_average(self.buckets, b, weight, self.group) for b in range(len(self.buckets))
             ]
-        else:
-            results = self._slow_step(weight, optimizer)
         buffer_results = [
             exact_average(self.buffer_buckets, b, buffer_weight, self.group)
             for b in range(len(self.buffer_buckets))
         ]
+        if kind == OUTER:  # after every collective: a failed one leaves the outer state alone
+            results = self.outer.step(results)
         for b, result in enumerate(results):
             self.buckets.write(b, result)
         for b, result in enumerate(buffer_results):
@@ -355,11 +378,18 @@ class ExactAveraging:
         return averages
 
     def state_dict(self) -> dict[str, Any]:
-        return {"slowmo": None if self.slowmo is None else self.slowmo.state_dict()}
+        state = {"slowmo": None if self.slowmo is None else self.slowmo.state_dict()}
+        if self.outer is not None:
+            state["outer"] = None if self._outer_start_pending else self.outer.state_dict()
+        return state
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
-        """A checkpoint without SlowMo state (saved before the first forward, or by a run without
-        SlowMo) leaves x_slow to start again at the next forward."""
-        if self.slowmo is None:
-            return
-        self.slowmo.load_state_dict(state.get("slowmo"), self.buckets)
+        """A checkpoint without SlowMo's or the outer step's state (saved before the first
+        forward, or by a run without them) leaves them to start again at the next forward."""
+        if self.slowmo is not None:
+            self.slowmo.load_state_dict(state.get("slowmo"), self.buckets)
+        if self.outer is not None:
+            saved = state.get("outer")
+            if saved is not None:
+                self.outer.load_state_dict(saved)
+            self._outer_start_pending = saved is None

@@ -30,6 +30,7 @@ from gossip_ext import (
     _validation,
     averaging,
     consensus,
+    outer,
 )
 from gossip_ext.graphs import GraphBase, NPeerDynamicDirectedExponentialGraph
 from gossip_ext.mixing import MixingBase, UniformMixing
@@ -164,6 +165,23 @@ class GossipDataParallel(nn.Module):
             ``"localsgd"``: no gossip at all, every worker trains alone between the exact averages
             of ``global_avg_freq`` (LocalSGD, Lin et al., ICLR 2020) and the SlowMo steps of
             ``slowmo_freq``, one of which it needs; no engine and no message buffers are made.
+        outer_optimizer (callable, optional): DiLoCo's outer step (Douillard et al., 2023; see
+            :mod:`gossip_ext.outer`): called once with the global parameters (a list of tensors
+            shaped like the module's parameters, in their order), it returns the optimizer that
+            steps them, e.g. ``lambda params: torch.optim.SGD(params, lr=0.7, momentum=0.9,
+            nesterov=True)``. Every ``sync_every`` steps the workers average exactly their
+            pseudo-gradients ``theta_global - theta_i``, it steps ``theta_global`` with that average
+            as the gradient, and every worker's parameters become ``theta_global``. With
+            ``base_algorithm="localsgd"`` nothing else is sent (DiLoCo); with SGP the workers also
+            gossip every step. An outer scheduler goes on :attr:`outer_optimizer`, stepped by you.
+            ``theta_global`` starts at the parameters of the first forward. None: no outer step
+            (default: None).
+        sync_every (int, optional): inner steps between outer steps (DiLoCo's H). Without
+            ``outer_optimizer``, the exact average of LocalSGD every ``sync_every`` steps, as
+            ``global_avg_freq`` (default: None).
+        outer_device (torch.device or str, optional): where ``theta_global`` and the outer
+            optimizer's state live: ``'cpu'`` keeps them in host memory when the parameters are on
+            a GPU (torchft's ``backup_device``). Default: the parameters' device.
         start_in_forward (bool): under ``overlap=True``, start every round from the training
             forward, as the reference SGP does (its loop never calls :meth:`transfer_params`):
             the forward absorbs the round in flight and sends the parameters it is about to use.
@@ -221,6 +239,9 @@ class GossipDataParallel(nn.Module):
         slowmo_memory_efficient: bool = False,
         slowmo_num_shards: int | None = None,
         base_algorithm: str = "sgp",
+        outer_optimizer: outer.OuterOptimizerFactory | None = None,
+        sync_every: int | None = None,
+        outer_device: torch.device | str | None = None,
         start_in_forward: bool = False,
         broadcast_buffers: bool = False,
         gossip_buffers: bool = False,
@@ -250,6 +271,9 @@ class GossipDataParallel(nn.Module):
             slowmo_memory_efficient=slowmo_memory_efficient,
             slowmo_num_shards=slowmo_num_shards,
             base_algorithm=base_algorithm,
+            outer_optimizer=outer_optimizer,
+            sync_every=sync_every,
+            outer_device=outer_device,
             start_in_forward=start_in_forward,
             broadcast_buffers=broadcast_buffers,
             gossip_buffers=gossip_buffers,
@@ -257,6 +281,8 @@ class GossipDataParallel(nn.Module):
             verbose=verbose,
         )
         global_avg_freq, slowmo_freq = global_avg_freq or 0, slowmo_freq or 0
+        if sync_every and outer_optimizer is None:
+            global_avg_freq = sync_every  # the outer step without an optimizer: LocalSGD's average
 
         self.module = module
         self.graph = graph
@@ -290,8 +316,14 @@ class GossipDataParallel(nn.Module):
             graph, push_sum, world_size, nprocs_per_node
         )
         _validation.check_localsgd(
-            base_algorithm, global_avg_freq, slowmo_freq, self.gossip_world_size
+            base_algorithm, global_avg_freq, slowmo_freq, sync_every, self.gossip_world_size
         )
+        # Built before the ranks compare their configurations, which include its optimizer's
+        # hyperparameters; theta_global is set again after the broadcast below.
+        _validation.check_outer_device(outer_device, device)
+        self._outer = None
+        if outer_optimizer is not None:
+            self._outer = outer.OuterStep(params, self.process_group, outer_optimizer, outer_device)
         _validation.check_no_sparse_gradients(module, nprocs_per_node)
         # The mixing's kind must agree, its weights need not: push-sum allows every node its own
         # column-stochastic share.
@@ -321,6 +353,11 @@ class GossipDataParallel(nn.Module):
                 if slowmo_freq
                 else None
             ),
+            "outer": (
+                None
+                if self._outer is None
+                else (sync_every, self._outer.describe(), str(outer_device))
+            ),
             "parameters": [(n, tuple(p.shape), str(p.dtype)) for n, p in named],
             # Averaged or gossiped with the parameters: their layout must agree too.
             "buffers": [(n, tuple(b.shape), str(b.dtype)) for n, b in floating_buffers],
@@ -345,6 +382,8 @@ class GossipDataParallel(nn.Module):
                     dist.broadcast(
                         b, dist.get_global_rank(self.process_group, 0), group=self.process_group
                     )
+        if self._outer is not None:
+            self._outer.reset()
 
         self._engine = None
         if self.is_gossip_leader and base_algorithm == "sgp":
@@ -403,10 +442,12 @@ class GossipDataParallel(nn.Module):
             slowmo_shards=(
                 min(world_size, slowmo_num_shards or world_size) if slowmo_memory_efficient else 1
             ),
+            outer=self._outer,
+            sync_every=sync_every or 0,
         )
         # The graph as constructed (what a checkpoint must match) and as scheduled now.
         self._constructed_graph = graph
-        self._slow_start_pending = self._averaging.slow_start_pending
+        self._start_pending = self._averaging.start_pending
         if self._hierarchy is not None:
             self._hierarchy.hook_gradients(params)
 
@@ -421,9 +462,9 @@ class GossipDataParallel(nn.Module):
         if self._hierarchy is not None:
             self._hierarchy.receive_parameters()
             self._node_behind = False
-        if self._slow_start_pending:
-            self._slow_start_pending = False
-            self._averaging.start_slow_params()
+        if self._start_pending:
+            self._start_pending = False
+            self._averaging.start_from_parameters()
         if self.training:
             if self.broadcast_buffers and self._module_buffers:
                 dist._broadcast_coalesced(
@@ -492,7 +533,7 @@ class GossipDataParallel(nn.Module):
         kind = self._averaging.kind(self._steps)
         if kind is not None:
             # The exact average takes the place of this step's gossip round.
-            self._average_exactly(slowmo=kind == averaging.SLOWMO)
+            self._average_exactly(kind)
         elif self._engine is not None:
             self._rounds.start()
             if self.verbose:
@@ -576,9 +617,9 @@ class GossipDataParallel(nn.Module):
         (``tests/test_faults.py``).
         """
         self.sync_comms()
-        self._average_exactly(slowmo=False)
+        self._average_exactly(averaging.AVERAGE)
 
-    def _average_exactly(self, slowmo: bool) -> None:
+    def _average_exactly(self, kind: str) -> None:
         self._rounds.restart()
         # Only gossiping processes hold push-sum state; the others join the all-reduce with zeros
         # and receive the average with everyone, so no broadcast inside the machine is needed.
@@ -586,7 +627,7 @@ class GossipDataParallel(nn.Module):
         # Buffers are de-biased values with the parameters' weight only when they are gossiped.
         buffer_weight = weight if self.gossip_buffers or weight is None else 1.0
         try:
-            self._averaging.apply(weight, buffer_weight, self._optimizer if slowmo else None)
+            self._averaging.apply(kind, weight, buffer_weight, self._optimizer)
         except Exception as error:
             # Left as they were here, but perhaps written on ranks whose collectives succeeded.
             self._rounds.fail(error)
@@ -631,6 +672,12 @@ class GossipDataParallel(nn.Module):
             if isinstance(self._engine, consensus.MeasuredEngine):
                 self._engine._graph = graph
         self.graph = graph
+
+    @property
+    def outer_optimizer(self) -> torch.optim.Optimizer | None:
+        """The optimizer that ``outer_optimizer`` built over the global parameters (None without
+        one): give it an outer learning-rate scheduler, and step that after every outer step."""
+        return None if self._outer is None else self._outer.optimizer
 
     @property
     def _optimizer(self) -> torch.optim.Optimizer | None:
@@ -712,7 +759,7 @@ class GossipDataParallel(nn.Module):
         }
         _validation.check_checkpoint(state, mine)
         self._averaging.load_state_dict(state)
-        self._slow_start_pending = self._averaging.slow_start_pending
+        self._start_pending = self._averaging.start_pending
         # The averaging schedule goes on where it stopped (0: a checkpoint from before it).
         self._steps = int(state.get("steps", 0))
         if self._engine is not None:

@@ -69,12 +69,13 @@ def _push_sum_weights(n: int, rounds: range, out_peers, self_weight) -> list[flo
 
 
 def _replay_with_averaging(
-    init, grad_fn, events, out_peers, self_weight=None, slowmo=None
+    init, grad_fn, events, out_peers, self_weight=None, slowmo=None, outer=None
 ) -> tuple[list[list[torch.Tensor]], list[list[torch.Tensor]]]:
     """Replays every node's event log, where AVERAGE (at the same place on every node, with no
     round in flight) sets every node to sum_i w_i z_i / sum_i w_i and the weights to 1; with
     slowmo = (beta, alpha, steps_between) the AVERAGE steps numbered by steps_between are SlowMo
-    steps. Returns the final values and the values after each AVERAGE."""
+    steps, and with outer, a function of the AVERAGE's index and the average, every node is set
+    to what it returns instead. Returns the final values and the values after each AVERAGE."""
     n = len(init)
     per_node = [_split(e) for e in events]
     z = [[t.detach().to(torch.float64) for t in node] for node in init]
@@ -103,6 +104,8 @@ def _replay_with_averaging(
                 momentum[k] = beta * momentum[k] + (slow[k] - average[k]) / LR
                 slow[k] = slow[k] - alpha * LR * momentum[k]
             average = [t.clone() for t in slow]
+        if outer is not None:
+            average = outer(index, average)
         z = [[t.clone() for t in average] for _ in range(n)]
         after.append(average)
         offset += rounds

@@ -104,7 +104,8 @@ def plot(all_rows: dict[str, dict[str, dict]], path: str) -> None:
         ax.set_title(setting)
         ax.set_xlabel("wall-clock seconds of training")
         ax.set_ylabel("held-out bits per byte")
-        ax.set_ylim(top=4.5)  # the first evaluations, far above every target, would flatten the rest
+        # The first evaluations, far above every target, would flatten the rest.
+        ax.set_ylim(top=4.5)
         ax.legend(fontsize=8, ncol=2)
         ax.grid(alpha=0.3)
     for ax in axes.flat[len(all_rows) :]:

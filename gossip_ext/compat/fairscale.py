@@ -309,7 +309,7 @@ class SlowMoDistributedDataParallel(GossipDataParallel):
         )
         # fairscale starts the slow parameters at the first perform_slowmo(), not at the first
         # forward as the core would.
-        self._slow_start_pending = False
+        self._start_pending = False
         self.global_momentum_buffers_initialized = False
 
         self.process_rank = layout.process_rank
@@ -402,8 +402,8 @@ class SlowMoDistributedDataParallel(GossipDataParallel):
             return
         _validation.check_learning_rates(optimizer)
         self._optimizer_ref = weakref.ref(optimizer)
-        self._slow_start_pending = False
-        self._averaging.start_slow_params()
+        self._start_pending = False
+        self._averaging.start_from_parameters()
 
     def state_dict(self, *args: Any, **kwargs: Any) -> dict[str, Any]:
         """fairscale's checkpoint: the module's state under ``module.``, plus with SGP the
@@ -432,8 +432,8 @@ class SlowMoDistributedDataParallel(GossipDataParallel):
         result = super().load_state_dict(state_dict, strict=strict, assign=assign)
         # The core would start slow parameters missing from the checkpoint at the next forward;
         # fairscale starts them at the next perform_slowmo().
-        self.global_momentum_buffers_initialized = not self._averaging.slow_start_pending
-        self._slow_start_pending = False
+        self.global_momentum_buffers_initialized = not self._averaging.start_pending
+        self._start_pending = False
         return result
 
 
