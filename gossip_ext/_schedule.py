@@ -86,6 +86,16 @@ class RoundSchedule:
             self._engine.finish_round()
         self._engine.synchronize()
 
+    def run_round(self) -> None:
+        """Absorbs what is in flight, then runs one round from start to absorb, blocking: the
+        round of an outer step averaged by gossip, which the outer step needs at once."""
+        self.drain()
+        if self._engine is None:
+            return
+        self._engine.start_round()
+        self._engine.finish_round()
+        self._engine.synchronize()
+
     def restart(self) -> None:
         """Drains, and starts the count of forwards that found a round running afresh: after an
         exact average nothing is pending."""

@@ -54,6 +54,7 @@ def check_arguments(
     base_algorithm,
     outer_optimizer,
     sync_every,
+    outer_average,
     outer_device,
     start_in_forward,
     broadcast_buffers,
@@ -121,6 +122,7 @@ def check_arguments(
     if base_algorithm not in ("sgp", "localsgd"):
         raise ValueError(f"base_algorithm must be 'sgp' or 'localsgd', got {base_algorithm!r}")
     check_outer(outer_optimizer, sync_every, outer_device, global_avg_freq, slowmo_freq)
+    check_outer_average(outer_average, outer_optimizer, nprocs_per_node)
     if start_in_forward and not overlap:
         raise ValueError(
             "start_in_forward=True needs overlap=True: a synchronous round is absorbed by the "
@@ -260,6 +262,22 @@ def check_outer(outer_optimizer, sync_every, outer_device, global_avg_freq, slow
             torch.device(outer_device)
         except RuntimeError as error:
             raise ValueError(f"outer_device: {outer_device!r} is not a device ({error})") from None
+
+
+def check_outer_average(outer_average, outer_optimizer, nprocs_per_node: int) -> None:
+    if outer_average not in ("allreduce", "gossip"):
+        raise ValueError(f"outer_average must be 'allreduce' or 'gossip', got {outer_average!r}")
+    if outer_average == "gossip" and outer_optimizer is None:
+        raise ValueError(
+            "outer_average='gossip' mixes the pseudo-gradients of an outer step, but "
+            "outer_optimizer is None (without one, sync_every is LocalSGD's exact average)"
+        )
+    if outer_average == "gossip" and nprocs_per_node > 1:
+        raise ValueError(
+            f"outer_average='gossip' with nprocs_per_node={nprocs_per_node}: the outer step "
+            "over gossip keeps one theta_global per gossiping process, which the other processes "
+            "of its machine would not share; use outer_average='allreduce' with nprocs_per_node"
+        )
 
 
 def check_outer_device(outer_device, device: torch.device) -> None:

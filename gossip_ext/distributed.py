@@ -179,6 +179,16 @@ class GossipDataParallel(nn.Module):
         sync_every (int, optional): inner steps between outer steps (DiLoCo's H). Without
             ``outer_optimizer``, the exact average of LocalSGD every ``sync_every`` steps, as
             ``global_avg_freq`` (default: None).
+        outer_average (str): how an outer step averages the pseudo-gradients. ``"allreduce"``:
+            exactly, over every worker (DiLoCo's). ``"gossip"``: that step's gossip round mixes
+            each worker's parameters with its peers' (push-sum: the mean over workers is kept),
+            and each worker steps its own ``theta_global`` with ``theta_global - z``, ``z`` its
+            mixed parameters; no collective over every worker happens at any point. The workers'
+            ``theta_global`` then differ slightly (:meth:`consensus_distance` right after an outer
+            step measures by how much), while their mean moves as the outer optimizer stepped
+            with the mean of the workers' pseudo-gradients, as under exact averaging; later rounds
+            keep pulling them together. Under LocalSGD that round is the only communication of a
+            period: one model to one peer (default: ``"allreduce"``).
         outer_device (torch.device or str, optional): where ``theta_global`` and the outer
             optimizer's state live: ``'cpu'`` keeps them in host memory when the parameters are on
             a GPU (torchft's ``backup_device``). Default: the parameters' device.
@@ -241,6 +251,7 @@ class GossipDataParallel(nn.Module):
         base_algorithm: str = "sgp",
         outer_optimizer: outer.OuterOptimizerFactory | None = None,
         sync_every: int | None = None,
+        outer_average: str = "allreduce",
         outer_device: torch.device | str | None = None,
         start_in_forward: bool = False,
         broadcast_buffers: bool = False,
@@ -273,6 +284,7 @@ class GossipDataParallel(nn.Module):
             base_algorithm=base_algorithm,
             outer_optimizer=outer_optimizer,
             sync_every=sync_every,
+            outer_average=outer_average,
             outer_device=outer_device,
             start_in_forward=start_in_forward,
             broadcast_buffers=broadcast_buffers,
@@ -356,7 +368,7 @@ class GossipDataParallel(nn.Module):
             "outer": (
                 None
                 if self._outer is None
-                else (sync_every, self._outer.describe(), str(outer_device))
+                else (sync_every, outer_average, self._outer.describe(), str(outer_device))
             ),
             "parameters": [(n, tuple(p.shape), str(p.dtype)) for n, p in named],
             # Averaged or gossiped with the parameters: their layout must agree too.
@@ -385,8 +397,9 @@ class GossipDataParallel(nn.Module):
         if self._outer is not None:
             self._outer.reset()
 
+        self.outer_average = outer_average
         self._engine = None
-        if self.is_gossip_leader and base_algorithm == "sgp":
+        if self.is_gossip_leader and (base_algorithm == "sgp" or outer_average == "gossip"):
             # Synchronous modes leave the parameters alone while a round is in flight, so the
             # engine may send them in place (no send buffer; Note [Sending in place]).
             options = _C.EngineOptions(
@@ -531,10 +544,12 @@ class GossipDataParallel(nn.Module):
         if isinstance(self._engine, consensus.MeasuredEngine):
             self._engine.arm(self._steps)
         kind = self._averaging.kind(self._steps)
-        if kind is not None:
+        if kind == averaging.OUTER and self.outer_average == "gossip":
+            self._outer_step_by_gossip()
+        elif kind is not None:
             # The exact average takes the place of this step's gossip round.
             self._average_exactly(kind)
-        elif self._engine is not None:
+        elif self._engine is not None and self.base_algorithm == "sgp":
             self._rounds.start()
             if self.verbose:
                 logger.info("gossip round %d in flight", self._engine.round)
@@ -636,6 +651,17 @@ class GossipDataParallel(nn.Module):
             # Every worker holds the consensus value now, with x = z: push-sum restarts from
             # weights 1 (always 1 under lazy mixing). restore() needs an idle engine: drained.
             self._engine.restore(self._engine.round, 1.0)
+
+    def _outer_step_by_gossip(self) -> None:
+        """The outer step with ``outer_average="gossip"``: this step's gossip round (under
+        LocalSGD, the only one of the period) runs to its end at once, and the outer optimizer
+        steps with ``theta_global - z`` for ``z`` the mixed parameters. No collective over every
+        worker: the round's peers are all it waits for. A failed round raises from
+        ``run_round`` and changes nothing (the engine's promise), before the outer state is
+        touched."""
+        self._rounds.run_round()
+        for b, value in enumerate(self._outer.step_from_parameters()):
+            self._outer.buckets.write(b, value)
 
     # ----------------------------------------------------------------------------- peers schedule
 

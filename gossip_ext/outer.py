@@ -133,6 +133,17 @@ class OuterStep:
                 view.grad = None
         return self.flat
 
+    @torch.no_grad()
+    def step_from_parameters(self) -> list[torch.Tensor]:
+        """As :meth:`step`, with this worker's own parameters in place of the exact average: under
+        ``outer_average="gossip"`` a gossip round has just mixed them with the round's peers.
+        Local; one transient copy of the parameters."""
+        averages = [
+            self.buckets.read(b, torch.empty_like(flat, device=self.buckets.device(b)))
+            for b, flat in enumerate(self.flat)
+        ]
+        return self.step(averages)
+
     def state_dict(self) -> dict[str, Any]:
         return {
             "global": [t.clone() for t in self.flat],

@@ -277,6 +277,9 @@ def _bad_outer_arguments(rank: int, world_size: int) -> list:
         make(outer_device="cpu"),
         make(outer_optimizer=_outer_sgd, sync_every=4, outer_device="cuda:0"),
         make(base_algorithm="localsgd"),
+        make(outer_optimizer=_outer_sgd, sync_every=4, outer_average="mean"),
+        make(sync_every=4, outer_average="gossip"),
+        make(outer_optimizer=_outer_sgd, sync_every=4, outer_average="gossip", nprocs_per_node=2),
     ]
 
 
@@ -293,6 +296,9 @@ def test_bad_outer_arguments_raise_naming_the_argument_and_value():
         (ValueError, "outer_device='cpu'", "outer_optimizer is None"),
         (ValueError, "outer_device must be 'cpu' or the parameters' device cpu", "'cuda:0'"),
         (ValueError, "base_algorithm='localsgd'", "sync_every=None"),
+        (ValueError, "outer_average must be 'allreduce' or 'gossip'", "'mean'"),
+        (ValueError, "outer_average='gossip'", "outer_optimizer is None"),
+        (ValueError, "outer_average='gossip' with nprocs_per_node=2", "outer_average='allreduce'"),
     ]
     for got, (kind, *words) in zip(errors, expected, strict=True):
         assert got is not None and got[0] is kind, (got, words)
@@ -386,3 +392,69 @@ def test_outer_steps_over_sgp_match_the_gossip_replay():
     for rank, r in enumerate(per_rank):
         for got, want in zip(r["final"], final[rank]):
             torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12, msg=f"rank {rank}")
+
+
+# ----------------------------------------------------------------------------- gossip averaging
+
+
+def _diloco_by_gossip(rank: int, world_size: int, base: str, message_dtype) -> dict:
+    model = _wrap(_net(), base_algorithm=base, outer_average="gossip", message_dtype=message_dtype)
+    opt = torch.optim.AdamW(model.parameters(), lr=INNER_LR, weight_decay=0.01)
+    outer = model.outer_optimizer
+    seen = {"params": [], "before": [], "after": [], "bytes": []}
+
+    def before_outer_step(*_):
+        # Registered ahead of register_optimizer's hook: runs first, with the inner step done.
+        if model._steps % H == H - 1:
+            seen["params"].append([p.detach().clone() for p in model.module.parameters()])
+            seen["before"].append([t.clone() for t in outer.param_groups[0]["params"]])
+
+    opt.register_step_post_hook(before_outer_step)
+    model.register_optimizer(opt)
+    for step in range(STEPS):
+        _step(model, opt, rank, step)
+        seen["bytes"].append(model.bytes_sent)
+        if (step + 1) % H == 0:
+            seen["after"].append([t.clone() for t in outer.param_groups[0]["params"]])
+    seen["consensus"] = model.consensus_distance()
+    seen["final"] = [p.detach().clone() for p in model.module.parameters()]
+    return seen
+
+
+@pytest.mark.parametrize(
+    "base,message_dtype", [("localsgd", None), ("localsgd", torch.bfloat16), ("sgp", None)]
+)
+def test_gossip_outer_averaging_keeps_the_mean_of_exact_diloco(base, message_dtype):
+    """Push-sum keeps the mean over workers and SGD with momentum is linear, so the mean of the
+    workers' theta_global after every outer step is the outer optimizer stepped from their mean
+    with the mean of their pseudo-gradients (through the first outer step, where every theta_global
+    is the same start, that is exact DiLoCo's step)."""
+    world_size = 4
+    runs = run_ranks(world_size, _diloco_by_gossip, base, message_dtype)
+    tolerance = 1e-9 if message_dtype is None else 2e-2 * INNER_LR  # one bf16 rounding of a step
+    mean_theta = [t.clone() for t in runs[0]["before"][0]]
+    reference = _outer_sgd(mean_theta)
+    for k in range(STEPS // H):
+        before = [torch.stack([r["before"][k][j] for r in runs]).mean(0) for j in range(4)]
+        delta = [
+            torch.stack([r["before"][k][j] - r["params"][k][j] for r in runs]).mean(0)
+            for j in range(4)
+        ]
+        with torch.no_grad():
+            for t, b in zip(mean_theta, before):
+                t.copy_(b)
+        for t, d in zip(mean_theta, delta):
+            t.grad = d
+        reference.step()
+        for j, want in enumerate(mean_theta):
+            got = torch.stack([r["after"][k][j] for r in runs]).mean(0)
+            torch.testing.assert_close(got, want, rtol=tolerance, atol=tolerance, msg=f"step {k}")
+    # The workers differ (each mixed with its own peer); under LocalSGD each sends one model to one
+    # peer per period, at its outer step, and nothing else (over SGP, one every step).
+    assert any(not torch.equal(r["after"][0][0], runs[0]["after"][0][0]) for r in runs[1:])
+    assert 0 < runs[0]["consensus"] < 0.1
+    for r in runs:
+        model_bytes = sum(t.numel() * (2 if message_dtype else 8) for t in r["final"])
+        sent = [b - a for a, b in zip([0] + r["bytes"], r["bytes"])]
+        every = 1 if base == "sgp" else H
+        assert sent == [model_bytes if (s + 1) % every == 0 else 0 for s in range(STEPS)], sent
