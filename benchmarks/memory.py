@@ -33,6 +33,8 @@ max_memory_allocated are reported the same way.
 from __future__ import annotations
 
 import argparse
+import contextlib
+import importlib.util
 import os
 import re
 import tempfile
@@ -97,6 +99,28 @@ CONFIGS.update(
         "gossip_ext SlowMo (hook)": ("hook", {"base_algorithm": "localsgd", "slowmo_freq": 1}),
     }
 )
+
+
+def nesterov(params) -> torch.optim.Optimizer:
+    """DiLoCo's outer optimizer (SGD with Nesterov momentum: one model copy of state)."""
+    return torch.optim.SGD(params, lr=0.7, momentum=0.9, nesterov=True)
+
+
+# DiLoCo with an outer step after every inner step (sync_every=1), so that the steps measure its
+# steady state with the outer momentum alive; torchft's DiLoCo beside it, the same outer SGD.
+_DILOCO = {"base_algorithm": "localsgd", "sync_every": 1, "outer_optimizer": nesterov}
+CONFIGS.update(
+    {
+        "gossip_ext DiLoCo (hook)": ("hook", _DILOCO),
+        "gossip_ext DiLoCo gossip average (hook)": (
+            "hook",
+            {**_DILOCO, "outer_average": "gossip"},
+        ),
+        "gossip_ext DiLoCo outer_device=cpu (hook)": ("hook", {**_DILOCO, "outer_device": "cpu"}),
+        "torchft DiLoCo": ("torchft", {"sync_every": 1}),
+    }
+)
+DILOCO = ("gossip_ext DiLoCo (hook)", "torchft DiLoCo")
 # The extra model copies fairscale's tests/experimental/nn/data_parallel/test_gossip.py expects at
 # the peak (2 workers, so the memory-efficient state is split in halves) and this project's goals.
 SLOWMO_GOALS = {
@@ -226,6 +250,47 @@ class PlainPushSum:
         self.round += 1
 
 
+class TorchftDiLoCo:
+    """torchft's DiLoCo on this worker: one replica group of one process, coordinated by the
+    lighthouse the parent started; outer steps run from the inner optimizer's step hook."""
+
+    def __init__(self, module: nn.Module, opt, lighthouse: str, rank: int, world_size: int, **kw):
+        from torch.distributed import TCPStore
+        from torchft import Manager, ProcessGroupGloo
+        from torchft.local_sgd import DiLoCo
+
+        self.module = module
+        timeout = timedelta(minutes=5)
+        self._store = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+        self.manager = Manager(
+            pg=ProcessGroupGloo(timeout=timeout),
+            load_state_dict=lambda sd: module.load_state_dict(sd["model"]),
+            state_dict=lambda: {"model": module.state_dict()},
+            min_replica_size=world_size,
+            use_async_quorum=False,
+            replica_id=f"replica_{rank}",
+            store_addr="127.0.0.1",
+            store_port=self._store.port,
+            rank=0,
+            world_size=1,
+            lighthouse_addr=lighthouse,
+            hostname="127.0.0.1",
+            init_sync=False,
+            timeout=timeout,
+            quorum_timeout=timeout,
+            connect_timeout=timeout,
+        )
+        self.diloco = DiLoCo(self.manager, [module], opt, nesterov(module.parameters()), **kw)
+        self.diloco.__enter__()
+
+    def __call__(self, x):
+        return self.module(x)
+
+    def close(self) -> None:
+        self.diloco.__exit__(None, None, None)
+        self.manager.shutdown(wait=False)
+
+
 def wrap(kind: str, options: dict, module: nn.Module, rank: int, world_size: int):
     if kind == "bare":
         return module
@@ -258,15 +323,24 @@ def measure(rank: int, world_size: int, config: str, args) -> dict:
     gen = torch.Generator().manual_seed(rank)
     inputs = [torch.randn(BATCH, WIDTH, generator=gen).to(device) for _ in range(args.steps)]
 
+    # The first optimizer a process builds imports what torch.optim loads lazily (about 66 MiB of
+    # code and data, once per process): outside the measurement, or an outer optimizer built
+    # while wrapping would be charged for it.
+    torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=0.1)
     probe.mark("start")
     torch.manual_seed(0)
     module = make_model(args.params, device)
     probe.mark("model")
     probe.start_peak()
-    model = wrap(kind, options, module, rank, world_size)
+    if kind == "torchft":  # built around the inner optimizer
+        opt = torch.optim.SGD(module.parameters(), lr=1e-3, momentum=0)
+        model = TorchftDiLoCo(module, opt, args.lighthouse, rank, world_size, **options)
+    else:
+        model = wrap(kind, options, module, rank, world_size)
     probe.end_peak("wrap peak")
     probe.mark("wrapped")
-    opt = torch.optim.SGD(module.parameters(), lr=1e-3, momentum=0)
+    if kind != "torchft":
+        opt = torch.optim.SGD(module.parameters(), lr=1e-3, momentum=0)
     if kind == "hook":
         model.register_optimizer(opt)
     dist.barrier()
@@ -288,6 +362,8 @@ def measure(rank: int, world_size: int, config: str, args) -> dict:
     probe.end_peak("steps peak")
     probe.mark("steady")
     dist.barrier()
+    if kind == "torchft":
+        model.close()
     model_bytes = sum(p.numel() * p.element_size() for p in module.parameters())
     return {
         "samples": probe.samples,
@@ -325,7 +401,15 @@ def run_configs(args) -> dict:
     with mp.Manager() as manager:
         out = manager.dict()
         for config in args.configs:
-            with tempfile.TemporaryDirectory() as tmp:
+            with tempfile.TemporaryDirectory() as tmp, contextlib.ExitStack() as stack:
+                args.lighthouse = None
+                if CONFIGS[config][0] == "torchft":
+                    if importlib.util.find_spec("torchft") is None:
+                        print(f"left out: {config} (pip install torchft==0.2.0)")
+                        continue
+                    from gossip_ext.compare.runner import lighthouse
+
+                    args.lighthouse = stack.enter_context(lighthouse(WORLD_SIZE))
                 mp.spawn(
                     worker,
                     args=(WORLD_SIZE, os.path.join(tmp, "store"), config, args, out),
@@ -427,6 +511,28 @@ def slowmo_verdict(results: dict, metric: str) -> str:
     return "\n".join(lines)
 
 
+def diloco_verdict(results: dict, metric: str) -> str:
+    """DiLoCo's outer state beside torchft's: theta_global and the outer momentum are two model
+    copies; a step adds the average, which becomes the gradient."""
+    found = {c: results[c] for c in DILOCO if c in results and "error" not in results[c][0]}
+    if not found:
+        return ""
+    cells = [
+        f"{c}: steady {extra_copies(results, c, metric, 'steady', 'steady'):.2f}, peak "
+        f"{extra_copies(results, c, metric, 'steps peak', 'steps peak'):.2f}"
+        for c in found
+    ]
+    return (
+        "- DiLoCo (outer SGD-Nesterov every step), extra copies: "
+        + "; ".join(cells)
+        + ". Expected for gossip_ext: 2 steady (theta_global, the outer momentum), 3 at the "
+        "peak (the average, which becomes the gradient). torchft keeps the same two copies (its "
+        "backup of the global parameters and the outer momentum) but its outer step ends with "
+        "zero_grad() on the module's parameters, which frees the gradients that the bare loop "
+        "keeps until its next zero_grad(): its steady figure is one copy lower for that."
+    )
+
+
 def composition(world_size: int) -> str:
     graph = gossip_ext.NPeerDynamicDirectedExponentialGraph()
     in_peers = max(
@@ -463,6 +569,7 @@ def report(results: dict, args) -> str:
         "",
         verdict(results, "rss"),
         slowmo_verdict(results, "rss"),
+        diloco_verdict(results, "rss"),
     ]
     if device.type == "cuda":
         parts += [
