@@ -3,6 +3,29 @@
 Stochastic Gradient Push (SGP) and its relatives as a compiled C++/CUDA engine with a thin Python
 layer: :class:`GossipDataParallel` (the module wrapper), the gossip graphs and mixing weights,
 the fused push-sum kernels (``torch.ops.gossip_ext``) and :func:`simulate`.
+
+The shape of a training step, and where each part lives::
+
+    forward -> backward -> optimizer.step() -> transfer_params()
+                                                 |
+                      an outer step is due? -- no --> the inner mix: this step's gossip round
+                                 | yes
+                      the outer step takes the round's place
+
+- ``distributed``: the wrapper, what faces the module (forward, the optimizer hook, train/eval,
+  the checkpoint, argument checks); it composes the parts below and holds no algorithm.
+- ``inner``: the inner mix, the compiled engine's gossip rounds (push-sum or push-pull, on any
+  graph and mixing) and when they start and are absorbed (``_schedule``); or none (LocalSGD).
+- ``outer``: the outer steps, every few steps, exact (one all-reduce) or by one gossip round;
+  ``outer_rules``: what an outer step makes of the average (SlowMo's heavy ball, DiLoCo's outer
+  optimizer; a plain average needs no rule).
+- ``_buffers``: what happens to module buffers; ``_hierarchy``: several processes per machine.
+- ``graphs``, ``mixing``: who talks to whom, with which weights; ``csrc/``: the engine.
+
+Where a new algorithm goes: a new way to mix between steps is a graph, a mixing or an engine mode
+(``inner``); a new outer update is a rule in ``outer_rules`` (``start``, ``update``, its state);
+a new way to average at the outer step is a method of ``outer.OuterSteps``. The wrapper only
+gains the argument that selects it.
 """
 
 import torch  # noqa: F401  (loads libtorch before the extension)

@@ -502,6 +502,43 @@ def check_slowmo_optimizer(slowmo_freq: int, optimizer) -> None:
 # ----------------------------------------------------------------------------- across ranks
 
 
+def configuration(
+    arguments: Mapping[str, Any],
+    *,
+    global_avg_freq: int,
+    parameters: list[tuple[str, torch.Tensor]],
+    buffers: list[tuple[str, tuple[int, ...], str]],
+    outer: Any,
+) -> dict[str, Any]:
+    """What every rank of a GossipDataParallel must agree on (``check_ranks_agree``): the
+    schedule of rounds and outer steps, and the layout of what they exchange."""
+    a = arguments
+    return {
+        "graph": repr(a["graph"]),
+        # The mixing's kind must agree, its weights need not: push-sum allows every node its
+        # own column-stochastic share.
+        "mixing": type(a["mixing"]).__name__,
+        **{k: a[k] for k in ("push_sum", "overlap", "synch_freq", "nprocs_per_node")},
+        # A 16-bit message read as 32 bits would be garbage.
+        "message_dtype": str(a["message_dtype"]),
+        **{k: a[k] for k in ("base_algorithm", "start_in_forward")},
+        **{k: a[k] for k in ("broadcast_buffers", "gossip_buffers")},
+        # Outer steps are collectives: ranks on different schedules would hang.
+        "global_avg_freq": global_avg_freq,
+        "outer": None
+        if outer is None
+        else (
+            a["slowmo_freq"] or a["sync_every"],
+            a["outer_average"],
+            outer,
+            str(a["outer_device"]),
+        ),
+        "parameters": [(n, tuple(p.shape), str(p.dtype)) for n, p in parameters],
+        # Averaged or gossiped with the parameters: their layout must agree too.
+        "buffers": buffers,
+    }
+
+
 def check_ranks_agree(config: dict[str, Any], group: dist.ProcessGroup, rank: int) -> None:
     """One all-gather at construction: ranks that disagree on the schedule or the model would
     otherwise exchange mismatched messages or wait for rounds that never come."""

@@ -93,7 +93,7 @@ class MeasuredEngine:
 
     def __init__(self, engine: Any, graph: GraphBase, every: int):
         self._engine = engine
-        self._graph = graph
+        self.graph = graph  # replaced when the peers schedule changes
         self._every = every
         self._armed_step: int | None = None  # the step whose next absorb is measured
         self.estimate: float | None = None  # of the last measured round
@@ -129,7 +129,7 @@ class MeasuredEngine:
             return result
         step, self._armed_step = self._armed_step, None
         arrived = 1.0 - kept / float(engine.ps_weight().item())
-        in_peers = len(self._graph.in_peers(engine.rank, engine.world_size, round_))
+        in_peers = len(self.graph.in_peers(engine.rank, engine.world_size, round_))
         if arrived <= 0.0 or in_peers == 0:
             return result
         moved = 0.0

@@ -1,16 +1,15 @@
 """GossipDataParallel: data-parallel training by gossip instead of all-reduce.
 
-This module is the wrapper's public surface and its step logic. The rest lives beside it:
-argument checks in ``_validation``, when rounds start and are absorbed in ``_schedule``, the
-engine's transport in ``_transport``, several processes per machine in ``_hierarchy``, exact
-averaging and SlowMo in ``averaging``, the consensus metric in ``consensus``.
+The wrapper is what faces the module: forward, the optimizer hook, train/eval, the checkpoint,
+argument checks. What it composes lives beside it, one module each (see the package docstring):
+the inner mix of gossip rounds (``inner``), the outer steps and their rules (``outer``,
+``outer_rules``), the buffer policy (``_buffers``), several processes per machine
+(``_hierarchy``); argument checks in ``_validation``, the consensus metric in ``consensus``.
 """
 
 from __future__ import annotations
 
 import contextlib
-import copy
-import logging
 import warnings
 import weakref
 from collections.abc import Iterator, Mapping
@@ -22,33 +21,19 @@ import torch.distributed as dist
 from torch import nn
 
 from gossip_ext import (
-    _C,
+    _buffers,
     _checkpoint,
     _hierarchy,
-    _schedule,
-    _transport,
     _validation,
-    averaging,
     consensus,
+    inner,
     outer,
+    outer_rules,
 )
 from gossip_ext.graphs import GraphBase, NPeerDynamicDirectedExponentialGraph
 from gossip_ext.mixing import MixingBase, UniformMixing
 
 __all__ = ["GossipDataParallel"]
-
-logger = logging.getLogger(__name__)
-
-# Buffer broadcasts go in buckets of DDP's size for module-state broadcasts.
-_BUCKET_BYTES = 250 * 1024 * 1024
-
-
-def _with_peers(graph: GraphBase, peers_per_itr: int) -> GraphBase:
-    """A copy of ``graph`` with another number of peers per round (the user's object is left
-    as it was constructed)."""
-    graph = copy.copy(graph)
-    graph.peers_per_itr = peers_per_itr
-    return graph
 
 
 def _parameter_versions(module: nn.Module) -> int:
@@ -249,7 +234,7 @@ class GossipDataParallel(nn.Module):
         slowmo_memory_efficient: bool = False,
         slowmo_num_shards: int | None = None,
         base_algorithm: str = "sgp",
-        outer_optimizer: outer.OuterOptimizerFactory | None = None,
+        outer_optimizer: outer_rules.OuterOptimizerFactory | None = None,
         sync_every: int | None = None,
         outer_average: str = "allreduce",
         outer_device: torch.device | str | None = None,
@@ -259,51 +244,26 @@ class GossipDataParallel(nn.Module):
         log_every: int = 0,
         verbose: bool = False,
     ):
+        # Every argument by name, for the checks and for the configuration the ranks compare.
+        arguments = {k: v for k, v in locals().items() if k not in ("self", "__class__")}
         super().__init__()
-        graph = NPeerDynamicDirectedExponentialGraph() if graph is None else graph
-        mixing = UniformMixing() if mixing is None else mixing
-        _validation.check_arguments(
-            module=module,
-            graph=graph,
-            mixing=mixing,
-            push_sum=push_sum,
-            overlap=overlap,
-            synch_freq=synch_freq,
-            nprocs_per_node=nprocs_per_node,
-            process_group=process_group,
-            comm_device=comm_device,
-            timeout=timeout,
-            check_finite=check_finite,
-            message_dtype=message_dtype,
-            global_avg_freq=global_avg_freq,
-            slowmo_freq=slowmo_freq,
-            slowmo_momentum=slowmo_momentum,
-            slowmo_lr=slowmo_lr,
-            slowmo_memory_efficient=slowmo_memory_efficient,
-            slowmo_num_shards=slowmo_num_shards,
-            base_algorithm=base_algorithm,
-            outer_optimizer=outer_optimizer,
-            sync_every=sync_every,
-            outer_average=outer_average,
-            outer_device=outer_device,
-            start_in_forward=start_in_forward,
-            broadcast_buffers=broadcast_buffers,
-            gossip_buffers=gossip_buffers,
-            log_every=log_every,
-            verbose=verbose,
-        )
+        if graph is None:
+            graph = arguments["graph"] = NPeerDynamicDirectedExponentialGraph()
+        if mixing is None:
+            mixing = arguments["mixing"] = UniformMixing()
+        _validation.check_arguments(**arguments)
         global_avg_freq, slowmo_freq = global_avg_freq or 0, slowmo_freq or 0
         if sync_every and outer_optimizer is None:
             global_avg_freq = sync_every  # the outer step without an optimizer: LocalSGD's average
 
         self.module = module
-        self.graph = graph
         self.mixing = mixing
         self.push_sum = push_sum
         self.overlap = overlap
         self.synch_freq = synch_freq
         self.nprocs_per_node = nprocs_per_node
         self.base_algorithm = base_algorithm
+        self.outer_average = outer_average
         self.start_in_forward = start_in_forward
         self.broadcast_buffers = broadcast_buffers
         self.gossip_buffers = gossip_buffers
@@ -313,13 +273,11 @@ class GossipDataParallel(nn.Module):
         named = list(module.named_parameters())
         params = [p for _, p in named]
         device = _validation.check_parameters(module, named)
-        # Floating-point buffers: averaged by every exact average, and gossiped on request.
-        floating_buffers = [
-            (n, b) for n, b in module.named_buffers() if b.is_floating_point() and b.numel() > 0
-        ]
-        _validation.check_buffers(floating_buffers, device, gossip_buffers)
-        gossiped = named + (floating_buffers if gossip_buffers else [])
-        self._transport_kind = _validation.choose_transport(
+        self._buffer_policy = _buffers.BufferPolicy(
+            module, device, broadcast_buffers=broadcast_buffers, gossip_buffers=gossip_buffers
+        )
+        gossiped = named + self._buffer_policy.gossiped
+        transport_kind = _validation.choose_transport(
             device, comm_device, dist.get_backend(self.process_group)
         )
         world_size = dist.get_world_size(self.process_group)
@@ -330,50 +288,26 @@ class GossipDataParallel(nn.Module):
         _validation.check_localsgd(
             base_algorithm, global_avg_freq, slowmo_freq, sync_every, self.gossip_world_size
         )
-        # Built before the ranks compare their configurations, which include its optimizer's
-        # hyperparameters; theta_global is set again after the broadcast below.
-        _validation.check_outer_device(outer_device, device)
-        self._outer = None
-        if outer_optimizer is not None:
-            self._outer = outer.OuterStep(params, self.process_group, outer_optimizer, outer_device)
         _validation.check_no_sparse_gradients(module, nprocs_per_node)
-        # The mixing's kind must agree, its weights need not: push-sum allows every node its own
-        # column-stochastic share.
-        config = {
-            "graph": repr(graph),
-            "mixing": type(mixing).__name__,
-            "push_sum": push_sum,
-            "overlap": overlap,
-            "synch_freq": synch_freq,
-            "nprocs_per_node": nprocs_per_node,
-            # A 16-bit message read as 32 bits would be garbage: every rank must agree.
-            "message_dtype": str(message_dtype),
-            "base_algorithm": base_algorithm,
-            "start_in_forward": start_in_forward,
-            "broadcast_buffers": broadcast_buffers,
-            "gossip_buffers": gossip_buffers,
-            # Averaging steps are collectives: ranks on different schedules would hang.
-            "global_avg_freq": global_avg_freq,
-            "slowmo": (
-                (
-                    slowmo_freq,
-                    slowmo_momentum,
-                    slowmo_lr,
-                    slowmo_memory_efficient,
-                    slowmo_num_shards,
-                )
-                if slowmo_freq
-                else None
-            ),
-            "outer": (
-                None
-                if self._outer is None
-                else (sync_every, outer_average, self._outer.describe(), str(outer_device))
-            ),
-            "parameters": [(n, tuple(p.shape), str(p.dtype)) for n, p in named],
-            # Averaged or gossiped with the parameters: their layout must agree too.
-            "buffers": [(n, tuple(b.shape), str(b.dtype)) for n, b in floating_buffers],
-        }
+        _validation.check_outer_device(outer_device, device)
+        # The outer rule is built before the ranks compare configurations, which include its
+        # optimizer's hyperparameters; it starts from the parameters after the broadcast below.
+        self._outer = outer.OuterSteps(
+            params,
+            [b for _, b in self._buffer_policy.floating],
+            self.process_group,
+            average_every=global_avg_freq,
+            rule=outer.make_rule(params, self.process_group, arguments),
+            sync_every=slowmo_freq or sync_every or 0,
+            by_gossip=outer_average == "gossip",
+        )
+        config = _validation.configuration(
+            arguments,
+            global_avg_freq=global_avg_freq,
+            parameters=named,
+            buffers=self._buffer_policy.layout(),
+            outer=None if self._outer.rule is None else self._outer.rule.describe(),
+        )
         _validation.check_ranks_agree(config, self.process_group, rank)
 
         self._hierarchy = None
@@ -389,44 +323,39 @@ class GossipDataParallel(nn.Module):
                 dist.broadcast(
                     p, dist.get_global_rank(self.process_group, 0), group=self.process_group
                 )
-            if gossip_buffers:  # they start equal too, as the parameters
-                for _, b in floating_buffers:
-                    dist.broadcast(
-                        b, dist.get_global_rank(self.process_group, 0), group=self.process_group
-                    )
-        if self._outer is not None:
-            self._outer.reset()
+        self._buffer_policy.broadcast_initial(self.process_group)
+        self._outer.start_eagerly()
 
-        self.outer_average = outer_average
-        self._engine = None
-        if self.is_gossip_leader and (base_algorithm == "sgp" or outer_average == "gossip"):
-            # Synchronous modes leave the parameters alone while a round is in flight, so the
-            # engine may send them in place (no send buffer; Note [Sending in place]).
-            options = _C.EngineOptions(
-                graph._options(),
-                mixing._options(),
+        gossips = base_algorithm == "sgp" or outer_average == "gossip"
+        if self.is_gossip_leader and gossips:
+            self._mix = inner.InnerMix.build(
+                [t for _, t in gossiped],
+                [n for n, _ in gossiped],
+                graph=graph,
+                mixing=mixing,
                 push_sum=push_sum,
-                synchronous=not overlap and synch_freq == 0,
+                overlap=overlap,
+                synch_freq=synch_freq,
                 timeout=timeout,
                 check_finite=check_finite,
                 message_dtype=message_dtype,
+                transport_kind=transport_kind,
+                group=gossip_group,
+                device=device,
+                log_every=log_every,
+                every_step=base_algorithm == "sgp",
+                verbose=verbose,
             )
-            transport = _transport.make_transport(
-                self._transport_kind, gossip_group, device, timeout
+        else:
+            self._mix = inner.InnerMix(
+                None, graph, overlap=overlap, synch_freq=synch_freq, every_step=False
             )
-            self._engine = _C.GossipEngine(
-                [t for _, t in gossiped], [n for n, _ in gossiped], transport, options
-            )
-            if log_every > 0:
-                self._engine = consensus.MeasuredEngine(self._engine, graph, log_every)
         if self.gossip_world_size == 1 and base_algorithm == "sgp":
             warnings.warn(
                 "GossipDataParallel: there is one gossiping process, so gossip does nothing "
                 "and this trains like a single process",
                 stacklevel=2,
             )
-
-        self._rounds = _schedule.RoundSchedule(self._engine, overlap=overlap, synch_freq=synch_freq)
         # nprocs_per_node > 1: whether the gossiping process may hold parameters that the machine's
         # other processes have not received. Every process of the machine tracks it alike (it
         # changes with transfer_params() and the forward), so they agree on when to broadcast.
@@ -437,30 +366,14 @@ class GossipDataParallel(nn.Module):
         self._versions_at_forward: int | None = None
         # Who called transfer_params() in this step, if anyone: a second caller is a bug.
         self._transferred = None
-        self._steps = 0  # transfer_params() calls: the clock of the exact-averaging schedule
-        # The last optimizer given to register_optimizer(), whose lr SlowMo reads. A weak
-        # reference: its step hook refers to this wrapper, and a cycle would keep both (and the
-        # engine's transport thread) alive until the garbage collector runs, or past exit.
+        self._steps = 0  # transfer_params() calls: the clock of the outer steps
+        # The last optimizer given to register_optimizer() or transfer_params(), whose learning
+        # rates SlowMo reads. A weak reference: its step hook refers to this wrapper, and a cycle
+        # would keep both (and the engine's transport thread) alive until the garbage collector
+        # runs, or past exit.
         self._optimizer_ref = None
-        self._floating_buffers = [b for _, b in floating_buffers]
-        self._module_buffers = list(module.buffers())
-        self._averaging = averaging.ExactAveraging(
-            params,
-            self._floating_buffers,
-            self.process_group,
-            global_avg_freq=global_avg_freq,
-            slowmo_freq=slowmo_freq,
-            slowmo_momentum=slowmo_momentum,
-            slowmo_lr=slowmo_lr,
-            slowmo_shards=(
-                min(world_size, slowmo_num_shards or world_size) if slowmo_memory_efficient else 1
-            ),
-            outer=self._outer,
-            sync_every=sync_every or 0,
-        )
-        # The graph as constructed (what a checkpoint must match) and as scheduled now.
+        # The graph as constructed (what a checkpoint must match).
         self._constructed_graph = graph
-        self._start_pending = self._averaging.start_pending
         if self._hierarchy is not None:
             self._hierarchy.hook_gradients(params)
 
@@ -471,18 +384,13 @@ class GossipDataParallel(nn.Module):
         if self.training:
             self._check_rounds_started()
         self._transferred = None
-        self._rounds.before_forward(self.training)
+        self._mix.before_forward(self.training)
         if self._hierarchy is not None:
             self._hierarchy.receive_parameters()
             self._node_behind = False
-        if self._start_pending:
-            self._start_pending = False
-            self._averaging.start_from_parameters()
+        self._outer.before_forward()
         if self.training:
-            if self.broadcast_buffers and self._module_buffers:
-                dist._broadcast_coalesced(
-                    self.process_group, [b.detach() for b in self._module_buffers], _BUCKET_BYTES, 0
-                )
+            self._buffer_policy.before_training_forward(self.process_group)
             if self.start_in_forward:
                 self._transfer(_validation.BY_FORWARD)
             elif self._steps == 0:
@@ -511,13 +419,19 @@ class GossipDataParallel(nn.Module):
                 f"or model.register_optimizer(optimizer) once{overlap}"
             )
 
-    def transfer_params(self) -> None:
-        """Starts a gossip round with the parameters the optimizer step just produced.
+    def transfer_params(self, optimizer: torch.optim.Optimizer | None = None) -> None:
+        """Starts a gossip round with the parameters the optimizer step just produced, or runs
+        the outer step that takes its place.
 
         Call it after every ``optimizer.step()`` (or use :meth:`register_optimizer`). Under
         ``overlap=True`` it first absorbs the round started one step earlier; under
         ``synch_freq > 0``, if the previous round is still in flight, the new round starts at the
         first forward that finds the previous one finished.
+
+        Args:
+            optimizer (torch.optim.Optimizer, optional): the optimizer that just stepped, whose
+                learning rates SlowMo reads, where it is not the one given to
+                :meth:`register_optimizer`.
 
         Raises RuntimeError under ``start_in_forward=True`` (the forward starts the rounds), and,
         before any communication, if it was already called in this step
@@ -530,6 +444,13 @@ class GossipDataParallel(nn.Module):
                 "start_in_forward=True: every training forward starts the gossip round, so do "
                 "not call transfer_params() (nor register_optimizer())"
             )
+        if optimizer is not None:
+            _validation.check_type(
+                "optimizer", optimizer, torch.optim.Optimizer, "a torch.optim.Optimizer"
+            )
+            if self._outer.needs_inner_lr:
+                _validation.check_learning_rates(optimizer)
+            self._optimizer_ref = weakref.ref(optimizer)
         self._transfer(_validation.BY_HAND)
 
     def _transfer(self, caller: str) -> None:
@@ -537,22 +458,19 @@ class GossipDataParallel(nn.Module):
         self._watch.check(self.module)
         # A failed round or exact average, before this step counts; also where no round would
         # start (LocalSGD has no engine).
-        self._rounds.raise_if_failed()
+        self._mix.raise_if_failed()
         _validation.check_transfer(self._transferred, caller, self.overlap)
-        _validation.check_slowmo_optimizer(self._averaging.slowmo_freq, self._optimizer)
+        if self._outer.needs_inner_lr:
+            _validation.check_slowmo_optimizer(self._outer.sync_every, self._optimizer)
         self._steps += 1
-        if isinstance(self._engine, consensus.MeasuredEngine):
-            self._engine.arm(self._steps)
-        kind = self._averaging.kind(self._steps)
-        if kind == averaging.OUTER and self.outer_average == "gossip":
+        kind = self._outer.kind(self._steps)
+        if kind == outer.OUTER and self._outer.by_gossip:
             self._outer_step_by_gossip()
         elif kind is not None:
             # The exact average takes the place of this step's gossip round.
             self._average_exactly(kind)
-        elif self._engine is not None and self.base_algorithm == "sgp":
-            self._rounds.start()
-            if self.verbose:
-                logger.info("gossip round %d in flight", self._engine.round)
+        else:
+            self._mix.after_step(self._steps)
         self._node_behind = True
         self._transferred = caller
 
@@ -568,7 +486,7 @@ class GossipDataParallel(nn.Module):
                 "start_in_forward=True: every training forward starts the gossip round, so "
                 "register_optimizer() would start a second one after every step"
             )
-        if self._averaging.slowmo is not None:
+        if self._outer.needs_inner_lr:
             _validation.check_learning_rates(optimizer)
         self._optimizer_ref = weakref.ref(optimizer)
         return optimizer.register_step_post_hook(
@@ -588,7 +506,7 @@ class GossipDataParallel(nn.Module):
         failed round (naming the peer and the round). With ``nprocs_per_node > 1`` the machine's
         other processes receive the result (collective over the machine)."""
         self._transferred = None
-        self._rounds.drain()
+        self._mix.drain()
         if self._hierarchy is not None and self._node_behind:
             self._hierarchy.receive_parameters()
             self._node_behind = False
@@ -612,7 +530,7 @@ class GossipDataParallel(nn.Module):
         """Kept for SGP compatibility. The parameters here always hold de-biased values, so
         there is nothing to do."""
 
-    # ----------------------------------------------------------------------------- exact averaging
+    # ----------------------------------------------------------------------------- outer steps
 
     def average_parameters(self) -> None:
         """Sets every rank's parameters to the exact average of the workers' de-biased
@@ -632,38 +550,73 @@ class GossipDataParallel(nn.Module):
         (``tests/test_faults.py``).
         """
         self.sync_comms()
-        self._average_exactly(averaging.AVERAGE)
+        self._average_exactly(outer.AVERAGE)
 
     def _average_exactly(self, kind: str) -> None:
-        self._rounds.restart()
+        self._mix.restart()
         # Only gossiping processes hold push-sum state; the others join the all-reduce with zeros
         # and receive the average with everyone, so no broadcast inside the machine is needed.
-        weight = self.ps_weight if self.is_gossip_leader else None
-        # Buffers are de-biased values with the parameters' weight only when they are gossiped.
-        buffer_weight = weight if self.gossip_buffers or weight is None else 1.0
+        weight = self._mix.ps_weight if self.is_gossip_leader else None
         try:
-            self._averaging.apply(kind, weight, buffer_weight, self._optimizer)
+            self._outer.run(kind, weight, self._buffer_policy.weight(weight), self._optimizer)
         except Exception as error:
             # Left as they were here, but perhaps written on ranks whose collectives succeeded.
-            self._rounds.fail(error)
+            self._mix.fail(error)
             raise
-        if self._engine is not None:
-            # Every worker holds the consensus value now, with x = z: push-sum restarts from
-            # weights 1 (always 1 under lazy mixing). restore() needs an idle engine: drained.
-            self._engine.restore(self._engine.round, 1.0)
+        # Every worker holds the consensus value now, with x = z: push-sum restarts at 1.
+        self._mix.reset_weight()
 
     def _outer_step_by_gossip(self) -> None:
         """The outer step with ``outer_average="gossip"``: this step's gossip round (under
-        LocalSGD, the only one of the period) runs to its end at once, and the outer optimizer
-        steps with ``theta_global - z`` for ``z`` the mixed parameters. No collective over every
-        worker: the round's peers are all it waits for. A failed round raises from
-        ``run_round`` and changes nothing (the engine's promise), before the outer state is
-        touched."""
-        self._rounds.run_round()
-        for b, value in enumerate(self._outer.step_from_parameters()):
-            self._outer.buckets.write(b, value)
+        LocalSGD, the only one of the period) runs to its end at once, and the rule steps with
+        the mixed parameters. No collective over every worker: the round's peers are all it
+        waits for. A failed round raises from ``run_round`` and changes nothing (the engine's
+        promise), before the outer state is touched."""
+        self._mix.run_round()
+        self._outer.run_on_mixed()
+
+    @property
+    def outer_optimizer(self) -> torch.optim.Optimizer | None:
+        """The optimizer that ``outer_optimizer`` built over the global parameters (None without
+        one): give it an outer learning-rate scheduler, and step that after every outer step."""
+        rule = self._outer.rule
+        return rule.optimizer if isinstance(rule, outer_rules.OuterOptimizer) else None
+
+    @property
+    def outer_state_started(self) -> bool:
+        """Whether SlowMo's slow parameters or DiLoCo's ``theta_global`` exist: SlowMo's start at
+        the first forward, DiLoCo's at construction (and again at the first forward)."""
+        return self._outer.started
+
+    def start_outer_state(self) -> None:
+        """Starts SlowMo's slow parameters (momentum at 0) or DiLoCo's ``theta_global`` (the
+        outer optimizer's state is kept) at the current parameters, which must be equal on every
+        rank. The first forward does it; call it to start them elsewhere."""
+        self._outer.start()
+
+    @property
+    def step_count(self) -> int:
+        """Optimizer steps taken (:meth:`transfer_params` calls): the clock of the outer steps.
+        Saved in the checkpoint; set it to move the schedule (every rank alike)."""
+        return self._steps
+
+    @step_count.setter
+    def step_count(self, value: int) -> None:
+        _validation.check_type("step_count", value, int, "an int")
+        if value < 0:
+            raise ValueError(f"step_count must be >= 0, got {value}")
+        self._steps = value
+
+    @property
+    def _optimizer(self) -> torch.optim.Optimizer | None:
+        return None if self._optimizer_ref is None else self._optimizer_ref()
 
     # ----------------------------------------------------------------------------- peers schedule
+
+    @property
+    def graph(self) -> GraphBase:
+        """The gossip graph, with the number of peers per round now."""
+        return self._mix.graph
 
     @property
     def peers_per_itr(self) -> int:
@@ -680,7 +633,7 @@ class GossipDataParallel(nn.Module):
         it. Raises ValueError if the graph does not admit the value at this world size.
         """
         _validation.check_type("peers_per_itr", peers_per_itr, int, "an int")
-        graph = _with_peers(self.graph, peers_per_itr)
+        graph = inner.with_peers(self.graph, peers_per_itr)
         _validation.gossip_world_size(
             graph, self.push_sum, dist.get_world_size(self.process_group), self.nprocs_per_node
         )
@@ -690,36 +643,34 @@ class GossipDataParallel(nn.Module):
             self.process_group,
             dist.get_rank(self.process_group),
         )
-        self._set_graph(graph)
-
-    def _set_graph(self, graph: GraphBase) -> None:
-        if self._engine is not None:
-            self._engine.set_peers_per_itr(graph.peers_per_itr)
-            if isinstance(self._engine, consensus.MeasuredEngine):
-                self._engine._graph = graph
-        self.graph = graph
+        self._mix.set_graph(graph)
 
     @property
-    def outer_optimizer(self) -> torch.optim.Optimizer | None:
-        """The optimizer that ``outer_optimizer`` built over the global parameters (None without
-        one): give it an outer learning-rate scheduler, and step that after every outer step."""
-        return None if self._outer is None else self._outer.optimizer
+    def gossip_group(self) -> dist.ProcessGroup:
+        """The process group gossip runs over: the process group, or with ``nprocs_per_node >
+        1`` one process per machine."""
+        return self.process_group if self._hierarchy is None else self._hierarchy.leaders
 
     @property
-    def _optimizer(self) -> torch.optim.Optimizer | None:
-        return None if self._optimizer_ref is None else self._optimizer_ref()
+    def node_group(self) -> dist.ProcessGroup | None:
+        """The processes of this machine (``nprocs_per_node > 1``), else None."""
+        return None if self._hierarchy is None else self._hierarchy.node_group
+
+    # ----------------------------------------------------------------------------- consensus
 
     def consensus_distance(self, *, relative: bool = False) -> float:
         """How far apart the workers' models are: ``sqrt(mean_i ||z_i - z_mean||^2)`` over the
         gossiping workers, with ``z_i`` all de-biased parameters as one vector and ``z_mean``
         their plain mean; over ``||z_mean||`` if ``relative``. 0: every worker has the same model.
+        Right after an outer step averaged by gossip, it is how far the workers' ``theta_global``
+        are apart.
 
         Exact and collective (two all-reduces, in float64): every rank must call it, and all get
         the same value. It leaves the training unchanged: messages in flight are not counted.
         ``log_every`` gives a free estimate.
         """
         _validation.check_type("relative", relative, bool, "a bool")
-        self._rounds.raise_if_failed()
+        self._mix.raise_if_failed()
         return consensus.consensus_distance(
             list(self.module.parameters()),
             self.process_group,
@@ -733,8 +684,7 @@ class GossipDataParallel(nn.Module):
         """The running estimate of :meth:`consensus_distance` taken by this worker's last measured
         round (``log_every > 0``; see :class:`gossip_ext.consensus.MeasuredEngine`); None before
         the first one, without ``log_every`` and on processes that do not gossip."""
-        engine = self._engine
-        return engine.estimate if isinstance(engine, consensus.MeasuredEngine) else None
+        return self._mix.estimate
 
     # ----------------------------------------------------------------------------- push-sum state
 
@@ -742,27 +692,29 @@ class GossipDataParallel(nn.Module):
     def ps_weight(self) -> float:
         """This worker's push-sum weight ``w``: the weight of the model its parameters hold (always
         1 under lazy mixing)."""
-        return 1.0 if self._engine is None else float(self._engine.ps_weight().item())
+        return self._mix.ps_weight
 
     @property
     def round_in_flight(self) -> bool:
         """Whether a gossip round has been started and not yet absorbed."""
-        return self._engine is not None and bool(self._engine.in_flight)
+        return self._mix.in_flight
 
     @property
     def bytes_sent(self) -> int:
         """Bytes of gossip messages this worker has sent so far (0 on a non-gossiping process)."""
-        return 0 if self._engine is None else int(self._engine.bytes_sent)
+        return self._mix.bytes_sent
 
     @property
     def gossip_round(self) -> int:
         """Gossip rounds completed by this worker."""
-        return 0 if self._engine is None else int(self._engine.round)
+        return self._mix.round
 
     def ps_numerator(self) -> dict[str, torch.Tensor]:
         """The push-sum numerators ``x = w * z``, one new tensor per parameter name."""
         weight = self.ps_weight
         return {name: p.detach() * weight for name, p in self.module.named_parameters()}
+
+    # ----------------------------------------------------------------------------- checkpoint
 
     def get_extra_state(self) -> dict[str, Any]:
         self.sync_comms()
@@ -774,7 +726,7 @@ class GossipDataParallel(nn.Module):
             "peers_per_itr": self.graph.peers_per_itr,
             "mixing": repr(self.mixing),
             "steps": self._steps,
-            **self._averaging.state_dict(),
+            **self._outer.state_dict(),
         }
 
     def set_extra_state(self, state: Mapping[str, Any]) -> None:
@@ -784,21 +736,19 @@ class GossipDataParallel(nn.Module):
             "mixing": repr(self.mixing),
         }
         _validation.check_checkpoint(state, mine)
-        self._averaging.load_state_dict(state)
-        self._start_pending = self._averaging.start_pending
-        # The averaging schedule goes on where it stopped (0: a checkpoint from before it).
+        self._outer.load_state_dict(state)
+        # The outer schedule goes on where it stopped (0: a checkpoint from before it).
         self._steps = int(state.get("steps", 0))
-        if self._engine is not None:
-            self._engine.finish_round()
-            self._engine.restore(int(state["gossip_round"]), float(state["ps_weight"]))
+        self._mix.restore(int(state["gossip_round"]), float(state["ps_weight"]))
         peers = int(state.get("peers_per_itr", self._constructed_graph.peers_per_itr))
         if peers != self.graph.peers_per_itr:
-            self._set_graph(_with_peers(self.graph, peers))
+            self._mix.set_graph(inner.with_peers(self.graph, peers))
 
     def state_dict(self, *args, **kwargs):
         """The module's state under ``module.`` after finishing gossip in flight, plus what
         resuming needs under ``_extra_state``: the push-sum state, the step count that schedules
-        exact averaging, and SlowMo's slow parameters and momentum.
+        the outer steps, and their state (SlowMo's slow parameters and momentum; DiLoCo's
+        ``theta_global`` and the outer optimizer's state).
 
         Resuming from it on every rank (``load_state_dict`` with the optimizer's state and the
         data position) continues the run exactly as if it had not stopped. Under
@@ -837,9 +787,6 @@ class GossipDataParallel(nn.Module):
             with torch.no_grad():
                 for p in self.module.parameters():
                     p.div_(weight)
-        if self._engine is not None:
-            self._engine.finish_round()
-            lazy = bool(self._engine.lazy_mixing)
-            self._engine.restore(0, 1.0 if lazy else weight)
+        self._mix.restore(0, 1.0 if self._mix.lazy_mixing else weight)
         self._versions_at_forward = None
         return result

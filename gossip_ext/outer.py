@@ -1,164 +1,184 @@
-"""DiLoCo's outer step: any torch optimizer, stepped on the workers' averaged pseudo-gradient.
+"""Outer steps: what happens every few optimizer steps, beyond the inner mix's gossip.
 
-Every ``sync_every`` inner steps, each worker's pseudo-gradient ``delta_i = theta_global -
-theta_i`` (how far its own optimizer moved it since the last outer step) is averaged over the
-workers, an outer optimizer steps ``theta_global`` with that average as its gradient, and every
-worker's parameters become ``theta_global`` (Douillard et al., 2023, "DiLoCo: Distributed
-Low-Communication Training of Language Models"; SGD with Nesterov momentum is its outer
-optimizer).
+Three kinds, each taking the place of that step's gossip round:
+- a plain exact average (LocalSGD's, ``global_avg_freq``; also ``sync_every`` without an outer
+  optimizer, and :meth:`GossipDataParallel.average_parameters` on demand);
+- SlowMo's step (``slowmo_freq``): the exact average, then the heavy-ball rule of
+  ``outer_rules.SlowMomentum``;
+- DiLoCo's step (``outer_optimizer`` with ``sync_every``): the average of the workers'
+  pseudo-gradients ``theta_global - theta_i``, then any torch optimizer on ``theta_global``
+  (``outer_rules.OuterOptimizer``). Averaged exactly (``outer_average="allreduce"``), or by that
+  step's gossip round (``"gossip"``): each worker mixes its parameters with its peers' and steps
+  its own ``theta_global`` with ``theta_global - z``; push-sum keeps the mean over workers, so
+  their mean moves as under exact averaging, with no collective over every worker.
 
-The all-reduce carries the parameters, not the deltas. ``theta_global`` is the same on every rank,
-so ``mean_i(theta_global - theta_i) = theta_global - mean_i(theta_i)``: the message is read
-straight from the parameters (:func:`gossip_ext.averaging.exact_average`, with push-sum's weights
-under the SGP base) and the average becomes the gradient in place, so a step needs no copy of the
-deltas. The schedule and the collectives are :class:`gossip_ext.averaging.ExactAveraging`'s; the
-step here is local.
-
-Memory, in model copies (in the accumulation dtype: float32 for 16-bit parameters):
-``theta_global`` one, the outer optimizer's state what it keeps (SGD with momentum one, Adam two),
-and during a step one transient copy, the average, which becomes the gradient.
-``device="cpu"`` keeps ``theta_global`` and the outer optimizer's state in host memory when the
-parameters are on a GPU (torchft's ``backup_device``); the average then crosses to the host and
-``theta_global`` back once per outer step.
+The exact average is push-sum's consensus value ``sum_i w_i z_i / sum_i w_i``
+(``averaging.exact_average``), read straight from the parameters into the message. Every
+collective of a step runs before anything is written: one that fails leaves the parameters and
+the rule's state as they were (Note [The parameters are the model] in the engine).
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
-from gossip_ext import averaging
+from gossip_ext import outer_rules
+from gossip_ext.averaging import ParameterBuckets, exact_average
 
-OuterOptimizerFactory = Callable[[list[torch.Tensor]], torch.optim.Optimizer]
+# What a training step ends with (OuterSteps.kind); None: the inner mix's round, as usual.
+AVERAGE = "average"
+OUTER = "outer"
 
 
-def _build(factory: OuterOptimizerFactory, tensors: list[torch.Tensor]) -> torch.optim.Optimizer:
-    """``factory(tensors)``, checked: a torch optimizer over exactly those tensors."""
-    optimizer = factory(tensors)
-    if not isinstance(optimizer, torch.optim.Optimizer):
-        raise TypeError(
-            "outer_optimizer must build a torch.optim.Optimizer from the list of global "
-            f"parameters it is given, but it returned {type(optimizer).__name__} {optimizer!r}"
+def make_rule(
+    params: Sequence[torch.Tensor], group: dist.ProcessGroup, arguments: Mapping[str, Any]
+) -> Any:
+    """The rule the wrapper's ``arguments`` ask for: DiLoCo's outer optimizer, SlowMo's heavy
+    ball (a preset of the same outer step), or None (plain averages only, or none)."""
+    a = arguments
+    if a["outer_optimizer"] is not None:
+        return outer_rules.OuterOptimizer(
+            params, ParameterBuckets(params), a["outer_optimizer"], a["outer_device"]
         )
-    held = {id(p) for group in optimizer.param_groups for p in group["params"]}
-    if held != {id(t) for t in tensors}:
-        raise ValueError(
-            "outer_optimizer must build its optimizer over the tensors it is given (the global "
-            "parameters, one per module parameter), but the optimizer it returned holds "
-            f"{len(held)} tensors of which {len(held - {id(t) for t in tensors})} are others "
-            "(for example the module's own parameters): "
-            "use `lambda params: torch.optim.SGD(params, ...)`"
-        )
-    return optimizer
+    if not a["slowmo_freq"]:
+        return None
+    world_size, rank = dist.get_world_size(group), dist.get_rank(group)
+    shards = 1
+    if a["slowmo_memory_efficient"]:
+        shards = min(world_size, a["slowmo_num_shards"] or world_size)
+    shard = 0 if shards == 1 else (rank if rank < shards else None)
+    return outer_rules.SlowMomentum(a["slowmo_momentum"], a["slowmo_lr"], group, shards, shard)
 
 
-class OuterStep:
-    """``theta_global``, the outer optimizer over it, and one outer step (the schedule, every
-    ``sync_every`` steps, stays with :class:`gossip_ext.averaging.ExactAveraging`).
+class OuterSteps:
+    """The outer steps of one GossipDataParallel: their schedule, their collectives, the rule's
+    state in the checkpoint.
 
-    ``theta_global`` is one flat tensor per dtype bucket of the parameters (the engine's order);
-    the outer optimizer sees it as one view per module parameter, shaped like it, in
-    ``module.parameters()`` order, so its per-parameter state and its ``state_dict()`` read as
-    they would over the module.
+    ``rule`` (an ``outer_rules.SlowMomentum`` or ``OuterOptimizer``, or None) runs every
+    ``sync_every`` steps; a plain average every ``average_every`` steps (0: never) where no rule
+    runs. Floating-point ``buffers`` (BatchNorm's running statistics) are averaged with the
+    parameters by every exact step.
     """
 
     def __init__(
         self,
         params: Sequence[torch.Tensor],
+        buffers: Sequence[torch.Tensor],
         group: dist.ProcessGroup,
-        factory: OuterOptimizerFactory,
-        device: torch.device | None = None,
+        *,
+        average_every: int = 0,
+        rule: Any = None,
+        sync_every: int = 0,
+        by_gossip: bool = False,
     ):
-        self.buckets = averaging.ParameterBuckets(params)
+        self.buckets = ParameterBuckets(params)
+        self.buffer_buckets = ParameterBuckets(buffers)
         self.group = group
-        self.device = self.buckets.device(0) if device is None else torch.device(device)
-        self.flat = [
-            torch.zeros(self.buckets.numel(b), dtype=self.buckets.dtype(b), device=self.device)
-            for b in range(len(self.buckets))
+        self.average_every = average_every
+        self.rule = rule
+        self.sync_every = sync_every if rule is not None else 0
+        self.by_gossip = by_gossip
+        # The rule starts (again) at the first forward, after any weights loaded by hand.
+        self._start_at_forward = rule is not None
+
+    def kind(self, step: int) -> str | None:
+        """What the ``step``-th optimizer step (1-based) ends with: the rule's step takes
+        precedence over a plain AVERAGE."""
+        if self.sync_every and step % self.sync_every == 0:
+            return OUTER
+        if self.average_every and step % self.average_every == 0:
+            return AVERAGE
+        return None
+
+    @property
+    def needs_inner_lr(self) -> bool:
+        """Whether the rule reads the base optimizer's learning rates (SlowMo)."""
+        return self.rule is not None and self.rule.needs_inner_lr
+
+    # ----------------------------------------------------------------------------- starting
+
+    @property
+    def started(self) -> bool:
+        """Whether the rule's state exists (SlowMo's starts at the first forward)."""
+        return self.rule is not None and self.rule.started
+
+    def start_eagerly(self) -> None:
+        """At construction, once every rank holds the same parameters: rules whose state must
+        exist before any step (the outer optimizer's) start here, and again at the forward."""
+        if self.rule is not None and self.rule.eager:
+            self.rule.start(self.buckets)
+
+    def before_forward(self) -> None:
+        if self._start_at_forward:
+            self.start()
+
+    def start(self) -> None:
+        """The rule's state starts at the current parameters (SlowMo's momentum at 0; the outer
+        optimizer's state is kept)."""
+        if self.rule is not None:
+            self.rule.start(self.buckets)
+        self._start_at_forward = False
+
+    # ----------------------------------------------------------------------------- steps
+
+    def run(
+        self,
+        kind: str,
+        weight: float | None,
+        buffer_weight: float | None,
+        optimizer: torch.optim.Optimizer | None = None,
+    ) -> None:
+        """An exact step of ``kind``: sets the parameters to the exact average (see
+        :func:`exact_average`; ``weight`` is this rank's push-sum weight, None where it gossips
+        not), or to what the rule makes of it for OUTER (SlowMo reads ``optimizer``'s learning
+        rates), and the floating buffers to their average (weighted by ``buffer_weight``).
+        Collective."""
+        # Every bucket is averaged before any is written: one failed collective changes nothing.
+        results = [
+            exact_average(self.buckets, b, weight, self.group) for b in range(len(self.buckets))
         ]
-        self._views: list[list[torch.Tensor]] = []  # per bucket, per parameter
-        for b, ps in enumerate(self.buckets.params):
-            offset, views = 0, []
-            for p in ps:
-                views.append(self.flat[b][offset : offset + p.numel()].view(p.shape))
-                offset += p.numel()
-            self._views.append(views)
-        by_id = {
-            id(p): v for ps, vs in zip(self.buckets.params, self._views) for p, v in zip(ps, vs)
-        }
-        self.global_params = [by_id[id(p)] for p in params]
-        self.optimizer = _build(factory, self.global_params)
-        self.reset()
-
-    def describe(self) -> str:
-        """What every rank must agree on: the outer optimizer's kind and hyperparameters."""
-        groups = [
-            {k: v for k, v in group.items() if k != "params"}
-            for group in self.optimizer.param_groups
+        buffer_results = [
+            exact_average(self.buffer_buckets, b, buffer_weight, self.group)
+            for b in range(len(self.buffer_buckets))
         ]
-        return f"{type(self.optimizer).__name__}{groups!r}"
+        if kind == OUTER:
+            if not self.rule.started:
+                # No forward ran before this step (a loop without one): the rule starts from the
+                # average, which makes this step a plain average.
+                self.rule.start(self.buckets, results)
+            results = self.rule.update(self.buckets, results, optimizer)
+        for b, result in enumerate(results):
+            self.buckets.write(b, result)
+        for b, result in enumerate(buffer_results):
+            self.buffer_buckets.write(b, result)
 
-    @torch.no_grad()
-    def reset(self) -> None:
-        """``theta_global`` becomes the parameters (every rank's are equal when it is called: at
-        construction after the broadcast, and at the first forward)."""
-        for b, flat in enumerate(self.flat):
-            if flat.device == self.buckets.device(b):
-                self.buckets.read(b, flat)
-            else:
-                flat.copy_(
-                    self.buckets.read(b, torch.empty_like(flat, device=self.buckets.device(b)))
-                )
-
-    @torch.no_grad()
-    def step(self, averages: Sequence[torch.Tensor]) -> list[torch.Tensor]:
-        """Steps ``theta_global`` with ``theta_global - average`` as its gradient, given the
-        workers' exact average of every bucket (:func:`gossip_ext.averaging.exact_average`, which
-        it overwrites), and returns the new ``theta_global`` per bucket for the caller to write
-        into the parameters. Local: the caller runs every collective first, so that one that
-        fails leaves ``theta_global`` and the outer optimizer's state as they were."""
-        for b, average in enumerate(averages):
-            grad = average.to(self.device).neg_().add_(self.flat[b])
-            offset = 0
-            for view in self._views[b]:
-                view.grad = grad[offset : offset + view.numel()].view(view.shape)
-                offset += view.numel()
-        try:
-            self.optimizer.step()
-        finally:
-            for view in self.global_params:
-                view.grad = None
-        return self.flat
-
-    @torch.no_grad()
-    def step_from_parameters(self) -> list[torch.Tensor]:
-        """As :meth:`step`, with this worker's own parameters in place of the exact average: under
-        ``outer_average="gossip"`` a gossip round has just mixed them with the round's peers.
+    def run_on_mixed(self) -> None:
+        """The rule's step with this worker's own parameters in place of the exact average:
+        ``outer_average="gossip"``, whose round has just mixed them with the round's peers.
         Local; one transient copy of the parameters."""
-        averages = [
-            self.buckets.read(b, torch.empty_like(flat, device=self.buckets.device(b)))
-            for b, flat in enumerate(self.flat)
+        mixed = [
+            self.buckets.read(b, torch.empty(n, dtype=dtype, device=self.buckets.device(b)))
+            for b, (n, dtype) in enumerate(self.buckets.layout())
         ]
-        return self.step(averages)
+        for b, result in enumerate(self.rule.update(self.buckets, mixed)):
+            self.buckets.write(b, result)
+
+    # ----------------------------------------------------------------------------- checkpoint
 
     def state_dict(self) -> dict[str, Any]:
-        return {
-            "global": [t.clone() for t in self.flat],
-            "optimizer": self.optimizer.state_dict(),
-        }
+        if self.rule is None:
+            return {}
+        return {self.rule.state_key: self.rule.state_dict() if self.rule.started else None}
 
-    @torch.no_grad()
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
-        found = [(t.numel(), t.dtype) for t in state["global"]]
-        expected = self.buckets.layout()
-        if found != expected:
-            raise ValueError(
-                f"load_state_dict: the checkpoint's theta_global has buckets (elements, dtype) "
-                f"{found}, but this model's parameters give {expected}"
-            )
-        for flat, saved in zip(self.flat, state["global"]):
-            flat.copy_(saved)
-        self.optimizer.load_state_dict(state["optimizer"])
+        """A checkpoint without the rule's state (saved before it started, or by a run without
+        it) leaves it to start again at the next forward."""
+        if self.rule is None:
+            return
+        saved = state.get(self.rule.state_key)
+        self.rule.load_state_dict(saved, self.buckets)
+        self._start_at_forward = saved is None

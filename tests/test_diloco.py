@@ -405,7 +405,7 @@ def _diloco_by_gossip(rank: int, world_size: int, base: str, message_dtype) -> d
 
     def before_outer_step(*_):
         # Registered ahead of register_optimizer's hook: runs first, with the inner step done.
-        if model._steps % H == H - 1:
+        if model.step_count % H == H - 1:
             seen["params"].append([p.detach().clone() for p in model.module.parameters()])
             seen["before"].append([t.clone() for t in outer.param_groups[0]["params"]])
 

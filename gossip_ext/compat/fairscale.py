@@ -50,7 +50,6 @@ TypeError naming the argument and its value, on every rank at once.
 from __future__ import annotations
 
 import logging
-import weakref
 from collections.abc import Mapping
 from enum import Enum
 from typing import Any, NamedTuple
@@ -90,9 +89,6 @@ __all__ = [
 ]
 
 logger = logging.getLogger(__name__)
-
-# The transfer_params() caller perform_slowmo() reports, should the optimizer hook also gossip.
-_BY_PERFORM_SLOWMO = "by perform_slowmo()"
 
 
 class SlowMoBaseAlgorithm(str, Enum):
@@ -307,9 +303,8 @@ class SlowMoDistributedDataParallel(GossipDataParallel):
             slowmo_num_shards=slowmo_num_shards if slowmo_memory_efficient else None,
             verbose=verbose,
         )
-        # fairscale starts the slow parameters at the first perform_slowmo(), not at the first
-        # forward as the core would.
-        self._start_pending = False
+        # fairscale starts the slow parameters at the first perform_slowmo(): the core's start at
+        # the first forward is redone there (before any SlowMo step, so with the same result).
         self.global_momentum_buffers_initialized = False
 
         self.process_rank = layout.process_rank
@@ -320,18 +315,17 @@ class SlowMoDistributedDataParallel(GossipDataParallel):
         self.global_group = self.process_group
         # fairscale's groups: None for the leaders of a single node and the node of a single
         # process; otherwise the ones given, or the engine's own.
-        hierarchy = self._hierarchy
         if layout.single_node:
             self.master_group = None
         elif master_group is None:
-            self.master_group = self.process_group if hierarchy is None else hierarchy.leaders
+            self.master_group = self.gossip_group
         else:
             self.master_group = master_group
-        if hierarchy is None:
+        if self.node_group is None:
             self.local_node_group = None
         else:
             self.local_node_group = (
-                hierarchy.node_group if local_node_group is None else local_node_group
+                self.node_group if local_node_group is None else local_node_group
             )
         self.broadcast_buffers = broadcast_buffers
         self.slowmo = slowmo
@@ -357,14 +351,14 @@ class SlowMoDistributedDataParallel(GossipDataParallel):
     @property
     def num_updates(self) -> int:
         """Calls of :meth:`perform_slowmo` so far: the clock of the LocalSGD and SlowMo steps."""
-        return self._steps
+        return self.step_count
 
     @num_updates.setter
     def num_updates(self, value: int) -> None:
         _check_type("num_updates", value, int)
         if value < 0:
             raise ValueError(f"num_updates must be >= 0, got {value}")
-        self._steps = value
+        self.step_count = value
 
     def perform_slowmo(
         self, optimizer: torch.optim.Optimizer, fp32_params: torch.Tensor | None = None
@@ -385,10 +379,7 @@ class SlowMoDistributedDataParallel(GossipDataParallel):
         _check_optimizer(optimizer, fp32_params)
         if not self.global_momentum_buffers_initialized:
             self._init_global_momentum_buffers(optimizer)
-        if self.slowmo:
-            _validation.check_learning_rates(optimizer)
-        self._optimizer_ref = weakref.ref(optimizer)
-        self._transfer(_BY_PERFORM_SLOWMO)
+        self.transfer_params(optimizer)
         # fairscale's SGP round is over when perform_slowmo() returns, and the node's other
         # processes hold the result.
         self.sync_comms()
@@ -401,9 +392,7 @@ class SlowMoDistributedDataParallel(GossipDataParallel):
         if not self.slowmo:
             return
         _validation.check_learning_rates(optimizer)
-        self._optimizer_ref = weakref.ref(optimizer)
-        self._start_pending = False
-        self._averaging.start_from_parameters()
+        self.start_outer_state()
 
     def state_dict(self, *args: Any, **kwargs: Any) -> dict[str, Any]:
         """fairscale's checkpoint: the module's state under ``module.``, plus with SGP the
@@ -430,10 +419,9 @@ class SlowMoDistributedDataParallel(GossipDataParallel):
         parameters may be push-sum numerators; the step count and slow state stay as they are,
         as fairscale's own loading leaves them). The dict is left unchanged."""
         result = super().load_state_dict(state_dict, strict=strict, assign=assign)
-        # The core would start slow parameters missing from the checkpoint at the next forward;
-        # fairscale starts them at the next perform_slowmo().
-        self.global_momentum_buffers_initialized = not self._averaging.start_pending
-        self._start_pending = False
+        # Slow parameters missing from the checkpoint start again at the next perform_slowmo(),
+        # as fairscale's (the core's start at the next forward is redone there).
+        self.global_momentum_buffers_initialized = self.outer_state_started
         return result
 
 

@@ -1,0 +1,189 @@
+"""The inner mix: the gossip rounds between optimizer steps (SGP, D-PSGD), or none.
+
+GossipDataParallel holds one :class:`InnerMix`. It owns the compiled engine (the flat parameter
+buffers, the push-sum state, the transport on the engine's own thread and stream), when rounds
+start and are absorbed (``_schedule.RoundSchedule``), and the running consensus estimate of
+``log_every``. Without an engine (``base_algorithm="localsgd"`` with exact outer averaging, or a
+process that does not gossip under ``nprocs_per_node > 1``) every call is a no-op and the push-sum
+state reads as weight 1, round 0, nothing sent.
+
+A round after every optimizer step is SGP (``every_step``); an outer step averaged by gossip asks
+for its round itself (:meth:`run_round`), which is all the gossip that DiLoCo over gossip does.
+"""
+
+from __future__ import annotations
+
+import copy
+import logging
+from collections.abc import Sequence
+from datetime import timedelta
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from gossip_ext import _C, _schedule, _transport, consensus
+from gossip_ext.graphs import GraphBase
+from gossip_ext.mixing import MixingBase
+
+logger = logging.getLogger("gossip_ext.distributed")
+
+
+def with_peers(graph: GraphBase, peers_per_itr: int) -> GraphBase:
+    """A copy of ``graph`` with another number of peers per round (the user's object is left
+    as it was constructed)."""
+    graph = copy.copy(graph)
+    graph.peers_per_itr = peers_per_itr
+    return graph
+
+
+class InnerMix:
+    """The gossip of one worker: ``engine`` (a ``_C.GossipEngine``, a
+    ``consensus.MeasuredEngine`` or None) on ``graph``, scheduled by ``overlap`` and
+    ``synch_freq``; a round after every step if ``every_step``."""
+
+    def __init__(
+        self,
+        engine: Any,
+        graph: GraphBase,
+        *,
+        overlap: bool,
+        synch_freq: int,
+        every_step: bool,
+        verbose: bool = False,
+    ):
+        self.engine = engine
+        self.graph = graph
+        self.every_step = every_step
+        self.verbose = verbose
+        self.rounds = _schedule.RoundSchedule(engine, overlap=overlap, synch_freq=synch_freq)
+
+    @classmethod
+    def build(
+        cls,
+        tensors: Sequence[torch.Tensor],
+        names: Sequence[str],
+        *,
+        graph: GraphBase,
+        mixing: MixingBase,
+        push_sum: bool,
+        overlap: bool,
+        synch_freq: int,
+        timeout: timedelta,
+        check_finite: bool,
+        message_dtype: torch.dtype | None,
+        transport_kind: str,
+        group: dist.ProcessGroup,
+        device: torch.device,
+        log_every: int,
+        every_step: bool,
+        verbose: bool,
+    ) -> InnerMix:
+        """An engine over ``tensors`` (the parameters, then any gossiped buffers), whose storage
+        it takes over, talking over ``group``."""
+        # Synchronous modes leave the parameters alone while a round is in flight, so the engine
+        # may send them in place (no send buffer; Note [Sending in place]).
+        options = _C.EngineOptions(
+            graph._options(),
+            mixing._options(),
+            push_sum=push_sum,
+            synchronous=not overlap and synch_freq == 0,
+            timeout=timeout,
+            check_finite=check_finite,
+            message_dtype=message_dtype,
+        )
+        transport = _transport.make_transport(transport_kind, group, device, timeout)
+        engine = _C.GossipEngine(list(tensors), list(names), transport, options)
+        if log_every > 0:
+            engine = consensus.MeasuredEngine(engine, graph, log_every)
+        return cls(
+            engine,
+            graph,
+            overlap=overlap,
+            synch_freq=synch_freq,
+            every_step=every_step,
+            verbose=verbose,
+        )
+
+    # ----------------------------------------------------------------------------- rounds
+
+    def before_forward(self, training: bool) -> None:
+        self.rounds.before_forward(training)
+
+    def after_step(self, step: int) -> None:
+        """The ``step``-th optimizer step (1-based) was taken and no outer step replaces its
+        round: start it, if this mix gossips every step."""
+        if isinstance(self.engine, consensus.MeasuredEngine):
+            self.engine.arm(step)
+        if self.engine is not None and self.every_step:
+            self.rounds.start()
+            if self.verbose:
+                logger.info("gossip round %d in flight", self.engine.round)
+
+    def drain(self) -> None:
+        """Absorbs the round in flight and any owed; raises a failed round's error."""
+        self.rounds.drain()
+
+    def run_round(self) -> None:
+        """One round from start to absorb, blocking (an outer step averaged by gossip)."""
+        self.rounds.run_round()
+
+    def restart(self) -> None:
+        """After an exact average, every worker holds the consensus value with x = z: push-sum
+        restarts from weights 1 (always 1 under lazy mixing)."""
+        self.rounds.restart()
+
+    def reset_weight(self) -> None:
+        if self.engine is not None:
+            # restore() needs an idle engine: the caller drained it.
+            self.engine.restore(self.engine.round, 1.0)
+
+    def raise_if_failed(self) -> None:
+        self.rounds.raise_if_failed()
+
+    def fail(self, error: Exception) -> None:
+        """Keeps ``error`` (a failed exact average) raised by every later call."""
+        self.rounds.fail(error)
+
+    # ----------------------------------------------------------------------------- state
+
+    @property
+    def ps_weight(self) -> float:
+        return 1.0 if self.engine is None else float(self.engine.ps_weight().item())
+
+    @property
+    def round(self) -> int:
+        return 0 if self.engine is None else int(self.engine.round)
+
+    @property
+    def bytes_sent(self) -> int:
+        return 0 if self.engine is None else int(self.engine.bytes_sent)
+
+    @property
+    def in_flight(self) -> bool:
+        return self.engine is not None and bool(self.engine.in_flight)
+
+    @property
+    def lazy_mixing(self) -> bool:
+        return self.engine is None or bool(self.engine.lazy_mixing)
+
+    @property
+    def estimate(self) -> float | None:
+        engine = self.engine
+        return engine.estimate if isinstance(engine, consensus.MeasuredEngine) else None
+
+    def restore(self, round: int, weight: float) -> None:
+        """Puts the push-sum state back to ``round`` and ``weight`` (a checkpoint's), after
+        absorbing whatever is in flight."""
+        if self.engine is not None:
+            self.engine.finish_round()
+            self.engine.restore(round, weight)
+
+    def set_graph(self, graph: GraphBase) -> None:
+        """Gossips on ``graph`` (the same graph with another ``peers_per_itr``) from the next
+        round on."""
+        if self.engine is not None:
+            self.engine.set_peers_per_itr(graph.peers_per_itr)
+            if isinstance(self.engine, consensus.MeasuredEngine):
+                self.engine.graph = graph
+        self.graph = graph
