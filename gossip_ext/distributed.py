@@ -329,22 +329,12 @@ class GossipDataParallel(nn.Module):
         gossips = base_algorithm == "sgp" or outer_average == "gossip"
         if self.is_gossip_leader and gossips:
             self._mix = inner.InnerMix.build(
-                [t for _, t in gossiped],
-                [n for n, _ in gossiped],
-                graph=graph,
-                mixing=mixing,
-                push_sum=push_sum,
-                overlap=overlap,
-                synch_freq=synch_freq,
-                timeout=timeout,
-                check_finite=check_finite,
-                message_dtype=message_dtype,
+                gossiped,
+                arguments,
                 transport_kind=transport_kind,
                 group=gossip_group,
                 device=device,
-                log_every=log_every,
                 every_step=base_algorithm == "sgp",
-                verbose=verbose,
             )
         else:
             self._mix = inner.InnerMix(

@@ -15,8 +15,7 @@ from __future__ import annotations
 
 import copy
 import logging
-from collections.abc import Sequence
-from datetime import timedelta
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import torch
@@ -24,7 +23,6 @@ import torch.distributed as dist
 
 from gossip_ext import _C, _schedule, _transport, consensus
 from gossip_ext.graphs import GraphBase
-from gossip_ext.mixing import MixingBase
 
 logger = logging.getLogger("gossip_ext.distributed")
 
@@ -61,48 +59,42 @@ class InnerMix:
     @classmethod
     def build(
         cls,
-        tensors: Sequence[torch.Tensor],
-        names: Sequence[str],
+        named: Sequence[tuple[str, torch.Tensor]],
+        arguments: Mapping[str, Any],
         *,
-        graph: GraphBase,
-        mixing: MixingBase,
-        push_sum: bool,
-        overlap: bool,
-        synch_freq: int,
-        timeout: timedelta,
-        check_finite: bool,
-        message_dtype: torch.dtype | None,
         transport_kind: str,
         group: dist.ProcessGroup,
         device: torch.device,
-        log_every: int,
         every_step: bool,
-        verbose: bool,
     ) -> InnerMix:
-        """An engine over ``tensors`` (the parameters, then any gossiped buffers), whose storage
-        it takes over, talking over ``group``."""
+        """An engine over the ``named`` tensors (the parameters, then any gossiped buffers),
+        whose storage it takes over, talking over ``group``; configured by the wrapper's
+        ``arguments`` (graph, mixing, push_sum, overlap, synch_freq, timeout, check_finite,
+        message_dtype, log_every, verbose)."""
+        a = arguments
+        synchronous = not a["overlap"] and a["synch_freq"] == 0
         # Synchronous modes leave the parameters alone while a round is in flight, so the engine
         # may send them in place (no send buffer; Note [Sending in place]).
         options = _C.EngineOptions(
-            graph._options(),
-            mixing._options(),
-            push_sum=push_sum,
-            synchronous=not overlap and synch_freq == 0,
-            timeout=timeout,
-            check_finite=check_finite,
-            message_dtype=message_dtype,
+            a["graph"]._options(),
+            a["mixing"]._options(),
+            push_sum=a["push_sum"],
+            synchronous=synchronous,
+            timeout=a["timeout"],
+            check_finite=a["check_finite"],
+            message_dtype=a["message_dtype"],
         )
-        transport = _transport.make_transport(transport_kind, group, device, timeout)
-        engine = _C.GossipEngine(list(tensors), list(names), transport, options)
-        if log_every > 0:
-            engine = consensus.MeasuredEngine(engine, graph, log_every)
+        transport = _transport.make_transport(transport_kind, group, device, a["timeout"])
+        engine = _C.GossipEngine([t for _, t in named], [n for n, _ in named], transport, options)
+        if a["log_every"] > 0:
+            engine = consensus.MeasuredEngine(engine, a["graph"], a["log_every"])
         return cls(
             engine,
-            graph,
-            overlap=overlap,
-            synch_freq=synch_freq,
+            a["graph"],
+            overlap=a["overlap"],
+            synch_freq=a["synch_freq"],
             every_step=every_step,
-            verbose=verbose,
+            verbose=a["verbose"],
         )
 
     # ----------------------------------------------------------------------------- rounds
