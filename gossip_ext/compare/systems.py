@@ -17,6 +17,9 @@ torchft_diloco      torchft 0.2.0 DiLoCo: every ``local_steps`` steps, an outer 
 sgp, overlap_sgp    gossip_ext SGP, synchronous or one step stale; ``_bf16``: bfloat16 messages
 dpsgd               gossip_ext D-PSGD (push-pull on the bipartite exponential graph)
 localsgd, slowmo    gossip_ext LocalSGD and SlowMo, exact average every ``local_steps`` steps
+diloco              gossip_ext DiLoCo: torchft_diloco's outer step (the same outer SGD), no
+                    communication between outer steps; ``_gossip``: the outer average by one
+                    gossip round, no all-reduce (``_gossip_bf16``: in bfloat16 messages)
 ==================  ==========================================================================
 
 torchft and decent-dp are benchmark dependencies, never the library's: :func:`available` says
@@ -39,7 +42,18 @@ from torch import nn
 import gossip_ext
 from gossip_ext.tasks import byte_lm
 
-GOSSIP = ("sgp", "overlap_sgp", "sgp_bf16", "overlap_sgp_bf16", "dpsgd", "localsgd", "slowmo")
+GOSSIP = (
+    "sgp",
+    "overlap_sgp",
+    "sgp_bf16",
+    "overlap_sgp_bf16",
+    "dpsgd",
+    "localsgd",
+    "slowmo",
+    "diloco",
+    "diloco_gossip",
+    "diloco_gossip_bf16",
+)
 PEERS = ("ddp", "powersgd_r1", "powersgd_r4", "decent_dp", "torchft_localsgd", "torchft_diloco")
 ALL = ("alone",) + PEERS + GOSSIP
 
@@ -85,6 +99,10 @@ PEAK_LR = {
     "dpsgd": 8e-3,
     "localsgd": 4e-3,
     "slowmo": 4e-3,
+    # Not swept yet: torchft_diloco's inner rate, the same outer step.
+    "diloco": 4e-3,
+    "diloco_gossip": 4e-3,
+    "diloco_gossip_bf16": 4e-3,
 }
 SLOWMO_MOMENTUM = 0.2
 
@@ -103,6 +121,12 @@ class Recipe:
     outer_lr: float = 0.1
     outer_momentum: float = 0.9
     timeout: timedelta = timedelta(minutes=2)
+
+    def outer_optimizer(self, params) -> torch.optim.Optimizer:
+        """DiLoCo's outer step: Nesterov SGD, for torchft's DiLoCo and gossip_ext's alike."""
+        return torch.optim.SGD(
+            params, lr=self.outer_lr, momentum=self.outer_momentum, nesterov=True
+        )
 
 
 def needs(system: str) -> str | None:
@@ -202,6 +226,13 @@ class _Gossip(_OptimizerStep):
             )
         if system == "localsgd":
             options.update(base_algorithm="localsgd", global_avg_freq=recipe.local_steps)
+        if system.startswith("diloco"):
+            options.update(
+                base_algorithm="localsgd",
+                sync_every=recipe.local_steps,
+                outer_optimizer=recipe.outer_optimizer,
+                outer_average="gossip" if "_gossip" in system else "allreduce",
+            )
         if system == "slowmo":
             options.update(slowmo_freq=recipe.local_steps, slowmo_momentum=SLOWMO_MOMENTUM)
         model = gossip_ext.GossipDataParallel(module, **options)
@@ -281,12 +312,7 @@ class _Torchft(_OptimizerStep):
         )
         self._stack = contextlib.ExitStack()
         if system == "torchft_diloco":
-            self.outer = torch.optim.SGD(
-                module.parameters(),
-                lr=recipe.outer_lr,
-                momentum=recipe.outer_momentum,
-                nesterov=True,
-            )
+            self.outer = recipe.outer_optimizer(module.parameters())
             algorithm = DiLoCo(
                 self.manager, [module], self.opt, self.outer, sync_every=recipe.local_steps
             )
