@@ -252,6 +252,9 @@ def _what_a_survivor_reads(model, module: nn.Module, last_model, error: Exceptio
         "state_dict_is_last_model": all(
             torch.equal(state[name], q) for name, q in zip(["weight", "bias"], last_model)
         ),
+        "module_is_state_dict": all(
+            torch.equal(state[name], p) for name, p in zip(["weight", "bias"], module.parameters())
+        ),
         "later": {},
     }
     for name in LATER_CALLS:
@@ -344,8 +347,15 @@ def test_a_survivor_keeps_its_last_valid_model_and_the_failure_stays_raised(
             # gloo already knows the connection closed when the round is posted: the post fails,
             # and the receives posted before it are cancelled.
             assert "failed to post" in result["error"], (rank, result["error"])
-        assert result["module_is_last_model"], (rank, result["error"])
-        assert result["state_dict_is_last_model"], (rank, result["error"])
+        if mode == "overlap" and "failed to post" in result["error"]:
+            # Under overlap, transfer_params() absorbs the last round, then posts the next. When
+            # the dead peer's last message got out before it died (a matter of timing), the
+            # absorb succeeds and the post fails: the parameters are then the absorbed model, as
+            # valid as the one before it, but not the snapshot taken before the call.
+            assert result["module_is_state_dict"], (rank, result["error"])
+        else:
+            assert result["module_is_last_model"], (rank, result["error"])
+            assert result["state_dict_is_last_model"], (rank, result["error"])
         for name in LATER_CALLS:
             assert result["later"][name] == ("TimeoutError", result["error"]), (rank, name, result)
 
