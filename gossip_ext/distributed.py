@@ -453,6 +453,7 @@ class GossipDataParallel(nn.Module):
         if self._outer.needs_inner_lr:
             _validation.check_slowmo_optimizer(self._outer.sync_every, self._optimizer)
         self._steps += 1
+        self._mix.arm(self._steps)
         kind = self._outer.kind(self._steps)
         if kind == outer.OUTER and self._outer.by_gossip:
             self._outer_step_by_gossip()
@@ -460,7 +461,7 @@ class GossipDataParallel(nn.Module):
             # The exact average takes the place of this step's gossip round.
             self._average_exactly(kind)
         else:
-            self._mix.after_step(self._steps)
+            self._mix.after_step()
         self._node_behind = True
         self._transferred = caller
 

@@ -102,11 +102,14 @@ class InnerMix:
     def before_forward(self, training: bool) -> None:
         self.rounds.before_forward(training)
 
-    def after_step(self, step: int) -> None:
-        """The ``step``-th optimizer step (1-based) was taken and no outer step replaces its
-        round: start it, if this mix gossips every step."""
+    def arm(self, step: int) -> None:
+        """The ``step``-th optimizer step (1-based) was taken: the consensus estimate of
+        ``log_every`` measures the next absorb on its schedule."""
         if isinstance(self.engine, consensus.MeasuredEngine):
             self.engine.arm(step)
+
+    def after_step(self) -> None:
+        """No outer step replaces this step's round: start it, if this mix gossips every step."""
         if self.engine is not None and self.every_step:
             self.rounds.start()
             if self.verbose:

@@ -18,7 +18,8 @@ def test_an_inner_mix_without_an_engine_does_nothing_and_reads_as_no_gossip():
     mix = inner.InnerMix(None, graph, overlap=False, synch_freq=0, every_step=True)
     for call in (
         lambda: mix.before_forward(True),
-        lambda: mix.after_step(1),
+        lambda: mix.arm(1),
+        mix.after_step,
         mix.drain,
         mix.run_round,
         mix.restart,
