@@ -115,7 +115,7 @@ def parse_args(argv=None):
     return args
 
 
-def _first(rows, names, target: float, ddp_time: float) -> tuple[float | None, str]:
+def first(rows, names, target: float, ddp_time: float) -> tuple[float | None, str]:
     """The first of ``names`` to ``target``: when, and as a table cell with its ratio to DDP."""
     if not any(name in rows for name in names):
         return None, "not run"
@@ -140,10 +140,10 @@ def goals(all_rows: dict[tuple[int, float | None], dict[str, dict]]) -> str:
             continue
         target = rows["ddp"]["final_bpb"]
         ddp_time = report.time_to(rows["ddp"], target)
-        ours, ours_text = _first(rows, systems.GOSSIP, target, ddp_time)
-        powersgd, powersgd_text = _first(rows, ("powersgd_r1", "powersgd_r4"), target, ddp_time)
-        decent, decent_text = _first(rows, ("decent_dp",), target, ddp_time)
-        _, diloco_text = _first(rows, ("torchft_diloco",), target, ddp_time)
+        ours, ours_text = first(rows, systems.GOSSIP, target, ddp_time)
+        powersgd, powersgd_text = first(rows, ("powersgd_r1", "powersgd_r4"), target, ddp_time)
+        decent, decent_text = first(rows, ("decent_dp",), target, ddp_time)
+        _, diloco_text = first(rows, ("torchft_diloco",), target, ddp_time)
         goal = GOALS.get((workers, rate), "-")
         met = "-"
         if goal != "-":

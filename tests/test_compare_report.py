@@ -133,3 +133,65 @@ def test_a_saved_run_is_reported_again_without_running(lm_compare, tmp_path, cap
     assert "8 workers, 1 Gbit/s\n| system |" in out and "4 workers, loopback\n| system |" in out
     assert "| 9.0 s (0.45x) |" in out, "the table is made from the saved histories"
     assert plot.stat().st_size > 10_000
+
+
+@pytest.fixture
+def diloco_compare(monkeypatch):
+    monkeypatch.syspath_prepend(BENCHMARKS)
+    import diloco_compare
+
+    return diloco_compare
+
+
+def _diloco_rows(ours_times, theirs_times):
+    """DDP reaches 3.0 at 20 s; at H = 16 gossip_ext's exact and gossip DiLoCo and torchft's."""
+    rows = {name: ROWS[name] for name in ("alone", "ddp", "powersgd_r4")}
+    rows["diloco H=16"] = _row("diloco", ours_times, [3.5, 2.95], step_ms=52)
+    rows["diloco_gossip H=16"] = _row("diloco_gossip", [4.0, 8.0], [3.5, 3.1], step_ms=51)
+    rows["torchft_diloco H=16"] = _row("torchft_diloco", theirs_times, [3.5, 2.99], step_ms=55)
+    return rows
+
+
+def test_the_diloco_goals_compare_gossip_ext_with_ddp_and_torchft_at_the_same_h(diloco_compare):
+    rows = _diloco_rows(ours_times=[2.0, 2.5], theirs_times=[2.0, 3.0])
+    lines = diloco_compare.goals({(8, 1e9): rows, (8, 1e8): rows}, [16]).splitlines()
+    cells = [c.strip() for c in lines[2].strip("|").split("|")]
+    assert cells[:2] == ["8 workers, 1 Gbit/s", "16"]
+    assert cells[3] == "diloco H=16 2.5 s (0.12x)", "the first of gossip_ext's to DDP's 3.0"
+    assert cells[4:7] == [
+        "20.0 s",
+        "powersgd_r4 12.0 s (0.60x)",
+        "torchft_diloco H=16 3.0 s (0.15x)",
+    ]
+    assert cells[7] == "yes"
+    assert "| 8 workers, 100 Mbit/s | 16 | - |" in lines[3] and lines[3].endswith("| - |")
+    later = _diloco_rows(ours_times=[2.0, 3.5], theirs_times=[2.0, 3.0])
+    assert diloco_compare.goals({(8, 1e9): later}, [16]).splitlines()[2].endswith("| no |")
+    behind_torchft = _diloco_rows(ours_times=[2.0, 2.5], theirs_times=[1.0, 2.0])
+    line = diloco_compare.goals({(8, 1e9): behind_torchft}, [16]).splitlines()[2]
+    assert "(0.12x)" in line and line.endswith("| no |"), "within 0.15x DDP, after torchft"
+
+
+def test_the_diloco_benchmark_rejects_bad_flags(diloco_compare, capsys):
+    with pytest.raises(SystemExit):
+        diloco_compare.parse_args(["--sync-every", "0"])
+    assert "--sync-every must be >= 1, got [0]" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        diloco_compare.parse_args(["--settings", "8on1gbit"])
+    assert "--settings: '8on1gbit' is not WORKERSxRATE" in capsys.readouterr().err
+    assert diloco_compare.parse_args([]).parsed == [(8, 1e9), (8, 1e8)]
+
+
+def test_a_saved_diloco_run_is_reported_again(diloco_compare, tmp_path, capsys):
+    rows = {
+        name: dict(row, params=1_000_000)
+        for name, row in _diloco_rows([2.0, 2.5], [2.0, 3.0]).items()
+    }
+    saved, plot = tmp_path / "run.json", tmp_path / "run.png"
+    protocol = runner.Protocol(steps=480, ddp_steps=240, outer_lr=0.7)
+    diloco_compare.lm_compare.save_rows(str(saved), protocol, {(8, 1e9): rows})
+    args = ["--from-rows", str(saved), "--plot", str(plot), "--no-record", "--sync-every", "16"]
+    assert diloco_compare.main(args) == {(8, 1e9): rows}
+    out = capsys.readouterr().out
+    assert "| diloco H=16 | 0.002 | 20 | 52 | CPU |" in out
+    assert plot.stat().st_size > 10_000

@@ -89,7 +89,8 @@ def plot(all_rows: dict[str, dict[str, dict]], path: str) -> None:
     colors = plt.cm.tab20.colors  # one color per system: the default cycle has ten
     for ax, (setting, rows) in zip(axes.flat, all_rows.items()):
         for i, (name, r) in enumerate(rows.items()):
-            style = "-" if name in systems.GOSSIP else "--"
+            # A row may carry a suffix ("diloco H=16"): its system is the first word.
+            style = "-" if name.split()[0] in systems.GOSSIP else "--"
             ax.plot(
                 r["history"]["time"],
                 r["history"]["heldout_bpb"],

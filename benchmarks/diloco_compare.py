@@ -1,0 +1,171 @@
+"""DiLoCo at long sync periods: gossip_ext's beside torchft's, DDP and DDP + PowerSGD.
+
+The same task, data, seeds and protocol as benchmarks/lm_compare.py (gossip_ext.compare): DDP
+runs --ddp-steps and its final held-out loss is the target; every other system runs --steps.
+Each DiLoCo runs at every H of --sync-every: torchft's (``torchft.local_sgd.DiLoCo`` behind its
+lighthouse), gossip_ext's with the exact average of the pseudo-gradients (``outer_average=
+"allreduce"``), and gossip_ext's with the pseudo-gradients mixed by gossip (``outer_average=
+"gossip"``) in full precision and in bfloat16 messages. All take the same AdamW inner steps and
+the same outer Nesterov SGD (--outer-lr, momentum 0.9). DDP, PowerSGD r4 and ``alone`` (the same
+workers computing without communication: the floor of every row) run once per setting.
+
+    python benchmarks/diloco_compare.py                     # as root: 8x1gbit and 8x100mbit
+    python benchmarks/diloco_compare.py --settings 4x100mbit --sync-every 16
+
+Prints a table per setting and a goals table (at 8 workers behind 1 Gbit/s NICs: DDP's final
+held-out loss in <= 0.15x DDP's time, and no later than torchft's DiLoCo at the same H), writes a
+plot (--plot), every result (--rows, JSON) and, unless --no-record, this benchmark's section of
+benchmarks/RESULTS.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import os
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+import lm_compare  # noqa: E402  (benchmarks/lm_compare.py: its saved runs)
+import results  # noqa: E402  (benchmarks/results.py)
+
+from gossip_ext import _netns  # noqa: E402
+from gossip_ext.compare import report, runner  # noqa: E402
+
+TITLE = "DiLoCo at H = 16 and 64: gossip_ext beside torchft, DDP and PowerSGD"
+ONCE = ("alone", "ddp", "powersgd_r4")
+PER_H = ("torchft_diloco", "diloco", "diloco_gossip", "diloco_gossip_bf16")
+OURS = ("diloco", "diloco_gossip", "diloco_gossip_bf16")
+GOAL = "<= 0.15x DDP, no later than torchft's DiLoCo at the same H"
+
+
+def row_name(system: str, h: int) -> str:
+    return f"{system} H={h}"
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--settings", nargs="+", default=["8x1gbit", "8x100mbit"])
+    p.add_argument("--sync-every", nargs="+", type=int, default=[16, 64], help="the H to run")
+    p.add_argument("--outer-lr", type=float, default=0.7, help="the outer Nesterov SGD's lr")
+    p.add_argument("--steps", type=int, default=960)
+    p.add_argument("--ddp-steps", type=int, default=480)
+    p.add_argument("--timeout", type=float, default=3600, help="seconds per system")
+    p.add_argument("--plot", default="/tmp/gossip_diloco_compare.png")
+    p.add_argument("--rows", default="/tmp/gossip_diloco_compare.json")
+    p.add_argument("--from-rows", metavar="FILE", help="report the run saved in FILE again")
+    p.add_argument("--no-record", action="store_true")
+    args = p.parse_args(argv)
+    if any(h < 1 for h in args.sync_every):
+        p.error(f"--sync-every must be >= 1, got {args.sync_every}")
+    args.parsed = []
+    for text in args.settings:
+        workers, _, rate = text.partition("x")
+        try:
+            args.parsed.append((int(workers), _netns.parse_rate(rate)))
+        except ValueError as e:
+            p.error(f"--settings: {text!r} is not WORKERSxRATE like 8x1gbit ({e})")
+    return args
+
+
+def goals(all_rows, sync_every) -> str:
+    """Per setting and H: gossip_ext's first DiLoCo to DDP's final loss beside DDP and torchft."""
+    lines = [
+        "| setting | H | goal | gossip_ext's best DiLoCo | DDP | PowerSGD r4 | torchft DiLoCo "
+        "| met |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    for (workers, rate), rows in all_rows.items():
+        target = rows["ddp"]["final_bpb"]
+        ddp_time = report.time_to(rows["ddp"], target)
+
+        _, powersgd = lm_compare.first(rows, ["powersgd_r4"], target, ddp_time)
+        for h in sync_every:
+            ours, ours_text = lm_compare.first(
+                rows, [row_name(s, h) for s in OURS], target, ddp_time
+            )
+            theirs, theirs_text = lm_compare.first(
+                rows, [row_name("torchft_diloco", h)], target, ddp_time
+            )
+            goal, met = "-", "-"
+            if (workers, rate) == (8, 1e9):
+                goal = GOAL
+                ok = ours is not None and ours <= 0.15 * ddp_time
+                ok = ok and (theirs is None or ours <= theirs)
+                met = "yes" if ok else "no"
+            lines.append(
+                f"| {workers} workers, {_netns.format_rate(rate)} | {h} | {goal} | {ours_text} "
+                f"| {ddp_time:.1f} s | {powersgd} | {theirs_text} | {met} |"
+            )
+    return "\n".join(lines)
+
+
+def describe(protocol: runner.Protocol, params: int, sync_every, outer_lr: float) -> str:
+    m = protocol.model
+    return (
+        f"Byte-level transformer of {params / 1e6:.2f}M parameters ({m.layers} layers, width "
+        f"{m.width}, context {m.context}), batch {protocol.batch_size} per worker, one torch "
+        f"thread per worker (benchmarks/lm_compare.py's protocol). Every system runs "
+        f"{protocol.steps} steps but DDP, which runs {protocol.ddp_steps}: DDP's final held-out "
+        f"loss is the target. AdamW, warmup {protocol.warmup} then cosine decay over each "
+        f"system's own steps, each at its peak lr (gossip_ext.compare.systems.PEAK_LR). Every "
+        f"DiLoCo at H = {' and '.join(map(str, sync_every))} with the outer Nesterov SGD at lr "
+        f"{outer_lr:g}, momentum 0.9; `diloco` averages the pseudo-gradients exactly "
+        f"(all-reduce), `diloco_gossip` mixes them by push-sum with one peer per outer step, "
+        f"`_bf16` in bfloat16 messages. `bound by`: CPU where a step takes at most "
+        f"{report.CPU_BOUND}x `alone`'s."
+    )
+
+
+def report_all(args, protocol, all_rows) -> None:
+    sections = []
+    for (workers, rate), rows in all_rows.items():
+        setting = f"{workers} workers, {_netns.format_rate(rate)}"
+        text = report.table(rows)
+        print(f"\n{setting}\n{text}\n", flush=True)
+        sections.append(f"### {setting}\n\n{text}")
+    report.plot(
+        {f"{w} workers, {_netns.format_rate(r)}": rows for (w, r), rows in all_rows.items()},
+        args.plot,
+    )
+    goal_table = goals(all_rows, args.sync_every)
+    print(goal_table)
+    params = next(iter(next(iter(all_rows.values())).values()))["params"]
+    body = (
+        describe(protocol, params, args.sync_every, args.outer_lr)
+        + "\n\n### Goals\n\n"
+        + goal_table
+        + "\n\n"
+        + "\n\n".join(sections)
+    )
+    if not args.no_record:
+        results.record(TITLE, body)
+
+
+def main(argv=None):
+    args = parse_args(argv)
+    if args.from_rows:
+        protocol, all_rows = lm_compare.load_rows(args.from_rows)
+        report_all(args, protocol, all_rows)
+        return all_rows
+    if why := _netns.unavailable():
+        sys.exit(f"this benchmark needs an emulated network: {why}")
+    protocol = runner.Protocol(steps=args.steps, ddp_steps=args.ddp_steps, outer_lr=args.outer_lr)
+    all_rows = {}
+    for workers, rate in args.parsed:
+        rows = runner.run_systems(ONCE, protocol, workers, rate, args.timeout)
+        for h in args.sync_every:
+            at_h = dataclasses.replace(protocol, local_steps=h)
+            for name, row in runner.run_systems(PER_H, at_h, workers, rate, args.timeout).items():
+                rows[row_name(name, h)] = row
+        all_rows[(workers, rate)] = rows
+        lm_compare.save_rows(
+            args.rows, protocol, all_rows
+        )  # after each setting: a long run keeps its part
+    report_all(args, protocol, all_rows)
+    return all_rows
+
+
+if __name__ == "__main__":
+    main()
