@@ -5,9 +5,11 @@ runs --ddp-steps and its final held-out loss is the target; every other system r
 Each DiLoCo runs at every H of --sync-every: torchft's (``torchft.local_sgd.DiLoCo`` behind its
 lighthouse), gossip_ext's with the exact average of the pseudo-gradients (``outer_average=
 "allreduce"``), and gossip_ext's with the pseudo-gradients mixed by gossip (``outer_average=
-"gossip"``) in full precision and in bfloat16 messages. All take the same AdamW inner steps and
-the same outer Nesterov SGD (--outer-lr, momentum 0.9). DDP, PowerSGD r4 and ``alone`` (the same
-workers computing without communication: the floor of every row) run once per setting.
+"gossip"``) in full precision and in bfloat16 messages; and gossip_ext's LocalSGD, the plain
+average (an outer SGD at lr 1 without momentum). All take the same AdamW inner steps, and every
+DiLoCo the same outer Nesterov SGD (--outer-lr, --outer-momentum). DDP, PowerSGD r4 and
+``alone`` (the same workers computing without communication: the floor of every row) run once
+per setting.
 
     python benchmarks/diloco_compare.py                     # as root: 8x1gbit and 8x100mbit
     python benchmarks/diloco_compare.py --settings 4x100mbit --sync-every 16
@@ -35,8 +37,18 @@ from gossip_ext.compare import report, runner  # noqa: E402
 
 TITLE = "DiLoCo at H = 16 and 64: gossip_ext beside torchft, DDP and PowerSGD"
 ONCE = ("alone", "ddp", "powersgd_r4")
-PER_H = ("torchft_diloco", "diloco", "diloco_gossip", "diloco_gossip_bf16")
+PER_H = ("torchft_diloco", "diloco", "diloco_gossip", "diloco_gossip_bf16", "localsgd")
 OURS = ("diloco", "diloco_gossip", "diloco_gossip_bf16")
+# The outer Nesterov SGD: the best tried for gossip_ext's exact DiLoCo at 4 workers on loopback,
+# 960 steps (final held-out bits per byte; DDP's in 480 steps: 2.925; LocalSGD, an outer SGD at
+# lr 1 without momentum, 2.831 at H = 16 and 2.970 at H = 64):
+#   H = 16: lr 0.7 momentum 0.9 (3.514), 0.4/0.9 (3.297), 0.2/0.9 (3.215), 0.1/0.9 (3.230),
+#           0.2/0.9 at inner lr 2e-3 (3.178), 1.0/0.5 (3.075), 0.7/0.5 (2.878)
+#   H = 64: 0.7/0.9 (3.433), 0.4/0.9 (3.288), 0.2/0.9 (3.301), 0.1/0.9 (3.446), 0.7/0.5 (3.040)
+# Momentum 0.9, every open implementation's (tuned at H = 500 over tens of thousands of steps),
+# overshoots over the 15-60 outer steps of these runs.
+OUTER_LR = 0.7
+OUTER_MOMENTUM = 0.5
 GOAL = "<= 0.15x DDP, no later than torchft's DiLoCo at the same H"
 
 
@@ -48,17 +60,35 @@ def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--settings", nargs="+", default=["8x1gbit", "8x100mbit"])
     p.add_argument("--sync-every", nargs="+", type=int, default=[16, 64], help="the H to run")
-    p.add_argument("--outer-lr", type=float, default=0.7, help="the outer Nesterov SGD's lr")
+    p.add_argument(
+        "--outer-lr",
+        nargs="+",
+        type=float,
+        default=[OUTER_LR],
+        help="the outer Nesterov SGD's lr at each H of --sync-every, or one for all",
+    )
+    p.add_argument("--outer-momentum", type=float, default=OUTER_MOMENTUM)
     p.add_argument("--steps", type=int, default=960)
     p.add_argument("--ddp-steps", type=int, default=480)
     p.add_argument("--timeout", type=float, default=3600, help="seconds per system")
     p.add_argument("--plot", default="/tmp/gossip_diloco_compare.png")
     p.add_argument("--rows", default="/tmp/gossip_diloco_compare.json")
-    p.add_argument("--from-rows", metavar="FILE", help="report the run saved in FILE again")
+    p.add_argument(
+        "--from-rows",
+        metavar="FILE",
+        help="report the run saved in FILE again (give the run's --sync-every and --outer-lr)",
+    )
     p.add_argument("--no-record", action="store_true")
     args = p.parse_args(argv)
     if any(h < 1 for h in args.sync_every):
         p.error(f"--sync-every must be >= 1, got {args.sync_every}")
+    if len(args.outer_lr) == 1:
+        args.outer_lr *= len(args.sync_every)
+    if len(args.outer_lr) != len(args.sync_every):
+        p.error(
+            f"--outer-lr takes one lr or one per H of --sync-every {args.sync_every}, got "
+            f"{args.outer_lr}"
+        )
     args.parsed = []
     for text in args.settings:
         workers, _, rate = text.partition("x")
@@ -101,7 +131,7 @@ def goals(all_rows, sync_every) -> str:
     return "\n".join(lines)
 
 
-def describe(protocol: runner.Protocol, params: int, sync_every, outer_lr: float) -> str:
+def describe(params: int, protocol: runner.Protocol, args) -> str:
     m = protocol.model
     return (
         f"Byte-level transformer of {params / 1e6:.2f}M parameters ({m.layers} layers, width "
@@ -110,11 +140,13 @@ def describe(protocol: runner.Protocol, params: int, sync_every, outer_lr: float
         f"{protocol.steps} steps but DDP, which runs {protocol.ddp_steps}: DDP's final held-out "
         f"loss is the target. AdamW, warmup {protocol.warmup} then cosine decay over each "
         f"system's own steps, each at its peak lr (gossip_ext.compare.systems.PEAK_LR). Every "
-        f"DiLoCo at H = {' and '.join(map(str, sync_every))} with the outer Nesterov SGD at lr "
-        f"{outer_lr:g}, momentum 0.9; `diloco` averages the pseudo-gradients exactly "
-        f"(all-reduce), `diloco_gossip` mixes them by push-sum with one peer per outer step, "
-        f"`_bf16` in bfloat16 messages. `bound by`: CPU where a step takes at most "
-        f"{report.CPU_BOUND}x `alone`'s."
+        f"DiLoCo at H = {' and '.join(map(str, args.sync_every))} with the outer Nesterov SGD "
+        f"at lr {' and '.join(f'{lr:g}' for lr in args.outer_lr)}, momentum "
+        f"{args.outer_momentum:g} (the best tried: benchmarks/diloco_compare.py); `diloco` "
+        f"averages the pseudo-gradients exactly (all-reduce), `diloco_gossip` mixes them by "
+        f"push-sum with one peer per outer step, `_bf16` in bfloat16 messages; `localsgd` at "
+        f"the same H is the outer SGD at lr 1 without momentum, the plain average. `bound by`: "
+        f"CPU where a step takes at most {report.CPU_BOUND}x `alone`'s."
     )
 
 
@@ -133,7 +165,7 @@ def report_all(args, protocol, all_rows) -> None:
     print(goal_table)
     params = next(iter(next(iter(all_rows.values())).values()))["params"]
     body = (
-        describe(protocol, params, args.sync_every, args.outer_lr)
+        describe(params, protocol, args)
         + "\n\n### Goals\n\n"
         + goal_table
         + "\n\n"
@@ -151,12 +183,14 @@ def main(argv=None):
         return all_rows
     if why := _netns.unavailable():
         sys.exit(f"this benchmark needs an emulated network: {why}")
-    protocol = runner.Protocol(steps=args.steps, ddp_steps=args.ddp_steps, outer_lr=args.outer_lr)
+    protocol = runner.Protocol(steps=args.steps, ddp_steps=args.ddp_steps)
     all_rows = {}
     for workers, rate in args.parsed:
         rows = runner.run_systems(ONCE, protocol, workers, rate, args.timeout)
-        for h in args.sync_every:
-            at_h = dataclasses.replace(protocol, local_steps=h)
+        for h, outer_lr in zip(args.sync_every, args.outer_lr):
+            at_h = dataclasses.replace(
+                protocol, local_steps=h, outer_lr=outer_lr, outer_momentum=args.outer_momentum
+            )
             for name, row in runner.run_systems(PER_H, at_h, workers, rate, args.timeout).items():
                 rows[row_name(name, h)] = row
         all_rows[(workers, rate)] = rows

@@ -82,6 +82,12 @@ def parse_args(argv=None):
     p.add_argument(
         "--outer-lr", type=float, default=systems.Recipe.outer_lr, help="DiLoCo's outer lr"
     )
+    p.add_argument(
+        "--outer-momentum",
+        type=float,
+        default=systems.Recipe.outer_momentum,
+        help="DiLoCo's outer momentum (Nesterov)",
+    )
     p.add_argument("--warmup", type=int, default=20)
     p.add_argument("--local-steps", type=int, default=4, help="H of LocalSGD, SlowMo, DiLoCo")
     p.add_argument("--target-bpb", type=float, default=3.1)
@@ -226,6 +232,7 @@ def main(argv=None) -> dict:
         eval_windows=args.eval_windows,
         lr=args.lr,
         outer_lr=args.outer_lr,
+        outer_momentum=args.outer_momentum,
     )
     all_rows: dict[tuple[int, float | None], dict[str, dict]] = {}
     for workers, rate in args.settings_parsed:

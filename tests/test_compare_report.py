@@ -1,10 +1,11 @@
 """What a comparison reports, on made-up histories whose answers are known by hand: time to a
-held-out loss, the table's ratios and `bound by`, the goals of benchmarks/lm_compare.py; and the
-protocol each system runs under."""
+held-out loss, the table's ratios and `bound by`, the goals of benchmarks/lm_compare.py and
+benchmarks/diloco_compare.py; and the protocol each system runs under."""
 
 import os
 
 import pytest
+import torch
 
 from gossip_ext.compare import report, runner, systems
 
@@ -116,6 +117,8 @@ def test_the_protocol_runs_ddp_for_its_own_steps_and_each_system_at_its_rate():
     assert (ddp.recipe.steps, ddp.recipe.lr) == (240, systems.PEAK_LR["ddp"])
     assert (sgp.recipe.steps, sgp.recipe.lr) == (480, systems.PEAK_LR["sgp_bf16"])
     assert protocol.config("torchft_diloco").recipe.outer_lr == 0.3
+    nesterov = runner.Protocol(steps=480, ddp_steps=240, outer_momentum=0.5).config("diloco")
+    assert nesterov.recipe.outer_optimizer([torch.zeros(1)]).defaults["momentum"] == 0.5
     one_rate = runner.Protocol(steps=480, ddp_steps=240, lr=1e-3)
     assert {one_rate.config(name).recipe.lr for name in systems.ALL} == {1e-3}
 
@@ -180,6 +183,12 @@ def test_the_diloco_benchmark_rejects_bad_flags(diloco_compare, capsys):
         diloco_compare.parse_args(["--settings", "8on1gbit"])
     assert "--settings: '8on1gbit' is not WORKERSxRATE" in capsys.readouterr().err
     assert diloco_compare.parse_args([]).parsed == [(8, 1e9), (8, 1e8)]
+    assert diloco_compare.parse_args(["--outer-lr", "0.3"]).outer_lr == [0.3, 0.3], "one for all"
+    with pytest.raises(SystemExit):
+        diloco_compare.parse_args(["--sync-every", "16", "64", "--outer-lr", "1", "2", "3"])
+    assert "--outer-lr takes one lr or one per H of --sync-every [16, 64]" in (
+        capsys.readouterr().err
+    )
 
 
 def test_a_saved_diloco_run_is_reported_again(diloco_compare, tmp_path, capsys):

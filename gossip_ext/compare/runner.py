@@ -129,6 +129,7 @@ class Protocol:
     eval_windows: int = 64
     lr: float | None = None
     outer_lr: float = systems.Recipe.outer_lr
+    outer_momentum: float = systems.Recipe.outer_momentum
 
     def config(self, system: str) -> worker.RunConfig:
         recipe = systems.Recipe(
@@ -137,6 +138,7 @@ class Protocol:
             warmup=self.warmup,
             local_steps=self.local_steps,
             outer_lr=self.outer_lr,
+            outer_momentum=self.outer_momentum,
         )
         return worker.RunConfig(
             system=system,
@@ -162,7 +164,7 @@ class Protocol:
                 else "each system's peak learning rate (`lr`: gossip_ext.compare.systems.PEAK_LR)"
             )
             + f"; H = {self.local_steps} for LocalSGD, SlowMo and DiLoCo, DiLoCo's outer lr "
-            f"{self.outer_lr:g} (momentum 0.9, Nesterov). Held-out bits per byte "
+            f"{self.outer_lr:g} (momentum {self.outer_momentum:g}, Nesterov). Held-out bits per byte "
             f"every {self.eval_every} steps (the mean over workers of each worker's own model), "
             f"off the clock."
         )
