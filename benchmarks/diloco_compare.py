@@ -92,13 +92,9 @@ def parse_args(argv=None):
             f"--outer-lr takes one lr or one per H of --sync-every {args.sync_every}, got "
             f"{args.outer_lr}"
         )
-    args.parsed = []
-    for text in args.settings:
-        workers, _, rate = text.partition("x")
-        try:
-            args.parsed.append((int(workers), _netns.parse_rate(rate)))
-        except ValueError as e:
-            p.error(f"--settings: {text!r} is not WORKERSxRATE like 8x1gbit ({e})")
+    args.parsed = lm_compare.parse_settings(p, args.settings)
+    if any(w < 2 for w, _ in args.parsed):
+        p.error(f"--settings: DiLoCo needs at least 2 workers, got {args.settings}")
     return args
 
 

@@ -109,16 +109,22 @@ def parse_args(argv=None):
         p.error(f"--bandwidth: {e}")
     args.settings_parsed = [(w, r) for w in args.workers for r in rates]
     if args.settings:
-        args.settings_parsed = []
-        for text in args.settings:
-            workers, _, rate = text.partition("x")
-            try:
-                args.settings_parsed.append((int(workers), _netns.parse_rate(rate)))
-            except ValueError as e:
-                p.error(f"--settings: {text!r} is not WORKERSxRATE like 4x100mbit ({e})")
+        args.settings_parsed = parse_settings(p, args.settings)
     if any(w < 1 for w, _ in args.settings_parsed):
         p.error(f"--workers must be >= 1, got {args.workers}")
     return args
+
+
+def parse_settings(p: argparse.ArgumentParser, texts) -> list[tuple[int, float]]:
+    """--settings as (workers, NIC rate in bits/s) pairs; a malformed one is a usage error."""
+    settings = []
+    for text in texts:
+        workers, _, rate = text.partition("x")
+        try:
+            settings.append((int(workers), _netns.parse_rate(rate)))
+        except ValueError as e:
+            p.error(f"--settings: {text!r} is not WORKERSxRATE like 4x100mbit ({e})")
+    return settings
 
 
 def first(rows, names, target: float, ddp_time: float) -> tuple[float | None, str]:

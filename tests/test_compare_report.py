@@ -185,6 +185,9 @@ def test_the_diloco_benchmark_rejects_bad_flags(diloco_compare, capsys):
     with pytest.raises(SystemExit):
         diloco_compare.parse_args(["--settings", "8on1gbit"])
     assert "--settings: '8on1gbit' is not WORKERSxRATE" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        diloco_compare.parse_args(["--settings", "1x1gbit"])
+    assert "DiLoCo needs at least 2 workers, got ['1x1gbit']" in capsys.readouterr().err
     assert diloco_compare.parse_args([]).parsed == [(8, 1e9), (8, 1e8)]
     assert diloco_compare.parse_args(["--outer-lr", "0.3"]).outer_lr == [0.3, 0.3], "one for all"
     with pytest.raises(SystemExit):
