@@ -181,6 +181,7 @@ void bind_engine(py::module_& m) {
   m.def("simulate", &simulate, py::arg("values"), py::arg("rounds"), py::arg("options"),
         py::call_guard<py::gil_scoped_release>());
   m.def("cpu_kernels_isa", &cpu_kernels_isa);
+  m.def("quantized_message_bytes", &quantized_message_bytes, py::arg("numel"), py::arg("format"));
 }
 
 }  // namespace

@@ -63,7 +63,93 @@ void check_weight(const std::optional<at::Tensor>& weight, const char* arg,
                     " but the buffers are on ", like.device());
 }
 
+// A quantized message: uint8, contiguous, exactly the bytes of `numel` values in `format`.
+void check_quantized_message(const at::Tensor& t, const std::string& arg, const at::Tensor& state,
+                             BlockFormat format) {
+  TORCH_CHECK_TYPE(t.scalar_type() == at::kByte, "gossip_ext: ", arg,
+                   " must be a uint8 tensor (a quantized message), got ", t.scalar_type());
+  TORCH_CHECK_VALUE(t.is_contiguous(), "gossip_ext: ", arg, " must be contiguous");
+  // quant_message_bytes in SymInts: the Meta kernels also see symbolic sizes (torch.compile).
+  const c10::SymInt numel = state.sym_numel();
+  const c10::SymInt payload = format == BlockFormat::kInt4 ? (numel + 1) / 2 : numel;
+  const c10::SymInt bytes =
+      (numel + kQuantBlock - 1) / kQuantBlock * static_cast<int64_t>(sizeof(float)) + payload;
+  TORCH_CHECK_VALUE(t.sym_numel() == bytes, "gossip_ext: ", arg, " has ", t.sym_numel(),
+                    " bytes but a ", block_format_name(format), " message of ", numel,
+                    " values has ", bytes);
+  TORCH_CHECK_VALUE(t.device() == state.device(), "gossip_ext: ", arg, " is on ", t.device(),
+                    " but expected ", state.device());
+}
+
+void check_wide_state(const at::Tensor& t, const char* arg) {
+  check_buffer(t, arg, t);
+  TORCH_CHECK_TYPE(t.scalar_type() == at::kFloat || t.scalar_type() == at::kDouble,
+                   "gossip_ext: ", arg,
+                   " must be float32 or float64 to travel in a quantized message, got ",
+                   t.scalar_type());
+}
+
+void check_nonfinite_flag(const std::optional<at::Tensor>& nonfinite, const at::Tensor& x) {
+  if (!nonfinite.has_value()) return;
+  const at::Tensor& flag = *nonfinite;
+  TORCH_CHECK_TYPE(flag.scalar_type() == at::kInt, "gossip_ext: nonfinite must be int32, got ",
+                   flag.scalar_type());
+  TORCH_CHECK_VALUE(flag.sym_numel() == 1, "gossip_ext: nonfinite must have one element, got ",
+                    flag.sym_numel());
+  TORCH_CHECK_VALUE(flag.device() == x.device(), "gossip_ext: nonfinite is on ", flag.device(),
+                    " but the buffers are on ", x.device());
+}
+
 }  // namespace
+
+BlockFormat parse_block_format(const std::string& format, const char* arg) {
+  if (format == "int8") return BlockFormat::kInt8;
+  if (format == "int4") return BlockFormat::kInt4;
+  if (format == "float8_e4m3fn") return BlockFormat::kFloat8E4M3;
+  TORCH_CHECK_VALUE(false, "gossip_ext: ", arg,
+                    " must be 'int8', 'int4' or 'float8_e4m3fn' (a block-quantized message), got '",
+                    format, "'");
+}
+
+const char* block_format_name(BlockFormat format) {
+  switch (format) {
+    case BlockFormat::kInt8:
+      return "int8";
+    case BlockFormat::kInt4:
+      return "int4";
+    default:
+      return "float8_e4m3fn";
+  }
+}
+
+int64_t quantized_message_bytes(int64_t numel, const std::string& format) {
+  TORCH_CHECK_VALUE(numel >= 0, "gossip_ext: numel must be >= 0, got ", numel);
+  return quant_message_bytes(numel, parse_block_format(format));
+}
+
+void check_quantize_into_args(const at::Tensor& src, const at::Tensor& out,
+                              const std::string& format, const std::optional<at::Tensor>& weight) {
+  check_wide_state(src, "src");
+  check_quantized_message(out, "out", src, parse_block_format(format));
+  check_weight(weight, "weight", src);
+}
+
+void check_absorb_quantized_args(const at::Tensor& x, at::TensorList received,
+                                 const std::string& format,
+                                 const std::optional<at::Tensor>& self_weight,
+                                 const std::optional<at::Tensor>& new_weight,
+                                 const std::optional<at::Tensor>& nonfinite,
+                                 const std::optional<at::Tensor>& sent) {
+  check_wide_state(x, "x");
+  const BlockFormat block_format = parse_block_format(format);
+  for (size_t i = 0; i < received.size(); ++i) {
+    check_quantized_message(received[i], "received[" + std::to_string(i) + "]", x, block_format);
+  }
+  if (sent.has_value()) check_quantized_message(*sent, "sent", x, block_format);
+  check_weight(self_weight, "self_weight", x);
+  check_weight(new_weight, "new_weight", x);
+  check_nonfinite_flag(nonfinite, x);
+}
 
 void check_scale_into_args(const at::Tensor& src, const at::Tensor& out,
                            const std::optional<at::Tensor>& weight) {
@@ -97,15 +183,7 @@ void check_absorb_args(const at::Tensor& x, at::TensorList received,
   if (sent.has_value()) check_message(*sent, "sent", x, message);
   check_weight(self_weight, "self_weight", x);
   check_weight(new_weight, "new_weight", x);
-  if (nonfinite.has_value()) {
-    const at::Tensor& flag = *nonfinite;
-    TORCH_CHECK_TYPE(flag.scalar_type() == at::kInt, "gossip_ext: nonfinite must be int32, got ",
-                     flag.scalar_type());
-    TORCH_CHECK_VALUE(flag.sym_numel() == 1, "gossip_ext: nonfinite must have one element, got ",
-                      flag.sym_numel());
-    TORCH_CHECK_VALUE(flag.device() == x.device(), "gossip_ext: nonfinite is on ", flag.device(),
-                      " but the buffers are on ", x.device());
-  }
+  check_nonfinite_flag(nonfinite, x);
 }
 
 at::ScalarType absorb_message_dtype(const at::Tensor& x, at::TensorList received,
@@ -149,6 +227,30 @@ void absorb_(const at::Tensor& x, at::TensorList received, double alpha,
   op.call(x, received, alpha, self_weight, new_weight, nonfinite, sent, sent_scale);
 }
 
+void quantize_into_(const at::Tensor& src, const at::Tensor& out, const std::string& format,
+                    double alpha, const std::optional<at::Tensor>& weight, double feedback) {
+  static auto op = c10::Dispatcher::singleton()
+                       .findSchemaOrThrow("gossip_ext::quantize_into_", "")
+                       .typed<void(const at::Tensor&, const at::Tensor&, c10::string_view, double,
+                                   const std::optional<at::Tensor>&, double)>();
+  op.call(src, out, format, alpha, weight, feedback);
+}
+
+void absorb_quantized_(const at::Tensor& x, at::TensorList received, const std::string& format,
+                       double alpha, const std::optional<at::Tensor>& self_weight,
+                       const std::optional<at::Tensor>& new_weight,
+                       const std::optional<at::Tensor>& nonfinite,
+                       const std::optional<at::Tensor>& sent, double sent_scale) {
+  static auto op = c10::Dispatcher::singleton()
+                       .findSchemaOrThrow("gossip_ext::absorb_quantized_", "")
+                       .typed<void(const at::Tensor&, at::TensorList, c10::string_view, double,
+                                   const std::optional<at::Tensor>&,
+                                   const std::optional<at::Tensor>&,
+                                   const std::optional<at::Tensor>&,
+                                   const std::optional<at::Tensor>&, double)>();
+  op.call(x, received, format, alpha, self_weight, new_weight, nonfinite, sent, sent_scale);
+}
+
 }  // namespace ops
 
 TORCH_LIBRARY(gossip_ext, m) {
@@ -160,6 +262,13 @@ TORCH_LIBRARY(gossip_ext, m) {
       "absorb_(Tensor(a!) x, Tensor[] received, float alpha, Tensor? self_weight=None, "
       "Tensor? new_weight=None, Tensor(b!)? nonfinite=None, Tensor? sent=None, "
       "float sent_scale=0.) -> ()");
+  m.def(
+      "quantize_into_(Tensor(a!) src, Tensor(b!) out, str format, float alpha, "
+      "Tensor? weight=None, float feedback=0.) -> ()");
+  m.def(
+      "absorb_quantized_(Tensor(a!) x, Tensor[] received, str format, float alpha, "
+      "Tensor? self_weight=None, Tensor? new_weight=None, Tensor(b!)? nonfinite=None, "
+      "Tensor? sent=None, float sent_scale=0.) -> ()");
 }
 
 // Fake-tensor kernels: the ops return nothing and mutate in place, so checking is all there is.
@@ -178,6 +287,20 @@ TORCH_LIBRARY_IMPL(gossip_ext, Meta, m) {
                        const std::optional<at::Tensor>& nonfinite,
                        const std::optional<at::Tensor>& sent, double) {
     check_absorb_args(x, received, self_weight, new_weight, nonfinite, sent);
+  });
+  m.impl("quantize_into_", [](const at::Tensor& src, const at::Tensor& out,
+                              c10::string_view format, double,
+                              const std::optional<at::Tensor>& weight, double) {
+    check_quantize_into_args(src, out, std::string(format), weight);
+  });
+  m.impl("absorb_quantized_", [](const at::Tensor& x, at::TensorList received,
+                                 c10::string_view format, double,
+                                 const std::optional<at::Tensor>& self_weight,
+                                 const std::optional<at::Tensor>& new_weight,
+                                 const std::optional<at::Tensor>& nonfinite,
+                                 const std::optional<at::Tensor>& sent, double) {
+    check_absorb_quantized_args(x, received, std::string(format), self_weight, new_weight,
+                                nonfinite, sent);
   });
 }
 

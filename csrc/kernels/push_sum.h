@@ -28,6 +28,21 @@
 //       caught where it arrives at no extra memory traffic, and the flag stays on the device until
 //       the caller chooses to read it.
 //
+//   quantize_into_(Tensor(a!) src, Tensor(b!) out, str format, float alpha, Tensor? weight=None,
+//                  float feedback=0.) -> ()
+//       compress_into_ with a block-quantized message (Note [Quantized messages] in
+//       block_format.h): format "int8", "int4" or "float8_e4m3fn"; out is a uint8 tensor of
+//       exactly quantized_message_bytes(src.numel(), format) bytes; src float32 or float64.
+//       v = alpha * weight * src is sent as block codes and scales, and with feedback the error
+//       src += feedback * (v - sent value) / weight stays in the sender's state.
+//   absorb_quantized_(Tensor(a!) x, Tensor[] received, str format, float alpha,
+//                     Tensor? self_weight=None, Tensor? new_weight=None,
+//                     Tensor(b!)? nonfinite=None, Tensor? sent=None, float sent_scale=0.) -> ()
+//       absorb_ over quantized messages (uint8, as quantize_into_ writes them): each value read
+//       in float32 (code * block scale) and accumulated in x's dtype. The non-finite flag is
+//       raised by a NaN or Inf in x or in a block scale (a sender's NaN or Inf travels as a NaN
+//       scale).
+//
 // Buffers are 1-D-compatible contiguous tensors of one floating dtype (float32, float64, float16,
 // bfloat16) on one device; 16-bit types accumulate in float32. Messages (compress_into_'s out,
 // absorb_'s received) may instead be float16 or bfloat16 when the state is float32 or float64;
@@ -40,7 +55,16 @@
 
 #include <ATen/core/Tensor.h>
 
+#include "kernels/block_format.h"
+
 namespace gossip {
+
+// The block format named `format` ("int8", "int4" or "float8_e4m3fn"); ValueError naming `arg`
+// otherwise.
+BlockFormat parse_block_format(const std::string& format, const char* arg = "format");
+const char* block_format_name(BlockFormat format);
+// Bytes of a quantized message of `numel` values (Note [Quantized messages]).
+int64_t quantized_message_bytes(int64_t numel, const std::string& format);
 
 // Argument checks shared by every backend (and the Meta kernels used for fake tensors).
 void check_scale_into_args(const at::Tensor& src, const at::Tensor& out,
@@ -52,6 +76,14 @@ void check_absorb_args(const at::Tensor& x, at::TensorList received,
                        const std::optional<at::Tensor>& new_weight,
                        const std::optional<at::Tensor>& nonfinite,
                        const std::optional<at::Tensor>& sent);
+void check_quantize_into_args(const at::Tensor& src, const at::Tensor& out,
+                              const std::string& format, const std::optional<at::Tensor>& weight);
+void check_absorb_quantized_args(const at::Tensor& x, at::TensorList received,
+                                 const std::string& format,
+                                 const std::optional<at::Tensor>& self_weight,
+                                 const std::optional<at::Tensor>& new_weight,
+                                 const std::optional<at::Tensor>& nonfinite,
+                                 const std::optional<at::Tensor>& sent);
 // The dtype absorb_ reads its messages in: the received buffers', else `sent`'s, else x's.
 at::ScalarType absorb_message_dtype(const at::Tensor& x, at::TensorList received,
                                     const std::optional<at::Tensor>& sent);
@@ -74,6 +106,14 @@ void absorb_(const at::Tensor& x, at::TensorList received, double alpha,
              const std::optional<at::Tensor>& new_weight,
              const std::optional<at::Tensor>& nonfinite = std::nullopt,
              const std::optional<at::Tensor>& sent = std::nullopt, double sent_scale = 0.0);
+void quantize_into_(const at::Tensor& src, const at::Tensor& out, const std::string& format,
+                    double alpha, const std::optional<at::Tensor>& weight, double feedback);
+void absorb_quantized_(const at::Tensor& x, at::TensorList received, const std::string& format,
+                       double alpha, const std::optional<at::Tensor>& self_weight,
+                       const std::optional<at::Tensor>& new_weight,
+                       const std::optional<at::Tensor>& nonfinite = std::nullopt,
+                       const std::optional<at::Tensor>& sent = std::nullopt,
+                       double sent_scale = 0.0);
 }  // namespace ops
 
 }  // namespace gossip

@@ -227,6 +227,68 @@ void absorb_cpu(const at::Tensor& x, at::TensorList received, double alpha,
   });
 }
 
+// Quantized kernels run over whole blocks of kQuantBlock values (Note [Quantized messages]), so
+// that no two threads share an int4 byte or a block's scale.
+template <typename Body>
+void parallel_for_blocks(int64_t numel, const Body& body) {
+  at::parallel_for(0, quant_blocks(numel), kGrainSize / kQuantBlock,
+                   [&](int64_t first, int64_t last) {
+                     body(first * kQuantBlock, std::min(last * kQuantBlock, numel));
+                   });
+}
+
+void quantize_into_cpu(const at::Tensor& src, const at::Tensor& out, c10::string_view format,
+                       double alpha, const std::optional<at::Tensor>& weight, double feedback) {
+  const std::string name(format);
+  check_quantize_into_args(src, out, name, weight);
+  const BlockFormat block_format = parse_block_format(name);
+  const double w = weight_value(weight);
+  const int64_t numel = src.numel();
+  uint8_t* message = out.mutable_data_ptr<uint8_t>();
+  AT_DISPATCH_FLOATING_TYPES(src.scalar_type(), "quantize_into_", [&] {
+    scalar_t* state = src.mutable_data_ptr<scalar_t>();
+    const auto scale = static_cast<scalar_t>(alpha * w);
+    const auto fold = static_cast<scalar_t>(feedback / w);
+    const auto kernel = GOSSIP_PICK_RANGE_KERNEL(quantize_into<scalar_t>);
+    parallel_for_blocks(numel, [&](int64_t begin, int64_t end) {
+      kernel(state, message, numel, block_format, begin, end, scale, fold);
+    });
+  });
+}
+
+void absorb_quantized_cpu(const at::Tensor& x, at::TensorList received, c10::string_view format,
+                          double alpha, const std::optional<at::Tensor>& self_weight,
+                          const std::optional<at::Tensor>& new_weight,
+                          const std::optional<at::Tensor>& nonfinite,
+                          const std::optional<at::Tensor>& sent, double sent_scale) {
+  const std::string name(format);
+  check_absorb_quantized_args(x, received, name, self_weight, new_weight, nonfinite, sent);
+  const BlockFormat block_format = parse_block_format(name);
+  const int64_t numel = x.numel();
+  std::vector<const uint8_t*> messages;
+  messages.reserve(received.size());
+  for (const at::Tensor& r : received) messages.push_back(r.const_data_ptr<uint8_t>());
+  const uint8_t* own = sent.has_value() ? sent->const_data_ptr<uint8_t>() : nullptr;
+  const int count = static_cast<int>(messages.size());
+  AT_DISPATCH_FLOATING_TYPES(x.scalar_type(), "absorb_quantized_", [&] {
+    scalar_t* state = x.mutable_data_ptr<scalar_t>();
+    const auto self = static_cast<scalar_t>(alpha * weight_value(self_weight));
+    const auto own_scale = static_cast<scalar_t>(sent_scale);
+    const auto out_scale = static_cast<scalar_t>(1.0 / weight_value(new_weight));
+    const auto kernel = nonfinite.has_value()
+                            ? GOSSIP_PICK_RANGE_KERNEL(absorb_quantized<scalar_t, true>)
+                            : GOSSIP_PICK_RANGE_KERNEL(absorb_quantized<scalar_t, false>);
+    std::atomic<bool> saw_nonfinite{false};
+    parallel_for_blocks(numel, [&](int64_t begin, int64_t end) {
+      if (kernel(state, messages.data(), count, own, numel, block_format, begin, end, self,
+                 own_scale, out_scale)) {
+        saw_nonfinite.store(true, std::memory_order_relaxed);
+      }
+    });
+    if (saw_nonfinite.load(std::memory_order_relaxed)) nonfinite->fill_(1);
+  });
+}
+
 }  // namespace
 
 #undef GOSSIP_PICK_RANGE_KERNEL
@@ -237,6 +299,8 @@ TORCH_LIBRARY_IMPL(gossip_ext, CPU, m) {
   m.impl("scale_into", &scale_into_cpu);
   m.impl("compress_into_", &compress_into_cpu);
   m.impl("absorb_", &absorb_cpu);
+  m.impl("quantize_into_", &quantize_into_cpu);
+  m.impl("absorb_quantized_", &absorb_quantized_cpu);
 }
 
 }  // namespace gossip

@@ -15,6 +15,7 @@
 #include <cstdint>
 #include <type_traits>
 
+#include "kernels/block_format.h"
 #include "kernels/cpu/convert.h"
 
 namespace gossip::cpu {
