@@ -86,10 +86,23 @@ void bind_engine(py::module_& m) {
       .def(py::init([](GraphOptions graph, MixingOptions mixing, bool push_sum,
                        bool allow_lazy_mixing, bool synchronous,
                        std::chrono::milliseconds timeout, bool check_finite,
-                       std::optional<at::ScalarType> message_dtype) {
-             return EngineOptions{std::move(graph), mixing,        push_sum,
-                                  allow_lazy_mixing, synchronous,   timeout,
-                                  check_finite,      message_dtype};
+                       const py::object& message_dtype) {
+             // message_dtype: a 16-bit torch.dtype, torch.float8_e4m3fn, or the name of a block
+             // format ("int8", "int4", "float8_e4m3fn"); None for full precision.
+             EngineOptions options{std::move(graph), mixing,      push_sum, allow_lazy_mixing,
+                                   synchronous,      timeout,     check_finite};
+             if (py::isinstance<py::str>(message_dtype)) {
+               options.message_format =
+                   parse_block_format(message_dtype.cast<std::string>(), "message_dtype");
+             } else if (!message_dtype.is_none()) {
+               const auto dtype = message_dtype.cast<at::ScalarType>();
+               if (dtype == at::kFloat8_e4m3fn) {
+                 options.message_format = BlockFormat::kFloat8E4M3;
+               } else {
+                 options.message_dtype = dtype;
+               }
+             }
+             return options;
            }),
            py::arg("graph"), py::arg("mixing"), py::arg("push_sum") = true,
            py::arg("allow_lazy_mixing") = true, py::arg("synchronous") = false,

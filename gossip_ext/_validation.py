@@ -23,6 +23,23 @@ from gossip_ext.mixing import MixingBase
 # ----------------------------------------------------------------------------- arguments
 
 
+
+# What a message may be besides full precision: 16-bit floats, or block-quantized formats with a
+# float32 scale per block of 128 values (Note [Quantized messages] in csrc/kernels/block_format.h).
+MESSAGE_DTYPES = (torch.bfloat16, torch.float16, torch.float8_e4m3fn, "int8", "int4")
+
+
+def check_message_dtype(name: str, value) -> None:
+    """ValueError naming ``name`` unless ``value`` is None or one of MESSAGE_DTYPES."""
+    if value is None or (
+        isinstance(value, (str, torch.dtype)) and any(value == d for d in MESSAGE_DTYPES)
+    ):
+        return
+    raise ValueError(
+        f"{name} must be torch.bfloat16, torch.float16, torch.float8_e4m3fn, 'int8', 'int4' or "
+        f"None (full precision), got {value!r}"
+    )
+
 def check_type(name: str, value, expected, what: str) -> None:
     # bool is an int to isinstance: push_sum=1 or synch_freq=True are mistakes worth naming.
     if isinstance(value, bool) and expected is not bool:
@@ -76,11 +93,7 @@ def check_arguments(
         check_type("comm_device", comm_device, (str, torch.device), "a torch.device, str or None")
     check_type("timeout", timeout, timedelta, "a datetime.timedelta")
     check_type("check_finite", check_finite, bool, "a bool")
-    if message_dtype is not None and message_dtype not in (torch.bfloat16, torch.float16):
-        raise ValueError(
-            f"message_dtype must be torch.bfloat16, torch.float16 or None (full precision), "
-            f"got {message_dtype!r}"
-        )
+    check_message_dtype("message_dtype", message_dtype)
     check_type("verbose", verbose, bool, "a bool")
     for name, value in (("global_avg_freq", global_avg_freq), ("slowmo_freq", slowmo_freq)):
         if value is not None:

@@ -123,11 +123,14 @@ class GossipDataParallel(nn.Module):
             spreads them to every worker. The check rides on the absorb kernel's single pass; on
             a GPU it is read one step later to avoid a host sync. False lets them through
             (default: True).
-        message_dtype (torch.dtype, optional): ``torch.bfloat16`` or ``torch.float16`` sends
-            float32/float64 parameters in 16 bits, half the bytes. The parameters, the absorb and
-            the push-sum weight stay in full precision, and each message's rounding error stays
-            in the sender's own state, so the mean over workers is conserved to float32 rounding;
-            workers agree to within the message precision. None: full precision (default).
+        message_dtype (torch.dtype or str, optional): ``torch.bfloat16`` or ``torch.float16``
+            sends float32/float64 parameters in 16 bits, half the bytes; ``"int8"``, ``"int4"``
+            or ``torch.float8_e4m3fn`` sends them block-quantized, with a float32 scale per block
+            of 128 values: 0.258 (int8, float8) or 0.133 (int4) of float32's bytes. The
+            parameters, the absorb and the push-sum weight stay in full precision, and each
+            message's rounding error stays in the sender's own state (error feedback), so the
+            mean over workers is conserved to float32 rounding; workers agree to within the
+            message precision. None: full precision (default).
         global_avg_freq (int, optional): every ``global_avg_freq`` optimizer steps (counted by
             :meth:`transfer_params` calls), all-reduce the parameters to their exact average (see
             :meth:`average_parameters`) instead of that step's gossip round, and reset the
@@ -226,7 +229,7 @@ class GossipDataParallel(nn.Module):
         comm_device: torch.device | str | None = None,
         timeout: timedelta = timedelta(minutes=5),
         check_finite: bool = True,
-        message_dtype: torch.dtype | None = None,
+        message_dtype: torch.dtype | str | None = None,
         global_avg_freq: int | None = None,
         slowmo_freq: int | None = None,
         slowmo_momentum: float = 0.5,

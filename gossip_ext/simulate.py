@@ -21,7 +21,7 @@ def simulate(
     mixing: MixingBase | None = None,
     timeout: timedelta = timedelta(minutes=1),
     check_finite: bool = True,
-    message_dtype: torch.dtype | None = None,
+    message_dtype: torch.dtype | str | None = None,
 ) -> torch.Tensor:
     """Runs ``rounds`` rounds of pure gossip (no gradient steps) among ``values.shape[0]`` nodes.
 
@@ -39,9 +39,11 @@ def simulate(
         timeout (timedelta): how long a node waits for a message before raising TimeoutError.
         check_finite (bool): raise FloatingPointError naming the sender when a message holds NaN
             or Inf; False lets them spread (default: True).
-        message_dtype (torch.dtype, optional): ``torch.bfloat16`` or ``torch.float16`` sends
-            float32/float64 values in 16 bits, keeping the rounding error in the sender's state
-            so that the mean is conserved (default: None, full precision).
+        message_dtype (torch.dtype or str, optional): ``torch.bfloat16`` or ``torch.float16``
+            sends float32/float64 values in 16 bits; ``"int8"``, ``"int4"`` or
+            ``torch.float8_e4m3fn`` block-quantized (a float32 scale per 128 values); the
+            rounding error stays in the sender's state so that the mean is conserved (default:
+            None, full precision).
 
     Returns:
         Tensor: ``[rounds + 1, n, d]``, the de-biased values ``z`` of every node after every

@@ -506,11 +506,11 @@ def test_constructor_argument_types(argument, value):
     assert repr(value) in message, message
 
 
-@pytest.mark.parametrize("value", [torch.float32, torch.int8, "bfloat16"])
-def test_message_dtype_must_be_a_16_bit_float(value):
+@pytest.mark.parametrize("value", [torch.float32, torch.int8, "bfloat16", "int2", 8])
+def test_message_dtype_must_be_a_message_format(value):
     with pytest.raises(
         ValueError,
-        match=r"message_dtype must be torch.bfloat16, torch.float16 or "
-        rf"None \(full precision\), got {value!r}",
+        match=r"message_dtype must be torch.bfloat16, torch.float16, torch.float8_e4m3fn, "
+        rf"'int8', 'int4' or None \(full precision\), got {value!r}",
     ):
         gossip_ext.GossipDataParallel(nn.Linear(2, 1), message_dtype=value)

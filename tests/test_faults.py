@@ -179,11 +179,14 @@ def test_a_killed_peer_makes_every_survivor_raise_naming_it_and_the_round(
         assert elapsed < DEAD_PEER_TIMEOUT_S + SCHEDULING_SLACK_S, (rank, elapsed, error)
 
 
-def _one_rank_diverges(rank: int, world_size: int, check_finite: bool) -> dict:
+def _one_rank_diverges(rank: int, world_size: int, check_finite: bool, message_dtype=None) -> dict:
     # The default graph at n = 4 sends rank r's round-0 message to rank r + 1.
     module = nn.Linear(4, 1)
     model = gossip_ext.GossipDataParallel(
-        module, check_finite=check_finite, timeout=timedelta(seconds=30)
+        module,
+        check_finite=check_finite,
+        timeout=timedelta(seconds=30),
+        message_dtype=message_dtype,
     )
     if rank == 2:
         with torch.no_grad():
@@ -196,8 +199,10 @@ def _one_rank_diverges(rank: int, world_size: int, check_finite: bool) -> dict:
     return {"error": None, "weight": module.weight.detach().clone()}
 
 
-def test_a_nonfinite_message_raises_naming_the_sender_before_it_spreads():
-    results = run_ranks(4, _one_rank_diverges, True)
+# A quantized message carries NaN and Inf as a NaN block scale (Note [Quantized messages]).
+@pytest.mark.parametrize("message_dtype", [None, torch.bfloat16, "int4", torch.float8_e4m3fn])
+def test_a_nonfinite_message_raises_naming_the_sender_before_it_spreads(message_dtype):
+    results = run_ranks(4, _one_rank_diverges, True, message_dtype)
     assert results[0]["error"] is None and results[1]["error"] is None
     assert torch.isfinite(results[0]["weight"]).all() and torch.isfinite(results[1]["weight"]).all()
     assert "round 0: the messages from peers [2] hold NaN or Inf" in results[3]["error"]

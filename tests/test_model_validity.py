@@ -34,6 +34,8 @@ MODES = {
     "compressed": {"message_dtype": torch.bfloat16},
     "compressed_overlap": {"message_dtype": torch.bfloat16, "overlap": True},
     "compressed_float16": {"message_dtype": torch.float16},
+    "quantized": {"message_dtype": "int8"},
+    "quantized_overlap": {"message_dtype": "int8", "overlap": True},
     "hierarchical": {"nprocs_per_node": 2},
     "float16_model": {},
     "bfloat16_model": {},
@@ -53,6 +55,9 @@ TOLERANCE = {
     "compressed": 2e-2,
     "compressed_overlap": 2e-2,
     "compressed_float16": 3e-3,
+    # int8 blocks: a level is 1/127 of the block's largest value (Note [Quantized messages]).
+    "quantized": 2e-2,
+    "quantized_overlap": 2e-2,
     "float16_model": 3e-3,
     "bfloat16_model": 2e-2,
 }

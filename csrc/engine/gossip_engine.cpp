@@ -50,14 +50,17 @@ GossipEngine::GossipEngine(const std::vector<at::Tensor>& params,
                     "gossip_ext: message_dtype must be torch.float16 or torch.bfloat16 (or None for "
                     "full precision), got ",
                     *options_.message_dtype);
+  TORCH_CHECK_VALUE(!options_.message_dtype.has_value() || !options_.message_format.has_value(),
+                    "gossip_ext: message_dtype and message_format exclude each other");
   groups_ = flatten_parameters(params, names);
   lazy_ = !options_.push_sum ||
           (options_.allow_lazy_mixing && options_.mixing.kind == MixingKind::kUniform &&
            graph_.is_regular());
   for (const FlatParameterGroup& group : groups_) {
     const at::ScalarType dtype = group.flat.scalar_type();
-    compressed_.push_back(options_.message_dtype.has_value() &&
-                          (dtype == at::kFloat || dtype == at::kDouble));
+    compressed_.push_back(
+        (options_.message_dtype.has_value() || options_.message_format.has_value()) &&
+        (dtype == at::kFloat || dtype == at::kDouble));
   }
   const bool any_compressed = std::find(compressed_.begin(), compressed_.end(), true) !=
                               compressed_.end();
@@ -80,9 +83,13 @@ GossipEngine::GossipEngine(const std::vector<at::Tensor>& params,
     }
   }
   for (size_t g = 0; g < groups_.size(); ++g) {
-    const at::ScalarType dtype =
-        compressed_[g] ? *options_.message_dtype : groups_[g].flat.scalar_type();
-    const int64_t numel = groups_[g].flat.numel();
+    // A quantized message is bytes: its scales, then its codes.
+    const at::ScalarType dtype = quantized(g)        ? at::kByte
+                                 : compressed_[g]    ? *options_.message_dtype
+                                                     : groups_[g].flat.scalar_type();
+    const int64_t numel = quantized(g)
+                              ? quant_message_bytes(groups_[g].flat.numel(), *options_.message_format)
+                              : groups_[g].flat.numel();
     const int64_t slot = weight_slot_elements(dtype);
     const int64_t message_numel = lazy_ ? numel : round_up(numel, slot) + slot;
     recv_.emplace_back();
@@ -101,6 +108,12 @@ at::Tensor GossipEngine::weight_slot(const at::Tensor& message) const {
   const int64_t weight_bytes = static_cast<int64_t>(c10::elementSize(weight_dtype_));
   const int64_t total_bytes = message.numel() * static_cast<int64_t>(message.element_size());
   return message.view(at::kByte).narrow(0, total_bytes - 8, weight_bytes).view(weight_dtype_);
+}
+
+at::Tensor GossipEngine::message_body(size_t g, const at::Tensor& message) const {
+  const int64_t numel = groups_[g].flat.numel();
+  return message.narrow(
+      0, 0, quantized(g) ? quant_message_bytes(numel, *options_.message_format) : numel);
 }
 
 std::shared_ptr<Work> GossipEngine::start_round() {
@@ -125,14 +138,19 @@ std::shared_ptr<Work> GossipEngine::start_round() {
     const at::Tensor& flat = groups_[g].flat;
     const at::Tensor& message = in_place_ ? flat : send_[g];
     if (!in_place_ && num_out > 0) {
-      const at::Tensor body = message.narrow(0, 0, flat.numel());
+      const at::Tensor body = message_body(g, message);
       const std::optional<at::Tensor> weight =
           lazy_ ? std::nullopt : std::optional<at::Tensor>(weight_);
       if (compressed_[g]) {
         // Note [Compressed messages]: folded in now, or at the absorb (feedback 0 here).
         const double feedback =
             fold_at_absorb_ ? 0.0 : static_cast<double>(num_out) / weights.self_weight;
-        ops::compress_into_(flat, body, weights.peer_weight, weight, feedback);
+        if (quantized(g)) {
+          ops::quantize_into_(flat, body, block_format_name(*options_.message_format),
+                              weights.peer_weight, weight, feedback);
+        } else {
+          ops::compress_into_(flat, body, weights.peer_weight, weight, feedback);
+        }
       } else {
         ops::scale_into(flat, body, weights.peer_weight, weight);
       }
@@ -232,18 +250,27 @@ void GossipEngine::absorb() {
     const at::Tensor& flat = groups_[g].flat;
     std::vector<at::Tensor> received;
     received.reserve(num_received);
-    for (size_t j = 0; j < num_received; ++j) {
-      received.push_back(recv_[g][j].narrow(0, 0, flat.numel()));
-    }
+    for (size_t j = 0; j < num_received; ++j) received.push_back(message_body(g, recv_[g][j]));
+    const std::string format =
+        quantized(g) ? block_format_name(*options_.message_format) : std::string();
     if (compressed_[g] && fold_at_absorb_ && sent_scale_ != 0.0) {
-      const at::Tensor sent = send_[g].narrow(0, 0, flat.numel());
-      ops::absorb_(flat, received, 1.0, self_weight, new_weight, nonfinite, sent, sent_scale_);
+      const at::Tensor sent = message_body(g, send_[g]);
+      if (quantized(g)) {
+        ops::absorb_quantized_(flat, received, format, 1.0, self_weight, new_weight, nonfinite,
+                               sent, sent_scale_);
+      } else {
+        ops::absorb_(flat, received, 1.0, self_weight, new_weight, nonfinite, sent, sent_scale_);
+      }
     } else {
       // Uncompressed groups (and compressed ones under overlap, folded at the send) keep their
       // share; lazy mixing's share is a plain scale.
       const std::optional<at::Tensor> kept =
           lazy_ ? std::nullopt : std::optional<at::Tensor>(kept_weight_);
-      ops::absorb_(flat, received, self_scale_, kept, new_weight, nonfinite);
+      if (quantized(g)) {
+        ops::absorb_quantized_(flat, received, format, self_scale_, kept, new_weight, nonfinite);
+      } else {
+        ops::absorb_(flat, received, self_scale_, kept, new_weight, nonfinite);
+      }
     }
   }
   if (!lazy_) weight_.copy_(*new_weight);
@@ -290,7 +317,12 @@ void GossipEngine::raise_nonfinite(int64_t round, const std::vector<int>& in_pee
   std::vector<int> senders;
   for (size_t j = 0; j < in_peers.size(); ++j) {
     for (size_t g = 0; g < groups_.size(); ++g) {
-      const at::Tensor body = recv_[g][j].narrow(0, 0, groups_[g].flat.numel());
+      // A quantized message's NaN or Inf is a NaN block scale (Note [Quantized messages]).
+      const at::Tensor body =
+          quantized(g) ? recv_[g][j]
+                             .narrow(0, 0, quant_blocks(groups_[g].flat.numel()) * 4)
+                             .view(at::kFloat)
+                       : recv_[g][j].narrow(0, 0, groups_[g].flat.numel());
       if (!at::isfinite(body).all().item<bool>()) {
         senders.push_back(in_peers[j]);
         break;

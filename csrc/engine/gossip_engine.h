@@ -84,7 +84,9 @@
 //     value. The optimizer updates z while the round is in flight, and the fold must use the z
 //     the message was made of, which is gone by the absorb.
 // Compressed groups are never sent in place (the message has another dtype), and the weight
-// travels in full precision.
+// travels in full precision. Block-quantized messages (int8, int4, float8 e4m3fn with a scale per
+// block; EngineOptions::message_format) are compressed messages like the 16-bit ones: the same
+// folds, through quantize_into_ and absorb_quantized_; a NaN or Inf travels as a NaN block scale.
 //
 // Messages: one per out-peer and dtype group, laid out as [numerators | padding | weight], the
 // weight (when it travels) in the engine's weight dtype at an 8-byte-aligned tail.
@@ -113,6 +115,7 @@
 #include <c10/core/Event.h>
 
 #include "engine/flat_parameters.h"
+#include "kernels/block_format.h"
 #include "topology/graph.h"
 #include "topology/mixing.h"
 #include "transport/transport.h"
@@ -141,6 +144,10 @@ struct EngineOptions {
   // float16 or bfloat16: send float32/float64 groups in 16 bits (Note [Compressed messages]).
   // Groups already in 16 bits, and every group when unset, travel in their own dtype.
   std::optional<at::ScalarType> message_dtype;
+  // int8, int4 or float8 e4m3fn blocks: send float32/float64 groups block-quantized (Note
+  // [Quantized messages] in kernels/block_format.h) with the same error feedback. Exclusive with
+  // message_dtype.
+  std::optional<BlockFormat> message_format;
 };
 
 class GossipEngine {
@@ -206,6 +213,9 @@ class GossipEngine {
   void check_last_absorb_finite();
   [[noreturn]] void raise_nonfinite(int64_t round, const std::vector<int>& in_peers) const;
   at::Tensor weight_slot(const at::Tensor& message) const;
+  // The numerators of group g's message (all of it but the padding and the weight).
+  at::Tensor message_body(size_t g, const at::Tensor& message) const;
+  bool quantized(size_t g) const { return compressed_[g] && options_.message_format.has_value(); }
 
   std::vector<FlatParameterGroup> groups_;
   std::shared_ptr<Transport> transport_;

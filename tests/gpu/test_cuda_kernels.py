@@ -258,3 +258,82 @@ def test_many_messages_into_a_16bit_state_round_once(dtype):
     torch.ops.gossip_ext.absorb_(got, [r.cuda() for r in received], 1.0, None, new_weight.cuda())
     assert torch.isfinite(got).all()
     assert torch.equal(got.cpu(), want)
+
+
+# --- block-quantized messages (Note [Quantized messages]): the CUDA twins give the CPU's bits ----
+
+QUANTIZED_FORMATS = ["int8", "int4", "float8_e4m3fn"]
+
+
+def _quantizable(n, dtype, offset=0):
+    # Normal values over several magnitudes, a block of zeros and one large outlier.
+    v = torch.randn(n + offset, dtype=torch.float64)[offset:] * 10.0 ** (torch.arange(n) % 7 - 3)
+    v[128:256] = 0.0
+    v[300:301] = 1e4
+    return v.to(dtype)
+
+
+def _message(n, fmt, offset=0, device="cpu"):
+    size = gossip_ext._C.quantized_message_bytes(n, fmt)
+    return torch.zeros(size + offset, dtype=torch.uint8, device=device)[offset:]
+
+
+@pytest.mark.parametrize("fmt", QUANTIZED_FORMATS)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize("n", [1, 129, 1023, 70001, (1 << 20) + 3])
+@pytest.mark.parametrize("offset", [0, 1])
+@pytest.mark.parametrize("feedback", [0.0, 2.0])
+def test_quantize_into_matches_cpu_bit_for_bit(fmt, dtype, n, offset, feedback):
+    src = _quantizable(max(n, 301), dtype, offset)[:n]
+    weight = _weight(0.7, torch.float64)
+    want_message = _message(n, fmt)
+    want_src = src.clone()
+    torch.ops.gossip_ext.quantize_into_(want_src, want_message, fmt, 0.25, weight, feedback)
+    cuda_src = _device_view(src, offset)
+    message = _message(n, fmt, offset, "cuda")
+    torch.ops.gossip_ext.quantize_into_(cuda_src, message, fmt, 0.25, weight.cuda(), feedback)
+    assert torch.equal(message.cpu(), want_message)
+    assert torch.equal(cuda_src.cpu(), want_src)
+
+
+@pytest.mark.parametrize("fmt", QUANTIZED_FORMATS)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize("n", [129, 70001])
+@pytest.mark.parametrize("num_received", [0, 1, 3, 11])  # 11: more than one launch
+@pytest.mark.parametrize("with_sent", [False, True])
+def test_absorb_quantized_matches_cpu_bit_for_bit(fmt, dtype, n, num_received, with_sent):
+    def message_of(seed):
+        m = _message(n, fmt)
+        torch.manual_seed(seed)
+        torch.ops.gossip_ext.quantize_into_(_quantizable(max(n, 301), dtype)[:n].clone(), m, fmt,
+                                            1.0)
+        return m
+
+    received = [message_of(k) for k in range(num_received)]
+    sent = message_of(99) if with_sent else None
+    x = _random(n, dtype)
+    self_weight, new_weight = _weight(0.4, torch.float32), _weight(1.9, torch.float64)
+    want = x.clone()
+    want_flag = torch.zeros(1, dtype=torch.int32)
+    torch.ops.gossip_ext.absorb_quantized_(want, received, fmt, 0.5, self_weight, new_weight,
+                                           want_flag, sent, -2.0)
+    cuda_x = x.cuda()
+    flag = torch.zeros(1, dtype=torch.int32, device="cuda")
+    torch.ops.gossip_ext.absorb_quantized_(
+        cuda_x, [m.cuda() for m in received], fmt, 0.5, self_weight.cuda(), new_weight.cuda(),
+        flag, None if sent is None else sent.cuda(), -2.0)
+    assert torch.equal(cuda_x.cpu(), want)
+    assert flag.item() == want_flag.item() == 0
+
+
+@pytest.mark.parametrize("fmt", QUANTIZED_FORMATS)
+def test_quantized_nonfinite_travels_as_a_nan_scale_on_the_gpu(fmt):
+    src = torch.randn(500, device="cuda")
+    src[200] = float("inf")
+    message = _message(500, fmt, device="cuda")
+    torch.ops.gossip_ext.quantize_into_(src, message, fmt, 1.0, None, 1.0)
+    x = torch.zeros(500, device="cuda")
+    flag = torch.zeros(1, dtype=torch.int32, device="cuda")
+    torch.ops.gossip_ext.absorb_quantized_(x, [message], fmt, 1.0, None, None, flag)
+    assert flag.item() == 1
+    assert bool(x[128:256].isnan().all()) and bool(torch.isfinite(x[:128]).all())
