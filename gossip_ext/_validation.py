@@ -40,6 +40,7 @@ def check_message_dtype(name: str, value) -> None:
         f"None (full precision), got {value!r}"
     )
 
+
 def check_type(name: str, value, expected, what: str) -> None:
     # bool is an int to isinstance: push_sum=1 or synch_freq=True are mistakes worth naming.
     if isinstance(value, bool) and expected is not bool:
@@ -73,6 +74,7 @@ def check_arguments(
     sync_every,
     outer_average,
     outer_device,
+    outer_dtype,
     start_in_forward,
     broadcast_buffers,
     gossip_buffers,
@@ -136,6 +138,7 @@ def check_arguments(
         raise ValueError(f"base_algorithm must be 'sgp' or 'localsgd', got {base_algorithm!r}")
     check_outer(outer_optimizer, sync_every, outer_device, global_avg_freq, slowmo_freq)
     check_outer_average(outer_average, outer_optimizer, nprocs_per_node)
+    check_outer_dtype(outer_dtype, outer_optimizer, outer_average)
     if start_in_forward and not overlap:
         raise ValueError(
             "start_in_forward=True needs overlap=True: a synchronous round is absorbed by the "
@@ -290,6 +293,23 @@ def check_outer_average(outer_average, outer_optimizer, nprocs_per_node: int) ->
             f"outer_average='gossip' with nprocs_per_node={nprocs_per_node}: the outer step "
             "over gossip keeps one theta_global per gossiping process, which the other processes "
             "of its machine would not share; use outer_average='allreduce' with nprocs_per_node"
+        )
+
+
+def check_outer_dtype(outer_dtype, outer_optimizer, outer_average) -> None:
+    check_message_dtype("outer_dtype", outer_dtype)
+    if outer_dtype is None:
+        return
+    if outer_optimizer is None:
+        raise ValueError(
+            f"outer_dtype={outer_dtype!r} compresses DiLoCo's pseudo-gradients, but "
+            "outer_optimizer is None"
+        )
+    if outer_average != "allreduce":
+        raise ValueError(
+            f"outer_dtype={outer_dtype!r} compresses the exact outer average; with "
+            f"outer_average={outer_average!r} the outer step is a gossip round, whose messages "
+            "message_dtype compresses"
         )
 
 
@@ -545,6 +565,7 @@ def configuration(
             a["outer_average"],
             outer,
             str(a["outer_device"]),
+            str(a["outer_dtype"]),
         ),
         "parameters": [(n, tuple(p.shape), str(p.dtype)) for n, p in parameters],
         # Averaged or gossiped with the parameters: their layout must agree too.

@@ -180,6 +180,14 @@ class GossipDataParallel(nn.Module):
         outer_device (torch.device or str, optional): where ``theta_global`` and the outer
             optimizer's state live: ``'cpu'`` keeps them in host memory when the parameters are on
             a GPU (torchft's ``backup_device``). Default: the parameters' device.
+        outer_dtype (torch.dtype or str, optional): the messages of DiLoCo's exact outer step
+            (``outer_average="allreduce"``): ``torch.bfloat16``, ``torch.float16``,
+            ``torch.float8_e4m3fn``, ``"int8"`` or ``"int4"`` send the pseudo-gradients
+            compressed, as Streaming DiLoCo does, with error feedback on every worker and on
+            every shard's owner (:mod:`gossip_ext.compressed_average`): each outer step sends
+            ``2 (n - 1) / n`` of the model at the message's width (int4: 0.133 of float32's
+            bytes), every worker's ``theta_global`` stays identical, and no rounding accumulates
+            over outer steps. None: full precision (default).
         start_in_forward (bool): under ``overlap=True``, start every round from the training
             forward, as the reference SGP does (its loop never calls :meth:`transfer_params`):
             the forward absorbs the round in flight and sends the parameters it is about to use.
@@ -241,6 +249,7 @@ class GossipDataParallel(nn.Module):
         sync_every: int | None = None,
         outer_average: str = "allreduce",
         outer_device: torch.device | str | None = None,
+        outer_dtype: torch.dtype | str | None = None,
         start_in_forward: bool = False,
         broadcast_buffers: bool = False,
         gossip_buffers: bool = False,
@@ -303,6 +312,7 @@ class GossipDataParallel(nn.Module):
             rule=outer.make_rule(params, self.process_group, arguments),
             sync_every=slowmo_freq or sync_every or 0,
             by_gossip=outer_average == "gossip",
+            outer_dtype=outer_dtype,
         )
         config = _validation.configuration(
             arguments,

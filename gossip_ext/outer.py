@@ -13,7 +13,9 @@ Three kinds, each taking the place of that step's gossip round:
   their mean moves as under exact averaging, with no collective over every worker.
 
 The exact average is push-sum's consensus value ``sum_i w_i z_i / sum_i w_i``
-(``averaging.exact_average``), read straight from the parameters into the message. Every
+(``averaging.exact_average``), read straight from the parameters into the message. DiLoCo's
+exact step with ``outer_dtype`` averages the pseudo-gradients themselves, in compressed messages
+with error feedback (``compressed_average.CompressedMean``: an all-reduce cannot sum them). Every
 collective of a step runs before anything is written: one that fails leaves the parameters and
 the rule's state as they were (Note [The parameters are the model] in the engine).
 """
@@ -28,6 +30,7 @@ import torch.distributed as dist
 
 from gossip_ext import outer_rules
 from gossip_ext.averaging import ParameterBuckets, exact_average
+from gossip_ext.compressed_average import CompressedMean
 
 # What a training step ends with (OuterSteps.kind); None: the inner mix's round, as usual.
 AVERAGE = "average"
@@ -74,8 +77,15 @@ class OuterSteps:
         rule: Any = None,
         sync_every: int = 0,
         by_gossip: bool = False,
+        outer_dtype: torch.dtype | str | None = None,
     ):
         self.buckets = ParameterBuckets(params)
+        # DiLoCo's pseudo-gradients in compressed messages (the rule is an OuterOptimizer).
+        self.compressed = None
+        if outer_dtype is not None:
+            self.compressed = CompressedMean(
+                self.buckets.layout(), self.buckets.device(0), outer_dtype, group
+            )
         self.buffer_buckets = ParameterBuckets(buffers)
         self.group = group
         self.average_every = average_every
@@ -137,6 +147,9 @@ class OuterSteps:
         not), or to what the rule makes of it for OUTER (SlowMo reads ``optimizer``'s learning
         rates), and the floating buffers to their average (weighted by ``buffer_weight``).
         Collective."""
+        if kind == OUTER and self.compressed is not None:
+            self._run_compressed(weight, buffer_weight)
+            return
         # Every bucket is averaged before any is written: one failed collective changes nothing.
         results = [
             exact_average(self.buckets, b, weight, self.group) for b in range(len(self.buckets))
@@ -151,6 +164,27 @@ class OuterSteps:
                 # average, which makes this step a plain average.
                 self.rule.start(self.buckets, results)
             results = self.rule.update(self.buckets, results, optimizer)
+        for b, result in enumerate(results):
+            self.buckets.write(b, result)
+        for b, result in enumerate(buffer_results):
+            self.buffer_buckets.write(b, result)
+
+    @torch.no_grad()
+    def _run_compressed(self, weight: float | None, buffer_weight: float | None) -> None:
+        """DiLoCo's exact step with ``outer_dtype``: the mean of the pseudo-gradients
+        ``theta_global - theta_i`` in compressed messages, then the outer optimizer; the residuals
+        are kept once every collective has succeeded."""
+        pseudo_gradients = []
+        for b, (n, dtype) in enumerate(self.buckets.layout()):
+            local = self.buckets.read(b, torch.empty(n, dtype=dtype, device=self.buckets.device(b)))
+            pseudo_gradients.append(local.neg_().add_(self.rule.flat[b].to(local.device)))
+        staged = self.compressed.mean(pseudo_gradients, weight)
+        buffer_results = [
+            exact_average(self.buffer_buckets, b, buffer_weight, self.group)
+            for b in range(len(self.buffer_buckets))
+        ]
+        results = self.rule.step_with(staged.means)
+        self.compressed.commit(staged)
         for b, result in enumerate(results):
             self.buckets.write(b, result)
         for b, result in enumerate(buffer_results):
@@ -172,7 +206,10 @@ class OuterSteps:
     def state_dict(self) -> dict[str, Any]:
         if self.rule is None:
             return {}
-        return {self.rule.state_key: self.rule.state_dict() if self.rule.started else None}
+        state = {self.rule.state_key: self.rule.state_dict() if self.rule.started else None}
+        if self.compressed is not None:
+            state[self.compressed.state_key] = self.compressed.state_dict()
+        return state
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         """A checkpoint without the rule's state (saved before it started, or by a run without
@@ -182,3 +219,5 @@ class OuterSteps:
         saved = state.get(self.rule.state_key)
         self.rule.load_state_dict(saved, self.buckets)
         self._start_at_forward = saved is None
+        if self.compressed is not None:
+            self.compressed.load_state_dict(state.get(self.compressed.state_key))

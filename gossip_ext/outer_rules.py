@@ -316,8 +316,16 @@ class OuterOptimizer:
     ) -> list[torch.Tensor]:
         """Steps ``theta_global`` with ``theta_global - average`` as its gradient (computed in
         ``averages``, which it overwrites) and returns it, per bucket: the new parameters."""
-        for b, average in enumerate(averages):
-            grad = average.to(self.device).neg_().add_(self.flat[b])
+        return self.step_with(
+            [average.to(self.device).neg_().add_(self.flat[b]) for b, average in enumerate(averages)]
+        )
+
+    @torch.no_grad()
+    def step_with(self, mean_pseudo_gradients: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+        """Steps ``theta_global`` with the workers' mean pseudo-gradient (per bucket; read, and
+        kept as the gradient during the step) and returns it: the new parameters."""
+        for b, mean in enumerate(mean_pseudo_gradients):
+            grad = mean.to(self.device)
             offset = 0
             for view in self._views[b]:
                 view.grad = grad[offset : offset + view.numel()].view(view.shape)

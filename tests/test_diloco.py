@@ -106,8 +106,8 @@ def _wrap(module: nn.Module, **options) -> gossip_ext.GossipDataParallel:
     return gossip_ext.GossipDataParallel(module, **options)
 
 
-def _train_diloco(rank: int, world_size: int, schedules: bool) -> dict:
-    model = _wrap(_net())
+def _train_diloco(rank: int, world_size: int, schedules: bool, options=None) -> dict:
+    model = _wrap(_net(), **(options or {}))
     opt = torch.optim.AdamW(model.parameters(), lr=INNER_LR, weight_decay=0.01)
     model.register_optimizer(opt)
     inner_sched, outer_sched = _schedulers(opt, model.outer_optimizer, schedules)
@@ -150,9 +150,9 @@ def test_diloco_follows_inner_and_outer_learning_rate_schedules():
 SAVE_AT = H + 1  # after one outer step (its momentum is state), inside the next period
 
 
-def _resume_bit_for_bit(rank: int, world_size: int) -> dict:
+def _resume_bit_for_bit(rank: int, world_size: int, outer_dtype) -> dict:
     def fresh():
-        model = _wrap(_net())
+        model = _wrap(_net(), outer_dtype=outer_dtype)
         opt = torch.optim.AdamW(model.parameters(), lr=INNER_LR, weight_decay=0.01)
         model.register_optimizer(opt)
         return model, opt
@@ -181,12 +181,16 @@ def _resume_bit_for_bit(rank: int, world_size: int) -> dict:
         "straight": straight,
         "resumed": [p.detach().clone() for p in resumed.module.parameters()],
         "saved_outer": "outer" in state["model"]["_extra_state"],
+        "saved_residuals": "outer_residuals" in state["model"]["_extra_state"],
     }
 
 
-def test_a_resumed_run_continues_bit_for_bit():
-    for result in run_ranks(2, _resume_bit_for_bit):
+# "int4": the checkpoint holds the error-feedback residuals of the compressed outer step.
+@pytest.mark.parametrize("outer_dtype", [None, "int4"])
+def test_a_resumed_run_continues_bit_for_bit(outer_dtype):
+    for result in run_ranks(2, _resume_bit_for_bit, outer_dtype):
         assert result["saved_outer"]
+        assert result["saved_residuals"] == (outer_dtype is not None)
         for got, want in zip(result["resumed"], result["straight"]):
             assert torch.equal(got, want)
 
@@ -194,14 +198,20 @@ def test_a_resumed_run_continues_bit_for_bit():
 # ----------------------------------------------------------------------------- failures
 
 
-def _survivor_of_a_failed_outer_step(rank: int, world_size: int, dead: int, sync_dir: str) -> dict:
+def _survivor_of_a_failed_outer_step(
+    rank: int, world_size: int, dead: int, sync_dir: str, outer_dtype
+) -> dict:
     """A peer dies right before the second outer step: the survivors' all-reduce fails, and
     their parameters (the last inner step's), theta_global and the outer momentum stay as they
     were; every later call raises the same error."""
     torch.manual_seed(0)
     module = nn.Linear(3, 1)
     model = gossip_ext.GossipDataParallel(
-        module, base_algorithm="localsgd", sync_every=2, outer_optimizer=_outer_sgd
+        module,
+        base_algorithm="localsgd",
+        sync_every=2,
+        outer_optimizer=_outer_sgd,
+        outer_dtype=outer_dtype,
     )
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     outer = model.outer_optimizer
@@ -230,10 +240,12 @@ def _survivor_of_a_failed_outer_step(rank: int, world_size: int, dead: int, sync
     return result
 
 
-def test_a_peer_dying_during_an_outer_step_changes_nothing_and_stays_raised(tmp_path):
+# "int8": the compressed outer step's residuals are kept only once its collectives succeed.
+@pytest.mark.parametrize("outer_dtype", [None, "int8"])
+def test_a_peer_dying_during_an_outer_step_changes_nothing_and_stays_raised(tmp_path, outer_dtype):
     dead = 1
     outcomes = run_ranks_tolerating_deaths(
-        3, _survivor_of_a_failed_outer_step, dead, str(tmp_path), deadline_s=150.0
+        3, _survivor_of_a_failed_outer_step, dead, str(tmp_path), outer_dtype, deadline_s=150.0
     )
     assert outcomes[dead].exitcode == -signal.SIGKILL, outcomes[dead]
     for rank in (0, 2):
@@ -280,6 +292,9 @@ def _bad_outer_arguments(rank: int, world_size: int) -> list:
         make(outer_optimizer=_outer_sgd, sync_every=4, outer_average="mean"),
         make(sync_every=4, outer_average="gossip"),
         make(outer_optimizer=_outer_sgd, sync_every=4, outer_average="gossip", nprocs_per_node=2),
+        make(outer_optimizer=_outer_sgd, sync_every=4, outer_dtype="int3"),
+        make(sync_every=4, outer_dtype="int8"),
+        make(outer_optimizer=_outer_sgd, sync_every=4, outer_average="gossip", outer_dtype="int4"),
     ]
 
 
@@ -299,6 +314,9 @@ def test_bad_outer_arguments_raise_naming_the_argument_and_value():
         (ValueError, "outer_average must be 'allreduce' or 'gossip'", "'mean'"),
         (ValueError, "outer_average='gossip'", "outer_optimizer is None"),
         (ValueError, "outer_average='gossip' with nprocs_per_node=2", "outer_average='allreduce'"),
+        (ValueError, "outer_dtype must be torch.bfloat16", "'int4' or None", "got 'int3'"),
+        (ValueError, "outer_dtype='int8' compresses DiLoCo's", "outer_optimizer is None"),
+        (ValueError, "outer_dtype='int4'", "outer_average='gossip'", "message_dtype compresses"),
     ]
     for got, (kind, *words) in zip(errors, expected, strict=True):
         assert got is not None and got[0] is kind, (got, words)
