@@ -75,6 +75,9 @@ def check_arguments(
     outer_average,
     outer_device,
     outer_dtype,
+    fragments,
+    fragment_delay,
+    fragment_alpha,
     start_in_forward,
     broadcast_buffers,
     gossip_buffers,
@@ -139,6 +142,8 @@ def check_arguments(
     check_outer(outer_optimizer, sync_every, outer_device, global_avg_freq, slowmo_freq)
     check_outer_average(outer_average, outer_optimizer, nprocs_per_node)
     check_outer_dtype(outer_dtype, outer_optimizer, outer_average)
+    check_fragments(fragments, fragment_delay, fragment_alpha, outer_optimizer, sync_every,
+                    outer_average)
     if start_in_forward and not overlap:
         raise ValueError(
             "start_in_forward=True needs overlap=True: a synchronous round is absorbed by the "
@@ -310,6 +315,44 @@ def check_outer_dtype(outer_dtype, outer_optimizer, outer_average) -> None:
             f"outer_dtype={outer_dtype!r} compresses the exact outer average; with "
             f"outer_average={outer_average!r} the outer step is a gossip round, whose messages "
             "message_dtype compresses"
+        )
+
+
+def check_fragments(
+    fragments, fragment_delay, fragment_alpha, outer_optimizer, sync_every, outer_average
+) -> None:
+    """Streaming DiLoCo's arguments (gossip_ext.streaming)."""
+    check_type("fragments", fragments, int, "an int")
+    check_type("fragment_delay", fragment_delay, int, "an int")
+    check_type("fragment_alpha", fragment_alpha, (int, float), "a float")
+    if fragments < 1:
+        raise ValueError(f"fragments must be >= 1, got {fragments}")
+    if fragment_delay < 0:
+        raise ValueError(f"fragment_delay must be >= 0, got {fragment_delay}")
+    if not 0.0 <= fragment_alpha <= 1.0:
+        raise ValueError(f"fragment_alpha must be in [0, 1], got {fragment_alpha}")
+    if (fragments, fragment_delay, fragment_alpha) == (1, 0, 0.0):
+        return
+    asked = f"fragments={fragments}, fragment_delay={fragment_delay}, fragment_alpha={fragment_alpha}"
+    if outer_optimizer is None or not sync_every:
+        raise ValueError(
+            f"{asked} configure Streaming DiLoCo's outer steps, which need outer_optimizer and "
+            f"sync_every (got sync_every={sync_every!r})"
+        )
+    if outer_average != "allreduce":
+        raise ValueError(
+            f"{asked} with outer_average={outer_average!r}: Streaming DiLoCo's fragments are "
+            "averaged exactly (outer_average='allreduce')"
+        )
+    if fragments > sync_every:
+        raise ValueError(
+            f"fragments must be at most sync_every={sync_every} (a step per fragment), got "
+            f"{fragments}"
+        )
+    if fragment_delay >= sync_every // fragments:
+        raise ValueError(
+            f"fragment_delay must be < sync_every // fragments = {sync_every // fragments} (a "
+            f"fragment's averaging must end before the next one starts), got {fragment_delay}"
         )
 
 
@@ -566,6 +609,7 @@ def configuration(
             outer,
             str(a["outer_device"]),
             str(a["outer_dtype"]),
+            (a["fragments"], a["fragment_delay"], float(a["fragment_alpha"])),
         ),
         "parameters": [(n, tuple(p.shape), str(p.dtype)) for n, p in parameters],
         # Averaged or gossiped with the parameters: their layout must agree too.

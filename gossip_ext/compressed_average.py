@@ -99,6 +99,16 @@ class _Codec:
 
 
 @dataclass
+class _Pending:
+    """A mean between :meth:`CompressedMean.start` and :meth:`CompressedMean.finish`."""
+
+    works: list[Any]
+    total_weight: torch.Tensor
+    received: list[tuple[torch.Tensor, torch.Tensor]]  # per bucket: (receive, send) buffers
+    residuals: list[torch.Tensor]
+
+
+@dataclass
 class _Staged:
     """An outer step's result before it is kept: the mean per bucket and the residuals after."""
 
@@ -141,16 +151,22 @@ class CompressedMean:
         """Bytes this rank sends per outer step, message padding included."""
         return bytes_per_step([n for n, _ in self.layout], self.world_size, self.message_dtype)
 
-    @torch.no_grad()
     def mean(self, values: Sequence[torch.Tensor], weight: float | None) -> _Staged:
         """The weighted mean ``sum_i w_i v_i / sum_i w_i`` over the group of each bucket's
         ``values`` (read, not written), as every rank reads it from the same messages; the
         residuals it would leave. ``weight``: this rank's push-sum weight, or None on a rank that
         contributes nothing (it still receives the mean). Collective; keeps nothing."""
+        return self.finish(self.start(values, weight))
+
+    @torch.no_grad()
+    def start(self, values: Sequence[torch.Tensor], weight: float | None) -> _Pending:
+        """The first half of :meth:`mean`: compresses this rank's shards and starts sending them
+        (asynchronous collectives, run by the process group's own thread); :meth:`finish` waits
+        for them. Streaming DiLoCo trains on while they travel."""
         n = self.world_size
         total_weight = torch.tensor([0.0 if weight is None else float(weight)], dtype=torch.float64)
-        dist.all_reduce(total_weight, group=self.group)
-        staged = _Staged([], [], [])
+        works = [dist.all_reduce(total_weight, group=self.group, async_op=True)]
+        residuals, received = [], []
         for b, (numel, dtype) in enumerate(self.layout):
             shard = self.shard[b]
             size = self.codec.message_numel(shard)
@@ -165,12 +181,34 @@ class CompressedMean:
                 self.codec.encode(
                     padded[j * shard : (j + 1) * shard], send[j * size : (j + 1) * size]
                 )
-            received = torch.empty_like(send)
-            dist.all_to_all_single(received, send, group=self.group)
+            receive = torch.empty_like(send)
+            works.append(dist.all_to_all_single(receive, send, group=self.group, async_op=True))
+            residual = padded[:numel]
+            if weight is None:
+                residual = self.residuals[b]
+            elif weight != 1.0:
+                residual.div_(weight)
+            residuals.append(residual)
+            received.append((receive, send))  # the send buffer lives until the work completes
+        return _Pending(works, total_weight, received, residuals)
+
+    @torch.no_grad()
+    def finish(self, pending: _Pending) -> _Staged:
+        """The second half of :meth:`mean`: waits for :meth:`start`'s messages, reduces this
+        rank's shard, sends it to every rank and reads every shard's mean. Collective."""
+        for work in pending.works:
+            work.wait()
+        n = self.world_size
+        total_weight = pending.total_weight.item()
+        staged = _Staged([], pending.residuals, [])
+        for b, (numel, dtype) in enumerate(self.layout):
+            shard = self.shard[b]
+            size = self.codec.message_numel(shard)
+            received = pending.received[b][0]
             # This rank's shard of the mean, its owner residual added, compressed once more.
             mine = torch.zeros(shard, dtype=dtype, device=self.device)
             self.codec.accumulate(mine, received.split(size))
-            mine.div_(total_weight.item()).add_(self.owner_residuals[b])
+            mine.div_(total_weight).add_(self.owner_residuals[b])
             mean_message = torch.empty(size, dtype=self.codec.dtype, device=self.device)
             self.codec.encode(mine, mean_message)
             gathered = torch.empty(n * size, dtype=self.codec.dtype, device=self.device)
@@ -178,11 +216,7 @@ class CompressedMean:
             mean = torch.zeros(shard * n, dtype=dtype, device=self.device)
             for j, message in enumerate(gathered.split(size)):
                 self.codec.accumulate(mean[j * shard : (j + 1) * shard], [message])
-            residual = padded[:numel]
-            if weight is not None and weight != 1.0:
-                residual.div_(weight)
             staged.means.append(mean[:numel])
-            staged.residuals.append(residual if weight is not None else self.residuals[b])
             staged.owner_residuals.append(mine)
         return staged
 

@@ -188,6 +188,17 @@ class GossipDataParallel(nn.Module):
             ``2 (n - 1) / n`` of the model at the message's width (int4: 0.133 of float32's
             bytes), every worker's ``theta_global`` stays identical, and no rounding accumulates
             over outer steps. None: full precision (default).
+        fragments (int): Streaming DiLoCo (Douillard et al., 2025; :mod:`gossip_ext.streaming`):
+            the parameters, in module order, in ``fragments`` contiguous fragments of about equal
+            bytes, fragment ``j`` synchronised at step ``floor(sync_every (j + 1) / fragments)``
+            of every period, each with its own outer optimizer (:attr:`outer_optimizers`), so
+            that ``1 / fragments`` of the model travels at a time. 1: DiLoCo (default).
+        fragment_delay (int): Streaming DiLoCo's ``tau``: a fragment's averaging starts
+            ``fragment_delay`` steps before its outer step and travels while the workers train,
+            ``0 <= fragment_delay < sync_every // fragments`` (default: 0).
+        fragment_alpha (float): at a fragment's outer step its parameters become
+            ``fragment_alpha * local + (1 - fragment_alpha) * theta_global``, in [0, 1]; 0 drops
+            the steps taken while it travelled (default: 0.0).
         start_in_forward (bool): under ``overlap=True``, start every round from the training
             forward, as the reference SGP does (its loop never calls :meth:`transfer_params`):
             the forward absorbs the round in flight and sends the parameters it is about to use.
@@ -250,6 +261,9 @@ class GossipDataParallel(nn.Module):
         outer_average: str = "allreduce",
         outer_device: torch.device | str | None = None,
         outer_dtype: torch.dtype | str | None = None,
+        fragments: int = 1,
+        fragment_delay: int = 0,
+        fragment_alpha: float = 0.0,
         start_in_forward: bool = False,
         broadcast_buffers: bool = False,
         gossip_buffers: bool = False,
@@ -468,7 +482,10 @@ class GossipDataParallel(nn.Module):
         self._steps += 1
         self._mix.arm(self._steps)
         kind = self._outer.kind(self._steps)
-        if kind == outer.OUTER and self._outer.by_gossip:
+        if kind == outer.STREAM:
+            self._stream_fragments()
+            self._mix.after_step()
+        elif kind == outer.OUTER and self._outer.by_gossip:
             self._outer_step_by_gossip()
         elif kind is not None:
             # The exact average takes the place of this step's gossip round.
@@ -570,6 +587,16 @@ class GossipDataParallel(nn.Module):
         # Every worker holds the consensus value now, with x = z: push-sum restarts at 1.
         self._mix.reset_weight()
 
+    def _stream_fragments(self) -> None:
+        """Streaming DiLoCo's prepares and applies of this step (:mod:`gossip_ext.streaming`).
+        A failed collective raises at the apply, before anything changes, and stays raised."""
+        weight = self._mix.ps_weight if self.is_gossip_leader else None
+        try:
+            self._outer.run_streaming(self._steps, weight)
+        except Exception as error:
+            self._mix.fail(error)
+            raise
+
     def _outer_step_by_gossip(self) -> None:
         """The outer step with ``outer_average="gossip"``: this step's gossip round (under
         LocalSGD, the only one of the period) runs to its end at once, and the rule steps with
@@ -582,9 +609,24 @@ class GossipDataParallel(nn.Module):
     @property
     def outer_optimizer(self) -> torch.optim.Optimizer | None:
         """The optimizer that ``outer_optimizer`` built over the global parameters (None without
-        one): give it an outer learning-rate scheduler, and step that after every outer step."""
+        one): give it an outer learning-rate scheduler, and step that after every outer step.
+        With ``fragments > 1`` each fragment has its own: see :attr:`outer_optimizers`."""
+        optimizers = self.outer_optimizers
+        if len(optimizers) > 1:
+            raise ValueError(
+                f"fragments={len(optimizers)}: each fragment has an outer optimizer of its own; "
+                "use model.outer_optimizers (a list, one per fragment in module order)"
+            )
+        return optimizers[0] if optimizers else None
+
+    @property
+    def outer_optimizers(self) -> list[torch.optim.Optimizer]:
+        """The outer optimizers, one per fragment (``fragments``; one without), in module order;
+        empty without ``outer_optimizer``."""
         rule = self._outer.rule
-        return rule.optimizer if isinstance(rule, outer_rules.OuterOptimizer) else None
+        if isinstance(rule, outer_rules.OuterOptimizer):
+            return [rule.optimizer]
+        return rule.optimizers if self._outer.streaming else []
 
     @property
     def outer_state_started(self) -> bool:

@@ -31,10 +31,13 @@ import torch.distributed as dist
 from gossip_ext import outer_rules
 from gossip_ext.averaging import ParameterBuckets, exact_average
 from gossip_ext.compressed_average import CompressedMean
+from gossip_ext.streaming import StreamingOuter
 
 # What a training step ends with (OuterSteps.kind); None: the inner mix's round, as usual.
 AVERAGE = "average"
 OUTER = "outer"
+# Streaming DiLoCo's prepares and applies (gossip_ext.streaming), followed by the round as usual.
+STREAM = "stream"
 
 
 def make_rule(
@@ -43,6 +46,18 @@ def make_rule(
     """The rule the wrapper's ``arguments`` ask for: DiLoCo's outer optimizer, SlowMo's heavy
     ball (a preset of the same outer step), or None (plain averages only, or none)."""
     a = arguments
+    if a["outer_optimizer"] is not None and streaming_asked(a):
+        return StreamingOuter(
+            params,
+            a["outer_optimizer"],
+            a["outer_device"],
+            a["outer_dtype"],
+            group,
+            sync_every=a["sync_every"],
+            fragments=a["fragments"],
+            delay=a["fragment_delay"],
+            alpha=a["fragment_alpha"],
+        )
     if a["outer_optimizer"] is not None:
         return outer_rules.OuterOptimizer(
             params, ParameterBuckets(params), a["outer_optimizer"], a["outer_device"]
@@ -55,6 +70,12 @@ def make_rule(
         shards = min(world_size, a["slowmo_num_shards"] or world_size)
     shard = 0 if shards == 1 else (rank if rank < shards else None)
     return outer_rules.SlowMomentum(a["slowmo_momentum"], a["slowmo_lr"], group, shards, shard)
+
+
+def streaming_asked(arguments: Mapping[str, Any]) -> bool:
+    """Whether the arguments ask for Streaming DiLoCo rather than DiLoCo's whole-model step."""
+    a = arguments
+    return a["fragments"] != 1 or a["fragment_delay"] != 0 or a["fragment_alpha"] != 0.0
 
 
 class OuterSteps:
@@ -82,7 +103,8 @@ class OuterSteps:
         self.buckets = ParameterBuckets(params)
         # DiLoCo's pseudo-gradients in compressed messages (the rule is an OuterOptimizer).
         self.compressed = None
-        if outer_dtype is not None:
+        self.streaming = isinstance(rule, StreamingOuter)
+        if outer_dtype is not None and not self.streaming:  # fragments keep their own
             self.compressed = CompressedMean(
                 self.buckets.layout(), self.buckets.device(0), outer_dtype, group
             )
@@ -98,6 +120,8 @@ class OuterSteps:
     def kind(self, step: int) -> str | None:
         """What the ``step``-th optimizer step (1-based) ends with: the rule's step takes
         precedence over a plain AVERAGE."""
+        if self.streaming:
+            return STREAM if self.rule.has_action(step) else None
         if self.sync_every and step % self.sync_every == 0:
             return OUTER
         if self.average_every and step % self.average_every == 0:
@@ -189,6 +213,10 @@ class OuterSteps:
             self.buckets.write(b, result)
         for b, result in enumerate(buffer_results):
             self.buffer_buckets.write(b, result)
+
+    def run_streaming(self, step: int, weight: float | None) -> None:
+        """Streaming DiLoCo's prepares and applies due after optimizer step ``step``."""
+        self.rule.run(step, weight)
 
     def run_on_mixed(self) -> None:
         """The rule's step with this worker's own parameters in place of the exact average:

@@ -295,6 +295,17 @@ def _bad_outer_arguments(rank: int, world_size: int) -> list:
         make(outer_optimizer=_outer_sgd, sync_every=4, outer_dtype="int3"),
         make(sync_every=4, outer_dtype="int8"),
         make(outer_optimizer=_outer_sgd, sync_every=4, outer_average="gossip", outer_dtype="int4"),
+        make(outer_optimizer=_outer_sgd, sync_every=4, fragments=0),
+        make(outer_optimizer=_outer_sgd, sync_every=4, fragment_delay=-1),
+        make(outer_optimizer=_outer_sgd, sync_every=4, fragment_alpha=1.5),
+        make(sync_every=4, fragments=2),
+        make(outer_optimizer=_outer_sgd, sync_every=4, fragments=2, outer_average="gossip"),
+        make(outer_optimizer=_outer_sgd, sync_every=4, fragments=5),
+        make(outer_optimizer=_outer_sgd, sync_every=8, fragments=4, fragment_delay=2),
+        make(outer_optimizer=_outer_sgd, sync_every=8, fragments=5),
+        error_of(
+            lambda: _wrap(_net(), fragments=2, fragment_delay=0, sync_every=4).outer_optimizer
+        ),
     ]
 
 
@@ -317,6 +328,15 @@ def test_bad_outer_arguments_raise_naming_the_argument_and_value():
         (ValueError, "outer_dtype must be torch.bfloat16", "'int4' or None", "got 'int3'"),
         (ValueError, "outer_dtype='int8' compresses DiLoCo's", "outer_optimizer is None"),
         (ValueError, "outer_dtype='int4'", "outer_average='gossip'", "message_dtype compresses"),
+        (ValueError, "fragments must be >= 1", "got 0"),
+        (ValueError, "fragment_delay must be >= 0", "got -1"),
+        (ValueError, "fragment_alpha must be in [0, 1]", "got 1.5"),
+        (ValueError, "fragments=2", "need outer_optimizer and sync_every"),
+        (ValueError, "fragments=2", "outer_average='gossip'", "averaged exactly"),
+        (ValueError, "fragments must be at most sync_every=4", "got 5"),
+        (ValueError, "fragment_delay must be < sync_every // fragments = 2", "got 2"),
+        (ValueError, "fragments must be at most the number of parameters (4)", "got 5"),
+        (ValueError, "fragments=2: each fragment has an outer optimizer", "model.outer_optimizers"),
     ]
     for got, (kind, *words) in zip(errors, expected, strict=True):
         assert got is not None and got[0] is kind, (got, words)

@@ -255,7 +255,8 @@ def _what_a_survivor_reads(model, module: nn.Module, last_model, error: Exceptio
             torch.equal(p, q) for p, q in zip(module.parameters(), last_model)
         ),
         "state_dict_is_last_model": all(
-            torch.equal(state[name], q) for name, q in zip(["weight", "bias"], last_model)
+            torch.equal(state[name], q)
+            for (name, _), q in zip(module.named_parameters(), last_model)
         ),
         "later": {},
     }

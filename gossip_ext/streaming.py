@@ -1,0 +1,283 @@
+"""Streaming DiLoCo (Douillard et al., 2025): DiLoCo's outer step in fragments, each overlapped with
+training.
+
+The parameters are split, in module order, into ``k`` contiguous fragments of about equal bytes
+(whole parameters). Within each period of ``H`` inner steps, fragment ``j`` is synchronised at
+step ``s_j = floor(H (j + 1) / k)``, as torchft schedules its fragments:
+
+- at step ``s_j - tau`` (``fragment_delay``) its pseudo-gradient ``theta_global_j - theta_j`` is
+  taken and the averaging started, as asynchronous collectives that the process group's own thread
+  runs while training goes on;
+- at step ``s_j`` the mean arrives, the fragment's own outer optimizer steps its ``theta_global``
+  with it, and the fragment's parameters become ``alpha * local + (1 - alpha) * theta_global``
+  (``fragment_alpha``; 0: the ``tau`` steps taken in flight are dropped, as in the paper).
+
+The communication of a period is the same as DiLoCo's, spread over ``k`` moments instead of one,
+so a network that DiLoCo would saturate in bursts carries ``1 / k`` of a model at a time, hidden
+behind ``tau`` steps of training. The mean is exact (one all-reduce per dtype bucket of the
+fragment, with the push-sum weight riding as one more element) or compressed (``outer_dtype``:
+``compressed_average.CompressedMean``, whose all-to-all travels during the ``tau`` steps and whose
+all-gather runs at the apply).
+
+The apply is the commit point (Note [The parameters are the model] in the engine): a collective
+that failed raises there, before the fragment's parameters, ``theta_global`` or its optimizer
+state change. A checkpoint taken while a fragment is in flight holds the pseudo-gradient it sent;
+a run resumed from it sends it again before its next step, so that the apply sees the same mean.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from gossip_ext.averaging import ParameterBuckets
+from gossip_ext.compressed_average import CompressedMean
+from gossip_ext.outer_rules import OuterOptimizer, OuterOptimizerFactory
+
+
+def fragment_bounds(sizes: Sequence[int], fragments: int) -> list[tuple[int, int]]:
+    """[start, end) ranges of parameter indices cutting parameters of ``sizes`` bytes into
+    ``fragments`` contiguous runs of about equal bytes, none empty: a fragment ends at the first
+    parameter whose end reaches its share of the total."""
+    if fragments > len(sizes):
+        raise ValueError(
+            f"fragments must be at most the number of parameters ({len(sizes)}), got {fragments}"
+        )
+    total = sum(sizes)
+    bounds, start, running = [], 0, 0
+    for i, size in enumerate(sizes):
+        running += size
+        left = fragments - len(bounds) - 1  # fragments still to cut after this one
+        ends_share = running * fragments >= total * (len(bounds) + 1)
+        if len(bounds) < fragments - 1 and (ends_share or len(sizes) - i - 1 == left):
+            bounds.append((start, i + 1))
+            start = i + 1
+    bounds.append((start, len(sizes)))
+    return bounds
+
+
+class Schedule:
+    """When each fragment is prepared and applied: at steps ``s_j - tau`` and ``s_j`` of every
+    period of ``sync_every`` steps (1-based within the period)."""
+
+    def __init__(self, sync_every: int, fragments: int, delay: int):
+        self.sync_every = sync_every
+        self.apply_at = [sync_every * (j + 1) // fragments for j in range(fragments)]
+        self.prepare_at = [s - delay for s in self.apply_at]
+
+    def actions(self, step: int) -> list[tuple[str, int]]:
+        """("prepare" or "apply", fragment) due after optimizer step ``step`` (1-based), in the
+        order to run them: a fragment prepared and applied at one step (tau = 0) is prepared
+        first."""
+        i = (step - 1) % self.sync_every + 1
+        due = [("prepare", j) for j, at in enumerate(self.prepare_at) if at == i]
+        return due + [("apply", j) for j, at in enumerate(self.apply_at) if at == i]
+
+
+@dataclass
+class _InFlight:
+    """A fragment between its prepare and its apply."""
+
+    pseudo_gradients: list[torch.Tensor]  # what was sent: kept for a checkpoint
+    weight: float | None
+    works: list[Any]  # exact mean: the all-reduces
+    messages: list[torch.Tensor]  # exact mean: [w * d | w] per bucket, summed in place
+    pending: Any = None  # compressed mean: CompressedMean.start's handle
+
+
+class Fragment:
+    """One fragment: its parameters, its ``theta_global`` and outer optimizer, its compressed
+    mean's residuals, and the synchronisation in flight."""
+
+    def __init__(
+        self,
+        params: Sequence[torch.Tensor],
+        factory: OuterOptimizerFactory,
+        device: torch.device | str | None,
+        outer_dtype: torch.dtype | str | None,
+        group: dist.ProcessGroup,
+    ):
+        self.buckets = ParameterBuckets(params)
+        self.rule = OuterOptimizer(params, self.buckets, factory, device)
+        self.group = group
+        self.compressed = None
+        if outer_dtype is not None:
+            self.compressed = CompressedMean(
+                self.buckets.layout(), self.buckets.device(0), outer_dtype, group
+            )
+        self.in_flight: _InFlight | None = None
+
+    @torch.no_grad()
+    def prepare(self, weight: float | None) -> None:
+        """Takes the pseudo-gradient ``theta_global - theta`` and starts averaging it."""
+        pseudo_gradients = []
+        for b, (n, dtype) in enumerate(self.buckets.layout()):
+            local = self.buckets.read(b, torch.empty(n, dtype=dtype, device=self.buckets.device(b)))
+            pseudo_gradients.append(local.neg_().add_(self.rule.flat[b].to(local.device)))
+        self.send(pseudo_gradients, weight)
+
+    @torch.no_grad()
+    def send(self, pseudo_gradients: list[torch.Tensor], weight: float | None) -> None:
+        if self.compressed is not None:
+            pending = self.compressed.start(pseudo_gradients, weight)
+            self.in_flight = _InFlight(pseudo_gradients, weight, [], [], pending)
+            return
+        works, messages = [], []
+        for d in pseudo_gradients:
+            # The weight rides as one more element: its sum divides the mean.
+            message = torch.zeros(d.numel() + 1, dtype=d.dtype, device=d.device)
+            if weight is not None:
+                message[:-1].copy_(d)
+                message[-1] = 1.0
+                if weight != 1.0:
+                    message.mul_(weight)
+            works.append(dist.all_reduce(message, group=self.group, async_op=True))
+            messages.append(message)
+        self.in_flight = _InFlight(pseudo_gradients, weight, works, messages)
+
+    @torch.no_grad()
+    def apply(self, alpha: float) -> None:
+        """Waits for the mean, steps ``theta_global`` with it and sets the fragment's parameters
+        to ``alpha * local + (1 - alpha) * theta_global``. Raises, changing nothing, if a
+        collective failed."""
+        flight = self.in_flight
+        if self.compressed is not None:
+            staged = self.compressed.finish(flight.pending)
+            means = staged.means
+        else:
+            for work in flight.works:
+                work.wait()
+            means = [m[:-1].div_(m[-1]) for m in flight.messages]
+        # Every collective has succeeded: from here on the step is kept.
+        theta = self.rule.step_with(means)
+        if self.compressed is not None:
+            self.compressed.commit(staged)
+        for b, (n, dtype) in enumerate(self.buckets.layout()):
+            result = theta[b].to(self.buckets.device(b), copy=True)
+            if alpha != 0.0:
+                local = self.buckets.read(b, torch.empty(n, dtype=dtype, device=result.device))
+                result.lerp_(local, alpha)
+            self.buckets.write(b, result)
+        self.in_flight = None
+
+    def state_dict(self) -> dict[str, Any]:
+        flight = self.in_flight
+        return {
+            "outer": self.rule.state_dict(),
+            "residuals": None if self.compressed is None else self.compressed.state_dict(),
+            "in_flight": None
+            if flight is None
+            else {
+                "pseudo_gradients": [d.clone() for d in flight.pseudo_gradients],
+                "weight": flight.weight,
+            },
+        }
+
+
+class StreamingOuter:
+    """The outer rule of Streaming DiLoCo (see the module's docstring): ``k`` fragments, each with
+    its own outer optimizer built by ``factory`` over its global parameters, on ``schedule``."""
+
+    state_key = "streaming"
+    eager = True
+    needs_inner_lr = False
+
+    def __init__(
+        self,
+        params: Sequence[torch.Tensor],
+        factory: OuterOptimizerFactory,
+        device: torch.device | str | None,
+        outer_dtype: torch.dtype | str | None,
+        group: dist.ProcessGroup,
+        *,
+        sync_every: int,
+        fragments: int,
+        delay: int,
+        alpha: float,
+    ):
+        sizes = [p.numel() * p.element_size() for p in params]
+        self.bounds = fragment_bounds(sizes, fragments)
+        self.fragments = [
+            Fragment(params[lo:hi], factory, device, outer_dtype, group) for lo, hi in self.bounds
+        ]
+        self.schedule = Schedule(sync_every, fragments, delay)
+        self.delay = delay
+        self.alpha = alpha
+        self.started = False
+        # Fragments whose in-flight pseudo-gradient a checkpoint restored: sent again before the
+        # next step's actions (resend_restored), on every rank alike.
+        self._restored: dict[int, tuple[list[torch.Tensor], float | None]] = {}
+
+    @property
+    def optimizers(self) -> list[torch.optim.Optimizer]:
+        return [f.rule.optimizer for f in self.fragments]
+
+    def describe(self) -> tuple:
+        """What every rank must agree on: the fragments and their optimizers, the schedule."""
+        return (
+            "StreamingDiLoCo",
+            self.bounds,
+            self.delay,
+            self.alpha,
+            [f.rule.describe() for f in self.fragments],
+        )
+
+    def has_action(self, step: int) -> bool:
+        return bool(self.schedule.actions(step))
+
+    def start(self, buckets: ParameterBuckets = None, averages=None) -> None:
+        """Every fragment's ``theta_global`` becomes its parameters (equal on every rank)."""
+        for fragment in self.fragments:
+            fragment.rule.start(fragment.buckets)
+        self.started = True
+
+    def resend_restored(self) -> None:
+        """Sends again the pseudo-gradients in flight when the loaded checkpoint was taken."""
+        for j, (pseudo_gradients, weight) in sorted(self._restored.items()):
+            self.fragments[j].send(pseudo_gradients, weight)
+        self._restored.clear()
+
+    def run(self, step: int, weight: float | None) -> None:
+        """The prepares and applies due after optimizer step ``step``. Collective."""
+        self.resend_restored()
+        for action, j in self.schedule.actions(step):
+            if action == "prepare":
+                self.fragments[j].prepare(weight)
+            else:
+                self.fragments[j].apply(self.alpha)
+
+    def state_dict(self) -> dict[str, Any]:
+        return {
+            "bounds": self.bounds,
+            "fragments": [f.state_dict() for f in self.fragments],
+        }
+
+    def load_state_dict(self, state: Mapping[str, Any] | None, buckets=None) -> None:
+        """A checkpoint without this state leaves ``theta_global`` to start again at the next
+        forward."""
+        if state is None:
+            self.started = False
+            return
+        bounds = [tuple(b) for b in state["bounds"]]
+        if bounds != self.bounds:
+            raise ValueError(
+                f"load_state_dict: the checkpoint's fragments cover parameters {bounds}, but "
+                f"this model's fragments cover {self.bounds}"
+            )
+        self._restored.clear()
+        for j, (fragment, saved) in enumerate(zip(self.fragments, state["fragments"])):
+            fragment.rule.load_state_dict(saved["outer"], fragment.buckets)
+            if fragment.compressed is not None:
+                fragment.compressed.load_state_dict(saved["residuals"])
+            fragment.in_flight = None
+            if saved["in_flight"] is not None:
+                flight = saved["in_flight"]
+                self._restored[j] = (
+                    [d.detach().clone() for d in flight["pseudo_gradients"]],
+                    flight["weight"],
+                )
+        self.started = True

@@ -1,0 +1,280 @@
+"""Streaming DiLoCo (fragments, fragment_delay, fragment_alpha; gossip_ext.streaming) on real
+processes over gloo, against Streaming DiLoCo written out in plain PyTorch in this process: n
+copies of the model, each trained by its own AdamW; fragment j's mean pseudo-gradient is taken at
+step s_j - tau of every period and applied at s_j by that fragment's own SGD-Nesterov over its
+copy of theta_global, the copies' fragment then set to alpha * local + (1 - alpha) * theta_global.
+Float64 throughout: the ranks agree with it to rounding."""
+
+from __future__ import annotations
+
+import io
+import os
+import signal
+
+import pytest
+import torch
+from multiprocess import run_ranks, run_ranks_tolerating_deaths
+from test_diloco import INNER_LR, _batch, _net, _outer_sgd, _step
+from test_faults import LATER_CALLS, _leave_with_the_survivors, _what_a_survivor_reads
+
+import gossip_ext
+from gossip_ext.streaming import Schedule, fragment_bounds
+
+H = 4
+STEPS = 3 * H + 1  # three periods, then one step of the next (a fragment in flight if tau > 0)
+# _net()'s parameters in module order: Linear(5, 4).weight, .bias, Linear(4, 1).weight, .bias,
+# 20, 4, 4 and 1 float64 values: the fragments of about equal bytes the wrapper must cut.
+BOUNDS = {1: [(0, 4)], 2: [(0, 1), (1, 4)], 3: [(0, 1), (1, 2), (2, 4)]}
+
+
+def _reference(world_size: int, fragments: int, delay: int, alpha: float, steps: int = STEPS):
+    """Every rank's parameters after ``steps`` steps, and every fragment's theta_global."""
+    nets = [_net() for _ in range(world_size)]
+    inner = [torch.optim.AdamW(n.parameters(), lr=INNER_LR, weight_decay=0.01) for n in nets]
+    params = [list(n.parameters()) for n in nets]
+    bounds = BOUNDS[fragments]
+    theta = [[p.detach().clone() for p in params[0][lo:hi]] for lo, hi in bounds]
+    outer = [_outer_sgd(t) for t in theta]
+    apply_at = [H * (j + 1) // fragments for j in range(fragments)]
+    pending = {}
+    for step in range(steps):
+        for rank, (net, opt) in enumerate(zip(nets, inner)):
+            _step(net, opt, rank, step)
+        i = step % H + 1
+        for j, (lo, hi) in enumerate(bounds):
+            if apply_at[j] - delay == i:
+                pending[j] = [
+                    torch.stack([t - ps[lo + k].detach() for ps in params]).mean(0)
+                    for k, t in enumerate(theta[j])
+                ]
+        for j, (lo, hi) in enumerate(bounds):
+            if apply_at[j] == i:
+                for t, g in zip(theta[j], pending.pop(j)):
+                    t.grad = g
+                outer[j].step()
+                with torch.no_grad():
+                    for ps in params:
+                        for k, t in enumerate(theta[j]):
+                            ps[lo + k].copy_(torch.lerp(t, ps[lo + k], alpha))
+    return [[p.detach().clone() for p in ps] for ps in params], theta
+
+
+def _wrap(**options) -> gossip_ext.GossipDataParallel:
+    options = {"base_algorithm": "localsgd", "sync_every": H, "outer_optimizer": _outer_sgd,
+               **options}
+    return gossip_ext.GossipDataParallel(_net(), **options)
+
+
+def _train(rank: int, world_size: int, options: dict) -> dict:
+    model = _wrap(**options)
+    opt = torch.optim.AdamW(model.parameters(), lr=INNER_LR, weight_decay=0.01)
+    model.register_optimizer(opt)
+    for step in range(STEPS):
+        _step(model, opt, rank, step)
+    return {
+        "params": [p.detach().clone() for p in model.module.parameters()],
+        "theta": [
+            [t.clone() for t in o.param_groups[0]["params"]] for o in model.outer_optimizers
+        ],
+        "bounds": model._outer.rule.bounds,
+    }
+
+
+CASES = [
+    (2, 0, 0.0),
+    (2, 1, 0.0),
+    (3, 0, 0.0),
+    (2, 1, 0.5),
+    (1, 1, 0.0),  # one fragment, delayed: DiLoCo with its communication behind a step
+    (1, 2, 0.3),
+]
+
+
+@pytest.mark.parametrize("fragments, delay, alpha", CASES)
+def test_streaming_diloco_matches_plain_pytorch(fragments, delay, alpha):
+    world_size = 3
+    expected, theta = _reference(world_size, fragments, delay, alpha)
+    options = {"fragments": fragments, "fragment_delay": delay, "fragment_alpha": alpha}
+    for rank, result in enumerate(run_ranks(world_size, _train, options)):
+        assert result["bounds"] == BOUNDS[fragments]
+        for got, want in zip(result["params"], expected[rank]):
+            torch.testing.assert_close(got, want, rtol=1e-9, atol=1e-9)
+        for got_fragment, want_fragment in zip(result["theta"], theta):
+            for got, want in zip(got_fragment, want_fragment):
+                torch.testing.assert_close(got, want, rtol=1e-9, atol=1e-9)
+
+
+def test_streaming_with_compressed_messages_stays_within_their_rounding():
+    world_size = 3
+    expected, _ = _reference(world_size, 2, 1, 0.0)
+    options = {"fragments": 2, "fragment_delay": 1, "outer_dtype": "int8"}
+    results = run_ranks(world_size, _train, options)
+    worst = max(
+        (got - want).abs().max().item()
+        for rank, result in enumerate(results)
+        for got, want in zip(result["params"], expected[rank])
+    )
+    # As DiLoCo's compressed outer step (test_compressed_outer.py): a few int8 levels of the
+    # pseudo-gradients. Measured: 4.5e-4.
+    assert 0.0 < worst <= 2e-3, worst
+
+
+def _over_sgp(rank: int, world_size: int) -> dict:
+    """Streaming DiLoCo over the SGP base: the workers gossip every step, and fragment j's
+    parameters are theta_global_j, the same on every rank, right after its apply (alpha = 0)."""
+    model = _wrap(base_algorithm="sgp", fragments=2, fragment_delay=1)
+    opt = torch.optim.AdamW(model.parameters(), lr=INNER_LR, weight_decay=0.01)
+    model.register_optimizer(opt)
+    after_apply = []
+    for step in range(STEPS):
+        _step(model, opt, rank, step)
+        if (step % H) + 1 in (2, 4):  # fragment 0 applied after step 2, fragment 1 after 4
+            j = 0 if (step % H) + 1 == 2 else 1
+            lo, hi = BOUNDS[2][j]
+            params = list(model.module.parameters())[lo:hi]
+            theta = model.outer_optimizers[j].param_groups[0]["params"]
+            after_apply.append(
+                (
+                    all(torch.equal(p, t) for p, t in zip(params, theta)),
+                    [p.detach().clone() for p in params],
+                )
+            )
+    return {"after_apply": after_apply, "bytes_sent": model.bytes_sent}
+
+
+def test_streaming_over_sgp_sets_every_rank_to_the_same_fragment():
+    results = run_ranks(3, _over_sgp)
+    for result in results:
+        assert result["bytes_sent"] > 0, "the workers gossip between the fragments' steps"
+        assert all(equal for equal, _ in result["after_apply"])
+    for k in range(len(results[0]["after_apply"])):
+        for other in results[1:]:
+            for a, b in zip(results[0]["after_apply"][k][1], other["after_apply"][k][1]):
+                assert torch.equal(a, b)
+
+
+# ----------------------------------------------------------------------------- schedule
+
+
+def test_fragments_are_contiguous_runs_of_about_equal_bytes():
+    assert fragment_bounds([10, 10, 10, 10], 2) == [(0, 2), (2, 4)]
+    assert fragment_bounds([100, 1, 1, 1], 3) == [(0, 1), (1, 2), (2, 4)]
+    assert fragment_bounds([5, 5, 5], 3) == [(0, 1), (1, 2), (2, 3)]
+    for sizes, k in [([3, 1, 4, 1, 5, 9, 2, 6], 4), ([1] * 10, 7), ([7, 1], 2)]:
+        bounds = fragment_bounds(sizes, k)
+        assert len(bounds) == k and bounds[0][0] == 0 and bounds[-1][1] == len(sizes)
+        assert all(lo < hi for lo, hi in bounds)
+        assert all(a[1] == b[0] for a, b in zip(bounds, bounds[1:]))
+    with pytest.raises(ValueError, match=r"fragments must be at most the number of parameters"):
+        fragment_bounds([1, 2], 3)
+
+
+def test_schedule_is_torchfts_offsets():
+    # H = 10, k = 4: s_j = floor(10 (j + 1) / 4) = 2, 5, 7, 10; tau = 1 prepares a step earlier.
+    schedule = Schedule(10, 4, 1)
+    assert schedule.apply_at == [2, 5, 7, 10]
+    assert schedule.prepare_at == [1, 4, 6, 9]
+    assert schedule.actions(11) == [("prepare", 0)]  # the next period starts over
+    assert Schedule(4, 2, 0).actions(2) == [("prepare", 0), ("apply", 0)]
+
+
+# ----------------------------------------------------------------------------- checkpoint
+
+
+SAVE_AT = H + 1  # fragment 0 was prepared at this step (tau = 1) and is in flight
+
+
+def _resume_in_flight(rank: int, world_size: int, outer_dtype) -> dict:
+    options = {"fragments": 2, "fragment_delay": 1, "outer_dtype": outer_dtype}
+
+    def fresh():
+        model = _wrap(**options)
+        opt = torch.optim.AdamW(model.parameters(), lr=INNER_LR, weight_decay=0.01)
+        model.register_optimizer(opt)
+        return model, opt
+
+    model, opt = fresh()
+    saved = None
+    for step in range(STEPS):
+        _step(model, opt, rank, step)
+        if step + 1 == SAVE_AT:
+            buffer = io.BytesIO()
+            torch.save({"model": model.state_dict(), "opt": opt.state_dict()}, buffer)
+            saved = buffer.getvalue()
+    straight = [p.detach().clone() for p in model.module.parameters()]
+
+    resumed, opt = fresh()
+    with torch.no_grad():
+        for p in resumed.module.parameters():
+            p.add_(1.0)  # a restarted process's own initialisation, overwritten by the load
+    state = torch.load(io.BytesIO(saved), weights_only=False)
+    resumed.load_state_dict(state["model"])
+    opt.load_state_dict(state["opt"])
+    for step in range(SAVE_AT, STEPS):
+        _step(resumed, opt, rank, step)
+    fragments = state["model"]["_extra_state"]["streaming"]["fragments"]
+    return {
+        "straight": straight,
+        "resumed": [p.detach().clone() for p in resumed.module.parameters()],
+        "in_flight_saved": fragments[0]["in_flight"] is not None,
+        "residuals_saved": fragments[0]["residuals"] is not None,
+    }
+
+
+@pytest.mark.parametrize("outer_dtype", [None, "int4"])
+def test_a_run_saved_with_a_fragment_in_flight_resumes_bit_for_bit(outer_dtype):
+    for result in run_ranks(2, _resume_in_flight, outer_dtype):
+        assert result["in_flight_saved"]
+        assert result["residuals_saved"] == (outer_dtype is not None)
+        for got, want in zip(result["resumed"], result["straight"]):
+            assert torch.equal(got, want)
+
+
+# ----------------------------------------------------------------------------- failures
+
+
+def _survivor_of_a_delayed_sync(rank: int, world_size: int, dead: int, sync_dir: str) -> dict:
+    """Fragment 0 is prepared after step 1 (tau = 1) and applied after step 2; the dead peer
+    dies before it sends: the survivors' averaging starts, and their apply raises, leaving their
+    parameters (step 2's) and theta_global as they were; every later call raises the same
+    error."""
+    model = _wrap(fragments=2, fragment_delay=1)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    module = model.module
+    outers = model.outer_optimizers
+    result = {"error": None}
+    try:
+        for step in range(4):
+            _step(model, opt, rank, step)
+            last_model = [p.detach().clone() for p in module.parameters()]
+            theta = [[t.clone() for t in o.param_groups[0]["params"]] for o in outers]
+            if step == 0 and rank == dead:
+                os.kill(os.getpid(), signal.SIGKILL)
+            model.transfer_params()
+    except RuntimeError as error:
+        result = _what_a_survivor_reads(model, module, last_model, error)
+        result["theta_unchanged"] = all(
+            torch.equal(t, s)
+            for o, saved in zip(outers, theta)
+            for t, s in zip(o.param_groups[0]["params"], saved)
+        )
+        result["failed_at_step"] = step
+    _leave_with_the_survivors(sync_dir, rank, world_size, dead)
+    return result
+
+
+def test_a_peer_dying_during_a_delayed_sync_changes_nothing_and_stays_raised(tmp_path):
+    dead = 1
+    outcomes = run_ranks_tolerating_deaths(
+        3, _survivor_of_a_delayed_sync, dead, str(tmp_path), deadline_s=150.0
+    )
+    assert outcomes[dead].exitcode == -signal.SIGKILL, outcomes[dead]
+    for rank in (0, 2):
+        result = outcomes[rank].result
+        assert outcomes[rank].exitcode == 0 and result["error"] is not None, (rank, outcomes[rank])
+        assert result["failed_at_step"] == 1, result  # fragment 0's apply
+        assert result["module_is_last_model"], (rank, result["error"])
+        assert result["state_dict_is_last_model"], (rank, result["error"])
+        assert result["theta_unchanged"], rank
+        for name in LATER_CALLS:
+            assert result["later"][name] == (result["type"], result["error"]), (rank, name, result)
