@@ -16,9 +16,12 @@ TINY = ByteLMConfig(layers=1, width=32, heads=2, context=32)
 
 
 def _config(system: str, steps: int = 6) -> worker.RunConfig:
+    # Streaming DiLoCo syncs one of its 4 fragments every local_steps / 4 steps: 4 here, the
+    # first prepared 2 steps earlier (tau = 2).
+    local_steps = 16 if "streaming" in system else 2
     return worker.RunConfig(
         system=system,
-        recipe=systems.Recipe(steps=steps, warmup=2, local_steps=2),
+        recipe=systems.Recipe(steps=steps, warmup=2, local_steps=local_steps),
         model=TINY,
         batch_size=4,
         eval_every=3,

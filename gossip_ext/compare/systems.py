@@ -19,7 +19,16 @@ dpsgd               gossip_ext D-PSGD (push-pull on the bipartite exponential gr
 localsgd, slowmo    gossip_ext LocalSGD and SlowMo, exact average every ``local_steps`` steps
 diloco              gossip_ext DiLoCo: torchft_diloco's outer step (the same outer SGD), no
                     communication between outer steps; ``_gossip``: the outer average by one
-                    gossip round, no all-reduce (``_gossip_bf16``: in bfloat16 messages)
+                    gossip round, no all-reduce (``_gossip_bf16``: in bfloat16 messages);
+                    ``_int8``: the exact outer average in int8 messages (outer_dtype)
+streaming_diloco_   gossip_ext Streaming DiLoCo: STREAMING_FRAGMENTS fragments, one synced every
+ t<tau>_<dtype>     ``local_steps / fragments`` steps, its averaging started ``tau`` steps
+                    earlier, the pseudo-gradients in ``dtype`` (fp32, int8 or int4)
+torchft_streaming_  torchft 0.2.0 DiLoCo over the same fragments (one ParameterList each), one
+ diloco             fragment synced every ``local_steps / fragments`` steps, as gossip_ext's;
+                    fragment_sync_delay 0, the largest it accepts there (it asserts
+                    ``delay < sync_every // fragments``), uncompressed (its quantization needs
+                    CUDA and Triton)
 ==================  ==========================================================================
 
 torchft and decent-dp are benchmark dependencies, never the library's: :func:`available` says
@@ -40,6 +49,7 @@ import torch.distributed as dist
 from torch import nn
 
 import gossip_ext
+from gossip_ext.streaming import fragment_bounds
 from gossip_ext.tasks import byte_lm
 
 GOSSIP = (
@@ -53,8 +63,23 @@ GOSSIP = (
     "diloco",
     "diloco_gossip",
     "diloco_gossip_bf16",
+    "diloco_int8",
+    "streaming_diloco_t1_fp32",
+    "streaming_diloco_t1_int8",
+    "streaming_diloco_t2_int8",
+    "streaming_diloco_t1_int4",
+    "streaming_diloco_t2_int4",
 )
-PEERS = ("ddp", "powersgd_r1", "powersgd_r4", "decent_dp", "torchft_localsgd", "torchft_diloco")
+PEERS = (
+    "ddp",
+    "powersgd_r1",
+    "powersgd_r4",
+    "decent_dp",
+    "torchft_localsgd",
+    "torchft_diloco",
+    "torchft_streaming_diloco",
+)
+STREAMING_FRAGMENTS = 4
 ALL = ("alone",) + PEERS + GOSSIP
 
 
@@ -103,7 +128,15 @@ PEAK_LR = {
     "diloco": 4e-3,
     "diloco_gossip": 4e-3,
     "diloco_gossip_bf16": 4e-3,
+    "diloco_int8": 4e-3,
+    "torchft_streaming_diloco": 4e-3,
+    "streaming_diloco_t1_fp32": 4e-3,
+    "streaming_diloco_t1_int8": 4e-3,
+    "streaming_diloco_t2_int8": 4e-3,
+    "streaming_diloco_t1_int4": 4e-3,
+    "streaming_diloco_t2_int4": 4e-3,
 }
+OUTER_DTYPES = {"fp32": None, "int8": "int8", "int4": "int4"}
 SLOWMO_MOMENTUM = 0.2
 
 
@@ -233,6 +266,18 @@ class _Gossip(_OptimizerStep):
                 outer_optimizer=recipe.outer_optimizer,
                 outer_average="gossip" if "_gossip" in system else "allreduce",
             )
+            if system == "diloco_int8":
+                options["outer_dtype"] = "int8"
+        if system.startswith("streaming_diloco"):
+            delay, dtype = system.removeprefix("streaming_diloco_t").split("_")
+            options.update(
+                base_algorithm="localsgd",
+                sync_every=recipe.local_steps,
+                outer_optimizer=recipe.outer_optimizer,
+                outer_dtype=OUTER_DTYPES[dtype],
+                fragments=STREAMING_FRAGMENTS,
+                fragment_delay=int(delay),
+            )
         if system == "slowmo":
             options.update(slowmo_freq=recipe.local_steps, slowmo_momentum=SLOWMO_MOMENTUM)
         model = gossip_ext.GossipDataParallel(module, **options)
@@ -315,6 +360,22 @@ class _Torchft(_OptimizerStep):
             self.outer = recipe.outer_optimizer(module.parameters())
             algorithm = DiLoCo(
                 self.manager, [module], self.opt, self.outer, sync_every=recipe.local_steps
+            )
+        elif system == "torchft_streaming_diloco":
+            # gossip_ext's fragments, as modules: torchft syncs one every sync_every steps.
+            params = list(module.parameters())
+            sizes = [p.numel() * p.element_size() for p in params]
+            fragments = [
+                nn.ParameterList(params[lo:hi])
+                for lo, hi in fragment_bounds(sizes, STREAMING_FRAGMENTS)
+            ]
+            self.outer = [recipe.outer_optimizer(f.parameters()) for f in fragments]
+            algorithm = DiLoCo(
+                self.manager,
+                fragments,
+                self.opt,
+                self.outer,
+                sync_every=recipe.local_steps // STREAMING_FRAGMENTS,
             )
         else:
             algorithm = LocalSGD(self.manager, module, self.opt, sync_every=recipe.local_steps)
