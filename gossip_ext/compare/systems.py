@@ -24,11 +24,10 @@ diloco              gossip_ext DiLoCo: torchft_diloco's outer step (the same out
 streaming_diloco_   gossip_ext Streaming DiLoCo: STREAMING_FRAGMENTS fragments, one synced every
  t<tau>_<dtype>     ``local_steps / fragments`` steps, its averaging started ``tau`` steps
                     earlier, the pseudo-gradients in ``dtype`` (fp32, int8 or int4)
-torchft_streaming_  torchft 0.2.0 DiLoCo over the same fragments (one ParameterList each), one
- diloco             fragment synced every ``local_steps / fragments`` steps, as gossip_ext's;
-                    fragment_sync_delay 0, the largest it accepts there (it asserts
-                    ``delay < sync_every // fragments``), uncompressed (its quantization needs
-                    CUDA and Triton)
+torchft_streaming_  torchft 0.2.0 DiLoCo over the same fragments (one ParameterList each) on the
+ diloco_t<tau>      same schedule (one fragment every ``local_steps / fragments`` steps), its
+                    fragment_sync_delay ``tau``; uncompressed (its quantization needs CUDA and
+                    Triton)
 ==================  ==========================================================================
 
 torchft and decent-dp are benchmark dependencies, never the library's: :func:`available` says
@@ -77,7 +76,8 @@ PEERS = (
     "decent_dp",
     "torchft_localsgd",
     "torchft_diloco",
-    "torchft_streaming_diloco",
+    "torchft_streaming_diloco_t1",
+    "torchft_streaming_diloco_t2",
 )
 STREAMING_FRAGMENTS = 4
 ALL = ("alone",) + PEERS + GOSSIP
@@ -129,7 +129,8 @@ PEAK_LR = {
     "diloco_gossip": 4e-3,
     "diloco_gossip_bf16": 4e-3,
     "diloco_int8": 4e-3,
-    "torchft_streaming_diloco": 4e-3,
+    "torchft_streaming_diloco_t1": 4e-3,
+    "torchft_streaming_diloco_t2": 4e-3,
     "streaming_diloco_t1_fp32": 4e-3,
     "streaming_diloco_t1_int8": 4e-3,
     "streaming_diloco_t2_int8": 4e-3,
@@ -361,8 +362,8 @@ class _Torchft(_OptimizerStep):
             algorithm = DiLoCo(
                 self.manager, [module], self.opt, self.outer, sync_every=recipe.local_steps
             )
-        elif system == "torchft_streaming_diloco":
-            # gossip_ext's fragments, as modules: torchft syncs one every sync_every steps.
+        elif system.startswith("torchft_streaming_diloco"):
+            # gossip_ext's fragments, as modules; torchft syncs one every sync_every / k steps.
             params = list(module.parameters())
             sizes = [p.numel() * p.element_size() for p in params]
             fragments = [
@@ -375,7 +376,8 @@ class _Torchft(_OptimizerStep):
                 fragments,
                 self.opt,
                 self.outer,
-                sync_every=recipe.local_steps // STREAMING_FRAGMENTS,
+                sync_every=recipe.local_steps,
+                fragment_sync_delay=int(system.removeprefix("torchft_streaming_diloco_t")),
             )
         else:
             algorithm = LocalSGD(self.manager, module, self.opt, sync_every=recipe.local_steps)
