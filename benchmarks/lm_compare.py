@@ -195,18 +195,25 @@ def load_rows(path: str):
     return protocol, all_rows
 
 
-def report_all(args, protocol: runner.Protocol, all_rows, echo: bool) -> None:
-    """Tables (printed if ``echo``), goals and plot of a run; into RESULTS.md unless --no-record."""
+def report_settings(all_rows, target_bpb: float, plot: str, echo: bool = True):
+    """Every setting's table (printed if ``echo``) as a RESULTS.md subsection, the plot of them
+    all at ``plot``, and the model's parameter count: what every comparison reports alike."""
     sections = []
     for (workers, rate), rows in all_rows.items():
-        text = report.table(rows, args.target_bpb)
+        text = report.table(rows, target_bpb)
         if echo:
             print(f"\n{_setting(workers, rate)}\n{text}\n", flush=True)
         sections.append(f"### {_setting(workers, rate)}\n\n{text}")
-    report.plot({_setting(w, r): rows for (w, r), rows in all_rows.items()}, args.plot)
+    report.plot({_setting(w, r): rows for (w, r), rows in all_rows.items()}, plot)
+    params = next(iter(next(iter(all_rows.values())).values()))["params"]
+    return sections, params
+
+
+def report_all(args, protocol: runner.Protocol, all_rows, echo: bool) -> None:
+    """Tables (printed if ``echo``), goals and plot of a run; into RESULTS.md unless --no-record."""
+    sections, params = report_settings(all_rows, args.target_bpb, args.plot, echo)
     goal_table = goals(all_rows)
     print(goal_table)
-    params = next(iter(next(iter(all_rows.values())).values()))["params"]
     body = (
         protocol.describe(params)
         + f" `bound by`: CPU where a step takes at most {report.CPU_BOUND}x the workers "

@@ -142,19 +142,9 @@ def describe(params: int, protocol: runner.Protocol, args) -> str:
 
 
 def report_all(args, protocol, all_rows) -> None:
-    sections = []
-    for (workers, rate), rows in all_rows.items():
-        setting = f"{workers} workers, {_netns.format_rate(rate)}"
-        text = report.table(rows, args.target_bpb)
-        print(f"\n{setting}\n{text}\n", flush=True)
-        sections.append(f"### {setting}\n\n{text}")
-    report.plot(
-        {f"{w} workers, {_netns.format_rate(r)}": rows for (w, r), rows in all_rows.items()},
-        args.plot,
-    )
+    sections, params = lm_compare.report_settings(all_rows, args.target_bpb, args.plot)
     goal_table = goals(all_rows)
     print(goal_table)
-    params = next(iter(next(iter(all_rows.values())).values()))["params"]
     body = describe(params, protocol, args) + "\n\n### Goals\n\n" + goal_table + "\n\n"
     body += "\n\n".join(sections)
     if not args.no_record:
