@@ -17,7 +17,7 @@ import torch
 import gossip_ext
 from gossip_ext import _C
 
-CUDA_OPS = ("scale_into", "compress_into_", "absorb_")
+CUDA_OPS = ("scale_into", "compress_into_", "absorb_", "quantize_into_", "absorb_quantized_")
 
 
 def main() -> int:
