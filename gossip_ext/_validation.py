@@ -142,8 +142,7 @@ def check_arguments(
     check_outer(outer_optimizer, sync_every, outer_device, global_avg_freq, slowmo_freq)
     check_outer_average(outer_average, outer_optimizer, nprocs_per_node)
     check_outer_dtype(outer_dtype, outer_optimizer, outer_average)
-    check_fragments(fragments, fragment_delay, fragment_alpha, outer_optimizer, sync_every,
-                    outer_average)
+    check_fragments(fragments, fragment_delay, fragment_alpha, outer_optimizer, sync_every)
     if start_in_forward and not overlap:
         raise ValueError(
             "start_in_forward=True needs overlap=True: a synchronous round is absorbed by the "
@@ -318,9 +317,7 @@ def check_outer_dtype(outer_dtype, outer_optimizer, outer_average) -> None:
         )
 
 
-def check_fragments(
-    fragments, fragment_delay, fragment_alpha, outer_optimizer, sync_every, outer_average
-) -> None:
+def check_fragments(fragments, fragment_delay, fragment_alpha, outer_optimizer, sync_every) -> None:
     """Streaming DiLoCo's arguments (gossip_ext.streaming)."""
     check_type("fragments", fragments, int, "an int")
     check_type("fragment_delay", fragment_delay, int, "an int")
@@ -333,16 +330,13 @@ def check_fragments(
         raise ValueError(f"fragment_alpha must be in [0, 1], got {fragment_alpha}")
     if (fragments, fragment_delay, fragment_alpha) == (1, 0, 0.0):
         return
-    asked = f"fragments={fragments}, fragment_delay={fragment_delay}, fragment_alpha={fragment_alpha}"
+    asked = (
+        f"fragments={fragments}, fragment_delay={fragment_delay}, fragment_alpha={fragment_alpha}"
+    )
     if outer_optimizer is None or not sync_every:
         raise ValueError(
             f"{asked} configure Streaming DiLoCo's outer steps, which need outer_optimizer and "
             f"sync_every (got sync_every={sync_every!r})"
-        )
-    if outer_average != "allreduce":
-        raise ValueError(
-            f"{asked} with outer_average={outer_average!r}: Streaming DiLoCo's fragments are "
-            "averaged exactly (outer_average='allreduce')"
         )
     if fragments > sync_every:
         raise ValueError(

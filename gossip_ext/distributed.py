@@ -192,7 +192,9 @@ class GossipDataParallel(nn.Module):
             the parameters, in module order, in ``fragments`` contiguous fragments of about equal
             bytes, fragment ``j`` synchronised at step ``floor(sync_every (j + 1) / fragments)``
             of every period, each with its own outer optimizer (:attr:`outer_optimizers`), so
-            that ``1 / fragments`` of the model travels at a time. 1: DiLoCo (default).
+            that ``1 / fragments`` of the model travels at a time; averaged exactly, or with
+            ``outer_average="gossip"`` by one exchange with the peers of a round of the graph
+            (:mod:`gossip_ext.fragment_gossip`). 1: DiLoCo (default).
         fragment_delay (int): Streaming DiLoCo's ``tau``: a fragment's averaging starts
             ``fragment_delay`` steps before its outer step and travels while the workers train,
             ``0 <= fragment_delay < sync_every // fragments`` (default: 0).

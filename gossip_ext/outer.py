@@ -47,6 +47,7 @@ def make_rule(
     ball (a preset of the same outer step), or None (plain averages only, or none)."""
     a = arguments
     if a["outer_optimizer"] is not None and streaming_asked(a):
+        by_gossip = a["outer_average"] == "gossip"
         return StreamingOuter(
             params,
             a["outer_optimizer"],
@@ -57,6 +58,7 @@ def make_rule(
             fragments=a["fragments"],
             delay=a["fragment_delay"],
             alpha=a["fragment_alpha"],
+            gossip=(a["graph"], a["mixing"], a["timeout"]) if by_gossip else None,
         )
     if a["outer_optimizer"] is not None:
         return outer_rules.OuterOptimizer(

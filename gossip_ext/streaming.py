@@ -15,9 +15,11 @@ step ``s_j = floor(H (j + 1) / k)``, as torchft schedules its fragments:
 The communication of a period is the same as DiLoCo's, spread over ``k`` moments instead of one,
 so a network that DiLoCo would saturate in bursts carries ``1 / k`` of a model at a time, hidden
 behind ``tau`` steps of training. The mean is exact (one all-reduce per dtype bucket of the
-fragment, with the push-sum weight riding as one more element) or compressed (``outer_dtype``:
+fragment, with the push-sum weight riding as one more element), compressed (``outer_dtype``:
 ``compressed_average.CompressedMean``, whose all-to-all travels during the ``tau`` steps and whose
-all-gather runs at the apply).
+all-gather runs at the apply), or gossip's (``outer_average="gossip"``:
+``fragment_gossip.GossipMean``, one exchange with the peers of a round of the graph, each worker
+then stepping its own ``theta_global``).
 
 The apply is the commit point (Note [The parameters are the model] in the engine): a collective
 that failed raises there, before the fragment's parameters, ``theta_global`` or its optimizer
@@ -27,6 +29,7 @@ a run resumed from it sends it again before its next step, so that the apply see
 
 from __future__ import annotations
 
+import datetime
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -36,6 +39,7 @@ import torch.distributed as dist
 
 from gossip_ext.averaging import ParameterBuckets
 from gossip_ext.compressed_average import CompressedMean
+from gossip_ext.fragment_gossip import GossipMean
 from gossip_ext.outer_rules import OuterOptimizer, OuterOptimizerFactory
 
 
@@ -84,14 +88,16 @@ class _InFlight:
 
     pseudo_gradients: list[torch.Tensor]  # what was sent: kept for a checkpoint
     weight: float | None
+    round: int  # the optimizer step of the prepare: the graph's round of a gossip mean
     works: list[Any]  # exact mean: the all-reduces
     messages: list[torch.Tensor]  # exact mean: [w * d | w] per bucket, summed in place
-    pending: Any = None  # compressed mean: CompressedMean.start's handle
+    pending: Any = None  # compressed or gossip mean: its start's handle
 
 
 class Fragment:
     """One fragment: its parameters, its ``theta_global`` and outer optimizer, its compressed
-    mean's residuals, and the synchronisation in flight."""
+    mean's residuals, and the synchronisation in flight. ``gossip`` (graph, mixing, timeout):
+    averaged by gossip, not exactly."""
 
     def __init__(
         self,
@@ -100,6 +106,7 @@ class Fragment:
         device: torch.device | str | None,
         outer_dtype: torch.dtype | str | None,
         group: dist.ProcessGroup,
+        gossip: tuple[Any, Any, datetime.timedelta] | None = None,
     ):
         self.buckets = ParameterBuckets(params)
         self.rule = OuterOptimizer(params, self.buckets, factory, device)
@@ -109,22 +116,29 @@ class Fragment:
             self.compressed = CompressedMean(
                 self.buckets.layout(), self.buckets.device(0), outer_dtype, group
             )
+        self.gossip = None
+        if gossip is not None:
+            self.gossip = GossipMean(self.buckets.layout(), *gossip[:2], group, gossip[2])
         self.in_flight: _InFlight | None = None
 
     @torch.no_grad()
-    def prepare(self, weight: float | None) -> None:
-        """Takes the pseudo-gradient ``theta_global - theta`` and starts averaging it."""
+    def prepare(self, weight: float | None, round: int) -> None:
+        """Takes the pseudo-gradient ``theta_global - theta`` and starts averaging it (over the
+        peers of the graph's ``round``, by gossip)."""
         pseudo_gradients = []
         for b, (n, dtype) in enumerate(self.buckets.layout()):
             local = self.buckets.read(b, torch.empty(n, dtype=dtype, device=self.buckets.device(b)))
             pseudo_gradients.append(local.neg_().add_(self.rule.flat[b].to(local.device)))
-        self.send(pseudo_gradients, weight)
+        self.send(pseudo_gradients, weight, round)
 
     @torch.no_grad()
-    def send(self, pseudo_gradients: list[torch.Tensor], weight: float | None) -> None:
-        if self.compressed is not None:
-            pending = self.compressed.start(pseudo_gradients, weight)
-            self.in_flight = _InFlight(pseudo_gradients, weight, [], [], pending)
+    def send(self, pseudo_gradients: list[torch.Tensor], weight: float | None, round: int) -> None:
+        if self.compressed is not None or self.gossip is not None:
+            if self.compressed is not None:
+                pending = self.compressed.start(pseudo_gradients, weight)
+            else:
+                pending = self.gossip.start(pseudo_gradients, weight, round)
+            self.in_flight = _InFlight(pseudo_gradients, weight, round, [], [], pending)
             return
         works, messages = [], []
         for d in pseudo_gradients:
@@ -137,7 +151,7 @@ class Fragment:
                     message.mul_(weight)
             works.append(dist.all_reduce(message, group=self.group, async_op=True))
             messages.append(message)
-        self.in_flight = _InFlight(pseudo_gradients, weight, works, messages)
+        self.in_flight = _InFlight(pseudo_gradients, weight, round, works, messages)
 
     @torch.no_grad()
     def apply(self, alpha: float) -> None:
@@ -148,6 +162,8 @@ class Fragment:
         if self.compressed is not None:
             staged = self.compressed.finish(flight.pending)
             means = staged.means
+        elif self.gossip is not None:
+            means = self.gossip.finish(flight.pending)
         else:
             for work in flight.works:
                 work.wait()
@@ -174,13 +190,15 @@ class Fragment:
             else {
                 "pseudo_gradients": [d.clone() for d in flight.pseudo_gradients],
                 "weight": flight.weight,
+                "round": flight.round,
             },
         }
 
 
 class StreamingOuter:
     """The outer rule of Streaming DiLoCo (see the module's docstring): ``k`` fragments, each with
-    its own outer optimizer built by ``factory`` over its global parameters, on ``schedule``."""
+    its own outer optimizer built by ``factory`` over its global parameters, on ``schedule``;
+    averaged by gossip over ``gossip`` = (graph, mixing, timeout) where given."""
 
     state_key = "streaming"
     eager = True
@@ -198,11 +216,13 @@ class StreamingOuter:
         fragments: int,
         delay: int,
         alpha: float,
+        gossip: tuple[Any, Any, datetime.timedelta] | None = None,
     ):
         sizes = [p.numel() * p.element_size() for p in params]
         self.bounds = fragment_bounds(sizes, fragments)
         self.fragments = [
-            Fragment(params[lo:hi], factory, device, outer_dtype, group) for lo, hi in self.bounds
+            Fragment(params[lo:hi], factory, device, outer_dtype, group, gossip)
+            for lo, hi in self.bounds
         ]
         self.schedule = Schedule(sync_every, fragments, delay)
         self.delay = delay
@@ -210,7 +230,7 @@ class StreamingOuter:
         self.started = False
         # Fragments whose in-flight pseudo-gradient a checkpoint restored: sent again before the
         # next step's actions (resend_restored), on every rank alike.
-        self._restored: dict[int, tuple[list[torch.Tensor], float | None]] = {}
+        self._restored: dict[int, tuple[list[torch.Tensor], float | None, int]] = {}
 
     @property
     def optimizers(self) -> list[torch.optim.Optimizer]:
@@ -237,8 +257,8 @@ class StreamingOuter:
 
     def resend_restored(self) -> None:
         """Sends again the pseudo-gradients in flight when the loaded checkpoint was taken."""
-        for j, (pseudo_gradients, weight) in sorted(self._restored.items()):
-            self.fragments[j].send(pseudo_gradients, weight)
+        for j, (pseudo_gradients, weight, round) in sorted(self._restored.items()):
+            self.fragments[j].send(pseudo_gradients, weight, round)
         self._restored.clear()
 
     def run(self, step: int, weight: float | None) -> None:
@@ -246,7 +266,7 @@ class StreamingOuter:
         self.resend_restored()
         for action, j in self.schedule.actions(step):
             if action == "prepare":
-                self.fragments[j].prepare(weight)
+                self.fragments[j].prepare(weight, step)
             else:
                 self.fragments[j].apply(self.alpha)
 
@@ -279,5 +299,6 @@ class StreamingOuter:
                 self._restored[j] = (
                     [d.detach().clone() for d in flight["pseudo_gradients"]],
                     flight["weight"],
+                    flight.get("round", 0),
                 )
         self.started = True

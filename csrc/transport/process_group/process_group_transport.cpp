@@ -9,6 +9,9 @@ namespace gossip {
 namespace {
 
 constexpr int64_t kMaxMessagesPerPeer = 64;
+// Round tags wrap below 2^30: tags from 2^30 up are left to the Python layer's own messages on the
+// same group (gossip_ext/fragment_gossip.py), which must never be matched to a round's.
+constexpr int64_t kRoundTagMask = (int64_t{1} << 30) - 1;
 
 // Aborting is best effort: the work may have completed or failed meanwhile.
 void abort_quietly(c10d::Work& work) {
@@ -153,7 +156,7 @@ std::shared_ptr<Work> ProcessGroupTransport::exchange(std::vector<PeerMessage> s
     const int64_t k = count[peer]++;
     TORCH_CHECK(k < kMaxMessagesPerPeer, "gossip_ext: more than ", kMaxMessagesPerPeer,
                 " messages to one peer in one round");
-    return static_cast<int>((round * kMaxMessagesPerPeer + k) & 0x7fffffff);
+    return static_cast<int>((round * kMaxMessagesPerPeer + k) & kRoundTagMask);
   };
 
   std::vector<ProcessGroupWork::Entry> entries;

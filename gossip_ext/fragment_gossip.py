@@ -1,0 +1,132 @@
+"""A Streaming DiLoCo fragment's pseudo-gradients averaged by one gossip exchange
+(``outer_average="gossip"`` with ``fragments``).
+
+The exact mean is a collective over every worker; gossip asks only the round's peers. At the
+fragment's prepare, worker ``i`` splits the push-sum pair ``(w_i d_i, w_i)`` of its pseudo-gradient
+``d_i`` by the mixing weights of the graph's round: it keeps ``self_weight`` of it and sends
+``peer_weight`` of it to each out-peer, as point-to-point messages that the process group's thread
+moves while training goes on. At the apply it adds what its in-peers sent, and its fragment's
+outer optimizer steps with the ratio ``sum (w d) / sum w``. The mixing is column-stochastic, so the
+sums of ``w d`` and of ``w`` over the workers are conserved: on the built-in graphs (regular, so
+the mixing is doubly stochastic) the mean of the workers' ratios is the mean pseudo-gradient, as
+the exact average's, and each worker's ``theta_global`` drifts from it by what one round leaves
+of the workers' disagreement. The round of the graph is the optimizer step of the prepare, the
+same on every worker and different for consecutive fragments, so a dynamic graph sends each
+fragment to other peers.
+
+The messages travel at the parameters' precision (``message_dtype`` compresses the inner rounds,
+``outer_dtype`` the exact mean); the engine's process-group transport keeps its tags below
+:data:`OUTER_TAG_BASE`, so these messages never meet its rounds'.
+"""
+
+from __future__ import annotations
+
+import datetime
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+# Tags of these messages: [OUTER_TAG_BASE, 2 OUTER_TAG_BASE). process_group_transport.cpp masks
+# the engine's round tags below it; c10d takes tags in [0, 2^31).
+OUTER_TAG_BASE = 1 << 30
+MAX_BUCKETS = 16  # tags per round: one per bucket (one bucket per parameter dtype)
+
+
+@dataclass
+class _Exchange:
+    """One fragment's exchange between its start and its finish."""
+
+    kept: list[torch.Tensor]  # per bucket: self_weight * [w d | w]
+    received: list[list[tuple[int, torch.Tensor]]]  # per bucket: (in-peer, its message)
+    works: list[tuple[str, int, Any]]  # ("from" or "to", peer, work)
+    round: int
+
+
+class GossipMean:
+    """The gossip estimate of the mean of per-bucket vectors (``layout``: (elements, dtype) per
+    bucket) over ``group``: one exchange with the peers of ``graph``'s round, weighted by
+    ``mixing``, each wait bounded by ``timeout``."""
+
+    def __init__(
+        self,
+        layout: Sequence[tuple[int, torch.dtype]],
+        graph: Any,
+        mixing: Any,
+        group: dist.ProcessGroup,
+        timeout: datetime.timedelta,
+    ):
+        if len(layout) > MAX_BUCKETS:
+            raise ValueError(
+                f"outer_average='gossip' with fragments: at most {MAX_BUCKETS} parameter dtypes "
+                f"in a fragment, got {len(layout)}"
+            )
+        self.layout = list(layout)
+        self.graph = graph
+        self.mixing = mixing
+        self.group = group
+        self.rank = dist.get_rank(group)
+        self.world_size = dist.get_world_size(group)
+        self.timeout = timeout
+
+    def peers(self, round: int) -> tuple[list[int], list[int]]:
+        """(out-peers, in-peers) of this worker in ``round``, as ranks of the group."""
+        if self.world_size == 1:
+            return [], []
+        return (
+            self.graph.out_peers(self.rank, self.world_size, round),
+            self.graph.in_peers(self.rank, self.world_size, round),
+        )
+
+    def _tag(self, round: int, bucket: int) -> int:
+        return OUTER_TAG_BASE + (round * MAX_BUCKETS + bucket) % OUTER_TAG_BASE
+
+    @torch.no_grad()
+    def start(
+        self, pseudo_gradients: Sequence[torch.Tensor], weight: float, round: int
+    ) -> _Exchange:
+        """Posts the receives from the round's in-peers and the sends to its out-peers."""
+        out_peers, in_peers = self.peers(round)
+        self_weight, peer_weight = self.mixing.weights(len(out_peers)) if out_peers else (1.0, 0.0)
+        kept, received, works = [], [], []
+        for b, d in enumerate(pseudo_gradients):
+            message = torch.empty(d.numel() + 1, dtype=d.dtype, device=d.device)
+            message[:-1].copy_(d).mul_(weight)
+            message[-1] = weight
+            tag = self._tag(round, b)
+            inbox = []
+            for peer in in_peers:
+                buffer = torch.empty_like(message)
+                source = dist.get_global_rank(self.group, peer)
+                works.append(("from", peer, dist.irecv(buffer, source, self.group, tag=tag)))
+                inbox.append((peer, buffer))
+            if out_peers:
+                share = message * peer_weight
+                for peer in out_peers:
+                    target = dist.get_global_rank(self.group, peer)
+                    works.append(("to", peer, dist.isend(share, target, self.group, tag=tag)))
+            kept.append(message.mul_(self_weight))
+            received.append(inbox)
+        return _Exchange(kept, received, works, round)
+
+    @torch.no_grad()
+    def finish(self, exchange: _Exchange) -> list[torch.Tensor]:
+        """Waits for every message of the exchange; returns the mean estimate per bucket. Raises
+        TimeoutError naming the peer whose message did not arrive (or could not be sent)."""
+        for direction, peer, work in exchange.works:
+            try:
+                work.wait(self.timeout)
+            except Exception as error:
+                raise TimeoutError(
+                    f"gossip_ext: Streaming DiLoCo's gossip exchange of round {exchange.round} "
+                    f"failed: the message {direction} rank {peer} did not complete within "
+                    f"{self.timeout.total_seconds():g} s ({error})"
+                ) from error
+        means = []
+        for total, inbox in zip(exchange.kept, exchange.received):
+            for _, message in inbox:
+                total.add_(message)
+            means.append(total[:-1].div_(total[-1]))
+        return means
