@@ -20,6 +20,8 @@ The shape of a training step, and where each part lives::
   ``outer_rules``: what an outer step makes of the average (SlowMo's heavy ball, DiLoCo's outer
   optimizer; a plain average needs no rule).
 - ``_buffers``: what happens to module buffers; ``_hierarchy``: several processes per machine.
+- ``membership``, ``epochs``, ``elastic``: an elastic job (``membership="HOST:PORT"``): its membership service
+  and epochs, a worker's moves between them, the handoff of the state to a joining worker.
 - ``graphs``, ``mixing``: who talks to whom, with which weights; ``csrc/``: the engine.
 
 Where a new algorithm goes: a new way to mix between steps is a graph, a mixing or an engine mode
@@ -43,6 +45,7 @@ from gossip_ext.graphs import (
     NPeerDynamicDirectedExponentialGraph,
     RingGraph,
 )
+from gossip_ext.epochs import RemovedError
 from gossip_ext.mixing import MixingBase, MixingWeights, SelfWeightMixing, UniformMixing
 from gossip_ext.simulate import simulate
 
@@ -64,6 +67,7 @@ __all__ = [
     "MixingBase",
     "MixingWeights",
     "NPeerDynamicDirectedExponentialGraph",
+    "RemovedError",
     "RingGraph",
     "SelfWeightMixing",
     "UniformMixing",

@@ -23,7 +23,6 @@ from gossip_ext.mixing import MixingBase
 # ----------------------------------------------------------------------------- arguments
 
 
-
 # What a message may be besides full precision: 16-bit floats, or block-quantized formats with a
 # float32 scale per block of 128 values (Note [Quantized messages] in csrc/kernels/block_format.h).
 MESSAGE_DTYPES = (torch.bfloat16, torch.float16, torch.float8_e4m3fn, "int8", "int4")
@@ -83,8 +82,11 @@ def check_arguments(
     gossip_buffers,
     log_every,
     verbose,
+    membership,
+    min_workers,
 ) -> None:
-    """The constructor's arguments on their own, then that torch.distributed is set up."""
+    """The constructor's arguments on their own, then that torch.distributed is set up (or that
+    an elastic job's membership service is named instead)."""
     check_type("module", module, nn.Module, "an nn.Module")
     check_type("graph", graph, GraphBase, "a gossip_ext graph (a GraphBase)")
     check_type("mixing", mixing, MixingBase, "a gossip_ext mixing (a MixingBase)")
@@ -161,10 +163,46 @@ def check_arguments(
         )
     if timeout <= timedelta(0):
         raise ValueError(f"timeout must be positive, got {timeout}")
-    if not dist.is_available() or not dist.is_initialized():
+    check_membership(membership, min_workers, process_group, nprocs_per_node)
+    if membership is None and (not dist.is_available() or not dist.is_initialized()):
         raise RuntimeError(
             "GossipDataParallel needs torch.distributed: call "
-            "torch.distributed.init_process_group() first (torchrun sets it up)"
+            "torch.distributed.init_process_group() first (torchrun sets it up), or name an "
+            "elastic job's membership service (membership='HOST:PORT')"
+        )
+
+
+def check_elastic_device(device: torch.device, comm_device) -> None:
+    """An elastic epoch's group is gloo: CUDA parameters gossip through host buffers over it."""
+    if device.type == "cuda" and (comm_device is None or torch.device(comm_device).type != "cpu"):
+        raise ValueError(
+            f"membership with parameters on {device} needs comm_device='cpu': an elastic "
+            "epoch's process group is gloo, which carries host buffers (the epoch's own NCCL "
+            f"communicator is not available), got comm_device={comm_device!r}"
+        )
+
+
+def check_membership(membership, min_workers, process_group, nprocs_per_node) -> None:
+    """An elastic job (gossip_ext.elastic) builds its own process groups, one machine a worker."""
+    check_type("min_workers", min_workers, int, "an int")
+    if min_workers < 1:
+        raise ValueError(f"min_workers must be >= 1, got {min_workers}")
+    if membership is None:
+        if min_workers != 1:
+            raise ValueError(
+                f"min_workers={min_workers} applies to an elastic job, but membership is None"
+            )
+        return
+    check_type("membership", membership, str, "a str 'HOST:PORT' or None")
+    if process_group is not None:
+        raise ValueError(
+            f"membership={membership!r} with a process_group: an elastic job builds a process "
+            "group per membership epoch itself; pass one or the other"
+        )
+    if nprocs_per_node > 1:
+        raise ValueError(
+            f"membership={membership!r} with nprocs_per_node={nprocs_per_node}: an elastic job's "
+            "workers are one process each (launch one per GPU or machine)"
         )
 
 

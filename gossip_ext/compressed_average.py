@@ -138,7 +138,7 @@ class CompressedMean:
         self.message_dtype = message_dtype
         self.group = group
         self.world_size = dist.get_world_size(group)
-        self.rank = dist.get_rank(group)
+        self.rank = group.rank()
         self.layout = list(layout)
         self.device = device
         self.shard = [shard_values(n, self.world_size) for n, _ in layout]

@@ -30,6 +30,7 @@ from gossip_ext import (
     outer,
     outer_rules,
 )
+from gossip_ext import elastic as _elastic_worker
 from gossip_ext.graphs import GraphBase, NPeerDynamicDirectedExponentialGraph
 from gossip_ext.mixing import MixingBase, UniformMixing
 
@@ -218,6 +219,17 @@ class GossipDataParallel(nn.Module):
             absorbed round without communication (see :attr:`consensus_estimate`); 0: never
             (default: 0).
         verbose (bool): log every round at INFO level (default: False).
+        membership (str, optional): ``"HOST:PORT"`` of an elastic job's membership service
+            (``python -m gossip_ext.membership --port PORT``; :mod:`gossip_ext.elastic`). The
+            worker then needs no ``init_process_group``: it registers, trains in epochs with a
+            process group per epoch over the live workers, survives workers that die, stall or
+            leave (they are dropped at the next step boundary), and a worker started later
+            receives the model, the state of the optimizer given to :meth:`register_optimizer`,
+            the outer state and the step count from a live member before its first forward.
+            Not with ``process_group`` nor ``nprocs_per_node > 1`` (default: None).
+        min_workers (int): an elastic job's first epoch forms once ``min_workers`` workers
+            registered, and the job stops with a TimeoutError naming who is gone when fewer are
+            left (default: 1).
 
     Example::
 
@@ -271,6 +283,8 @@ class GossipDataParallel(nn.Module):
         gossip_buffers: bool = False,
         log_every: int = 0,
         verbose: bool = False,
+        membership: str | None = None,
+        min_workers: int = 1,
     ):
         # Every argument by name, for the checks and for the configuration the ranks compare.
         arguments = {k: v for k, v in locals().items() if k not in ("self", "__class__")}
@@ -280,9 +294,6 @@ class GossipDataParallel(nn.Module):
         if mixing is None:
             mixing = arguments["mixing"] = UniformMixing()
         _validation.check_arguments(**arguments)
-        global_avg_freq, slowmo_freq = global_avg_freq or 0, slowmo_freq or 0
-        if sync_every and outer_optimizer is None:
-            global_avg_freq = sync_every  # the outer step without an optimizer: LocalSGD's average
 
         self.module = module
         self.mixing = mixing
@@ -296,90 +307,21 @@ class GossipDataParallel(nn.Module):
         self.broadcast_buffers = broadcast_buffers
         self.gossip_buffers = gossip_buffers
         self.verbose = verbose
-        self.process_group = dist.group.WORLD if process_group is None else process_group
-
         named = list(module.named_parameters())
-        params = [p for _, p in named]
         device = _validation.check_parameters(module, named)
         self._buffer_policy = _buffers.BufferPolicy(
             module, device, broadcast_buffers=broadcast_buffers, gossip_buffers=gossip_buffers
         )
-        gossiped = named + self._buffer_policy.gossiped
-        transport_kind = _validation.choose_transport(
-            device, comm_device, dist.get_backend(self.process_group)
-        )
-        world_size = dist.get_world_size(self.process_group)
-        rank = dist.get_rank(self.process_group)
-        self.gossip_world_size = _validation.gossip_world_size(
-            graph, push_sum, world_size, nprocs_per_node
-        )
-        _validation.check_localsgd(
-            base_algorithm, global_avg_freq, slowmo_freq, sync_every, self.gossip_world_size
-        )
         _validation.check_no_sparse_gradients(module, nprocs_per_node)
         _validation.check_outer_device(outer_device, device)
-        # The outer rule is built before the ranks compare configurations, which include its
-        # optimizer's hyperparameters; it starts from the parameters after the broadcast below.
-        self._outer = outer.OuterSteps(
-            params,
-            [b for _, b in self._buffer_policy.floating],
-            self.process_group,
-            average_every=global_avg_freq,
-            rule=outer.make_rule(params, self.process_group, arguments),
-            sync_every=slowmo_freq or sync_every or 0,
-            by_gossip=outer_average == "gossip",
-            outer_dtype=outer_dtype,
-        )
-        config = _validation.configuration(
-            arguments,
-            global_avg_freq=global_avg_freq,
-            parameters=named,
-            buffers=self._buffer_policy.layout(),
-            outer=None if self._outer.rule is None else self._outer.rule.describe(),
-        )
-        _validation.check_ranks_agree(config, self.process_group, rank)
-
-        self._hierarchy = None
-        gossip_group = self.process_group
-        self.is_gossip_leader = True
-        if nprocs_per_node > 1:
-            self._hierarchy = _hierarchy.NodeHierarchy(module, self.process_group, nprocs_per_node)
-            gossip_group = self._hierarchy.leaders
-            self.is_gossip_leader = self._hierarchy.is_leader
-
-        with torch.no_grad():
-            for p in params:
-                dist.broadcast(
-                    p, dist.get_global_rank(self.process_group, 0), group=self.process_group
-                )
-        self._buffer_policy.broadcast_initial(self.process_group)
-        self._outer.start_eagerly()
-
-        gossips = base_algorithm == "sgp" or outer_average == "gossip"
-        if self.is_gossip_leader and gossips:
-            self._mix = inner.InnerMix.build(
-                gossiped,
-                arguments,
-                transport_kind=transport_kind,
-                group=gossip_group,
-                device=device,
-                every_step=base_algorithm == "sgp",
-            )
-        else:
-            self._mix = inner.InnerMix(
-                None, graph, overlap=overlap, synch_freq=synch_freq, every_step=False
-            )
-        if self.gossip_world_size == 1 and base_algorithm == "sgp":
-            warnings.warn(
-                "GossipDataParallel: there is one gossiping process, so gossip does nothing "
-                "and this trains like a single process",
-                stacklevel=2,
-            )
+        self._arguments = arguments
+        self._named = named
+        self._gossiped = named + self._buffer_policy.gossiped
+        self._device = device
         # nprocs_per_node > 1: whether the gossiping process may hold parameters that the machine's
         # other processes have not received. Every process of the machine tracks it alike (it
         # changes with transfer_params() and the forward), so they agree on when to broadcast.
         self._node_behind = False
-        self._watch = _validation.ParameterWatch(named, gossiped[len(named) :])
         # Parameter versions at the last training forward, until the first transfer_params():
         # a step taken without it is reported (see _check_rounds_started).
         self._versions_at_forward: int | None = None
@@ -393,17 +335,132 @@ class GossipDataParallel(nn.Module):
         self._optimizer_ref = None
         # The graph as constructed (what a checkpoint must match).
         self._constructed_graph = graph
+        self._hierarchy = None
+        self._mix = None
+        self._elastic = None
+        if membership is None:
+            self.process_group = dist.group.WORLD if process_group is None else process_group
+            self._build(initial=True)
+        else:
+            self._elastic = _elastic_worker.ElasticWorker(membership, min_workers, timeout, "gloo")
+            # The donor's optimizer state, until register_optimizer() hands it to the optimizer.
+            self._handed_optimizer_state = None
+            self._holds_state = False
+            # Why this worker stopped (removed, or too few workers left): raised by every call.
+            self._stopped: BaseException | None = None
+            _validation.check_elastic_device(device, comm_device)
+            try:
+                self._enter_epoch(self._elastic.join())
+            except Exception as error:
+                if not _elastic_worker.is_peer_failure(error):
+                    raise
+                self._change_epoch(error)  # the donor died during the handoff: another one
+            # Leaves when the process exits or the wrapper is collected, whichever is first.
+            weakref.finalize(self, self._elastic.leave)
         if self._hierarchy is not None:
-            self._hierarchy.hook_gradients(params)
+            self._hierarchy.hook_gradients([p for _, p in named])
+
+    def _build(self, initial: bool) -> None:
+        """Everything that runs over ``self.process_group``: the outer steps, the inner mix and
+        its engine, after the ranks agreed on the configuration. ``initial``: every rank then
+        starts from rank 0's parameters (a job's start); else each keeps its own (an elastic
+        epoch's)."""
+        arguments, named = self._arguments, self._named
+        a = arguments
+        params = [p for _, p in named]
+        transport_kind = _validation.choose_transport(
+            self._device, a["comm_device"], dist.get_backend(self.process_group)
+        )
+        world_size = dist.get_world_size(self.process_group)
+        rank = self.process_group.rank()
+        self.gossip_world_size = _validation.gossip_world_size(
+            a["graph"], a["push_sum"], world_size, a["nprocs_per_node"]
+        )
+        global_avg_freq = a["global_avg_freq"] or 0
+        if a["sync_every"] and a["outer_optimizer"] is None:
+            global_avg_freq = a["sync_every"]  # the outer step without an optimizer: LocalSGD's
+        slowmo_freq = a["slowmo_freq"] or 0
+        _validation.check_localsgd(
+            a["base_algorithm"],
+            global_avg_freq,
+            slowmo_freq,
+            a["sync_every"],
+            self.gossip_world_size,
+        )
+        # The outer rule is built before the ranks compare configurations, which include its
+        # optimizer's hyperparameters; it starts from the parameters after the broadcast below.
+        self._outer = outer.OuterSteps(
+            params,
+            [b for _, b in self._buffer_policy.floating],
+            self.process_group,
+            average_every=global_avg_freq,
+            rule=outer.make_rule(params, self.process_group, arguments),
+            sync_every=slowmo_freq or a["sync_every"] or 0,
+            by_gossip=a["outer_average"] == "gossip",
+            outer_dtype=a["outer_dtype"],
+        )
+        config = _validation.configuration(
+            arguments,
+            global_avg_freq=global_avg_freq,
+            parameters=named,
+            buffers=self._buffer_policy.layout(),
+            outer=None if self._outer.rule is None else self._outer.rule.describe(),
+        )
+        _validation.check_ranks_agree(config, self.process_group, rank)
+
+        gossip_group = self.process_group
+        self.is_gossip_leader = True
+        if a["nprocs_per_node"] > 1:
+            self._hierarchy = _hierarchy.NodeHierarchy(
+                self.module, self.process_group, a["nprocs_per_node"]
+            )
+            gossip_group = self._hierarchy.leaders
+            self.is_gossip_leader = self._hierarchy.is_leader
+
+        if initial:
+            with torch.no_grad():
+                for p in params:
+                    dist.broadcast(
+                        p, dist.get_global_rank(self.process_group, 0), group=self.process_group
+                    )
+            self._buffer_policy.broadcast_initial(self.process_group)
+        self._outer.start_eagerly()
+
+        gossips = a["base_algorithm"] == "sgp" or a["outer_average"] == "gossip"
+        if self.is_gossip_leader and gossips:
+            self._mix = inner.InnerMix.build(
+                self._gossiped,
+                arguments,
+                transport_kind=transport_kind,
+                group=gossip_group,
+                device=self._device,
+                every_step=a["base_algorithm"] == "sgp",
+            )
+        else:
+            self._mix = inner.InnerMix(
+                None,
+                a["graph"],
+                overlap=self.overlap,
+                synch_freq=self.synch_freq,
+                every_step=False,
+            )
+        if self.gossip_world_size == 1 and a["base_algorithm"] == "sgp" and self._elastic is None:
+            warnings.warn(
+                "GossipDataParallel: there is one gossiping process, so gossip does nothing "
+                "and this trains like a single process",
+                stacklevel=3,
+            )
+        self._watch = _validation.ParameterWatch(named, self._gossiped[len(named) :])
 
     # ----------------------------------------------------------------------------- training
 
     def forward(self, *inputs: Any, **kwargs: Any) -> Any:
+        self._check_member()
         self._watch.check(self.module)
         if self.training:
             self._check_rounds_started()
         self._transferred = None
-        self._mix.before_forward(self.training)
+        self._elastically(self._mix.before_forward, self.training)
         if self._hierarchy is not None:
             self._hierarchy.receive_parameters()
             self._node_behind = False
@@ -473,15 +530,24 @@ class GossipDataParallel(nn.Module):
         self._transfer(_validation.BY_HAND)
 
     def _transfer(self, caller: str) -> None:
+        self._check_member()
         # Checked on every rank, gossiping or not, so that all of them raise alike.
         self._watch.check(self.module)
         # A failed round or exact average, before this step counts; also where no round would
         # start (LocalSGD has no engine).
-        self._mix.raise_if_failed()
+        self._elastically(self._mix.raise_if_failed)
         _validation.check_transfer(self._transferred, caller, self.overlap)
         if self._outer.needs_inner_lr:
             _validation.check_slowmo_optimizer(self._outer.sync_every, self._optimizer)
+        if self._elastic is not None and self._elastic.changed():
+            self._change_epoch(None)  # the step boundary where a membership change takes effect
         self._steps += 1
+        self._elastically(self._end_step)
+        self._node_behind = True
+        self._transferred = caller
+
+    def _end_step(self) -> None:
+        """The gossip round or outer step that ends optimizer step ``self._steps``."""
         self._mix.arm(self._steps)
         kind = self._outer.kind(self._steps)
         if kind == outer.STREAM:
@@ -494,8 +560,6 @@ class GossipDataParallel(nn.Module):
             self._average_exactly(kind)
         else:
             self._mix.after_step()
-        self._node_behind = True
-        self._transferred = caller
 
     def register_optimizer(self, optimizer: torch.optim.Optimizer):
         """Calls :meth:`transfer_params` after every ``optimizer.step()``; returns the hook's
@@ -512,6 +576,9 @@ class GossipDataParallel(nn.Module):
         if self._outer.needs_inner_lr:
             _validation.check_learning_rates(optimizer)
         self._optimizer_ref = weakref.ref(optimizer)
+        if self._elastic is not None and self._handed_optimizer_state is not None:
+            optimizer.load_state_dict(self._handed_optimizer_state)  # the donor's, on joining
+            self._handed_optimizer_state = None
         return optimizer.register_step_post_hook(
             lambda *_: self._transfer(_validation.BY_OPTIMIZER)
         )
@@ -529,7 +596,8 @@ class GossipDataParallel(nn.Module):
         failed round (naming the peer and the round). With ``nprocs_per_node > 1`` the machine's
         other processes receive the result (collective over the machine)."""
         self._transferred = None
-        self._mix.drain()
+        self._check_member()
+        self._elastically(self._mix.drain)
         if self._hierarchy is not None and self._node_behind:
             self._hierarchy.receive_parameters()
             self._node_behind = False
@@ -552,6 +620,128 @@ class GossipDataParallel(nn.Module):
     def unbias(self) -> None:
         """Kept for SGP compatibility. The parameters here always hold de-biased values, so
         there is nothing to do."""
+
+    # ----------------------------------------------------------------------------- elastic
+
+    @property
+    def worker_id(self) -> int | None:
+        """This worker's id in an elastic job (ids are handed out in order of registration);
+        None without ``membership``."""
+        return None if self._elastic is None else self._elastic.worker
+
+    @property
+    def epoch(self) -> int | None:
+        """The membership epoch this worker trains in; None without ``membership``."""
+        return None if self._elastic is None else self._elastic.epoch.number
+
+    def leave(self) -> None:
+        """Leaves an elastic job cleanly: this worker's last round is delivered, and the others
+        drop it at their next step boundary, without waiting for a timeout. Runs by itself when
+        the process exits or the wrapper is collected; after it, the wrapper no longer trains (its
+        module keeps the model)."""
+        if self._elastic is None:
+            raise RuntimeError("leave() is for an elastic job's workers (membership='HOST:PORT')")
+        if self._elastic.left:
+            return
+        try:
+            self._mix.drain()
+        except Exception as error:  # noqa: BLE001 - leaving anyway; the model is as it was
+            if not _elastic_worker.is_peer_failure(error):
+                raise
+        self._mix = self._mix.closed()
+        self._elastic.leave()
+
+    def _check_member(self) -> None:
+        if self._elastic is None:
+            return
+        if self._stopped is not None:
+            raise self._stopped
+        if self._elastic.left:
+            raise RuntimeError(
+                f"gossip_ext: worker {self._elastic.worker} left the job (leave()); its module "
+                "holds its last model. A new GossipDataParallel joins as a new worker"
+            )
+
+    def _elastically(self, fn, *args) -> Any:
+        """``fn(*args)``; in an elastic job, a peer's failure (it died, stalled or left) moves this
+        worker to the next epoch instead of raising. The failed round or outer step changed
+        nothing (Note [The parameters are the model]) and is dropped."""
+        if self._elastic is None:
+            return fn(*args)
+        try:
+            return fn(*args)
+        except Exception as error:
+            if not _elastic_worker.is_peer_failure(error):
+                raise
+            self._change_epoch(error)
+            return None
+
+    def _change_epoch(self, failure: BaseException | None) -> None:
+        """Moves to the next epoch, keeping the model, the optimizer, the step count and the
+        outer state; the push-sum weight restarts at 1. Retries while members fail during the
+        change itself."""
+        outer_state = self._outer.state_dict() if self._holds_state else None
+        # Nothing may keep the epoch's group alive: gloo closes its connections only when the
+        # group is freed, and a peer still waiting on this worker's messages must see them close
+        # now rather than time out. A round in flight is dropped, never absorbed.
+        if self._mix is not None:
+            self._mix = self._mix.closed()
+        self._outer = None
+        self.process_group = None
+        while True:
+            try:
+                change = self._elastic.next_epoch(failure)
+            except Exception as error:
+                self._stopped = error  # raised again by every later call
+                raise
+            try:
+                self._enter_epoch(change, outer_state)
+                return
+            except Exception as error:
+                if not _elastic_worker.is_peer_failure(error):
+                    raise
+                failure = error
+
+    def _enter_epoch(self, change: _elastic_worker.Change, outer_state=None) -> None:
+        """Builds everything over the epoch's group; then the donor hands its state to the
+        workers that joined, and a joiner loads it before anything else happens."""
+        self.process_group = change.group
+        first = not self._holds_state
+        self._build(initial=first and change.epoch.number == 0)
+        if outer_state is not None:
+            self._outer.load_state_dict(outer_state)
+        joined = [change.epoch.rank(j) for j in change.joined]
+        if self._elastic.worker in change.joined:
+            self._take_handoff(_elastic_worker.receive_state(change.donor, change.group))
+            self._elastic.mark_ready()
+        elif joined and change.rank == change.donor:
+            _elastic_worker.send_state(self._handoff(), joined, change.group)
+        self._holds_state = True
+        self._versions_at_forward = None
+
+    def _handoff(self) -> dict[str, Any]:
+        """What a joiner receives from its donor: the model (parameters and buffers), the step
+        count, the outer state, the peers per round and the registered optimizer's state."""
+        optimizer = self._optimizer
+        return {
+            "module": self.module.state_dict(),
+            "steps": self._steps,
+            "outer": self._outer.state_dict(),
+            "peers_per_itr": self.graph.peers_per_itr,
+            "optimizer": None if optimizer is None else optimizer.state_dict(),
+        }
+
+    def _take_handoff(self, state: Mapping[str, Any]) -> None:
+        self.module.load_state_dict(state["module"])
+        self._steps = int(state["steps"])
+        self._outer.load_state_dict(state["outer"])
+        if state["peers_per_itr"] != self.graph.peers_per_itr:
+            self._mix.set_graph(inner.with_peers(self.graph, state["peers_per_itr"]))
+        self._handed_optimizer_state = state["optimizer"]
+        optimizer = self._optimizer
+        if optimizer is not None and state["optimizer"] is not None:
+            optimizer.load_state_dict(state["optimizer"])
+            self._handed_optimizer_state = None
 
     # ----------------------------------------------------------------------------- outer steps
 
@@ -689,7 +879,7 @@ class GossipDataParallel(nn.Module):
         _validation.check_ranks_agree(
             {"peers_per_itr": peers_per_itr, "steps": self._steps},
             self.process_group,
-            dist.get_rank(self.process_group),
+            self.process_group.rank(),
         )
         self._mix.set_graph(graph)
 

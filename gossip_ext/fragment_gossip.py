@@ -67,7 +67,7 @@ class GossipMean:
         self.graph = graph
         self.mixing = mixing
         self.group = group
-        self.rank = dist.get_rank(group)
+        self.rank = group.rank()
         self.world_size = dist.get_world_size(group)
         self.timeout = timeout
 

@@ -133,6 +133,11 @@ class InnerMix:
             # restore() needs an idle engine: the caller drained it.
             self.engine.restore(self.engine.round, 1.0)
 
+    def closed(self) -> InnerMix:
+        """This mix without its engine, which is dropped: a round in flight is aborted, never
+        absorbed (an elastic worker between epochs, or after it left)."""
+        return InnerMix(None, self.graph, overlap=False, synch_freq=0, every_step=False)
+
     def raise_if_failed(self) -> None:
         self.rounds.raise_if_failed()
 

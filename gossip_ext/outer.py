@@ -66,7 +66,7 @@ def make_rule(
         )
     if not a["slowmo_freq"]:
         return None
-    world_size, rank = dist.get_world_size(group), dist.get_rank(group)
+    world_size, rank = dist.get_world_size(group), group.rank()
     shards = 1
     if a["slowmo_memory_efficient"]:
         shards = min(world_size, a["slowmo_num_shards"] or world_size)

@@ -1,0 +1,312 @@
+"""One worker of an elastic job: its epochs, how it notices a change, how it hands its state on.
+
+A worker joins through the membership service (:mod:`gossip_ext.membership`; its protocol in
+:mod:`gossip_ext.epochs`) and trains in epochs, each with a process group of its own over that
+epoch's members (:mod:`._epoch_group`).
+At every step boundary it reads one counter of the service; when the membership changed (a worker
+registered, left, or was announced dead) it moves to the next epoch there. When a round or a
+collective fails because a peer died or stalled, the worker announces the peers the error names
+(unless a change is already pending, which explains the failure) and moves on the same way; a
+worker that is not a neighbour of the dead one learns it from the counter, without waiting for a
+timeout of its own. Forming an epoch is the only moment the members wait for each other: each
+checks in, and one that does not within the timeout is removed.
+
+What moves with a worker from one epoch to the next is its own: its model, its optimizer, its
+step count and outer state. The push-sum weight restarts at 1 in every epoch (a dead worker's
+share of the mass is dropped; see the README). A worker that joins a running job receives the
+state of one member that was already training (the donor: the oldest such member) before its
+first forward, and never seeds anyone with its own initialisation.
+"""
+
+from __future__ import annotations
+
+import datetime
+import gc
+import io
+import logging
+import re
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from gossip_ext import _epoch_group
+from gossip_ext.epochs import Epoch, MembershipClient, RemovedError
+
+logger = logging.getLogger("gossip_ext.elastic")
+
+# Peer ranks named by a failed round's error (csrc/transport/process_group: "peer 3", "peers
+# [1, 3]"; gossip_ext/fragment_gossip.py: "rank 3").
+_NAMED_PEER = re.compile(r"\bpeers? \[?([\d, ]+)\]?|(?:from|to) rank (\d+)")
+
+LEFT = "left the job"  # why a worker that called leave() (or exited) is gone
+
+# The first epoch forms once min_workers registered and no other registered for this long.
+FIRST_EPOCH_SETTLE_S = 1.0
+
+# A worker whose state is part of the job: it trained in an earlier epoch, or received a donor's
+# state. The others of an epoch are joiners, and receive it.
+_READY = "ready/{}"
+
+
+def named_peers(error: BaseException) -> list[int]:
+    """The peer ranks a failed round's or exchange's error names (empty if none)."""
+    peers: set[int] = set()
+    for listed, single in _NAMED_PEER.findall(str(error)):
+        for text in listed.split(",") if listed else [single]:
+            if text.strip():
+                peers.add(int(text))
+    return sorted(peers)
+
+
+def is_peer_failure(error: BaseException) -> bool:
+    """Whether ``error`` is what a dead, stalled or departed peer makes a round or a collective
+    raise: a TimeoutError (the engine's, the exchanges'), or c10d's RuntimeError from a closed
+    connection or a timed-out wait. Anything else (a bad argument, a non-finite model) is the
+    user's to see."""
+    if isinstance(error, TimeoutError):
+        return True
+    if isinstance(error, (RuntimeError, dist.DistError)) and not isinstance(error, RemovedError):
+        text = str(error)
+        return any(
+            s in text
+            for s in ("Connection closed", "Connection reset", "Timed out", "timed out", "aborted")
+        )
+    return False
+
+
+@dataclass
+class Change:
+    """An epoch change: the epoch, its group, this worker's rank, who left and who joined."""
+
+    epoch: Epoch
+    group: dist.ProcessGroup
+    rank: int
+    left: list[int]
+    joined: list[int]
+    seconds: float
+
+    @property
+    def donor(self) -> int | None:
+        """The rank that hands its state to the joiners (None: nobody joined)."""
+        if not self.joined:
+            return None
+        return min(self.epoch.rank(m) for m in self.epoch.members if m not in self.joined)
+
+
+class ElasticWorker:
+    """This process's membership: registered at construction, in one epoch at a time."""
+
+    def __init__(self, address: str, min_workers: int, timeout: datetime.timedelta, backend: str):
+        self.client = MembershipClient(address, timeout)
+        self.min_workers = min_workers
+        self.timeout = timeout
+        self.backend = backend
+        self.epoch: Epoch | None = None
+        self.group: dist.ProcessGroup | None = None
+        self.left = False
+
+    @property
+    def worker(self) -> int:
+        return self.client.worker
+
+    # ----------------------------------------------------------------------------- joining
+
+    def join(self) -> Change:
+        """Registers and waits until this worker is a member of a formed epoch: the first one
+        (once ``min_workers`` registered) or the next one the members form."""
+        start = time.monotonic()
+        client = self.client
+        client.register()
+        deadline = start + self.timeout.total_seconds()
+        number = max(client.latest(), 0)
+        while True:
+            epoch = client.epoch(number)
+            if epoch is None and number == 0:
+                epoch = self._propose_first(deadline)
+            if epoch is None:
+                epoch = client.wait_for_epoch(number, deadline)
+            if epoch is None:
+                raise TimeoutError(
+                    f"gossip_ext: worker {self.worker} waited {self.timeout.total_seconds():g} s "
+                    f"for the members at {client.address} to form epoch {number} with it; are "
+                    "they training (their step boundaries form it)?"
+                )
+            if self.worker not in epoch.members:
+                client.check_removed()
+                number += 1
+                continue
+            change = self._form(epoch, previous=None, start=start)
+            if change is not None:
+                return change
+            number += 1
+
+    def _propose_first(self, deadline: float) -> Epoch:
+        """Epoch 0, once ``min_workers`` workers registered and FIRST_EPOCH_SETTLE_S passed
+        without another registering (workers launched together start together; a later one
+        joins the next epoch)."""
+        client = self.client
+        seen, since = -1, time.monotonic()
+        while True:
+            members, events = client.candidate([])
+            epoch = client.epoch(0)
+            if epoch is not None:
+                return epoch
+            if len(members) != seen:
+                seen, since = len(members), time.monotonic()
+            settled = time.monotonic() - since >= FIRST_EPOCH_SETTLE_S
+            if len(members) >= self.min_workers and (settled or time.monotonic() > deadline):
+                return client.propose(0, members, events)
+            if time.monotonic() > deadline:
+                raise TimeoutError(
+                    f"gossip_ext: {len(members)} of min_workers={self.min_workers} workers "
+                    f"registered at {client.address} within {self.timeout.total_seconds():g} s"
+                )
+            time.sleep(0.05)
+
+    # ----------------------------------------------------------------------------- changing
+
+    def changed(self) -> bool:
+        """Whether the membership changed since this epoch formed: one read of the service."""
+        return self.client.events() > self.epoch.events
+
+    def next_epoch(self, failure: BaseException | None) -> Change:
+        """Moves to the next epoch: announces the peers ``failure`` names (unless a change is
+        already pending, which explains it), forms the epoch over the live members, builds its
+        group. Raises RemovedError if this worker was removed, TimeoutError (naming who is gone)
+        below ``min_workers``."""
+        start = time.monotonic()
+        client = self.client
+        previous = self.epoch
+        client.check_removed()
+        if failure is not None and client.events() == previous.events:
+            suspects = [
+                previous.members[r] for r in named_peers(failure) if r < len(previous.members)
+            ]
+            client.announce_gone(
+                [s for s in suspects if s != self.worker],
+                f"a peer's round failed in epoch {previous.number}",
+            )
+        self._release()
+        number, current = previous.number + 1, previous.members
+        while True:
+            members, events = client.candidate(current)
+            if self.worker not in members:
+                client.check_removed()
+            gone = client.gone()
+            lost = sorted(set(previous.members) - set(members))
+            failed = [w for w in lost if gone.get(w) != LEFT]
+            if len(members) < self.min_workers and failed:
+                # Workers that finished and left wind a job down; only failures stop it.
+                raise TimeoutError(
+                    f"gossip_ext: {len(members)} workers remain, fewer than min_workers="
+                    f"{self.min_workers}: "
+                    + ", ".join(f"worker {w} ({gone.get(w, 'gone')})" for w in failed)
+                    + " gone"
+                )
+            epoch = client.epoch(number) or client.propose(number, members, events)
+            if self.worker not in epoch.members:
+                client.check_removed()
+                number += 1
+                continue
+            change = self._form(epoch, previous, start)
+            if change is not None:
+                return change
+            number, current = number + 1, epoch.members
+
+    def _form(self, epoch: Epoch, previous: Epoch | None, start: float) -> Change | None:
+        """Checks in to ``epoch`` and builds its group; None if a member is missing (it is
+        announced gone, and the caller forms the next epoch)."""
+        client = self.client
+        if previous is not None or epoch.number == 0:
+            # This worker holds the job's state: it trained before, or starts the job.
+            client.store.set(_READY.format(self.worker), "1")
+        missing = client.check_in(epoch)
+        if missing:
+            client.announce_gone(missing, f"did not reach epoch {epoch.number} in time")
+            return None
+        joined = [m for m in epoch.members if not client.store.check([_READY.format(m)])]
+        if len(joined) == len(epoch.members):
+            raise RuntimeError(
+                f"gossip_ext: no member of epoch {epoch.number} at {client.address} holds the "
+                "model (every worker that trained is gone): restart the job from a checkpoint"
+            )
+        try:
+            group = _epoch_group.build(
+                client.store,
+                epoch.number,
+                epoch.rank(self.worker),
+                len(epoch.members),
+                self.backend,
+                self.timeout,
+            )
+        except Exception as error:  # noqa: BLE001 - a member died after its check-in
+            # The next epoch's check-in finds who it was.
+            logger.warning("epoch %d: building its group failed: %s", epoch.number, error)
+            return None
+        self.epoch, self.group = epoch, group
+        left = [] if previous is None else sorted(set(previous.members) - set(epoch.members))
+        change = Change(
+            epoch, group, epoch.rank(self.worker), left, joined, time.monotonic() - start
+        )
+        logger.info(
+            "gossip_ext epoch %d: worker %d is rank %d of %d; left %s, joined %s; members %s; "
+            "the change took %.3f s",
+            epoch.number,
+            self.worker,
+            change.rank,
+            len(epoch.members),
+            left,
+            joined,
+            list(epoch.members),
+            change.seconds,
+        )
+        return change
+
+    def mark_ready(self) -> None:
+        """This joiner received the job's state: from now on it can hand it on."""
+        self.client.store.set(_READY.format(self.worker), "1")
+
+    # ----------------------------------------------------------------------------- leaving
+
+    def leave(self) -> None:
+        """Leaves the job: the members drop this worker at their next step boundary."""
+        if self.left:
+            return
+        self.left = True
+        try:
+            self.client.announce_gone([self.worker], LEFT)
+        finally:
+            self._release()
+
+    def _release(self) -> None:
+        group, self.group = self.group, None
+        _epoch_group.release(group)
+        del group
+        gc.collect()  # the group's connections close when the last reference goes
+
+
+# ----------------------------------------------------------------------------- the handoff
+
+
+def send_state(state: dict[str, Any], joiners: list[int], group: dist.ProcessGroup) -> None:
+    """The donor's side of the handoff: ``state`` (tensors and plain values) to each joiner's
+    rank, as one serialized message."""
+    payload = io.BytesIO()
+    torch.save(state, payload)
+    data = torch.frombuffer(bytearray(payload.getbuffer()), dtype=torch.uint8)
+    size = torch.tensor([data.numel()], dtype=torch.int64)
+    for rank in joiners:
+        dist.send(size, rank, group)
+        dist.send(data, rank, group)
+
+
+def receive_state(donor: int, group: dist.ProcessGroup) -> dict[str, Any]:
+    """A joiner's side of the handoff: the donor's state."""
+    size = torch.empty(1, dtype=torch.int64)
+    dist.recv(size, donor, group)
+    data = torch.empty(int(size.item()), dtype=torch.uint8)
+    dist.recv(data, donor, group)
+    return torch.load(io.BytesIO(data.numpy().tobytes()), weights_only=False)

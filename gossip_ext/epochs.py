@@ -1,0 +1,189 @@
+"""The membership store's protocol: the keys of an elastic job's membership service
+(:mod:`gossip_ext.membership`) and how a worker registers, reads and forms epochs with them.
+
+The membership is a sequence of epochs, each a sorted list of worker ids (ids are handed out in
+order of registration, so the oldest member is rank 0 of every epoch it is in). Nothing here is
+a global step: a worker reads one counter per training step (:meth:`MembershipClient.events`)
+and takes part in forming a new epoch only when the membership changed. The keys:
+
+- ``registered``: every worker id that ever registered, appended (``"3,"``);
+- ``gone``: the ids that left or were removed, with why (``"3:died;"``), appended;
+- ``events``: a counter bumped after every registration and every entry of ``gone``;
+- ``epoch/E``: ``"<events>|<ids>"``, the members of epoch E and the ``events`` count they reflect,
+  written once (compare-and-set: the first proposal wins, every worker reads the same list);
+- ``epoch/E/here/ID``: member ID reached epoch E (its check-in);
+- ``latest``: the newest epoch whose members all checked in;
+- ``ready/ID``: worker ID holds the job's state (it trained, or received it from a donor).
+
+A worker that forms epoch E + 1 proposes ``(members of E, and everyone registered) - gone``; each
+proposed member checks in and waits for the others; one that does not check in within the
+timeout is written to ``gone`` as not having reached the epoch, and the next epoch is formed
+without it. A worker that finds itself in ``gone`` was removed (it stalled past the timeout, or
+left), and is told so.
+"""
+
+from __future__ import annotations
+
+import datetime
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch.distributed as dist
+
+POLL_S = 0.01  # how often a waiting worker looks again at a key another worker will write
+
+
+def parse_address(address: str) -> tuple[str, int]:
+    """("HOST", PORT) of ``membership="HOST:PORT"``; ValueError naming the value otherwise."""
+    if not isinstance(address, str):
+        raise TypeError(f"membership must be a str 'HOST:PORT', got {type(address).__name__}")
+    host, sep, port = address.rpartition(":")
+    if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
+        raise ValueError(f"membership must be 'HOST:PORT' with a port in 1..65535, got {address!r}")
+    return host.strip("[]"), int(port)
+
+
+@dataclass(frozen=True)
+class Epoch:
+    """One membership epoch: its number, its members (worker ids, sorted), and the ``events``
+    count its membership reflects."""
+
+    number: int
+    members: tuple[int, ...]
+    events: int
+
+    def rank(self, worker: int) -> int:
+        return self.members.index(worker)
+
+
+class RemovedError(RuntimeError):
+    """This worker is no longer a member of the job: it stalled past the timeout or left. A new
+    GossipDataParallel (a new worker) can join again."""
+
+
+class MembershipClient:
+    """One worker's view of the membership service at ``address``: registration, epochs,
+    announcements. Every wait is bounded by ``timeout``."""
+
+    def __init__(self, address: str, timeout: datetime.timedelta):
+        host, port = parse_address(address)
+        self.address = address
+        self.timeout = timeout
+        try:
+            self.store = dist.TCPStore(
+                host, port, is_master=False, timeout=timeout, wait_for_workers=False
+            )
+        except Exception as error:  # noqa: BLE001 - re-raised with what the user must do
+            raise TimeoutError(
+                f"membership={address!r}: no membership service answered within "
+                f"{timeout.total_seconds():g} s; start one with "
+                f"`python -m gossip_ext.membership --port {port}` on {host} ({error})"
+            ) from error
+        self.worker = -1
+
+    # ----------------------------------------------------------------------------- reading
+
+    def _text(self, key: str) -> str:
+        return self.store.get(key).decode() if self.store.check([key]) else ""
+
+    def registered(self) -> list[int]:
+        return [int(i) for i in self._text("registered").split(",") if i]
+
+    def gone(self) -> dict[int, str]:
+        """Worker id -> why it is gone (the first reason written)."""
+        gone: dict[int, str] = {}
+        for entry in self._text("gone").split(";"):
+            if entry:
+                worker, _, why = entry.partition(":")
+                gone.setdefault(int(worker), why)
+        return gone
+
+    def events(self) -> int:
+        return self.store.add("events", 0)
+
+    def epoch(self, number: int) -> Epoch | None:
+        """Epoch ``number`` if it was proposed."""
+        text = self._text(f"epoch/{number}")
+        if not text:
+            return None
+        events, _, members = text.partition("|")
+        return Epoch(number, tuple(int(i) for i in members.split(",") if i), int(events))
+
+    def latest(self) -> int:
+        """The newest epoch every member of which checked in; -1 before the first."""
+        text = self._text("latest")
+        return int(text) if text else -1
+
+    # ----------------------------------------------------------------------------- writing
+
+    def register(self) -> int:
+        """A new worker id; the members form an epoch with it at their next step boundary."""
+        self.worker = self.store.add("worker_ids", 1) - 1
+        self.store.append("registered", f"{self.worker},")
+        self.store.add("events", 1)
+        return self.worker
+
+    def announce_gone(self, workers: Sequence[int], why: str) -> None:
+        if not workers:
+            return
+        why = why.replace(";", ",").replace("|", "/")
+        self.store.append("gone", "".join(f"{w}:{why};" for w in workers))
+        self.store.add("events", 1)
+
+    def propose(self, number: int, members: Sequence[int], events: int) -> Epoch:
+        """Epoch ``number`` with ``members`` unless another proposal came first: the epoch as
+        written, the same on every worker."""
+        text = f"{events}|{','.join(str(m) for m in sorted(members))}"
+        self.store.compare_set(f"epoch/{number}", "", text)
+        return self.epoch(number)
+
+    def candidate(self, current: Sequence[int]) -> tuple[list[int], int]:
+        """(the members the next epoch should have, the ``events`` count that reflects): the
+        current ones and everyone registered, less those gone. The count is read first, so that
+        any event after it triggers another epoch."""
+        events = self.events()
+        gone = self.gone()
+        members = sorted((set(current) | set(self.registered())) - set(gone))
+        return members, events
+
+    # ----------------------------------------------------------------------------- epochs
+
+    def check_in(self, epoch: Epoch) -> list[int]:
+        """Marks this worker present in ``epoch`` and waits for the other members; returns those
+        that did not check in within the timeout (empty: the epoch is formed)."""
+        self.store.set(f"epoch/{epoch.number}/here/{self.worker}", "1")
+        keys = [f"epoch/{epoch.number}/here/{m}" for m in epoch.members]
+        deadline = time.monotonic() + self.timeout.total_seconds()
+        while True:
+            if self.store.check(keys):
+                self.store.set("latest", str(epoch.number))
+                return []
+            if self.gone_since(epoch) or time.monotonic() > deadline:
+                return [m for m, key in zip(epoch.members, keys) if not self.store.check([key])]
+            time.sleep(POLL_S)
+
+    def gone_since(self, epoch: Epoch) -> bool:
+        """Whether a member of ``epoch`` was written to ``gone`` (a check-in not worth waiting
+        for)."""
+        gone = self.gone()
+        return any(m in gone for m in epoch.members)
+
+    def wait_for_epoch(self, number: int, deadline: float) -> Epoch | None:
+        """Epoch ``number`` once proposed, or None at ``deadline`` (time.monotonic())."""
+        while True:
+            epoch = self.epoch(number)
+            if epoch is not None or time.monotonic() > deadline:
+                return epoch
+            time.sleep(POLL_S)
+
+    def check_removed(self) -> None:
+        """Raises RemovedError if this worker is in ``gone``."""
+        why = self.gone().get(self.worker)
+        if why is not None:
+            raise RemovedError(
+                f"gossip_ext: worker {self.worker} was removed from the job at "
+                f"{self.address} ({why}); its model is as it was. To take part again, start it "
+                "as a new worker (a new GossipDataParallel), which receives the model from a "
+                "live member"
+            )

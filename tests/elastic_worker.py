@@ -1,0 +1,147 @@
+"""One worker of an elastic job, launched on its own (``python tests/elastic_worker.py ...``) by
+tests/test_elastic.py, as a user launches each worker: no init_process_group, no torchrun.
+
+It trains a small regression model on its own batches for ``--steps`` optimizer steps (a worker
+that joins a running job goes on from the step count it receives), can SIGKILL or SIGSTOP itself
+after a given step, and writes what the test checks to ``<out>/<name>.pkl``: per step the epoch,
+the members, the bytes sent and whether the model read between steps is finite; the parameters
+at its first training forward and at the end; the error it stopped with, if any.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import pickle
+import signal
+import sys
+import time
+from datetime import timedelta
+
+import torch
+from torch import nn
+
+import gossip_ext
+
+MODES = {
+    "sync": {},
+    "overlap": {"overlap": True},
+    "bounded": {"synch_freq": 2},
+    "compressed": {"message_dtype": "int8"},
+    "slowmo": {"slowmo_freq": 4, "slowmo_momentum": 0.5},
+    "diloco": {
+        "base_algorithm": "localsgd",
+        "sync_every": 4,
+        "outer_optimizer": lambda p: torch.optim.SGD(p, lr=0.7, momentum=0.5, nesterov=True),
+    },
+}
+
+
+def batch(step: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(100_000 * seed + step)
+    x = torch.randn(16, 8, generator=g)
+    return x, x.sum(dim=1, keepdim=True).sin()
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--membership", required=True)
+    parser.add_argument("--out", required=True)
+    parser.add_argument("--name", required=True)
+    parser.add_argument("--steps", type=int, default=40)
+    parser.add_argument("--mode", default="sync", choices=sorted(MODES))
+    parser.add_argument("--min-workers", type=int, default=1)
+    parser.add_argument("--timeout", type=float, default=10.0)
+    parser.add_argument("--kill-at", type=int, default=-1, help="SIGKILL itself after this step")
+    parser.add_argument("--stop-at", type=int, default=-1, help="SIGSTOP itself after this step")
+    parser.add_argument("--leave-at", type=int, default=-1, help="leave() after this step")
+    parser.add_argument("--init-seed", type=int, default=0)
+    parser.add_argument("--step-seconds", type=float, default=0.0, help="sleep per step")
+    parser.add_argument("--rejoin", action="store_true", help="rejoin as new once removed")
+    args = parser.parse_args()
+    logging.basicConfig(level=logging.INFO, format=f"{args.name} %(message)s")
+    torch.set_num_threads(1)
+    torch.manual_seed(args.init_seed)
+    result: dict = {"steps": [], "error": None, "removed": None}
+
+    def build():
+        net = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 1))
+        model = gossip_ext.GossipDataParallel(
+            net,
+            membership=args.membership,
+            min_workers=args.min_workers,
+            timeout=timedelta(seconds=args.timeout),
+            **MODES[args.mode],
+        )
+        opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+        model.register_optimizer(opt)
+        return model, opt
+
+    def record(path: str) -> None:
+        with open(path + ".tmp", "wb") as f:
+            pickle.dump(result, f)
+        os.replace(path + ".tmp", path)
+
+    out = os.path.join(args.out, f"{args.name}.pkl")
+    started = time.monotonic()
+    model, opt = build()
+    result["joined_after_s"] = time.monotonic() - started
+    result["worker_id"] = model.worker_id
+    result["first_step"] = model.step_count
+    result["first_params"] = [p.detach().clone() for p in model.module.parameters()]
+    step = model.step_count
+    try:
+        while step < args.steps:
+            x, y = batch(step, model.worker_id)
+            try:
+                loss = nn.functional.mse_loss(model(x), y)
+                opt.zero_grad()
+                loss.backward()
+                opt.step()
+            except gossip_ext.RemovedError as error:
+                result["removed"] = str(error)
+                if not args.rejoin:
+                    raise
+                args.rejoin = False
+                model, opt = build()
+                result["rejoined_as"] = model.worker_id
+                result["rejoined_at_step"] = model.step_count
+                step = model.step_count
+                continue
+            step = model.step_count
+            params = [p.detach().clone() for p in model.module.parameters()]
+            result["steps"].append(
+                {
+                    "step": step,
+                    "epoch": model.epoch,
+                    "world_size": model.gossip_world_size,
+                    "bytes_sent": model.bytes_sent,
+                    "finite": all(bool(p.isfinite().all()) for p in params),
+                    "time": time.time(),
+                }
+            )
+            if step == args.kill_at:
+                record(out)
+                os.kill(os.getpid(), signal.SIGKILL)
+            if step == args.stop_at:
+                record(out)
+                os.kill(os.getpid(), signal.SIGSTOP)
+            if step == args.leave_at:
+                model.leave()
+                break
+            if args.step_seconds:
+                time.sleep(args.step_seconds)
+    except Exception as error:  # noqa: BLE001 - the test judges it
+        result["error"] = f"{type(error).__name__}: {error}"
+    model.sync_comms() if result["error"] is None and step >= args.steps else None
+    result["final_params"] = [p.detach().clone() for p in model.module.parameters()]
+    result["final_step"] = step
+    record(out)
+    print(json.dumps({"name": args.name, "error": result["error"]}), flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
