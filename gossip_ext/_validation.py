@@ -17,6 +17,7 @@ import torch.distributed as dist
 from torch import nn
 
 from gossip_ext import _C
+from gossip_ext.epochs import parse_address
 from gossip_ext.graphs import GraphBase
 from gossip_ext.mixing import MixingBase
 
@@ -194,6 +195,7 @@ def check_membership(membership, min_workers, process_group, nprocs_per_node) ->
             )
         return
     check_type("membership", membership, str, "a str 'HOST:PORT' or None")
+    parse_address(membership)
     if process_group is not None:
         raise ValueError(
             f"membership={membership!r} with a process_group: an elastic job builds a process "

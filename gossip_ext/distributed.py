@@ -349,12 +349,15 @@ class GossipDataParallel(nn.Module):
             # Why this worker stopped (removed, or too few workers left): raised by every call.
             self._stopped: BaseException | None = None
             _validation.check_elastic_device(device, comm_device)
+            failure = None
             try:
                 self._enter_epoch(self._elastic.join())
             except Exception as error:
                 if not _elastic_worker.is_peer_failure(error):
                     raise
-                self._change_epoch(error)  # the donor died during the handoff: another one
+                failure = f"{type(error).__name__}: {error}"
+            if failure is not None:
+                self._change_epoch(failure)  # the donor died during the handoff: another one
             # Leaves when the process exits or the wrapper is collected, whichever is first.
             weakref.finalize(self, self._elastic.leave)
         if self._hierarchy is not None:
@@ -673,10 +676,14 @@ class GossipDataParallel(nn.Module):
         except Exception as error:
             if not _elastic_worker.is_peer_failure(error):
                 raise
-            self._change_epoch(error)
-            return None
+            # Only its text leaves this block: the traceback's frames hold the failed engine,
+            # whose transport would keep the epoch's group, and its connections, open.
+            failure = f"{type(error).__name__}: {error}"
+        del fn, args  # a bound method of the old inner mix holds its engine, too
+        self._change_epoch(failure)
+        return None
 
-    def _change_epoch(self, failure: BaseException | None) -> None:
+    def _change_epoch(self, failure: str | None) -> None:
         """Moves to the next epoch, keeping the model, the optimizer, the step count and the
         outer state; the push-sum weight restarts at 1. Retries while members fail during the
         change itself."""
@@ -700,7 +707,7 @@ class GossipDataParallel(nn.Module):
             except Exception as error:
                 if not _elastic_worker.is_peer_failure(error):
                     raise
-                failure = error
+                failure = f"{type(error).__name__}: {error}"
 
     def _enter_epoch(self, change: _elastic_worker.Change, outer_state=None) -> None:
         """Builds everything over the epoch's group; then the donor hands its state to the
@@ -710,6 +717,12 @@ class GossipDataParallel(nn.Module):
         self._build(initial=first and change.epoch.number == 0)
         if outer_state is not None:
             self._outer.load_state_dict(outer_state)
+        # The members noticed the change at different steps (a neighbour of the dead worker one
+        # step before the others): they go on from the latest, so that every outer step of the
+        # epoch comes at the same step on all of them.
+        steps = torch.tensor([self._steps if self._holds_state else 0], dtype=torch.int64)
+        dist.all_reduce(steps, op=dist.ReduceOp.MAX, group=change.group)
+        self._steps = int(steps.item())
         joined = [change.epoch.rank(j) for j in change.joined]
         if self._elastic.worker in change.joined:
             self._take_handoff(_elastic_worker.receive_state(change.donor, change.group))

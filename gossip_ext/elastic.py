@@ -51,10 +51,10 @@ FIRST_EPOCH_SETTLE_S = 1.0
 _READY = "ready/{}"
 
 
-def named_peers(error: BaseException) -> list[int]:
-    """The peer ranks a failed round's or exchange's error names (empty if none)."""
+def named_peers(error: str) -> list[int]:
+    """The peer ranks a failed round's or exchange's error message names (empty if none)."""
     peers: set[int] = set()
-    for listed, single in _NAMED_PEER.findall(str(error)):
+    for listed, single in _NAMED_PEER.findall(error):
         for text in listed.split(",") if listed else [single]:
             if text.strip():
                 peers.add(int(text))
@@ -172,14 +172,16 @@ class ElasticWorker:
         """Whether the membership changed since this epoch formed: one read of the service."""
         return self.client.events() > self.epoch.events
 
-    def next_epoch(self, failure: BaseException | None) -> Change:
-        """Moves to the next epoch: announces the peers ``failure`` names (unless a change is
-        already pending, which explains it), forms the epoch over the live members, builds its
-        group. Raises RemovedError if this worker was removed, TimeoutError (naming who is gone)
+    def next_epoch(self, failure: str | None) -> Change:
+        """Moves to the next epoch: announces the peers the ``failure`` message names (unless a
+        change is already pending, which explains it), forms the epoch over the live members,
+        builds its group. Raises RemovedError if this worker was removed, TimeoutError (naming who is gone)
         below ``min_workers``."""
         start = time.monotonic()
         client = self.client
         previous = self.epoch
+        if failure is not None:
+            logger.info("gossip_ext epoch %d: leaving it after %s", previous.number, failure)
         client.check_removed()
         if failure is not None and client.events() == previous.events:
             suspects = [
@@ -280,6 +282,8 @@ class ElasticWorker:
             self.client.announce_gone([self.worker], LEFT)
         finally:
             self._release()
+            if self.client.heartbeat is not None:
+                self.client.heartbeat.stop()
 
     def _release(self) -> None:
         group, self.group = self.group, None

@@ -13,11 +13,13 @@ and takes part in forming a new epoch only when the membership changed. The keys
   written once (compare-and-set: the first proposal wins, every worker reads the same list);
 - ``epoch/E/here/ID``: member ID reached epoch E (its check-in);
 - ``latest``: the newest epoch whose members all checked in;
-- ``ready/ID``: worker ID holds the job's state (it trained, or received it from a donor).
+- ``ready/ID``: worker ID holds the job's state (it trained, or received it from a donor);
+- ``beat/ID``: worker ID's heartbeat, a counter its own thread bumps every HEARTBEAT_S.
 
 A worker that forms epoch E + 1 proposes ``(members of E, and everyone registered) - gone``; each
-proposed member checks in and waits for the others; one that does not check in within the
-timeout is written to ``gone`` as not having reached the epoch, and the next epoch is formed
+proposed member checks in and waits for the others; one that does not check in, and whose
+heartbeat stopped for SILENT_S (it died, or its process is stopped) or that stays away for the
+timeout, is written to ``gone`` as not having reached the epoch, and the next epoch is formed
 without it. A worker that finds itself in ``gone`` was removed (it stalled past the timeout, or
 left), and is told so.
 """
@@ -25,6 +27,7 @@ left), and is told so.
 from __future__ import annotations
 
 import datetime
+import threading
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -32,6 +35,8 @@ from dataclasses import dataclass
 import torch.distributed as dist
 
 POLL_S = 0.01  # how often a waiting worker looks again at a key another worker will write
+HEARTBEAT_S = 0.25  # how often a worker's heartbeat thread bumps its counter
+SILENT_S = 2.0  # a heartbeat silent this long: the worker is dead or stopped
 
 
 def parse_address(address: str) -> tuple[str, int]:
@@ -81,6 +86,7 @@ class MembershipClient:
                 f"`python -m gossip_ext.membership --port {port}` on {host} ({error})"
             ) from error
         self.worker = -1
+        self.heartbeat: Heartbeat | None = None
 
     # ----------------------------------------------------------------------------- reading
 
@@ -118,8 +124,10 @@ class MembershipClient:
     # ----------------------------------------------------------------------------- writing
 
     def register(self) -> int:
-        """A new worker id; the members form an epoch with it at their next step boundary."""
+        """A new worker id, whose heartbeat starts now; the members form an epoch with it at
+        their next step boundary."""
         self.worker = self.store.add("worker_ids", 1) - 1
+        self.heartbeat = Heartbeat(*parse_address(self.address), self.worker, self.timeout)
         self.store.append("registered", f"{self.worker},")
         self.store.add("events", 1)
         return self.worker
@@ -150,24 +158,28 @@ class MembershipClient:
     # ----------------------------------------------------------------------------- epochs
 
     def check_in(self, epoch: Epoch) -> list[int]:
-        """Marks this worker present in ``epoch`` and waits for the other members; returns those
-        that did not check in within the timeout (empty: the epoch is formed)."""
+        """Marks this worker present in ``epoch`` and waits for the other members. Returns the
+        members that keep the epoch from forming: none (it formed), those written to ``gone``
+        meanwhile (no use waiting for them), or those that did not check in within the
+        timeout."""
         self.store.set(f"epoch/{epoch.number}/here/{self.worker}", "1")
         keys = [f"epoch/{epoch.number}/here/{m}" for m in epoch.members]
         deadline = time.monotonic() + self.timeout.total_seconds()
+        beats = _Beats(self.store, epoch.members)
         while True:
             if self.store.check(keys):
                 self.store.set("latest", str(epoch.number))
                 return []
-            if self.gone_since(epoch) or time.monotonic() > deadline:
-                return [m for m, key in zip(epoch.members, keys) if not self.store.check([key])]
+            gone = self.gone()
+            if any(m in gone for m in epoch.members):
+                return [m for m in epoch.members if m in gone]
+            away = [m for m, key in zip(epoch.members, keys) if not self.store.check([key])]
+            silent = beats.silent(away)
+            if silent:
+                return silent
+            if time.monotonic() > deadline:
+                return away
             time.sleep(POLL_S)
-
-    def gone_since(self, epoch: Epoch) -> bool:
-        """Whether a member of ``epoch`` was written to ``gone`` (a check-in not worth waiting
-        for)."""
-        gone = self.gone()
-        return any(m in gone for m in epoch.members)
 
     def wait_for_epoch(self, number: int, deadline: float) -> Epoch | None:
         """Epoch ``number`` once proposed, or None at ``deadline`` (time.monotonic())."""
@@ -187,3 +199,56 @@ class MembershipClient:
                 "as a new worker (a new GossipDataParallel), which receives the model from a "
                 "live member"
             )
+
+
+class _Beats:
+    """The heartbeats of ``workers`` as seen from a check-in: which stopped for SILENT_S."""
+
+    def __init__(self, store: dist.Store, workers: Sequence[int]):
+        self.store = store
+        now = time.monotonic()
+        self.seen = {w: (self._beat(w), now) for w in workers}
+        self.read_at = now
+
+    def _beat(self, worker: int) -> int:
+        return self.store.add(f"beat/{worker}", 0)
+
+    def silent(self, workers: Sequence[int]) -> list[int]:
+        now = time.monotonic()
+        if now - self.read_at < HEARTBEAT_S:
+            return []
+        self.read_at = now
+        silent = []
+        for w in workers:
+            beat = self._beat(w)
+            last, since = self.seen[w]
+            if beat != last:
+                self.seen[w] = (beat, now)
+            elif now - since > SILENT_S:
+                silent.append(w)
+        return silent
+
+
+class Heartbeat:
+    """Bumps ``beat/ID`` every HEARTBEAT_S from a thread of its own, on a store connection of its
+    own, until stopped: how the members forming an epoch tell a dead or stopped worker from one
+    that is only busy finishing its step."""
+
+    def __init__(self, host: str, port: int, worker: int, timeout: datetime.timedelta):
+        self.store = dist.TCPStore(host, port, is_master=False, timeout=timeout)
+        self.key = f"beat/{worker}"
+        self.stopped = threading.Event()
+        self.thread = threading.Thread(
+            target=self._run, name=f"gossip_ext heartbeat {worker}", daemon=True
+        )
+        self.thread.start()
+
+    def _run(self) -> None:
+        while not self.stopped.wait(HEARTBEAT_S):
+            try:
+                self.store.add(self.key, 1)
+            except Exception:  # noqa: BLE001 - the service is gone; the worker will find out
+                return
+
+    def stop(self) -> None:
+        self.stopped.set()

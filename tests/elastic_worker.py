@@ -45,6 +45,34 @@ def batch(step: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
     return x, x.sum(dim=1, keepdim=True).sin()
 
 
+def momentum(opt: torch.optim.Optimizer) -> list[torch.Tensor | None]:
+    return [
+        None if "momentum_buffer" not in opt.state[p] else opt.state[p]["momentum_buffer"].clone()
+        for p in opt.param_groups[0]["params"]
+    ]
+
+
+def die_during_handoff(flag: str) -> None:
+    """The first worker of the job to be a donor (the one that creates ``flag``) dies during its
+    handoff, after the first part (the size) is sent."""
+    from gossip_ext import elastic
+
+    send = elastic.send_state
+
+    def send_then_die(state, joiners, group):
+        try:
+            os.close(os.open(flag, os.O_CREAT | os.O_EXCL))
+        except FileExistsError:
+            return send(state, joiners, group)
+        size = torch.tensor([1 << 20], dtype=torch.int64)
+        for rank in joiners:
+            torch.distributed.send(size, rank, group)
+        time.sleep(0.2)
+        os.kill(os.getpid(), signal.SIGKILL)
+
+    elastic.send_state = send_then_die
+
+
 def main() -> int:
     parser = argparse.ArgumentParser()
     parser.add_argument("--membership", required=True)
@@ -60,7 +88,10 @@ def main() -> int:
     parser.add_argument("--init-seed", type=int, default=0)
     parser.add_argument("--step-seconds", type=float, default=0.0, help="sleep per step")
     parser.add_argument("--rejoin", action="store_true", help="rejoin as new once removed")
+    parser.add_argument("--die-as-donor", action="store_true", help="SIGKILL during a handoff")
     args = parser.parse_args()
+    if args.die_as_donor:
+        die_during_handoff(os.path.join(args.out, "died_as_donor"))
     logging.basicConfig(level=logging.INFO, format=f"{args.name} %(message)s")
     torch.set_num_threads(1)
     torch.manual_seed(args.init_seed)
@@ -91,7 +122,9 @@ def main() -> int:
     result["worker_id"] = model.worker_id
     result["first_step"] = model.step_count
     result["first_params"] = [p.detach().clone() for p in model.module.parameters()]
+    result["first_momentum"] = momentum(opt)
     step = model.step_count
+    epoch = model.epoch
     try:
         while step < args.steps:
             x, y = batch(step, model.worker_id)
@@ -112,6 +145,12 @@ def main() -> int:
                 continue
             step = model.step_count
             params = [p.detach().clone() for p in model.module.parameters()]
+            if model.epoch != epoch:
+                # What a donor handed on at this boundary: its model and optimizer state.
+                epoch = model.epoch
+                result.setdefault("changes", []).append(
+                    {"step": step, "epoch": epoch, "params": params, "momentum": momentum(opt)}
+                )
             result["steps"].append(
                 {
                     "step": step,
@@ -119,6 +158,7 @@ def main() -> int:
                     "world_size": model.gossip_world_size,
                     "bytes_sent": model.bytes_sent,
                     "finite": all(bool(p.isfinite().all()) for p in params),
+                    "params": torch.cat([p.flatten() for p in params]),
                     "time": time.time(),
                 }
             )

@@ -1,0 +1,355 @@
+"""Elastic jobs (membership="HOST:PORT"; gossip_ext.elastic) with real processes over gloo: a
+membership service (python -m gossip_ext.membership) and workers launched each on its own
+(tests/elastic_worker.py), as a user launches them. Workers are killed, stopped, leave and
+join; the survivors must finish every step with a valid model, the newcomers must start from a
+live member's state."""
+
+from __future__ import annotations
+
+import os
+import pickle
+import signal
+import socket
+import subprocess
+import sys
+import time
+from datetime import timedelta
+from pathlib import Path
+
+import pytest
+import torch
+from multiprocess import run_ranks
+from torch import nn
+
+import gossip_ext
+
+sys.path.insert(0, str(Path(__file__).parent))
+from elastic_worker import MODES, batch  # noqa: E402
+
+ROOT = Path(__file__).resolve().parent.parent
+WORKER = Path(__file__).resolve().parent / "elastic_worker.py"
+STEPS = 30
+TIMEOUT_S = 10.0  # each worker's timeout: how long a stalled peer is waited for
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Job:
+    """A membership service and the workers of one job, in ``out``."""
+
+    def __init__(self, out: Path):
+        out.mkdir(exist_ok=True)
+        self.out = out
+        self.port = _free_port()
+        self.env = {**os.environ, "PYTHONPATH": f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
+        self.service = subprocess.Popen(
+            [sys.executable, "-m", "gossip_ext.membership", "--port", str(self.port)],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            env=self.env,
+            text=True,
+        )
+        line = self.service.stdout.readline()
+        assert "membership service on" in line, line
+        self.workers: dict[str, subprocess.Popen] = {}
+
+    def start(self, name: str, *args: str) -> subprocess.Popen:
+        log = open(self.out / f"{name}.log", "w")  # noqa: SIM115 - closed with the process
+        self.workers[name] = subprocess.Popen(
+            [sys.executable, str(WORKER), "--membership", f"127.0.0.1:{self.port}",
+             "--out", str(self.out), "--name", name, "--steps", str(STEPS),
+             "--timeout", str(TIMEOUT_S), *args],
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            env=self.env,
+        )
+        return self.workers[name]
+
+    def wait(self, deadline_s: float = 120.0) -> None:
+        end = time.monotonic() + deadline_s
+        for name, process in self.workers.items():
+            try:
+                process.wait(max(0.1, end - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                pytest.fail(f"{name} still running after {deadline_s} s:\n{self.log(name)}")
+
+    def result(self, name: str) -> dict:
+        path = self.out / f"{name}.pkl"
+        assert path.exists(), f"{name} wrote no result:\n{self.log(name)}"
+        with open(path, "rb") as f:
+            return pickle.load(f)
+
+    def wait_for_step(self, name: str, step: int, deadline_s: float = 60.0) -> dict:
+        end = time.monotonic() + deadline_s
+        while time.monotonic() < end:
+            path = self.out / f"{name}.pkl"
+            if path.exists():
+                result = self.result(name)
+                if result["steps"] and result["steps"][-1]["step"] >= step:
+                    return result
+            time.sleep(0.05)
+        pytest.fail(f"{name} did not reach step {step}:\n{self.log(name)}")
+
+    def log(self, name: str) -> str:
+        return (self.out / f"{name}.log").read_text()[-4000:]
+
+    def close(self) -> None:
+        for process in [*self.workers.values(), self.service]:
+            if process.poll() is None:
+                process.kill()
+                process.wait()
+
+
+@pytest.fixture
+def job(tmp_path):
+    job = Job(tmp_path)
+    yield job
+    job.close()
+
+
+def _assert_finished(job: Job, name: str) -> dict:
+    result = job.result(name)
+    assert result["error"] is None, (name, result["error"], job.log(name))
+    assert result["final_step"] == STEPS, (name, result["final_step"])
+    assert all(s["finite"] for s in result["steps"]), name
+    # Every step counted; at an epoch change a worker that noticed it a step before the others
+    # goes on from their step count (a skipped number, not a skipped step).
+    steps = [s["step"] for s in result["steps"]]
+    changes = len({s["epoch"] for s in result["steps"]}) - 1
+    assert steps == sorted(set(steps)) and steps[-1] == STEPS, (name, steps)
+    assert len(steps) >= STEPS - result["first_step"] - changes, (name, steps)
+    return result
+
+
+def _gap_s(result: dict) -> float:
+    times = [s["time"] for s in result["steps"]]
+    return max(b - a for a, b in zip(times, times[1:]))
+
+
+def _bytes_per_step(result: dict, epoch: int) -> float:
+    steps = [s for s in result["steps"] if s["epoch"] == epoch]
+    return (steps[-1]["bytes_sent"] - steps[0]["bytes_sent"]) / (len(steps) - 1)
+
+
+def _spread(results: list[dict], step: int) -> float:
+    """The largest distance of a worker's model from the workers' mean after ``step``, relative
+    to the mean's norm."""
+    models = [s["params"] for r in results for s in r["steps"] if s["step"] == step]
+    mean = torch.stack(models).mean(0)
+    return max((m - mean).norm().item() for m in models) / mean.norm().item()
+
+
+# ----------------------------------------------------------------------------- failures
+
+
+@pytest.mark.parametrize("mode", sorted(MODES))
+def test_survivors_of_a_sigkill_finish_every_step(job, tmp_path, mode):
+    # What the survivors' consensus must come back to: a job of 3 that never lost a worker.
+    undisturbed = Job(tmp_path / "undisturbed")
+    try:
+        for name in ["u0", "u1", "u2"]:
+            undisturbed.start(name, "--mode", mode, "--min-workers", "3")
+        undisturbed.wait()
+        reference = [undisturbed.result(n) for n in ("u0", "u1", "u2")]
+    finally:
+        undisturbed.close()
+    names = ["w0", "w1", "w2", "w3"]
+    for name in names:
+        job.start(name, "--mode", mode, "--min-workers", "3",
+                  *(["--kill-at", "10"] if name == "w2" else []))
+    job.wait()
+    assert job.workers["w2"].returncode == -signal.SIGKILL
+    survivors = [_assert_finished(job, n) for n in names if n != "w2"]
+    for result in survivors:
+        last = next(s for s in result["steps"] if s["step"] == STEPS - 4)  # before any finishes
+        assert last["epoch"] >= 1 and last["world_size"] == 3, last
+        # No step waited for the timeout (benchmarks/elastic.py measures how soon it is back).
+        assert _gap_s(result) < TIMEOUT_S / 2, _gap_s(result)
+        if mode in ("sync", "overlap", "bounded", "compressed"):
+            # One message a round to one peer of the new graph, as before the kill (the engine
+            # of each epoch counts from 0).
+            per_step = [
+                _bytes_per_step(result, epoch) for epoch in (0, last["epoch"])
+            ]
+            assert per_step[0] > 0 and abs(per_step[1] / per_step[0] - 1) < 0.2, per_step
+    # The survivors' models agree again (gossip, or the outer steps, pulled them together): as
+    # closely, some steps after the kill, as those of a job of 3 that lost no one.
+    late = range(STEPS - 8, STEPS - 3)
+    after = max(_spread(survivors, step) for step in late)
+    undisturbed_spread = max(_spread(reference, step) for step in late)
+    assert after <= 1.5 * undisturbed_spread, (undisturbed_spread, after)
+
+
+def test_two_of_four_killed_below_min_workers_raise_naming_both(job):
+    for name in ["w0", "w1", "w2", "w3"]:
+        job.start(name, "--min-workers", "3",
+                  *(["--kill-at", "10"] if name in ("w1", "w2") else []))
+    job.wait()
+    dead = sorted(job.result(n)["worker_id"] for n in ("w1", "w2"))
+    for name in ("w0", "w3"):
+        error = job.result(name)["error"]
+        assert error is not None and error.startswith("TimeoutError"), (name, error)
+        assert "fewer than min_workers=3" in error, error
+        for worker in dead:
+            assert f"worker {worker} (" in error, (worker, error)
+
+
+def test_a_stalled_worker_is_removed_told_so_and_rejoins_as_new(job):
+    for name in ["w0", "w1", "w2", "w3"]:
+        job.start(name, "--min-workers", "3",
+                  *(["--stop-at", "8", "--rejoin"] if name == "w2" else []))
+    job.wait_for_step("w2", 8)
+    time.sleep(TIMEOUT_S + 3.0)  # the others time out on it and move on
+    job.workers["w2"].send_signal(signal.SIGCONT)
+    job.wait()
+    for name in ("w0", "w1", "w3"):
+        result = _assert_finished(job, name)
+        assert _gap_s(result) < TIMEOUT_S + 2.0, _gap_s(result)
+    stalled = job.result("w2")
+    assert stalled["error"] is None, (stalled["error"], job.log("w2"))
+    assert stalled["removed"] is not None and "was removed from the job" in stalled["removed"]
+    assert f"worker {stalled['worker_id']} " in stalled["removed"]
+    assert stalled["rejoined_as"] != stalled["worker_id"]
+    assert stalled["final_step"] == STEPS
+    assert stalled["rejoined_at_step"] > 8
+
+
+# ----------------------------------------------------------------------------- joining
+
+
+def _assert_started_from_a_donor(joiner: dict, members: list[dict]) -> None:
+    """The joiner's parameters and momentum before its first forward are exactly those one
+    member held at the step where the joiner's epoch began."""
+    for member in members:
+        for change in member.get("changes", []):
+            if change["step"] == joiner["first_step"] and all(
+                torch.equal(a, b) for a, b in zip(change["params"], joiner["first_params"])
+            ):
+                assert all(
+                    torch.equal(a, b) for a, b in zip(change["momentum"], joiner["first_momentum"])
+                )
+                return
+    pytest.fail(f"no member held the joiner's first model at step {joiner['first_step']}")
+
+
+def test_a_replacement_starts_from_a_live_members_state(job):
+    for name in ["w0", "w1", "w2"]:
+        job.start(name, "--min-workers", "3", "--step-seconds", "0.1")
+    job.wait_for_step("w0", 6)
+    joiner = job.start("w3", "--init-seed", "7", "--step-seconds", "0.1")
+    job.wait()
+    assert joiner.returncode == 0
+    members = [_assert_finished(job, n) for n in ("w0", "w1", "w2")]
+    new = _assert_finished(job, "w3")
+    assert new["first_step"] > 6
+    torch.manual_seed(7)
+    own = list(nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 1)).parameters())
+    assert not torch.equal(own[0], new["first_params"][0]), "it kept its own initialisation"
+    _assert_started_from_a_donor(new, members)
+
+
+def test_a_donor_killed_during_the_handoff_is_replaced_by_another(job):
+    for name in ["w0", "w1", "w2"]:
+        job.start(name, "--min-workers", "2", "--step-seconds", "0.1", "--die-as-donor")
+    job.wait_for_step("w0", 6)
+    job.start("w3", "--init-seed", "7", "--step-seconds", "0.1")
+    job.wait()
+    died = [n for n in ("w0", "w1", "w2") if job.workers[n].returncode == -signal.SIGKILL]
+    assert len(died) == 1, [job.workers[n].returncode for n in ("w0", "w1", "w2")]
+    members = [_assert_finished(job, n) for n in ("w0", "w1", "w2") if n not in died]
+    _assert_started_from_a_donor(_assert_finished(job, "w3"), members)
+
+
+# ----------------------------------------------------------------------------- leaving
+
+
+def test_a_worker_that_leaves_is_dropped_without_a_timeout(job):
+    for name in ["w0", "w1", "w2"]:
+        job.start(name, "--min-workers", "3", "--timeout", "60",
+                  *(["--leave-at", "10"] if name == "w1" else []))
+    job.wait()
+    leaver = job.result("w1")
+    assert leaver["error"] is None and leaver["final_step"] == 10, leaver["error"]
+    for name in ("w0", "w2"):
+        result = _assert_finished(job, name)
+        assert result["steps"][-1]["world_size"] == 2
+        assert _gap_s(result) < 2.0, _gap_s(result)  # far below the 60 s timeout
+
+
+# ----------------------------------------------------------------------------- unchanged
+
+
+def _static(rank: int, world_size: int) -> list[torch.Tensor]:
+    """elastic_worker.py's loop as a static job: init_process_group, rank = worker id."""
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 1))
+    model = gossip_ext.GossipDataParallel(net, timeout=timedelta(seconds=TIMEOUT_S))
+    opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+    model.register_optimizer(opt)
+    for step in range(STEPS):
+        x, y = batch(step, rank)
+        loss = nn.functional.mse_loss(model(x), y)
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    model.sync_comms()
+    return [p.detach().clone() for p in model.module.parameters()]
+
+
+def test_a_job_without_failures_trains_as_a_static_one_bit_for_bit(job):
+    for name in ["w0", "w1", "w2"]:
+        job.start(name, "--min-workers", "3")
+    job.wait()
+    static = run_ranks(3, _static)
+    for name in ("w0", "w1", "w2"):
+        result = _assert_finished(job, name)
+        assert {s["epoch"] for s in result["steps"]} == {0}
+        for got, want in zip(result["final_params"], static[result["worker_id"]]):
+            assert torch.equal(got, want), name
+
+
+# ----------------------------------------------------------------------------- bad input
+
+
+def test_an_unreachable_membership_service_is_a_clear_error_within_the_timeout():
+    port = _free_port()
+    start = time.monotonic()
+    with pytest.raises(TimeoutError, match=rf"membership='127.0.0.1:{port}': no membership"):
+        gossip_ext.GossipDataParallel(
+            nn.Linear(2, 1), membership=f"127.0.0.1:{port}", timeout=timedelta(seconds=2)
+        )
+    assert time.monotonic() - start < 10.0
+
+
+@pytest.mark.parametrize(
+    "kwargs, error, words",
+    [
+        ({"membership": "no-port"}, ValueError, "membership must be 'HOST:PORT'"),
+        ({"membership": 29400}, TypeError, "membership must be a str"),
+        ({"membership": "h:1", "min_workers": 0}, ValueError, "min_workers must be >= 1, got 0"),
+        ({"min_workers": 2}, ValueError, "min_workers=2 applies to an elastic job"),
+        ({"membership": "h:1", "nprocs_per_node": 2}, ValueError, "nprocs_per_node=2"),
+    ],
+)
+def test_bad_membership_arguments_name_the_argument(kwargs, error, words):
+    with pytest.raises(error, match=words.replace("(", r"\(").replace("[", r"\[")):
+        gossip_ext.GossipDataParallel(nn.Linear(2, 1), **kwargs)
+
+
+def _with_a_process_group(rank: int, world_size: int) -> str:
+    try:
+        gossip_ext.GossipDataParallel(
+            nn.Linear(2, 1), membership="h:1", process_group=torch.distributed.group.WORLD
+        )
+    except ValueError as error:
+        return str(error)
+    return ""
+
+
+def test_membership_with_a_process_group_is_refused():
+    (message,) = run_ranks(1, _with_a_process_group)
+    assert "membership='h:1' with a process_group" in message, message
