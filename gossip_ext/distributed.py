@@ -349,13 +349,15 @@ class GossipDataParallel(nn.Module):
             # Why this worker stopped (removed, or too few workers left): raised by every call.
             self._stopped: BaseException | None = None
             _validation.check_elastic_device(device, comm_device)
+            change = self._elastic.join()
             failure = None
             try:
-                self._enter_epoch(self._elastic.join())
+                self._enter_epoch(change)
             except Exception as error:
                 if not _elastic_worker.is_peer_failure(error):
                     raise
                 failure = f"{type(error).__name__}: {error}"
+            del change
             if failure is not None:
                 self._change_epoch(failure)  # the donor died during the handoff: another one
             # Leaves when the process exits or the wrapper is collected, whichever is first.
@@ -651,6 +653,7 @@ class GossipDataParallel(nn.Module):
         except Exception as error:  # noqa: BLE001 - leaving anyway; the model is as it was
             if not _elastic_worker.is_peer_failure(error):
                 raise
+        self._elastic.leaving_epoch()
         self._mix = self._mix.closed()
         self._elastic.leave()
 
@@ -687,6 +690,7 @@ class GossipDataParallel(nn.Module):
         """Moves to the next epoch, keeping the model, the optimizer, the step count and the
         outer state; the push-sum weight restarts at 1. Retries while members fail during the
         change itself."""
+        self._elastic.leaving_epoch()
         outer_state = self._outer.state_dict() if self._holds_state else None
         # Nothing may keep the epoch's group alive: gloo closes its connections only when the
         # group is freed, and a peer still waiting on this worker's messages must see them close

@@ -107,6 +107,7 @@ class ElasticWorker:
         self.epoch: Epoch | None = None
         self.group: dist.ProcessGroup | None = None
         self.left = False
+        self.ready = False  # holds the job's state (see mark_ready)
 
     @property
     def worker(self) -> int:
@@ -184,13 +185,7 @@ class ElasticWorker:
             logger.info("gossip_ext epoch %d: leaving it after %s", previous.number, failure)
         client.check_removed()
         if failure is not None and client.events() == previous.events:
-            suspects = [
-                previous.members[r] for r in named_peers(failure) if r < len(previous.members)
-            ]
-            client.announce_gone(
-                [s for s in suspects if s != self.worker],
-                f"a peer's round failed in epoch {previous.number}",
-            )
+            self._accuse(failure, previous)
         self._release()
         number, current = previous.number + 1, previous.members
         while True:
@@ -218,13 +213,31 @@ class ElasticWorker:
                 return change
             number, current = number + 1, epoch.members
 
+    def _accuse(self, failure: str, epoch: Epoch) -> None:
+        """Announces the peers ``failure`` names as gone: at once where their connection closed
+        (their process died), and where they only timed out, once their heartbeat is found
+        silent too (a peer that timed out because it was itself waiting on a stalled one is
+        alive, and is not accused). Where nobody is accused, the failure still starts a new
+        epoch for every member, whose check-in finds who is missing."""
+        client = self.client
+        named = [epoch.members[r] for r in named_peers(failure) if r < len(epoch.members)]
+        # A peer that said it is leaving the epoch closed its side on purpose: it is alive.
+        named = [w for w in named if w != self.worker and not client.leaving(epoch, w)]
+        died = any(s in failure for s in ("Connection closed", "Connection reset"))
+        if named and not died:
+            named = client.silent(named, epoch.events)
+        if named:
+            client.announce_gone(named, f"its round failed in epoch {epoch.number}")
+        elif client.events() == epoch.events:
+            client.bump()
+
     def _form(self, epoch: Epoch, previous: Epoch | None, start: float) -> Change | None:
         """Checks in to ``epoch`` and builds its group; None if a member is missing (it is
         announced gone, and the caller forms the next epoch)."""
         client = self.client
-        if previous is not None or epoch.number == 0:
+        if self.ready or epoch.number == 0:
             # This worker holds the job's state: it trained before, or starts the job.
-            client.store.set(_READY.format(self.worker), "1")
+            self.mark_ready()
         missing = client.check_in(epoch)
         if missing:
             client.announce_gone(missing, f"did not reach epoch {epoch.number} in time")
@@ -267,8 +280,16 @@ class ElasticWorker:
         )
         return change
 
+    def leaving_epoch(self) -> None:
+        """Says, before this worker drops anything of its epoch, that it is leaving it alive: a
+        peer whose round with it fails then does not take it for dead."""
+        if self.epoch is not None:
+            self.client.mark_leaving(self.epoch)
+
     def mark_ready(self) -> None:
-        """This joiner received the job's state: from now on it can hand it on."""
+        """This worker holds the job's state (it starts the job, or received the state from a
+        donor): from now on it can hand it on."""
+        self.ready = True
         self.client.store.set(_READY.format(self.worker), "1")
 
     # ----------------------------------------------------------------------------- leaving
@@ -279,6 +300,7 @@ class ElasticWorker:
             return
         self.left = True
         try:
+            self.leaving_epoch()
             self.client.announce_gone([self.worker], LEFT)
         finally:
             self._release()

@@ -12,6 +12,7 @@ and takes part in forming a new epoch only when the membership changed. The keys
 - ``epoch/E``: ``"<events>|<ids>"``, the members of epoch E and the ``events`` count they reflect,
   written once (compare-and-set: the first proposal wins, every worker reads the same list);
 - ``epoch/E/here/ID``: member ID reached epoch E (its check-in);
+- ``epoch/E/leaving/ID``: member ID is leaving epoch E alive (before it drops its connections);
 - ``latest``: the newest epoch whose members all checked in;
 - ``ready/ID``: worker ID holds the job's state (it trained, or received it from a donor);
 - ``beat/ID``: worker ID's heartbeat, a counter its own thread bumps every HEARTBEAT_S.
@@ -36,7 +37,11 @@ import torch.distributed as dist
 
 POLL_S = 0.01  # how often a waiting worker looks again at a key another worker will write
 HEARTBEAT_S = 0.25  # how often a worker's heartbeat thread bumps its counter
-SILENT_S = 2.0  # a heartbeat silent this long: the worker is dead or stopped
+SILENT_S = 1.5  # a heartbeat silent this long: the worker is dead or stopped
+# How long a worker that a failed round names is watched before it is accused: its heartbeat
+# thread runs while it waits in a round (the wait releases the GIL), so four beats missed in a
+# row mean its process is dead or stopped.
+CONFIRM_S = 4 * HEARTBEAT_S
 
 
 def parse_address(address: str) -> tuple[str, int]:
@@ -139,6 +144,30 @@ class MembershipClient:
         self.store.append("gone", "".join(f"{w}:{why};" for w in workers))
         self.store.add("events", 1)
 
+    def mark_leaving(self, epoch: Epoch) -> None:
+        self.store.set(f"epoch/{epoch.number}/leaving/{self.worker}", "1")
+
+    def leaving(self, epoch: Epoch, worker: int) -> bool:
+        """Whether ``worker`` said it is leaving ``epoch`` alive (for the next one, or the job)."""
+        return self.store.check([f"epoch/{epoch.number}/leaving/{worker}"])
+
+    def bump(self) -> None:
+        """Tells every member that the membership must be formed again (a failure that accused
+        nobody: the next check-in finds who is missing)."""
+        self.store.add("events", 1)
+
+    def silent(self, workers: Sequence[int], events: int) -> list[int]:
+        """Those of ``workers`` whose heartbeat stays silent for CONFIRM_S (dead or stopped);
+        returns early, with none, once the ``events`` count moves on (another worker announced a
+        change, which is what to go by)."""
+        beats = _Beats(self.store, workers)
+        end = time.monotonic() + CONFIRM_S
+        while time.monotonic() < end:
+            if self.events() != events:
+                return []
+            time.sleep(HEARTBEAT_S / 2)
+        return beats.unchanged(workers)
+
     def propose(self, number: int, members: Sequence[int], events: int) -> Epoch:
         """Epoch ``number`` with ``members`` unless another proposal came first: the epoch as
         written, the same on every worker."""
@@ -212,6 +241,10 @@ class _Beats:
 
     def _beat(self, worker: int) -> int:
         return self.store.add(f"beat/{worker}", 0)
+
+    def unchanged(self, workers: Sequence[int]) -> list[int]:
+        """Those of ``workers`` whose heartbeat did not move since this began watching."""
+        return [w for w in workers if self._beat(w) == self.seen[w][0]]
 
     def silent(self, workers: Sequence[int]) -> list[int]:
         now = time.monotonic()

@@ -18,6 +18,7 @@ import pickle
 import signal
 import sys
 import time
+import traceback
 from datetime import timedelta
 
 import torch
@@ -159,14 +160,14 @@ def main() -> int:
                     "bytes_sent": model.bytes_sent,
                     "finite": all(bool(p.isfinite().all()) for p in params),
                     "params": torch.cat([p.flatten() for p in params]),
+                    "momentum": momentum(opt),
                     "time": time.time(),
                 }
             )
+            record(out)  # after every step: the test watches the progress
             if step == args.kill_at:
-                record(out)
                 os.kill(os.getpid(), signal.SIGKILL)
             if step == args.stop_at:
-                record(out)
                 os.kill(os.getpid(), signal.SIGSTOP)
             if step == args.leave_at:
                 model.leave()
@@ -175,6 +176,7 @@ def main() -> int:
                 time.sleep(args.step_seconds)
     except Exception as error:  # noqa: BLE001 - the test judges it
         result["error"] = f"{type(error).__name__}: {error}"
+        traceback.print_exc()
     model.sync_comms() if result["error"] is None and step >= args.steps else None
     result["final_params"] = [p.detach().clone() for p in model.module.parameters()]
     result["final_step"] = step

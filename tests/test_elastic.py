@@ -199,8 +199,9 @@ def test_two_of_four_killed_below_min_workers_raise_naming_both(job):
 
 
 def test_a_stalled_worker_is_removed_told_so_and_rejoins_as_new(job):
+    # The others train slowly enough to be still at it when the stalled one comes back.
     for name in ["w0", "w1", "w2", "w3"]:
-        job.start(name, "--min-workers", "3",
+        job.start(name, "--min-workers", "3", "--step-seconds", "0.3",
                   *(["--stop-at", "8", "--rejoin"] if name == "w2" else []))
     job.wait_for_step("w2", 8)
     time.sleep(TIMEOUT_S + 3.0)  # the others time out on it and move on
@@ -208,7 +209,8 @@ def test_a_stalled_worker_is_removed_told_so_and_rejoins_as_new(job):
     job.wait()
     for name in ("w0", "w1", "w3"):
         result = _assert_finished(job, name)
-        assert _gap_s(result) < TIMEOUT_S + 2.0, _gap_s(result)
+        # Back within the timeout and 2 s (the heartbeat's verdict), plus this step's sleep.
+        assert _gap_s(result) < TIMEOUT_S + 2.0 + 0.3, _gap_s(result)
     stalled = job.result("w2")
     assert stalled["error"] is None, (stalled["error"], job.log("w2"))
     assert stalled["removed"] is not None and "was removed from the job" in stalled["removed"]
@@ -223,24 +225,27 @@ def test_a_stalled_worker_is_removed_told_so_and_rejoins_as_new(job):
 
 def _assert_started_from_a_donor(joiner: dict, members: list[dict]) -> None:
     """The joiner's parameters and momentum before its first forward are exactly those one
-    member held at the step where the joiner's epoch began."""
+    member held when the joiner's epoch began: after the optimizer step whose transfer_params()
+    noticed the change, or, where its forward did (the round it was absorbing failed because the
+    others had moved on), after the step before. The step count handed on is that of the last
+    completed transfer_params()."""
+    first = torch.cat([p.flatten() for p in joiner["first_params"]])
     for member in members:
-        for change in member.get("changes", []):
-            if change["step"] == joiner["first_step"] and all(
-                torch.equal(a, b) for a, b in zip(change["params"], joiner["first_params"])
+        for held in member["steps"]:
+            if held["step"] in (joiner["first_step"], joiner["first_step"] + 1) and torch.equal(
+                held["params"], first
             ):
-                assert all(
-                    torch.equal(a, b) for a, b in zip(change["momentum"], joiner["first_momentum"])
-                )
+                for a, b in zip(held["momentum"], joiner["first_momentum"]):
+                    assert torch.equal(a, b)
                 return
     pytest.fail(f"no member held the joiner's first model at step {joiner['first_step']}")
 
 
 def test_a_replacement_starts_from_a_live_members_state(job):
     for name in ["w0", "w1", "w2"]:
-        job.start(name, "--min-workers", "3", "--step-seconds", "0.1")
+        job.start(name, "--min-workers", "3", "--step-seconds", "0.3")
     job.wait_for_step("w0", 6)
-    joiner = job.start("w3", "--init-seed", "7", "--step-seconds", "0.1")
+    joiner = job.start("w3", "--init-seed", "7", "--step-seconds", "0.3")
     job.wait()
     assert joiner.returncode == 0
     members = [_assert_finished(job, n) for n in ("w0", "w1", "w2")]
@@ -254,9 +259,9 @@ def test_a_replacement_starts_from_a_live_members_state(job):
 
 def test_a_donor_killed_during_the_handoff_is_replaced_by_another(job):
     for name in ["w0", "w1", "w2"]:
-        job.start(name, "--min-workers", "2", "--step-seconds", "0.1", "--die-as-donor")
+        job.start(name, "--min-workers", "2", "--step-seconds", "0.3", "--die-as-donor")
     job.wait_for_step("w0", 6)
-    job.start("w3", "--init-seed", "7", "--step-seconds", "0.1")
+    job.start("w3", "--init-seed", "7", "--step-seconds", "0.3")
     job.wait()
     died = [n for n in ("w0", "w1", "w2") if job.workers[n].returncode == -signal.SIGKILL]
     assert len(died) == 1, [job.workers[n].returncode for n in ("w0", "w1", "w2")]
