@@ -235,11 +235,18 @@ class CompressedMean:
             "owner_residuals": [t.clone() for t in self.owner_residuals],
         }
 
-    def load_state_dict(self, state: dict[str, Any] | None) -> None:
+    def load_state_dict(self, state: dict[str, Any] | None, members_changed: bool = False) -> None:
         """A checkpoint without residuals (saved by a run that sent full precision) starts them at
-        zero."""
+        zero. ``members_changed`` (an elastic job's new epoch): this worker's own residuals are
+        kept, and the shard owners' start at zero, their shards being other ones now (what they
+        held, at most one message's rounding of the mean, is dropped)."""
         if state is None:
             for t in self.residuals + self.owner_residuals:
+                t.zero_()
+            return
+        if members_changed:
+            self.residuals = [t.detach().to(self.device).clone() for t in state["residuals"]]
+            for t in self.owner_residuals:
                 t.zero_()
             return
         saved = (state["message_dtype"], state["world_size"])

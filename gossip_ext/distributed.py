@@ -720,7 +720,7 @@ class GossipDataParallel(nn.Module):
         first = not self._holds_state
         self._build(initial=first and change.epoch.number == 0)
         if outer_state is not None:
-            self._outer.load_state_dict(outer_state)
+            self._outer.load_state_dict(outer_state, members_changed=True)
         # The members noticed the change at different steps (a neighbour of the dead worker one
         # step before the others): they go on from the latest, so that every outer step of the
         # epoch comes at the same step on all of them.
@@ -751,7 +751,11 @@ class GossipDataParallel(nn.Module):
     def _take_handoff(self, state: Mapping[str, Any]) -> None:
         self.module.load_state_dict(state["module"])
         self._steps = int(state["steps"])
-        self._outer.load_state_dict(state["outer"])
+        # The donor's error-feedback residuals are what it still owes the others: not this
+        # worker's to send again.
+        self._outer.load_state_dict(
+            {k: v for k, v in state["outer"].items() if k != "outer_residuals"}
+        )
         if state["peers_per_itr"] != self.graph.peers_per_itr:
             self._mix.set_graph(inner.with_peers(self.graph, state["peers_per_itr"]))
         self._handed_optimizer_state = state["optimizer"]

@@ -241,13 +241,16 @@ class OuterSteps:
             state[self.compressed.state_key] = self.compressed.state_dict()
         return state
 
-    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+    def load_state_dict(self, state: Mapping[str, Any], members_changed: bool = False) -> None:
         """A checkpoint without the rule's state (saved before it started, or by a run without
-        it) leaves it to start again at the next forward."""
+        it) leaves it to start again at the next forward. ``members_changed``: the state of this
+        worker's previous elastic epoch (see ``CompressedMean.load_state_dict``)."""
         if self.rule is None:
             return
         saved = state.get(self.rule.state_key)
         self.rule.load_state_dict(saved, self.buckets)
         self._start_at_forward = saved is None
         if self.compressed is not None:
-            self.compressed.load_state_dict(state.get(self.compressed.state_key))
+            self.compressed.load_state_dict(
+                state.get(self.compressed.state_key), members_changed=members_changed
+            )

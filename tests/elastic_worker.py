@@ -37,6 +37,12 @@ MODES = {
         "sync_every": 4,
         "outer_optimizer": lambda p: torch.optim.SGD(p, lr=0.7, momentum=0.5, nesterov=True),
     },
+    "diloco_int8": {
+        "base_algorithm": "localsgd",
+        "sync_every": 4,
+        "outer_optimizer": lambda p: torch.optim.SGD(p, lr=0.7, momentum=0.5, nesterov=True),
+        "outer_dtype": "int8",
+    },
 }
 
 

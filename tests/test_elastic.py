@@ -338,6 +338,12 @@ def test_an_unreachable_membership_service_is_a_clear_error_within_the_timeout()
         ({"membership": "h:1", "min_workers": 0}, ValueError, "min_workers must be >= 1, got 0"),
         ({"min_workers": 2}, ValueError, "min_workers=2 applies to an elastic job"),
         ({"membership": "h:1", "nprocs_per_node": 2}, ValueError, "nprocs_per_node=2"),
+        (
+            {"membership": "h:1", "fragments": 2, "sync_every": 4,
+             "outer_optimizer": lambda p: torch.optim.SGD(p, lr=0.5)},
+            ValueError,
+            "membership='h:1' with fragments=2",
+        ),
     ],
 )
 def test_bad_membership_arguments_name_the_argument(kwargs, error, words):
