@@ -20,8 +20,9 @@ The shape of a training step, and where each part lives::
   ``outer_rules``: what an outer step makes of the average (SlowMo's heavy ball, DiLoCo's outer
   optimizer; a plain average needs no rule).
 - ``_buffers``: what happens to module buffers; ``_hierarchy``: several processes per machine.
-- ``membership``, ``epochs``, ``elastic``: an elastic job (``membership="HOST:PORT"``): its membership service
-  and epochs, a worker's moves between them, the handoff of the state to a joining worker.
+- ``membership``, ``epochs``, ``elastic``: an elastic job (``membership="HOST:PORT"``): its
+  membership service and epochs, a worker's moves between them, the handoff of the state to a
+  joining worker.
 - ``graphs``, ``mixing``: who talks to whom, with which weights; ``csrc/``: the engine.
 
 Where a new algorithm goes: a new way to mix between steps is a graph, a mixing or an engine mode
@@ -34,6 +35,7 @@ import torch  # noqa: F401  (loads libtorch before the extension)
 
 from gossip_ext import _C  # noqa: F401  (registers torch.ops.gossip_ext)
 from gossip_ext.distributed import GossipDataParallel
+from gossip_ext.epochs import RemovedError
 from gossip_ext.graphs import (
     CustomGraph,
     DynamicBipartiteExponentialGraph,
@@ -45,7 +47,6 @@ from gossip_ext.graphs import (
     NPeerDynamicDirectedExponentialGraph,
     RingGraph,
 )
-from gossip_ext.epochs import RemovedError
 from gossip_ext.mixing import MixingBase, MixingWeights, SelfWeightMixing, UniformMixing
 from gossip_ext.simulate import simulate
 

@@ -176,8 +176,8 @@ class ElasticWorker:
     def next_epoch(self, failure: str | None) -> Change:
         """Moves to the next epoch: announces the peers the ``failure`` message names (unless a
         change is already pending, which explains it), forms the epoch over the live members,
-        builds its group. Raises RemovedError if this worker was removed, TimeoutError (naming who is gone)
-        below ``min_workers``."""
+        builds its group. Raises RemovedError if this worker was removed, TimeoutError (naming who
+        is gone) below ``min_workers``."""
         start = time.monotonic()
         client = self.client
         previous = self.epoch

@@ -45,7 +45,8 @@ class Job:
         out.mkdir(exist_ok=True)
         self.out = out
         self.port = _free_port()
-        self.env = {**os.environ, "PYTHONPATH": f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
+        path = os.environ.get("PYTHONPATH", "")
+        self.env = {**os.environ, "PYTHONPATH": f"{ROOT}{os.pathsep}{path}"}
         self.service = subprocess.Popen(
             [sys.executable, "-m", "gossip_ext.membership", "--port", str(self.port)],
             stdout=subprocess.PIPE,

@@ -17,7 +17,7 @@ from datetime import timedelta
 import pytest
 import torch
 from multiprocess import run_ranks, run_ranks_tolerating_deaths
-from test_diloco import INNER_LR, _batch, _net, _outer_sgd, _step
+from test_diloco import INNER_LR, _net, _outer_sgd, _step
 from test_faults import LATER_CALLS, _leave_with_the_survivors, _what_a_survivor_reads
 
 import gossip_ext
