@@ -712,6 +712,13 @@ class GossipDataParallel(nn.Module):
                 if not _elastic_worker.is_peer_failure(error):
                     raise
                 failure = f"{type(error).__name__}: {error}"
+            # A member failed while the epoch was being entered: let go of its group as above.
+            change = None
+            self._elastic.leaving_epoch()
+            if self._mix is not None:
+                self._mix = self._mix.closed()
+            self._outer = None
+            self.process_group = None
 
     def _enter_epoch(self, change: _elastic_worker.Change, outer_state=None) -> None:
         """Builds everything over the epoch's group; then the donor hands its state to the

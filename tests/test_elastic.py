@@ -26,7 +26,6 @@ import gossip_ext
 sys.path.insert(0, str(Path(__file__).parent))
 from elastic_worker import MODES, batch  # noqa: E402
 
-ROOT = Path(__file__).resolve().parent.parent
 WORKER = Path(__file__).resolve().parent / "elastic_worker.py"
 STEPS = 30
 TIMEOUT_S = 10.0  # each worker's timeout: how long a stalled peer is waited for
@@ -45,13 +44,10 @@ class Job:
         out.mkdir(exist_ok=True)
         self.out = out
         self.port = _free_port()
-        path = os.environ.get("PYTHONPATH", "")
-        self.env = {**os.environ, "PYTHONPATH": f"{ROOT}{os.pathsep}{path}"}
         self.service = subprocess.Popen(
             [sys.executable, "-m", "gossip_ext.membership", "--port", str(self.port)],
             stdout=subprocess.PIPE,
             stderr=subprocess.STDOUT,
-            env=self.env,
             text=True,
         )
         line = self.service.stdout.readline()
@@ -66,7 +62,6 @@ class Job:
              "--timeout", str(TIMEOUT_S), *args],
             stdout=log,
             stderr=subprocess.STDOUT,
-            env=self.env,
         )
         return self.workers[name]
 
