@@ -214,17 +214,17 @@ class ElasticWorker:
             number, current = number + 1, epoch.members
 
     def _accuse(self, failure: str, epoch: Epoch) -> None:
-        """Announces the peers ``failure`` names as gone: at once where their connection closed
-        (their process died), and where they only timed out, once their heartbeat is found
-        silent too (a peer that timed out because it was itself waiting on a stalled one is
-        alive, and is not accused). Where nobody is accused, the failure still starts a new
-        epoch for every member, whose check-in finds who is missing."""
+        """Announces the peers ``failure`` names as gone once their heartbeat is found silent
+        too: a peer that timed out because it was itself waiting on a stalled one is alive, and
+        so is one whose connection closed because gloo gave up on another of its peers (gloo
+        closes a timed-out worker's connections before it can say anything). Where nobody is
+        accused, the failure still starts a new epoch for every member, whose check-in finds who
+        is missing."""
         client = self.client
         named = [epoch.members[r] for r in named_peers(failure) if r < len(epoch.members)]
         # A peer that said it is leaving the epoch closed its side on purpose: it is alive.
         named = [w for w in named if w != self.worker and not client.leaving(epoch, w)]
-        died = any(s in failure for s in ("Connection closed", "Connection reset"))
-        if named and not died:
+        if named:
             named = client.silent(named, epoch.events)
         if named:
             client.announce_gone(named, f"its round failed in epoch {epoch.number}")
