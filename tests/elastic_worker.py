@@ -52,6 +52,10 @@ def batch(step: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
     return x, x.sum(dim=1, keepdim=True).sin()
 
 
+def flat(module: nn.Module) -> torch.Tensor:
+    return torch.cat([p.detach().flatten() for p in module.parameters()])
+
+
 def momentum(opt: torch.optim.Optimizer) -> list[torch.Tensor | None]:
     return [
         None if "momentum_buffer" not in opt.state[p] else opt.state[p]["momentum_buffer"].clone()
@@ -135,13 +139,35 @@ def main() -> int:
     try:
         while step < args.steps:
             x, y = batch(step, model.worker_id)
+            before, stepping = flat(model.module), False
             try:
                 loss = nn.functional.mse_loss(model(x), y)
                 opt.zero_grad()
                 loss.backward()
+                stepping = True
                 opt.step()
             except gossip_ext.RemovedError as error:
                 result["removed"] = str(error)
+                # What a user reads after catching it: raised by the forward, the model it read
+                # (the last step's, with any round absorbed); raised after the optimizer step,
+                # that step's model. Either way state_dict() agrees, and later calls change
+                # nothing and raise the same.
+                reads = flat(model.module)
+                state = model.module.state_dict()
+                result["removed_reads"] = {
+                    "raised_in": "step" if stepping else "forward",
+                    "equals_before_forward": torch.equal(reads, before),
+                    "finite": bool(reads.isfinite().all()),
+                    "state_dict_agrees": torch.equal(
+                        torch.cat([state[k].flatten() for k in state]), reads
+                    ),
+                }
+                try:
+                    model(x)
+                    result["removed_again"] = None
+                except gossip_ext.RemovedError as again:
+                    result["removed_again"] = str(again)
+                result["removed_reads"]["unchanged_after"] = torch.equal(flat(model.module), reads)
                 if not args.rejoin:
                     raise
                 args.rejoin = False

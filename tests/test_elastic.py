@@ -210,6 +210,11 @@ def test_a_stalled_worker_is_removed_told_so_and_rejoins_as_new(job):
     stalled = job.result("w2")
     assert stalled["error"] is None, (stalled["error"], job.log("w2"))
     assert stalled["removed"] is not None and "was removed from the job" in stalled["removed"]
+    reads = stalled["removed_reads"]
+    assert reads["finite"] and reads["state_dict_agrees"] and reads["unchanged_after"], reads
+    if reads["raised_in"] == "forward":
+        assert reads["equals_before_forward"], reads
+    assert stalled["removed_again"] == stalled["removed"]
     assert f"worker {stalled['worker_id']} " in stalled["removed"]
     assert stalled["rejoined_as"] != stalled["worker_id"]
     assert stalled["final_step"] == STEPS
