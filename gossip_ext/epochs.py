@@ -36,12 +36,12 @@ from dataclasses import dataclass
 import torch.distributed as dist
 
 POLL_S = 0.01  # how often a waiting worker looks again at a key another worker will write
-HEARTBEAT_S = 0.25  # how often a worker's heartbeat thread bumps its counter
+HEARTBEAT_S = 0.1  # how often a worker's heartbeat thread bumps its counter
 SILENT_S = 1.5  # a heartbeat silent this long: the worker is dead or stopped
 # How long a worker that a failed round names is watched before it is accused: its heartbeat
-# thread runs while it waits in a round (the wait releases the GIL), so four beats missed in a
-# row mean its process is dead or stopped.
-CONFIRM_S = 4 * HEARTBEAT_S
+# thread runs while it waits in a round (the wait releases the GIL), so five beats missed in a
+# row mean its process is dead or stopped. It is the time every survivor of a SIGKILL waits.
+CONFIRM_S = 5 * HEARTBEAT_S
 
 
 def parse_address(address: str) -> tuple[str, int]:
@@ -138,10 +138,15 @@ class MembershipClient:
         return self.worker
 
     def announce_gone(self, workers: Sequence[int], why: str) -> None:
-        if not workers:
+        """Writes ``workers`` gone, each once: of several workers that find the same peer dead
+        (its neighbours, at about the same time), the first to claim it announces it, so that
+        the members form one epoch without it, not one per accuser."""
+        me = str(self.worker)
+        claimed = [w for w in workers if self.store.compare_set(f"gone/{w}", "", me) == me.encode()]
+        if not claimed:
             return
         why = why.replace(";", ",").replace("|", "/")
-        self.store.append("gone", "".join(f"{w}:{why};" for w in workers))
+        self.store.append("gone", "".join(f"{w}:{why};" for w in claimed))
         self.store.add("events", 1)
 
     def mark_leaving(self, epoch: Epoch) -> None:
