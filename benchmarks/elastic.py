@@ -1,0 +1,452 @@
+"""A worker lost and replaced mid-run: gossip_ext's elastic job beside torchft's, on the emulated
+cluster.
+
+Each system trains the byte-level language model of gossip_ext.compare on ``--workers`` workers,
+each in its own network namespace behind a NIC capped at ``--bandwidth``, each launched on its own
+(benchmarks/elastic_worker.py), its coordinator on a namespace of its own: gossip_ext's membership
+service (``python -m gossip_ext.membership``) or torchft's lighthouse (``torchft_lighthouse``).
+
+- ``gossip``: gossip_ext, ``membership=``, overlapped SGP in bfloat16 messages (the best mode of
+  benchmarks/lm_compare.py at 8 workers), min_workers ``--min-workers``;
+- ``torchft``: torchft 0.2.0, its Manager (min_replica_size ``--min-workers``, synchronous quorum)
+  and LocalSGD every 4 steps; its lighthouse's heartbeat timeout is set to ``--heartbeat-ms``,
+  gossip_ext's own silence threshold (gossip_ext.epochs.SILENT_S), for the same detection budget.
+
+Each runs uninterrupted (``--repeats`` times, with different batches, for the run-to-run noise of
+the final loss) and with a failure: the worker on slot ``--victim`` is SIGKILLed after its step
+``--kill-at``, and a replacement (a new process, its own initialisation) is started on the same
+slot when worker 0 finishes step ``--replace-at``. From every worker's timeline of finished steps:
+
+- back after (s): from the kill until the end of the last block of 4 steps of a survivor that
+  took more than twice that survivor's median block in the window (the latest over survivors;
+  blocks, not steps: one of torchft's steps in 4 is a sync);
+- lost (s): the survivors' wall time lost in a window, its length minus its blocks at the
+  window's median block (their mean), after the kill (until the replacement starts) and after the
+  replacement starts (``--join-window`` steps); in an uninterrupted run, the same windows (at
+  the same steps) measure the noise;
+- replacement trains after (s): from the replacement's start (a new Python process: the import of
+  torch and the loading of the data count) until its first training step ends; ``joining``: the
+  system's own part of it, from the model built until that step's end;
+- final held-out bits per byte: the mean over the job's last members of each one's own model.
+
+    python benchmarks/elastic.py                     # as root: 8 workers at 1 Gbit/s
+    python benchmarks/elastic.py --systems gossip --repeats 1 --no-record
+
+Writes every run (--rows, JSON) and, unless --no-record, this benchmark's section of
+benchmarks/RESULTS.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import shutil
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+import results  # noqa: E402
+
+from gossip_ext import _netns  # noqa: E402
+from gossip_ext.compare import systems  # noqa: E402
+
+TITLE = "Elastic: a worker lost and replaced, beside torchft"
+WORKER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "elastic_worker.py")
+PORT = 29400  # the coordinator's, in its own namespace
+PEAK_LR = {
+    "gossip": systems.PEAK_LR["overlap_sgp_bf16"],
+    "torchft": systems.PEAK_LR["torchft_localsgd"],
+}
+BLOCK = 4  # steps per block of the measures: torchft's LocalSGD syncs every 4 steps
+SLOW_FACTOR = 2.0  # a block this many times the window's median is a disturbed one
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument(
+        "--systems", nargs="+", default=["gossip", "torchft"], choices=("gossip", "torchft")
+    )
+    p.add_argument("--workers", type=int, default=8)
+    p.add_argument("--bandwidth", default="1gbit")
+    p.add_argument("--steps", type=int, default=480)
+    p.add_argument("--kill-at", type=int, default=120)
+    p.add_argument("--replace-at", type=int, default=240)
+    p.add_argument(
+        "--join-window", type=int, default=150, help="steps after the replacement starts"
+    )
+    p.add_argument("--victim", type=int, default=5, help="the slot of the worker killed")
+    p.add_argument("--min-workers", type=int, default=4)
+    p.add_argument("--timeout", type=float, default=30.0, help="each worker's, seconds")
+    p.add_argument("--heartbeat-ms", type=int, default=1500, help="torchft lighthouse's")
+    p.add_argument("--repeats", type=int, default=2, help="uninterrupted runs per system")
+    p.add_argument("--run-timeout", type=float, default=900.0, help="seconds per run")
+    p.add_argument("--rows", default="/tmp/gossip_elastic.json")
+    p.add_argument("--from-rows", metavar="FILE", help="report the runs saved in FILE again")
+    p.add_argument("--no-record", action="store_true")
+    args = p.parse_args(argv)
+    args.rate = _netns.rate_option(p, args.bandwidth, args.workers)
+    if not 0 <= args.victim < args.workers:
+        p.error(f"--victim must be a slot in [0, {args.workers}), got {args.victim}")
+    if args.victim == 0:
+        p.error("--victim must not be 0: worker 0's progress starts the replacement")
+    if not 0 < args.kill_at < args.replace_at < args.steps - args.join_window:
+        p.error(
+            "need 0 < --kill-at < --replace-at < --steps - --join-window, got "
+            f"{args.kill_at}, {args.replace_at}, {args.steps} - {args.join_window}"
+        )
+    if args.min_workers > args.workers - 1:
+        p.error(
+            f"--min-workers must let {args.workers - 1} survivors go on, got {args.min_workers}"
+        )
+    return args
+
+
+# ----------------------------------------------------------------------------- one run
+
+
+def _coordinator(system: str, cluster: _netns.EmulatedCluster, args, out: str):
+    """gossip_ext's membership service or torchft's lighthouse, in the cluster's last namespace;
+    returns (process, the address the workers are given)."""
+    rank = cluster.workers - 1
+    host = cluster.address(rank)
+    if system == "gossip":
+        argv = [sys.executable, "-m", "gossip_ext.membership", "--host", host, "--port", str(PORT)]
+        address, ready = f"{host}:{PORT}", "membership service on"
+    else:
+        lighthouse = shutil.which("torchft_lighthouse", path=os.path.dirname(sys.executable))
+        lighthouse = lighthouse or shutil.which("torchft_lighthouse")
+        if lighthouse is None:
+            raise RuntimeError("torchft_lighthouse not found (pip install torchft==0.2.0)")
+        argv = [
+            lighthouse, "--bind", f"{host}:{PORT}", "--min_replicas", str(args.min_workers),
+            "--heartbeat_timeout_ms", str(args.heartbeat_ms),
+        ]  # fmt: skip
+        address, ready = f"http://{host}:{PORT}", None
+    log = open(os.path.join(out, "coordinator.log"), "w")  # noqa: SIM115 - closed by the caller
+    proc = subprocess.Popen(
+        ["ip", "netns", "exec", cluster.namespace(rank), *argv],
+        env=dict(os.environ, RUST_LOG="warn", PYTHONUNBUFFERED="1"),
+        stdout=subprocess.PIPE if ready else log,
+        stderr=log,
+        text=True,
+    )
+    if ready and ready not in (proc.stdout.readline() or ""):
+        raise RuntimeError(f"the {system} coordinator did not start: see {log.name}")
+    if not ready:
+        time.sleep(1.0)  # the lighthouse prints nothing when it is up; its workers retry
+        if proc.poll() is not None:
+            raise RuntimeError(f"torchft_lighthouse exited: {open(log.name).read()[-2000:]}")
+    return proc, address
+
+
+def _last_step(path: str) -> int:
+    try:
+        with open(path, "rb") as f:
+            lines = f.read().splitlines()
+    except FileNotFoundError:
+        return -1
+    return int(lines[-1].split()[0]) if lines else -1
+
+
+class _Workers:
+    def __init__(self, cluster, system: str, address: str, args, out: str, seed: int) -> None:
+        self.cluster, self.system, self.address = cluster, system, address
+        self.args, self.out, self.seed = args, out, seed
+        self.procs: dict[str, subprocess.Popen] = {}
+        self.started: dict[str, float] = {}
+        self.killed: str | None = None
+
+    def start(self, name: str, slot: int, *extra: str) -> None:
+        argv = [
+            sys.executable, WORKER, "--system", self.system, "--coordinator", self.address,
+            "--out", self.out, "--name", name, "--slot", str(slot), "--steps", str(self.args.steps),
+            "--lr", str(PEAK_LR[self.system]), "--min-workers", str(self.args.min_workers),
+            "--timeout", str(self.args.timeout), "--seed", str(self.seed), *extra,
+        ]  # fmt: skip
+        env = dict(
+            os.environ,
+            GLOO_SOCKET_IFNAME=_netns.IFNAME,
+            GOSSIP_EXT_HOST=self.cluster.address(slot),
+            PYTHONUNBUFFERED="1",
+            RUST_LOG="warn",
+        )
+        log = open(os.path.join(self.out, f"{name}.log"), "w")  # noqa: SIM115
+        self.started[name] = time.time()
+        self.procs[name] = subprocess.Popen(
+            ["ip", "netns", "exec", self.cluster.namespace(slot), *argv],
+            env=env, stdout=log, stderr=subprocess.STDOUT,
+        )  # fmt: skip
+
+    def step(self, name: str) -> int:
+        return _last_step(os.path.join(self.out, f"{name}.steps"))
+
+    def check(self, deadline: float) -> None:
+        if time.time() > deadline:
+            raise TimeoutError(f"the run did not finish within {self.args.run_timeout:.0f} s")
+        for name, proc in self.procs.items():
+            code = proc.poll()
+            if code not in (None, 0) and not (name == self.killed and code == -signal.SIGKILL):
+                with open(os.path.join(self.out, f"{name}.log")) as f:
+                    tail = f.read()[-3000:]
+                raise RuntimeError(f"{self.system} worker {name} exited with {code}:\n{tail}")
+
+    def close(self) -> None:
+        for proc in self.procs.values():
+            if proc.poll() is None:
+                proc.kill()
+            proc.wait()
+
+
+def run_once(cluster, system: str, args, seed: int, failure: bool) -> dict:
+    """One job of ``system``; with ``failure``, the victim killed and replaced. Every worker's
+    result, and the times of the events."""
+    with (
+        tempfile.TemporaryDirectory(prefix="gossip-elastic-") as out,
+        contextlib.ExitStack() as stack,
+    ):
+        coordinator, address = _coordinator(system, cluster, args, out)
+        stack.callback(lambda: (coordinator.kill(), coordinator.wait()))
+        workers = _Workers(cluster, system, address, args, out, seed)
+        stack.callback(workers.close)
+        names = [f"w{slot}" for slot in range(args.workers)]
+        go = os.path.join(out, "go")
+        for slot, name in enumerate(names):
+            workers.start(name, slot, "--go", go)
+        deadline = time.time() + args.run_timeout
+        while not all(os.path.exists(os.path.join(out, f"{n}.ready")) for n in names):
+            workers.check(deadline)
+            time.sleep(0.05)
+        open(go, "w").close()
+        events = {"go": time.time()}
+        victim = f"w{args.victim}"
+        while failure and "replaced" not in events:
+            workers.check(deadline)
+            if "kill" not in events and workers.step(victim) >= args.kill_at:
+                workers.procs[victim].send_signal(signal.SIGKILL)
+                workers.killed = victim
+                events["kill"] = time.time()
+            if "kill" in events and workers.step("w0") >= args.replace_at:
+                workers.start("replacement", args.victim, "--joiner")
+                events["replaced"] = workers.started["replacement"]
+            time.sleep(0.01)
+        while any(p.poll() is None for p in workers.procs.values()):
+            workers.check(deadline)
+            time.sleep(0.1)
+        workers.check(deadline)
+        finished, changes = {}, {}
+        for name in workers.procs:
+            with open(os.path.join(out, f"{name}.log")) as f:
+                changes[name] = [line.strip() for line in f if " epoch " in line]
+            if name != workers.killed:
+                with open(os.path.join(out, f"{name}.json")) as f:
+                    finished[name] = json.load(f)
+        return {"system": system, "seed": seed, "failure": failure, "events": events,
+                "workers": finished, "epoch_changes": changes}  # fmt: skip
+
+
+# ----------------------------------------------------------------------------- measures
+
+
+def _blocks(steps: list, start: float, stop: float) -> list[tuple[float, float]]:
+    """(end time, length) of consecutive blocks of BLOCK steps that end in (start, stop]. A
+    block of torchft's LocalSGD holds one sync, so that blocks, unlike single steps, have one
+    normal length for every system."""
+    times = [t for _, t in steps]
+    first = next((i for i, t in enumerate(times) if t > start), len(times))
+    first = max(first - 1, 0)  # the block starts at the last step that ended before ``start``
+    return [
+        (times[i + BLOCK], times[i + BLOCK] - times[i])
+        for i in range(first, len(times) - BLOCK, BLOCK)
+        if times[i + BLOCK] <= stop
+    ]
+
+
+def _window_end(steps: list, start: float, count: int) -> float:
+    after = [t for _, t in steps if t > start]
+    return after[min(count, len(after)) - 1] if after else start
+
+
+def _lost(blocks: list[tuple[float, float]]) -> float:
+    if len(blocks) < 3:
+        return float("nan")
+    lengths = [length for _, length in blocks]
+    return sum(lengths) - len(lengths) * statistics.median(lengths)
+
+
+def measure(run: dict, args) -> dict:
+    """The figures of one run. An uninterrupted run's windows start where the failure run's
+    events are, at the same steps of worker 0 (their noise)."""
+    survivors = {n: r for n, r in run["workers"].items() if n != "replacement"}
+    if run["failure"]:
+        kill, replaced = run["events"]["kill"], run["events"]["replaced"]
+    else:
+        # The same steps as the failure run's events, on worker 0's clock.
+        steps0 = run["workers"]["w0"]["steps"]
+        kill = next(t for s, t in steps0 if s >= args.kill_at)
+        replaced = next(t for s, t in steps0 if s >= args.replace_at)
+    lost_kill, lost_join, back = [], [], []
+    for result in survivors.values():
+        steps = result["steps"]
+        end = _window_end(steps, replaced, args.join_window)
+        during = _blocks(steps, kill, replaced)
+        lost_kill.append(_lost(during))
+        lost_join.append(_lost(_blocks(steps, replaced, end)))
+        median = statistics.median(length for _, length in during)
+        slow = [t for t, length in during if length > SLOW_FACTOR * median]
+        first = next(t for _, t in steps if t > kill)
+        back.append((slow[-1] if slow else first) - kill)
+    members = list(run["workers"].values())
+    figures = {
+        "back_s": max(back),
+        "lost_after_kill_s": statistics.mean(lost_kill),
+        "lost_after_join_s": statistics.mean(lost_join),
+        "final_bpb": statistics.mean(r["heldout_bpb"] for r in members),
+        "wall_s": max(r["steps"][-1][1] for r in members) - run["events"]["go"],
+        "worker_steps": sum(len(r["steps"]) for r in members),
+    }
+    joiner = run["workers"].get("replacement")
+    if joiner is not None:
+        timeline = joiner["timeline"]
+        figures["joiner_trains_s"] = joiner["steps"][0][1] - replaced
+        figures["joiner_imported_s"] = timeline["imported"] - replaced
+        figures["joiner_loaded_s"] = timeline["loaded"] - replaced
+        figures["joiner_joined_s"] = timeline["joined"] - replaced
+        # The system's own part: from the model built to the first step's end.
+        figures["joiner_joining_s"] = joiner["steps"][0][1] - timeline["loaded"]
+        figures["joiner_first_step"] = timeline["first_step"]
+    return figures
+
+
+# ----------------------------------------------------------------------------- report
+
+
+def _f(value, spec=".2f") -> str:
+    return "-" if value is None or value != value else format(value, spec)
+
+
+def report(rows: list[dict], args) -> str:
+    lines = [
+        f"{args.workers} workers, each in its own network namespace behind a "
+        f"{_netns.format_rate(args.rate)} NIC (tbf), one torch thread each, all on this "
+        f"machine's cores: every step is bound by the CPU, not the network (benchmarks/"
+        f"lm_compare.py at this setting), and {args.workers - 1} workers step faster than "
+        f"{args.workers}. Byte-level transformer of gossip_ext.compare (2 layers, width 128, "
+        f"context 64), batch 8 per worker, AdamW, warmup 20 then cosine decay over "
+        f"{args.steps} steps. The worker on slot {args.victim} is SIGKILLed after its step "
+        f"{args.kill_at}; a replacement starts on its slot when worker 0 finishes step "
+        f"{args.replace_at}. gossip_ext: elastic overlapped SGP, bfloat16 messages, "
+        f"min_workers {args.min_workers}; torchft 0.2.0: Manager (min_replica_size "
+        f"{args.min_workers}, synchronous quorum) and LocalSGD every 4 steps, lighthouse "
+        f"heartbeat timeout {args.heartbeat_ms} ms. Times from every worker's wall clock "
+        f"(one machine, one clock), in blocks of 4 steps (torchft syncs in one step of 4); "
+        f"`lost` is a window's length minus its blocks at the window's median block "
+        f"(uninterrupted rows: the same windows, for the noise).",
+        "",
+        "| system | run | back after kill (s) | lost after kill (s) | replacement trains after "
+        "(s) | joining (s) | its first step | lost after join (s) | wall (s) | worker-steps "
+        "| final held-out bpb |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for row in rows:
+        f = row["figures"]
+        run = "kill + replace" if row["failure"] else f"uninterrupted (batches {row['seed']})"
+        lines.append(
+            f"| {row['system']} | {run} | {_f(f['back_s']) if row['failure'] else '-'} "
+            f"| {_f(f['lost_after_kill_s'])} | {_f(f.get('joiner_trains_s'))} "
+            f"| {_f(f.get('joiner_joining_s'))} "
+            f"| {f.get('joiner_first_step', '-')} | {_f(f['lost_after_join_s'])} "
+            f"| {_f(f['wall_s'], '.1f')} | {f['worker_steps']} | {_f(f['final_bpb'], '.4f')} |"
+        )
+    lines += ["", *goals(rows)]
+    return "\n".join(lines)
+
+
+def goals(rows: list[dict]) -> list[str]:
+    """The issue's goals, each against the figures measured here."""
+    by = {(r["system"], r["failure"]): [] for r in rows}
+    for r in rows:
+        by[(r["system"], r["failure"])].append(r["figures"])
+    ours = by.get(("gossip", True), [])
+    if not ours:
+        return []
+    ours = ours[0]
+    out = ["| goal | measured | met |", "|---|---|---|"]
+    out.append(
+        f"| survivors back at full step rate within 2 s of a SIGKILL | {ours['back_s']:.2f} s "
+        f"| {'yes' if ours['back_s'] <= 2.0 else 'no'} |"
+    )
+    calm = [f["final_bpb"] for f in by.get(("gossip", False), [])]
+    if calm:
+        noise = max(calm) - min(calm) if len(calm) > 1 else float("nan")
+        gap = abs(ours["final_bpb"] - statistics.mean(calm))
+        met = "yes" if gap <= max(noise, 1e-9) else ("no" if noise == noise else "-")
+        out.append(
+            f"| final held-out loss within run-to-run noise of uninterrupted runs | "
+            f"{ours['final_bpb']:.4f} vs {_f(statistics.mean(calm), '.4f')} (noise "
+            f"{_f(noise, '.4f')} bpb) | {met} |"
+        )
+    theirs = by.get(("torchft", True), [])
+    if theirs:
+        mine = ours["lost_after_kill_s"] + ours["lost_after_join_s"]
+        other = theirs[0]["lost_after_kill_s"] + theirs[0]["lost_after_join_s"]
+        out.append(
+            f"| less wall time lost per failure than torchft (kill and replacement) | "
+            f"{mine:.2f} s vs {other:.2f} s | {'yes' if mine < other else 'no'} |"
+        )
+    return out
+
+
+def run_all(args) -> list[dict]:
+    """Every run of the benchmark, each system's failure run first, then the uninterrupted."""
+    why = _netns.unavailable()
+    if why:
+        sys.exit(why)
+    for system in args.systems:
+        why_not = systems.available("torchft_localsgd" if system == "torchft" else "sgp")
+        if why_not:
+            sys.exit(why_not)
+    runs = []
+    with _netns.EmulatedCluster(args.workers + 1, args.rate) as cluster:
+        # Interleaved, so that a slow spell of the machine does not fall on one system only.
+        plan = [(s, 0, True) for s in args.systems]
+        plan += [(s, seed, False) for seed in range(args.repeats) for s in args.systems]
+        for system, seed, failure in plan:
+            started = time.time()
+            runs.append(run_once(cluster, system, args, seed, failure))
+            what = "kill + replace" if failure else "uninterrupted"
+            print(f"{system} {what} (batches {seed}): {time.time() - started:.0f} s", flush=True)
+    return runs
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    if args.from_rows:
+        with open(args.from_rows) as f:
+            saved = json.load(f)
+        vars(args).update(saved["settings"])  # the saved run's, not this command's
+        runs = saved["runs"]
+    else:
+        runs = run_all(args)
+        settings = {k: v for k, v in vars(args).items() if k not in ("from_rows", "no_record")}
+        with open(args.rows, "w") as f:
+            json.dump({"settings": settings, "runs": runs}, f)
+    rows = [
+        {k: run[k] for k in ("system", "seed", "failure")} | {"figures": measure(run, args)}
+        for run in runs
+    ]
+    body = report(rows, args)
+    print(body)
+    if not args.no_record:
+        results.record(TITLE, body)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
