@@ -174,6 +174,8 @@ void bind_engine(py::module_& m) {
       .def_property_readonly("in_flight", &GossipEngine::in_flight)
       .def("synchronize", &GossipEngine::synchronize, py::call_guard<py::gil_scoped_release>())
       .def("raise_if_failed", &GossipEngine::raise_if_failed)
+      .def("abandon", &GossipEngine::abandon, py::arg("why"),
+           py::call_guard<py::gil_scoped_release>())
       .def_property_readonly("round", &GossipEngine::round)
       .def_property_readonly("lazy_mixing", &GossipEngine::lazy_mixing)
       .def_property_readonly("bytes_sent", &GossipEngine::bytes_sent)

@@ -12,7 +12,7 @@ from __future__ import annotations
 import contextlib
 import warnings
 import weakref
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from datetime import timedelta
 from typing import Any
 
@@ -349,6 +349,7 @@ class GossipDataParallel(nn.Module):
             # Why this worker stopped (removed, or too few workers left): raised by every call.
             self._stopped: BaseException | None = None
             _validation.check_elastic_device(device, comm_device)
+            self._elastic.on_silent = _abandon_rounds_of(weakref.ref(self))
             change = self._elastic.join()
             failure = None
             try:
@@ -1056,3 +1057,17 @@ class GossipDataParallel(nn.Module):
         self._mix.restore(0, 1.0 if self._mix.lazy_mixing else weight)
         self._versions_at_forward = None
         return result
+
+
+def _abandon_rounds_of(model: weakref.ref) -> Callable[[str], None]:
+    """What an elastic worker's watch calls, from its thread, when a member's heartbeat stopped:
+    the wrapper's round in flight fails at once (a TimeoutError saying why), instead of waiting
+    out the timeout for that member. Holds the wrapper weakly: the watch must not keep it alive."""
+
+    def abandon(why: str) -> None:
+        wrapper = model()
+        mix = None if wrapper is None else wrapper._mix
+        if mix is not None:
+            mix.abandon(why)
+
+    return abandon

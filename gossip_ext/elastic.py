@@ -27,6 +27,7 @@ import logging
 import re
 import time
 import weakref
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -34,7 +35,7 @@ import torch
 import torch.distributed as dist
 
 from gossip_ext import _epoch_group
-from gossip_ext.epochs import Epoch, MembershipClient, RemovedError
+from gossip_ext.epochs import LEFT, Epoch, MembershipClient, RemovedError
 
 logger = logging.getLogger("gossip_ext.elastic")
 
@@ -42,7 +43,6 @@ logger = logging.getLogger("gossip_ext.elastic")
 # [1, 3]"; gossip_ext/fragment_gossip.py: "rank 3").
 _NAMED_PEER = re.compile(r"\bpeers? \[?([\d, ]+)\]?|(?:from|to) rank (\d+)")
 
-LEFT = "left the job"  # why a worker that called leave() (or exited) is gone
 
 # The first epoch forms once min_workers registered and no other registered for this long.
 FIRST_EPOCH_SETTLE_S = 1.0
@@ -109,6 +109,9 @@ class ElasticWorker:
         self.group: dist.ProcessGroup | None = None
         self.left = False
         self.ready = False  # holds the job's state (see mark_ready)
+        # Called from the watch's thread when a member's heartbeat stops (epochs.Watch): gives up
+        # whatever this worker waits on from it. Set by the wrapper.
+        self.on_silent: Callable[[str], None] = lambda why: None
 
     @property
     def worker(self) -> int:
@@ -265,6 +268,8 @@ class ElasticWorker:
             logger.warning("epoch %d: building its group failed: %s", epoch.number, error)
             return None
         self.epoch, self.group = epoch, group
+        others = [m for m in epoch.members if m != self.worker]
+        self.client.watch.follow(epoch, others, self.on_silent)
         left = [] if previous is None else sorted(set(previous.members) - set(epoch.members))
         change = Change(
             epoch, group, epoch.rank(self.worker), left, joined, time.monotonic() - start
@@ -289,6 +294,8 @@ class ElasticWorker:
     def leaving_epoch(self) -> None:
         """Says, before this worker drops anything of its epoch, that it is leaving it alive: a
         peer whose round with it fails then does not take it for dead."""
+        if self.client.watch is not None:
+            self.client.watch.pause()
         if self.epoch is not None:
             self.client.mark_leaving(self.epoch)
 
@@ -310,6 +317,8 @@ class ElasticWorker:
             self.client.announce_gone([self.worker], LEFT)
         finally:
             self._release()
+            if self.client.watch is not None:
+                self.client.watch.stop()
             if self.client.heartbeat is not None:
                 self.client.heartbeat.stop()
 

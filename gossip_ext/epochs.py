@@ -28,14 +28,18 @@ left), and is told so.
 from __future__ import annotations
 
 import datetime
+import logging
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch.distributed as dist
 
 POLL_S = 0.01  # how often a waiting worker looks again at a key another worker will write
+logger = logging.getLogger("gossip_ext")
+
+LEFT = "left the job"  # why a worker that called leave() (or exited) is gone
 HEARTBEAT_S = 0.1  # how often a worker's heartbeat thread bumps its counter
 SILENT_S = 1.5  # a heartbeat silent this long: the worker is dead or stopped
 # How long a worker that a failed round names is watched before it is accused: its heartbeat
@@ -92,6 +96,7 @@ class MembershipClient:
             ) from error
         self.worker = -1
         self.heartbeat: Heartbeat | None = None
+        self.watch: Watch | None = None
 
     # ----------------------------------------------------------------------------- reading
 
@@ -133,6 +138,7 @@ class MembershipClient:
         their next step boundary."""
         self.worker = self.store.add("worker_ids", 1) - 1
         self.heartbeat = Heartbeat(*parse_address(self.address), self.worker, self.timeout)
+        self.watch = Watch(self.address, self.worker, self.timeout)
         self.store.append("registered", f"{self.worker},")
         self.store.add("events", 1)
         return self.worker
@@ -290,3 +296,80 @@ class Heartbeat:
 
     def stop(self) -> None:
         self.stopped.set()
+
+
+class Watch:
+    """Watches the heartbeats of the other members of this worker's epoch, from a thread of its
+    own on a store connection of its own, while the worker trains in that epoch. A member whose
+    heartbeat stays silent for SILENT_S (its process died or is stopped: a busy one still beats)
+    is announced gone, and ``on_silent`` is called with why, from this thread: the worker gives up
+    a round that waits for that member then, not at the timeout, and every member moves to the
+    next epoch without it (its announcement bumps ``events``)."""
+
+    def __init__(self, address: str, worker: int, timeout: datetime.timedelta):
+        self.client = MembershipClient(address, timeout)
+        self.client.worker = worker  # its announcements claim in this worker's name
+        self._lock = threading.Lock()
+        self._following: tuple[Epoch, list[int], Callable[[str], None]] | None = None
+        self.stopped = threading.Event()
+        self.thread = threading.Thread(
+            target=self._run, name=f"gossip_ext watch {worker}", daemon=True
+        )
+        self.thread.start()
+
+    def follow(self, epoch: Epoch, others: Sequence[int], on_silent: Callable[[str], None]):
+        """Watches ``others`` (the epoch's members but this worker) until :meth:`pause`."""
+        with self._lock:
+            self._following = (epoch, list(others), on_silent)
+
+    def pause(self) -> None:
+        """Stops watching (this worker is leaving its epoch): once it returns, ``on_silent`` is
+        not running and will not be called for that epoch."""
+        with self._lock:
+            self._following = None
+
+    def stop(self) -> None:
+        self.pause()
+        self.stopped.set()
+
+    def _run(self) -> None:
+        watched, beats, why = None, None, None
+        while not self.stopped.wait(2 * HEARTBEAT_S):
+            with self._lock:
+                following = self._following
+            if following is None:
+                continue
+            epoch, others, on_silent = following
+            if watched is not following:
+                watched, beats, why = following, _Beats(self.client.store, others), None
+                continue
+            if why is None:
+                try:
+                    why = self._silent(epoch, others, beats)
+                except Exception:  # noqa: BLE001 - the service is gone; the worker will find out
+                    return
+                if why is None:
+                    continue
+                logger.info("gossip_ext epoch %d: %s", epoch.number, why)
+            # Again at every look until the worker leaves the epoch: a round it starts after the
+            # first call (its engine was being built) is given up too.
+            with self._lock:  # pause() waits for it: no call reaches the worker's next epoch
+                if self._following is following:
+                    on_silent(why)
+
+    def _silent(self, epoch: Epoch, others: list[int], beats: _Beats) -> str | None:
+        """Why to give up on the members whose heartbeat stopped (announced gone), or None."""
+        silent = beats.silent(others)
+        if not silent:
+            return None
+        gone = self.client.gone()
+        # One that left on purpose closed its connections: its rounds fail at once.
+        silent = [w for w in silent if gone.get(w) != LEFT]
+        if not silent:
+            return None
+        self.client.announce_gone(silent, f"its heartbeat stopped in epoch {epoch.number}")
+        return (
+            f"the heartbeat of worker{'s' if len(silent) > 1 else ''} "
+            f"{', '.join(map(str, silent))} stopped for {SILENT_S:g} s in epoch {epoch.number} "
+            "(its process died or is stopped)"
+        )

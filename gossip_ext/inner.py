@@ -138,6 +138,12 @@ class InnerMix:
         absorbed (an elastic worker between epochs, or after it left)."""
         return InnerMix(None, self.graph, overlap=False, synch_freq=0, every_step=False)
 
+    def abandon(self, why: str) -> None:
+        """Fails the round in flight with a TimeoutError saying ``why`` (any thread may call it:
+        an elastic worker's watch, when a peer's heartbeat stopped)."""
+        if self.engine is not None:
+            self.engine.abandon(why)
+
     def raise_if_failed(self) -> None:
         self.rounds.raise_if_failed()
 

@@ -317,7 +317,10 @@ class OuterOptimizer:
         """Steps ``theta_global`` with ``theta_global - average`` as its gradient (computed in
         ``averages``, which it overwrites) and returns it, per bucket: the new parameters."""
         return self.step_with(
-            [average.to(self.device).neg_().add_(self.flat[b]) for b, average in enumerate(averages)]
+            [
+                average.to(self.device).neg_().add_(self.flat[b])
+                for b, average in enumerate(averages)
+            ]
         )
 
     @torch.no_grad()

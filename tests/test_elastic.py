@@ -6,7 +6,6 @@ live member's state."""
 
 from __future__ import annotations
 
-import os
 import pickle
 import signal
 import socket
@@ -22,6 +21,7 @@ from multiprocess import run_ranks
 from torch import nn
 
 import gossip_ext
+from gossip_ext import epochs
 
 sys.path.insert(0, str(Path(__file__).parent))
 from elastic_worker import MODES, batch  # noqa: E402
@@ -108,24 +108,24 @@ def job(tmp_path):
     job.close()
 
 
-def _assert_finished(job: Job, name: str, mode: str = "sync") -> dict:
+def _assert_finished(job: Job, name: str, mode: str = "sync", steps: int = STEPS) -> dict:
     result = job.result(name)
     assert result["error"] is None, (name, result["error"], job.log(name))
-    assert result["final_step"] == STEPS, (name, result["final_step"])
+    assert result["final_step"] == steps, (name, result["final_step"])
     assert all(s["finite"] for s in result["steps"]), name
     # Every step counted: consecutive within an epoch. At an epoch change a worker that noticed
     # it before the others goes on from the most advanced survivor's count (skipped numbers, not
     # skipped steps); how far that one can be ahead is bounded by the schedule: one step per hop
     # of the graph, synch_freq more under bounded asynchrony.
-    steps = [s["step"] for s in result["steps"]]
-    assert steps == sorted(set(steps)) and steps[-1] == STEPS, (name, steps)
+    counted = [s["step"] for s in result["steps"]]
+    assert counted == sorted(set(counted)) and counted[-1] == steps, (name, counted)
     lead = 1 + MODES.get(mode, {}).get("synch_freq", 0)
     for before, after in zip(result["steps"], result["steps"][1:]):
         jump = after["step"] - before["step"]
         if after["epoch"] == before["epoch"]:
             assert jump == 1, (name, before, after)
         else:
-            assert 1 <= jump <= 1 + (WORKERS - 1) * lead, (name, steps)
+            assert 1 <= jump <= 1 + (WORKERS - 1) * lead, (name, counted)
     return result
 
 
@@ -204,18 +204,22 @@ def test_two_of_four_killed_below_min_workers_raise_naming_both(job):
 
 
 def test_a_stalled_worker_is_removed_told_so_and_rejoins_as_new(job):
-    # The others train slowly enough to be still at it when the stalled one comes back.
+    # Stopped past the timeout, while the others train on: they are still at it (60 steps of
+    # 0.3 s) when it comes back.
+    steps = 60
     for name in ["w0", "w1", "w2", "w3"]:
-        job.start(name, "--min-workers", "3", "--step-seconds", "0.3",
+        job.start(name, "--min-workers", "3", "--step-seconds", "0.3", "--steps", str(steps),
                   *(["--stop-at", "8", "--rejoin"] if name == "w2" else []))
     job.wait_for_step("w2", 8)
-    time.sleep(TIMEOUT_S + 3.0)  # the others time out on it and move on
+    time.sleep(TIMEOUT_S + 3.0)
     job.workers["w2"].send_signal(signal.SIGCONT)
     job.wait()
     for name in ("w0", "w1", "w3"):
-        result = _assert_finished(job, name)
-        # Back within the timeout and 2 s (the heartbeat's verdict), plus this step's sleep.
-        assert _gap_s(result) < TIMEOUT_S + 2.0 + 0.3, _gap_s(result)
+        result = _assert_finished(job, name, steps=steps)
+        # Not the timeout: the watch gives up on a member whose heartbeat stopped for SILENT_S,
+        # and the change takes well under a second more (3 s of slack for a loaded machine),
+        # plus this step's sleep.
+        assert _gap_s(result) < epochs.SILENT_S + 3.0 + 0.3 < TIMEOUT_S, _gap_s(result)
     stalled = job.result("w2")
     assert stalled["error"] is None, (stalled["error"], job.log("w2"))
     assert stalled["removed"] is not None and "was removed from the job" in stalled["removed"]
@@ -226,7 +230,7 @@ def test_a_stalled_worker_is_removed_told_so_and_rejoins_as_new(job):
     assert stalled["removed_again"] == stalled["removed"]
     assert f"worker {stalled['worker_id']} " in stalled["removed"]
     assert stalled["rejoined_as"] != stalled["worker_id"]
-    assert stalled["final_step"] == STEPS
+    assert stalled["final_step"] == steps
     assert stalled["rejoined_at_step"] > 8
 
 

@@ -49,6 +49,50 @@ def test_a_stalled_peer_raises_timeout_naming_the_peer_and_round():
     assert r["repeated"] == r["error"]
 
 
+def _a_round_given_up(rank: int, world_size: int) -> dict:
+    """Rank 1 stalls; rank 0's round waiting for it is given up from another thread (what an
+    elastic worker's watch does when a peer's heartbeat stops), long before the timeout."""
+    import threading
+
+    model = gossip_ext.GossipDataParallel(nn.Linear(3, 1), timeout=timedelta(seconds=60))
+    if rank == 1:
+        time.sleep(6.0)
+        return {}
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    model(torch.ones(1, 3)).sum().backward()
+    opt.step()
+    model.transfer_params()
+    before = [p.detach().clone() for p in model.module.parameters()]
+    threading.Timer(0.5, model._mix.abandon, ["worker 1's heartbeat stopped"]).start()
+    start = time.perf_counter()
+    try:
+        model(torch.ones(1, 3))
+    except TimeoutError as error:
+        elapsed = time.perf_counter() - start
+        unchanged = all(torch.equal(a, b) for a, b in zip(before, model.module.parameters()))
+        try:
+            model.transfer_params()
+            repeated = None
+        except TimeoutError as again:
+            repeated = str(again)
+        return {
+            "error": str(error),
+            "elapsed": elapsed,
+            "unchanged": unchanged,
+            "repeated": repeated,
+        }
+    return {"error": None}
+
+
+def test_a_round_given_up_from_another_thread_raises_at_once_and_stays_failed():
+    r = run_ranks(2, _a_round_given_up)[0]
+    assert r["error"] is not None, "the forward did not raise"
+    assert "gave up gossip round 0: worker 1's heartbeat stopped" in r["error"], r["error"]
+    assert 0.4 <= r["elapsed"] < 5.0, r["elapsed"]  # the 60 s timeout never came into it
+    assert r["unchanged"], "a given-up round changed the parameters"
+    assert r["repeated"] == r["error"]
+
+
 def _disagreeing_ranks(rank: int, world_size: int) -> str:
     graph = (
         gossip_ext.RingGraph() if rank == 2 else gossip_ext.NPeerDynamicDirectedExponentialGraph()

@@ -173,6 +173,10 @@ class GossipEngine {
   void synchronize();
   // Rethrows the error of a failed round, if any; otherwise does nothing.
   void raise_if_failed() const;
+  // Fails the round in flight, if any, with a TimeoutError saying `why` (Transport::abandon): a
+  // thread that learned a peer is gone releases the one waiting for it. Callable from any thread;
+  // the waiting thread then raises as for any failed round.
+  void abandon(const std::string& why) { transport_->abandon(why); }
 
   bool in_flight() const { return work_ != nullptr; }
   // Rounds completed so far; the round in flight, if any, has this number.

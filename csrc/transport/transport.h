@@ -64,6 +64,12 @@ class Transport {
   // them here, since a round that connects can wait for a peer beyond any timeout (Note [NCCL
   // communicator calls] in nccl/nccl_transport.h).
   virtual void connect_peers(const std::vector<int>& peers) { (void)peers; }
+  // Fails every round in flight with a gossip::TimeoutError that says `why`, and releases whatever
+  // waits on them: the caller learned that a peer is gone (an elastic job's membership saw its
+  // heartbeat stop) and will not wait out the timeout for it. Callable from any thread. A
+  // transport that cannot tell its rounds apart from their peers' does nothing: its rounds then
+  // end at the timeout, as before.
+  virtual void abandon(const std::string& why) { (void)why; }
   virtual std::string name() const = 0;
 };
 

@@ -35,6 +35,7 @@ class HostStagingTransport final : public Transport {
                                  int64_t round) override;
   std::string name() const override;
   void connect_peers(const std::vector<int>& peers) override { inner_->connect_peers(peers); }
+  void abandon(const std::string& why) override { inner_->abandon(why); }
 
  private:
   std::shared_ptr<Transport> inner_;

@@ -82,6 +82,13 @@ class ProcessGroupWork final : public Work {
     finish(nullptr);
   }
 
+  // Fails the round with `why` (unless it finished) and releases its progress thread.
+  void abandon(const std::string& why) {
+    finish(std::make_exception_ptr(TimeoutError(detail::str_cat(
+        "gossip_ext: rank ", rank_, " gave up gossip round ", round_, ": ", why))));
+    abort_pending();
+  }
+
   // Releases a progress thread blocked on this round (timeout or shutdown).
   void abort_pending() {
     size_t first;
@@ -93,9 +100,12 @@ class ProcessGroupWork final : public Work {
   }
 
  private:
+  // The first outcome stands: an abandoned round's progress thread, released by the abort,
+  // finishes it again with the abort's error.
   void finish(std::exception_ptr error) {
     {
       std::lock_guard<std::mutex> lock(mutex_);
+      if (finished_) return;
       error_ = std::move(error);
       finished_ = true;
       keep_alive_.clear();
@@ -141,6 +151,15 @@ ProcessGroupTransport::~ProcessGroupTransport() {
   for (const auto& work : pending) work->abort_pending();
   queued_.notify_all();
   progress_.join();
+}
+
+void ProcessGroupTransport::abandon(const std::string& why) {
+  std::deque<std::shared_ptr<ProcessGroupWork>> pending;
+  {
+    std::lock_guard<std::mutex> lock(mutex_);
+    pending = queue_;
+  }
+  for (const auto& work : pending) work->abandon(why);
 }
 
 std::string ProcessGroupTransport::name() const {

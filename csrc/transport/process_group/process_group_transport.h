@@ -37,6 +37,7 @@ class ProcessGroupTransport final : public Transport {
   int world_size() const override { return group_->getSize(); }
   std::shared_ptr<Work> exchange(std::vector<PeerMessage> sends, std::vector<PeerMessage> recvs,
                                  int64_t round) override;
+  void abandon(const std::string& why) override;
   std::string name() const override;
 
  private:
