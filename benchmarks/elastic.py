@@ -12,8 +12,12 @@ service (``python -m gossip_ext.membership``) or torchft's lighthouse (``torchft
   and LocalSGD every 4 steps; its lighthouse's heartbeat timeout is set to ``--heartbeat-ms``,
   gossip_ext's own silence threshold (gossip_ext.epochs.SILENT_S), for the same detection budget.
 
-Each runs uninterrupted (``--repeats`` times, with different batches, for the run-to-run noise of
-the final loss) and with each failure of ``--failures``: the worker on slot ``--victim`` is
+Each runs uninterrupted (``--repeats`` times, with different batches, for the run-to-run noise),
+and so do two more jobs of gossip_ext's: one without the victim's slot (the failure run's
+worker-steps lie between its and the full job's, which gives the loss an uninterrupted run with
+the failure run's worker-steps reaches) and ``gossip_static``, a static job (init_process_group
+over every worker, no membership: the step time an elastic job must match when nothing fails).
+Each system also runs with each failure of ``--failures``: the worker on slot ``--victim`` is
 SIGKILLed (``kill``: a crash, a lost machine) or SIGSTOPped for good (``stall``: a hung worker,
 waited for until ``--timeout``) after its step ``--fail-at``, and a replacement (a new process,
 its own initialisation) is started on the same
@@ -64,6 +68,7 @@ WORKER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "elastic_worke
 PORT = 29400  # the coordinator's, in its own namespace
 PEAK_LR = {
     "gossip": systems.PEAK_LR["overlap_sgp_bf16"],
+    "gossip_static": systems.PEAK_LR["overlap_sgp_bf16"],
     "torchft": systems.PEAK_LR["torchft_localsgd"],
 }
 BLOCK = 4  # steps per block of the measures: torchft's LocalSGD syncs every 4 steps
@@ -119,7 +124,7 @@ def _coordinator(system: str, cluster: _netns.EmulatedCluster, args, out: str):
     returns (process, the address the workers are given)."""
     rank = cluster.workers - 1
     host = cluster.address(rank)
-    if system == "gossip":
+    if system.startswith("gossip"):  # a static job's store is the same service
         argv = [sys.executable, "-m", "gossip_ext.membership", "--host", host, "--port", str(PORT)]
         address, ready = f"{host}:{PORT}", "membership service on"
     else:
@@ -207,9 +212,11 @@ class _Workers:
             proc.wait()
 
 
-def run_once(cluster, system: str, args, seed: int, failure: str | None) -> dict:
+def run_once(
+    cluster, system: str, args, seed: int, failure: str | None, without_victim: bool = False
+) -> dict:
     """One job of ``system``; with ``failure`` ("kill" or "stall"), the victim killed or stopped,
-    and replaced. Every worker's
+    and replaced; ``without_victim``, a job that never had the victim's slot. Every worker's
     result, and the times of the events."""
     with (
         tempfile.TemporaryDirectory(prefix="gossip-elastic-") as out,
@@ -219,10 +226,11 @@ def run_once(cluster, system: str, args, seed: int, failure: str | None) -> dict
         stack.callback(lambda: (coordinator.kill(), coordinator.wait()))
         workers = _Workers(cluster, system, address, args, out, seed)
         stack.callback(workers.close)
-        names = [f"w{slot}" for slot in range(args.workers)]
+        slots = [s for s in range(args.workers) if not (without_victim and s == args.victim)]
+        names = [f"w{slot}" for slot in slots]
         go = os.path.join(out, "go")
-        for slot, name in enumerate(names):
-            workers.start(name, slot, "--go", go)
+        for slot, name in zip(slots, names):
+            workers.start(name, slot, "--go", go, "--world-size", str(len(slots)))
         deadline = time.time() + args.run_timeout
         while not all(os.path.exists(os.path.join(out, f"{n}.ready")) for n in names):
             workers.check(deadline)
@@ -252,7 +260,8 @@ def run_once(cluster, system: str, args, seed: int, failure: str | None) -> dict
             if name != workers.failed:
                 with open(os.path.join(out, f"{name}.json")) as f:
                     finished[name] = json.load(f)
-        return {"system": system, "seed": seed, "failure": failure, "events": events,
+        return {"system": system, "seed": seed, "failure": failure, "workers_started": len(slots),
+                "events": events,
                 "workers": finished, "epoch_changes": changes}  # fmt: skip
 
 
@@ -314,6 +323,11 @@ def measure(run: dict, args) -> dict:
         "lost_after_join_s": statistics.mean(lost_join),
         "final_bpb": statistics.mean(r["heldout_bpb"] for r in members),
         "wall_s": max(r["steps"][-1][1] for r in members) - run["events"]["go"],
+        # From each worker's first step to its last: the pace, without the job's start.
+        "step_ms": 1000
+        * statistics.mean(
+            (r["steps"][-1][1] - r["steps"][0][1]) / (len(r["steps"]) - 1) for r in members
+        ),
         "worker_steps": sum(len(r["steps"]) for r in members),
     }
     joiner = run["workers"].get("replacement")
@@ -339,6 +353,12 @@ def _f(value, spec=".2f") -> str:
 _FAILURES = {"kill": "SIGKILL + replace", "stall": "SIGSTOP + replace"}
 
 
+def _label(run: dict) -> str:
+    if run["failure"]:
+        return _FAILURES[run["failure"]]
+    return f"uninterrupted, {run['workers_started']} workers (batches {run['seed']})"
+
+
 def report(rows: list[dict], args) -> str:
     lines = [
         f"{args.workers} workers, each in its own network namespace behind a "
@@ -361,20 +381,21 @@ def report(rows: list[dict], args) -> str:
         f"torch and loading the data on a machine the others keep busy).",
         "",
         "| system | run | back after failure (s) | lost after failure (s) | replacement trains "
-        "after (s) | joining (s) | its first step | lost after join (s) | wall (s) | "
+        "after (s) | joining (s) | its first step | lost after join (s) | wall (s) | step (ms) | "
         "worker-steps | final held-out bpb |",
-        "|---|---|---|---|---|---|---|---|---|---|---|",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for row in rows:
         f = row["figures"]
         failure = row["failure"]
-        run = _FAILURES[failure] if failure else f"uninterrupted (batches {row['seed']})"
+        run = _label(row)
         lines.append(
             f"| {row['system']} | {run} | {_f(f['back_s']) if failure else '-'} "
             f"| {_f(f['lost_after_failure_s'])} | {_f(f.get('joiner_trains_s'))} "
             f"| {_f(f.get('joiner_joining_s'))} "
             f"| {f.get('joiner_first_step', '-')} | {_f(f['lost_after_join_s'])} "
-            f"| {_f(f['wall_s'], '.1f')} | {f['worker_steps']} | {_f(f['final_bpb'], '.4f')} |"
+            f"| {_f(f['wall_s'], '.1f')} | {_f(f['step_ms'], '.1f')} | {f['worker_steps']} "
+            f"| {_f(f['final_bpb'], '.4f')} |"
         )
     lines += ["", *goals(rows, args)]
     return "\n".join(lines)
@@ -383,7 +404,14 @@ def report(rows: list[dict], args) -> str:
 def goals(rows: list[dict], args) -> list[str]:
     """The issue's goals, each against the figures measured here."""
     runs = {(r["system"], r["failure"]): r["figures"] for r in rows if r["failure"]}
-    calm = [r["figures"]["final_bpb"] for r in rows if r["system"] == "gossip" and not r["failure"]]
+
+    def calm(system: str, workers: int) -> list[dict]:
+        return [
+            r["figures"]
+            for r in rows
+            if r["system"] == system and not r["failure"] and r["workers_started"] == workers
+        ]
+
     out = ["| goal | measured | met |", "|---|---|---|"]
     bounds = {
         "kill": ("2 s of a SIGKILL", 2.0),
@@ -396,17 +424,42 @@ def goals(rows: list[dict], args) -> list[str]:
                 f"| survivors back at full step rate within {what} | {ours['back_s']:.2f} s "
                 f"| {'yes' if ours['back_s'] <= bound else 'no'} |"
             )
-    for failure in ("kill", "stall"):
-        ours = runs.get(("gossip", failure))
-        if ours and len(calm) > 1:
-            noise = max(calm) - min(calm)
-            gap = ours["final_bpb"] - statistics.mean(calm)
-            out.append(
-                f"| final held-out loss within run-to-run noise of uninterrupted runs "
-                f"({_FAILURES[failure]}) | {ours['final_bpb']:.4f} vs "
-                f"{statistics.mean(calm):.4f} ({gap:+.4f}; the uninterrupted runs differ by "
-                f"{noise:.4f}) | {'yes' if abs(gap) <= noise else 'no'} |"
+    full, fewer = calm("gossip", args.workers), calm("gossip", args.workers - 1)
+    if len(full) > 1 and len(fewer) > 1:
+        # The loss an uninterrupted job reaches with the failure run's worker-steps: between the
+        # job without the victim's slot and the full one, in proportion to worker-steps.
+        (s0, b0), (s1, b1) = [
+            (
+                statistics.mean(f["worker_steps"] for f in g),
+                statistics.mean(f["final_bpb"] for f in g),
             )
+            for g in (fewer, full)
+        ]
+        noise = max(max(f["final_bpb"] for f in g) - min(f["final_bpb"] for f in g)
+                    for g in (full, fewer))  # fmt: skip
+        for failure in ("kill", "stall"):
+            ours = runs.get(("gossip", failure))
+            if ours:
+                expected = b0 + (b1 - b0) * (ours["worker_steps"] - s0) / (s1 - s0)
+                gap = ours["final_bpb"] - expected
+                out.append(
+                    f"| final held-out loss within run-to-run noise of an uninterrupted run with "
+                    f"the same worker-steps ({_FAILURES[failure]}) | {ours['final_bpb']:.4f} at "
+                    f"{ours['worker_steps']} worker-steps vs {expected:.4f} ({gap:+.4f}; "
+                    f"uninterrupted runs differ by up to {noise:.4f}) | "
+                    f"{'yes' if gap <= noise else 'no'} |"
+                )
+    static, elastic = calm("gossip_static", args.workers), full
+    if len(static) > 1 and len(elastic) > 1:
+        per = [[f["step_ms"] for f in g] for g in (elastic, static)]
+        noise = max(max(v) - min(v) for v in per)
+        diff = statistics.mean(per[0]) - statistics.mean(per[1])
+        out.append(
+            f"| no failure: the step time of a static job within noise | "
+            f"{statistics.mean(per[0]):.1f} ms vs {statistics.mean(per[1]):.1f} ms static "
+            f"({diff:+.1f} ms; runs of one kind differ by up to {noise:.1f} ms) | "
+            f"{'yes' if abs(diff) <= noise else 'no'} |"
+        )
     for failure in ("kill", "stall"):
         ours, theirs = runs.get(("gossip", failure)), runs.get(("torchft", failure))
         if ours and theirs:
@@ -431,13 +484,17 @@ def run_all(args) -> list[dict]:
     runs = []
     with _netns.EmulatedCluster(args.workers + 1, args.rate) as cluster:
         # Interleaved, so that a slow spell of the machine does not fall on one system only.
-        plan = [(s, 0, f) for f in args.failures for s in args.systems]
-        plan += [(s, seed, None) for seed in range(args.repeats) for s in args.systems]
-        for system, seed, failure in plan:
+        # Uninterrupted, besides each system: gossip_ext's job without the victim's slot (the
+        # failure run's worker-steps lie between its and the full job's), and a static job.
+        calm = [(s, False) for s in args.systems]
+        if "gossip" in args.systems:
+            calm += [("gossip", True), ("gossip_static", False)]
+        plan = [(s, 0, f, False) for f in args.failures for s in args.systems]
+        plan += [(s, seed, None, w) for seed in range(args.repeats) for s, w in calm]
+        for system, seed, failure, without_victim in plan:
             started = time.time()
-            runs.append(run_once(cluster, system, args, seed, failure))
-            what = _FAILURES[failure] if failure else "uninterrupted"
-            print(f"{system} {what} (batches {seed}): {time.time() - started:.0f} s", flush=True)
+            runs.append(run_once(cluster, system, args, seed, failure, without_victim))
+            print(f"{system}: {_label(runs[-1])}: {time.time() - started:.0f} s", flush=True)
     return runs
 
 
@@ -454,7 +511,8 @@ def main(argv=None) -> int:
         with open(args.rows, "w") as f:
             json.dump({"settings": settings, "runs": runs}, f)
     rows = [
-        {k: run[k] for k in ("system", "seed", "failure")} | {"figures": measure(run, args)}
+        {k: run[k] for k in ("system", "seed", "failure", "workers_started")}
+        | {"figures": measure(run, args)}
         for run in runs
     ]
     body = report(rows, args)

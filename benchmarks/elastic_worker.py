@@ -24,8 +24,10 @@ START = time.time()  # before torch's import: a replacement's start-up counts it
 from datetime import timedelta  # noqa: E402
 
 import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
 
 import gossip_ext  # noqa: E402
+from gossip_ext.epochs import parse_address  # noqa: E402
 from gossip_ext.tasks import byte_lm  # noqa: E402
 from gossip_ext.tasks.byte_lm import ByteLM, ByteLMConfig  # noqa: E402
 from gossip_ext.tasks.stdlib_text import StdlibText  # noqa: E402
@@ -39,11 +41,12 @@ LOCAL_STEPS = 4  # torchft LocalSGD's H
 
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--system", required=True, choices=("gossip", "torchft"))
+    p.add_argument("--system", required=True, choices=("gossip", "gossip_static", "torchft"))
     p.add_argument("--coordinator", required=True, help="membership HOST:PORT or lighthouse URL")
     p.add_argument("--out", required=True)
     p.add_argument("--name", required=True)
     p.add_argument("--slot", type=int, required=True, help="whose batches this worker reads")
+    p.add_argument("--world-size", type=int, default=0, help="gossip_static's workers")
     p.add_argument("--steps", type=int, required=True)
     p.add_argument("--lr", type=float, required=True)
     p.add_argument("--min-workers", type=int, required=True)
@@ -74,14 +77,26 @@ def set_lr(opt: torch.optim.Optimizer, lr: float, factor, step: int) -> None:
 
 
 def train_gossip(args, module, opt, data, steps: Steps, timeline: dict) -> torch.nn.Module:
-    model = gossip_ext.GossipDataParallel(
-        module,
-        membership=args.coordinator,
-        min_workers=args.min_workers,
-        timeout=timedelta(seconds=args.timeout),
-        overlap=True,
-        message_dtype=torch.bfloat16,
-    )
+    timeout = timedelta(seconds=args.timeout)
+    options = {"timeout": timeout, "overlap": True, "message_dtype": torch.bfloat16}
+    static = args.system == "gossip_static"
+    if static:
+        # The same job as a static one: one process group over every worker, for the step time
+        # an elastic job must match when nothing fails.
+        host, port = parse_address(args.coordinator)
+        store = dist.TCPStore(host, port, is_master=False, timeout=timeout)
+        dist.init_process_group(
+            "gloo",
+            store=dist.PrefixStore("static", store),
+            rank=args.slot,
+            world_size=args.world_size,
+            timeout=timeout,
+        )
+        model = gossip_ext.GossipDataParallel(module, **options)
+    else:
+        model = gossip_ext.GossipDataParallel(
+            module, membership=args.coordinator, min_workers=args.min_workers, **options
+        )
     model.register_optimizer(opt)
     timeline["joined"] = time.time()
     timeline["first_step"] = model.step_count
@@ -96,9 +111,11 @@ def train_gossip(args, module, opt, data, steps: Steps, timeline: dict) -> torch
         opt.step()  # the gossip round of this step starts here (register_optimizer)
         steps.done(model.step_count)
     model.sync_comms()
-    timeline["epochs"] = model.epoch
-    # Leaving now, not at exit: the others drop this worker at their next step boundary.
-    model.leave()
+    if static:
+        dist.barrier()  # no worker exits while another may still wait on its last round
+    else:
+        # Leaving now, not at exit: the others drop this worker at their next step boundary.
+        model.leave()
     return module
 
 
@@ -194,7 +211,7 @@ def main(argv=None) -> int:
             time.sleep(0.02)
     timeline["go"] = time.time()
     steps = Steps(os.path.join(args.out, f"{args.name}.steps"))
-    train = train_gossip if args.system == "gossip" else train_torchft
+    train = train_torchft if args.system == "torchft" else train_gossip
     module = train(args, module, opt, data, steps, timeline)
     timeline["finished"] = time.time()
     result = {
