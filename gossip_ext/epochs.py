@@ -37,7 +37,7 @@ from dataclasses import dataclass
 import torch.distributed as dist
 
 POLL_S = 0.01  # how often a waiting worker looks again at a key another worker will write
-logger = logging.getLogger("gossip_ext")
+logger = logging.getLogger("gossip_ext.elastic")  # with the epoch-change lines
 
 LEFT = "left the job"  # why a worker that called leave() (or exited) is gone
 HEARTBEAT_S = 0.1  # how often a worker's heartbeat thread bumps its counter
