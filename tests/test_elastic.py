@@ -58,9 +58,21 @@ class Job:
     def start(self, name: str, *args: str) -> subprocess.Popen:
         log = open(self.out / f"{name}.log", "w")  # noqa: SIM115 - closed with the process
         self.workers[name] = subprocess.Popen(
-            [sys.executable, str(WORKER), "--membership", f"127.0.0.1:{self.port}",
-             "--out", str(self.out), "--name", name, "--steps", str(STEPS),
-             "--timeout", str(TIMEOUT_S), *args],
+            [
+                sys.executable,
+                str(WORKER),
+                "--membership",
+                f"127.0.0.1:{self.port}",
+                "--out",
+                str(self.out),
+                "--name",
+                name,
+                "--steps",
+                str(STEPS),
+                "--timeout",
+                str(TIMEOUT_S),
+                *args,
+            ],
             stdout=log,
             stderr=subprocess.STDOUT,
         )
@@ -129,7 +141,6 @@ def _assert_finished(job: Job, name: str, mode: str = "sync", steps: int = STEPS
     return result
 
 
-
 def _gap_s(result: dict) -> float:
     times = [s["time"] for s in result["steps"]]
     return max(b - a for a, b in zip(times, times[1:]))
@@ -164,8 +175,14 @@ def test_survivors_of_a_sigkill_finish_every_step(job, tmp_path, mode):
         undisturbed.close()
     names = ["w0", "w1", "w2", "w3"]
     for name in names:
-        job.start(name, "--mode", mode, "--min-workers", "3",
-                  *(["--kill-at", "10"] if name == "w2" else []))
+        job.start(
+            name,
+            "--mode",
+            mode,
+            "--min-workers",
+            "3",
+            *(["--kill-at", "10"] if name == "w2" else []),
+        )
     job.wait()
     assert job.workers["w2"].returncode == -signal.SIGKILL
     survivors = [_assert_finished(job, n, mode) for n in names if n != "w2"]
@@ -177,9 +194,7 @@ def test_survivors_of_a_sigkill_finish_every_step(job, tmp_path, mode):
         if mode in ("sync", "overlap", "bounded", "compressed"):
             # One message a round to one peer of the new graph, as before the kill (the engine
             # of each epoch counts from 0).
-            per_step = [
-                _bytes_per_step(result, epoch) for epoch in (0, last["epoch"])
-            ]
+            per_step = [_bytes_per_step(result, epoch) for epoch in (0, last["epoch"])]
             assert per_step[0] > 0 and abs(per_step[1] / per_step[0] - 1) < 0.2, per_step
     # The survivors' models agree again (gossip, or the outer steps, pulled them together): as
     # closely, some steps after the kill, as those of a job of 3 that lost no one.
@@ -191,8 +206,9 @@ def test_survivors_of_a_sigkill_finish_every_step(job, tmp_path, mode):
 
 def test_two_of_four_killed_below_min_workers_raise_naming_both(job):
     for name in ["w0", "w1", "w2", "w3"]:
-        job.start(name, "--min-workers", "3",
-                  *(["--kill-at", "10"] if name in ("w1", "w2") else []))
+        job.start(
+            name, "--min-workers", "3", *(["--kill-at", "10"] if name in ("w1", "w2") else [])
+        )
     job.wait()
     dead = sorted(job.result(n)["worker_id"] for n in ("w1", "w2"))
     for name in ("w0", "w3"):
@@ -208,8 +224,16 @@ def test_a_stalled_worker_is_removed_told_so_and_rejoins_as_new(job):
     # 0.3 s) when it comes back.
     steps = 60
     for name in ["w0", "w1", "w2", "w3"]:
-        job.start(name, "--min-workers", "3", "--step-seconds", "0.3", "--steps", str(steps),
-                  *(["--stop-at", "8", "--rejoin"] if name == "w2" else []))
+        job.start(
+            name,
+            "--min-workers",
+            "3",
+            "--step-seconds",
+            "0.3",
+            "--steps",
+            str(steps),
+            *(["--stop-at", "8", "--rejoin"] if name == "w2" else []),
+        )
     job.wait_for_step("w2", 8)
     time.sleep(TIMEOUT_S + 3.0)
     job.workers["w2"].send_signal(signal.SIGCONT)
@@ -288,8 +312,14 @@ def test_a_donor_killed_during_the_handoff_is_replaced_by_another(job):
 
 def test_a_worker_that_leaves_is_dropped_without_a_timeout(job):
     for name in ["w0", "w1", "w2"]:
-        job.start(name, "--min-workers", "3", "--timeout", "60",
-                  *(["--leave-at", "10"] if name == "w1" else []))
+        job.start(
+            name,
+            "--min-workers",
+            "3",
+            "--timeout",
+            "60",
+            *(["--leave-at", "10"] if name == "w1" else []),
+        )
     job.wait()
     leaver = job.result("w1")
     assert leaver["error"] is None and leaver["final_step"] == 10, leaver["error"]
@@ -353,8 +383,12 @@ def test_an_unreachable_membership_service_is_a_clear_error_within_the_timeout()
         ({"min_workers": 2}, ValueError, "min_workers=2 applies to an elastic job"),
         ({"membership": "h:1", "nprocs_per_node": 2}, ValueError, "nprocs_per_node=2"),
         (
-            {"membership": "h:1", "fragments": 2, "sync_every": 4,
-             "outer_optimizer": lambda p: torch.optim.SGD(p, lr=0.5)},
+            {
+                "membership": "h:1",
+                "fragments": 2,
+                "sync_every": 4,
+                "outer_optimizer": lambda p: torch.optim.SGD(p, lr=0.5),
+            },
             ValueError,
             "membership='h:1' with fragments=2",
         ),
@@ -378,3 +412,28 @@ def _with_a_process_group(rank: int, world_size: int) -> str:
 def test_membership_with_a_process_group_is_refused():
     (message,) = run_ranks(1, _with_a_process_group)
     assert "membership='h:1' with a process_group" in message, message
+
+
+# ----------------------------------------------------------------------------- the store protocol
+
+
+def test_a_worker_found_dead_by_several_neighbours_is_announced_once():
+    # Two neighbours of worker 2 confirm its silence at the same time: one epoch change, not two
+    # (each announcement bumps ``events``, and every bump forms an epoch).
+    server = torch.distributed.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+    address = f"127.0.0.1:{server.port}"
+    neighbours = []
+    for worker in (0, 1):
+        client = epochs.MembershipClient(address, timedelta(seconds=5))
+        client.worker = worker
+        neighbours.append(client)
+    before = neighbours[0].events()
+    neighbours[0].announce_gone([2], "its round failed in epoch 0")
+    neighbours[1].announce_gone([2, 3], "its round failed in epoch 0")  # 3 is news: announced
+    neighbours[1].announce_gone([2], "did not reach epoch 1 in time")
+    assert neighbours[0].events() == before + 2
+    assert neighbours[1].gone() == {
+        2: "its round failed in epoch 0",
+        3: "its round failed in epoch 0",
+    }
+    assert neighbours[0]._text("gone").count("2:") == 1
