@@ -366,12 +366,15 @@ class GossipDataParallel(nn.Module):
         if self._hierarchy is not None:
             self._hierarchy.hook_gradients([p for _, p in named])
 
-    def _build(self, initial: bool) -> None:
+    def _build(self, initial: bool, peers_per_itr: int | None = None) -> None:
         """Everything that runs over ``self.process_group``: the outer steps, the inner mix and
         its engine, after the ranks agreed on the configuration. ``initial``: every rank then
         starts from rank 0's parameters (a job's start); else each keeps its own (an elastic
-        epoch's)."""
+        epoch's). ``peers_per_itr``: the peers per round, where an elastic epoch goes on with
+        another number than the graph was constructed with."""
         arguments, named = self._arguments, self._named
+        if peers_per_itr is not None and peers_per_itr != arguments["graph"].peers_per_itr:
+            arguments = dict(arguments, graph=inner.with_peers(arguments["graph"], peers_per_itr))
         a = arguments
         params = [p for _, p in named]
         transport_kind = _validation.choose_transport(
@@ -726,15 +729,21 @@ class GossipDataParallel(nn.Module):
         workers that joined, and a joiner loads it before anything else happens."""
         self.process_group = change.group
         first = not self._holds_state
-        self._build(initial=first and change.epoch.number == 0)
-        if outer_state is not None:
-            self._outer.load_state_dict(outer_state, members_changed=True)
         # The members noticed the change at different steps (a neighbour of the dead worker one
         # step before the others): they go on from the latest, so that every outer step of the
-        # epoch comes at the same step on all of them.
-        steps = torch.tensor([self._steps if self._holds_state else 0], dtype=torch.int64)
-        dist.all_reduce(steps, op=dist.ReduceOp.MAX, group=change.group)
-        self._steps = int(steps.item())
+        # epoch comes at the same step on all of them. They also keep the peers per round that
+        # set_peers_per_itr() gave them, which a joiner (0: none of its own) takes on.
+        held = torch.tensor(
+            [self._steps, self.graph.peers_per_itr] if self._holds_state else [0, 0],
+            dtype=torch.int64,
+        )
+        dist.all_reduce(held, op=dist.ReduceOp.MAX, group=change.group)
+        self._steps = int(held[0])
+        self._build(
+            initial=first and change.epoch.number == 0, peers_per_itr=int(held[1]) or None
+        )
+        if outer_state is not None:
+            self._outer.load_state_dict(outer_state, members_changed=True)
         joined = [change.epoch.rank(j) for j in change.joined]
         if self._elastic.worker in change.joined:
             self._take_handoff(_elastic_worker.receive_state(change.donor, change.group))
@@ -746,13 +755,13 @@ class GossipDataParallel(nn.Module):
 
     def _handoff(self) -> dict[str, Any]:
         """What a joiner receives from its donor: the model (parameters and buffers), the step
-        count, the outer state, the peers per round and the registered optimizer's state."""
+        count, the outer state and the registered optimizer's state (the peers per round it
+        learned with every member when the epoch began)."""
         optimizer = self._optimizer
         return {
             "module": self.module.state_dict(),
             "steps": self._steps,
             "outer": self._outer.state_dict(),
-            "peers_per_itr": self.graph.peers_per_itr,
             "optimizer": None if optimizer is None else optimizer.state_dict(),
         }
 
@@ -764,8 +773,6 @@ class GossipDataParallel(nn.Module):
         self._outer.load_state_dict(
             {k: v for k, v in state["outer"].items() if k != "outer_residuals"}
         )
-        if state["peers_per_itr"] != self.graph.peers_per_itr:
-            self._mix.set_graph(inner.with_peers(self.graph, state["peers_per_itr"]))
         self._handed_optimizer_state = state["optimizer"]
         optimizer = self._optimizer
         if optimizer is not None and state["optimizer"] is not None:

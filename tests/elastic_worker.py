@@ -96,6 +96,9 @@ def main() -> int:
     parser.add_argument("--kill-at", type=int, default=-1, help="SIGKILL itself after this step")
     parser.add_argument("--stop-at", type=int, default=-1, help="SIGSTOP itself after this step")
     parser.add_argument("--leave-at", type=int, default=-1, help="leave() after this step")
+    parser.add_argument(
+        "--peers-at", default="", help="STEP:N: set_peers_per_itr(N) after this step"
+    )
     parser.add_argument("--init-seed", type=int, default=0)
     parser.add_argument("--step-seconds", type=float, default=0.0, help="sleep per step")
     parser.add_argument("--rejoin", action="store_true", help="rejoin as new once removed")
@@ -189,6 +192,7 @@ def main() -> int:
                     "step": step,
                     "epoch": model.epoch,
                     "world_size": model.gossip_world_size,
+                    "peers_per_itr": model.peers_per_itr,
                     "bytes_sent": model.bytes_sent,
                     "finite": all(bool(p.isfinite().all()) for p in params),
                     "params": torch.cat([p.flatten() for p in params]),
@@ -201,6 +205,8 @@ def main() -> int:
                 os.kill(os.getpid(), signal.SIGKILL)
             if step == args.stop_at:
                 os.kill(os.getpid(), signal.SIGSTOP)
+            if args.peers_at and step == int(args.peers_at.split(":")[0]):
+                model.set_peers_per_itr(int(args.peers_at.split(":")[1]))
             if step == args.leave_at:
                 model.leave()
                 break

@@ -280,14 +280,18 @@ def _assert_started_from_a_donor(joiner: dict, members: list[dict]) -> None:
 
 
 def test_a_replacement_starts_from_a_live_members_state(job):
+    # The members move to 2 peers per round first: they keep it across the change, and the
+    # joiner takes it on.
     for name in ["w0", "w1", "w2"]:
-        job.start(name, "--min-workers", "3", "--step-seconds", "0.3")
+        job.start(name, "--min-workers", "3", "--step-seconds", "0.3", "--peers-at", "2:2")
     job.wait_for_step("w0", 6)
     joiner = job.start("w3", "--init-seed", "7", "--step-seconds", "0.3")
     job.wait()
     assert joiner.returncode == 0
     members = [_assert_finished(job, n) for n in ("w0", "w1", "w2")]
     new = _assert_finished(job, "w3")
+    for result in [*members, new]:
+        assert {s["peers_per_itr"] for s in result["steps"] if s["step"] > 2} == {2}
     assert new["first_step"] > 6
     torch.manual_seed(7)
     own = list(nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 1)).parameters())
