@@ -121,6 +121,8 @@ void bind_engine(py::module_& m) {
       .def_property_readonly("name", &Transport::name)
       .def("connect_peers", &Transport::connect_peers, py::arg("peers"),
            py::call_guard<py::gil_scoped_release>())
+      .def("abandon", &Transport::abandon, py::arg("why"),
+           py::call_guard<py::gil_scoped_release>())
       // One round of raw messages, (peer, tensor) pairs, as the engine posts them: for tests that
       // drive a transport directly (a receive from self whose send never comes, say).
       .def(

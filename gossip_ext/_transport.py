@@ -2,8 +2,9 @@
 
 The engine sends through one of three transports: NCCL between CUDA devices, the training process
 group's point-to-point calls, or that process group from pinned host buffers (host staging). Only
-NCCL needs more than its constructor: a key of its own in the default store, under which its ranks
-exchange the communicator's unique id (:func:`nccl_unique_id_key`).
+NCCL needs more than its constructor: a store and a key of its own there, under which its ranks
+exchange the communicator's unique id. A static job's transports use the default store, under
+:func:`nccl_unique_id_key`; an elastic epoch's use the membership store, under a key of the epoch.
 """
 
 from __future__ import annotations
@@ -22,12 +23,21 @@ _NCCL_TRANSPORTS: collections.Counter[tuple[int, ...]] = collections.Counter()
 
 
 def make_transport(
-    kind: str, group: dist.ProcessGroup, device: torch.device, timeout: timedelta
+    kind: str,
+    group: dist.ProcessGroup,
+    device: torch.device,
+    timeout: timedelta,
+    rendezvous: tuple[dist.Store, str] | None = None,
 ) -> Any:
     """The transport of ``kind`` (``_validation.NCCL``, ``PROCESS_GROUP`` or ``HOST_STAGING``)
-    over ``group``. Collective for NCCL: every rank of ``group`` builds its transport together."""
+    over ``group``. Collective for NCCL: every rank of ``group`` builds its transport together,
+    its ranks meeting in the ``rendezvous`` store under its key (default: the default store,
+    under :func:`nccl_unique_id_key`)."""
     if kind == _validation.NCCL:
-        return _nccl_transport(group, device, timeout)
+        if rendezvous is None:
+            rendezvous = (dist.distributed_c10d._get_default_store(), nccl_unique_id_key(group))
+        store, key = rendezvous
+        return _C.NcclTransport(store, key, group.rank(), group.size(), device.index, timeout)
     transport = _C.ProcessGroupTransport(group)
     if kind == _validation.HOST_STAGING:
         transport = _C.HostStagingTransport(transport)
@@ -47,15 +57,3 @@ def nccl_unique_id_key(group: dist.ProcessGroup) -> str:
     instance = _NCCL_TRANSPORTS[ranks]
     _NCCL_TRANSPORTS[ranks] += 1
     return f"gossip_ext/nccl/ranks={','.join(map(str, ranks))}/{instance}"
-
-
-def _nccl_transport(group: dist.ProcessGroup, device: torch.device, timeout: timedelta):
-    store = dist.distributed_c10d._get_default_store()
-    return _C.NcclTransport(
-        store,
-        nccl_unique_id_key(group),
-        dist.get_rank(group),
-        dist.get_world_size(group),
-        device.index,
-        timeout,
-    )

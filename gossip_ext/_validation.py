@@ -179,16 +179,6 @@ def check_arguments(
         )
 
 
-def check_elastic_device(device: torch.device, comm_device) -> None:
-    """An elastic epoch's group is gloo: CUDA parameters gossip through host buffers over it."""
-    if device.type == "cuda" and (comm_device is None or torch.device(comm_device).type != "cpu"):
-        raise ValueError(
-            f"membership with parameters on {device} needs comm_device='cpu': an elastic "
-            "epoch's process group is gloo, which carries host buffers (the epoch's own NCCL "
-            f"communicator is not available), got comm_device={comm_device!r}"
-        )
-
-
 def check_membership(membership, min_workers, process_group, nprocs_per_node) -> None:
     """An elastic job (gossip_ext.elastic) builds its own process groups, one machine a worker."""
     check_type("min_workers", min_workers, int, "an int")

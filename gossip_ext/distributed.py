@@ -342,13 +342,16 @@ class GossipDataParallel(nn.Module):
             self.process_group = dist.group.WORLD if process_group is None else process_group
             self._build(initial=True)
         else:
+            # Before joining, so that a worker that cannot gossip is refused without disturbing
+            # the job: an epoch's group is gloo; CUDA parameters gossip over an own NCCL
+            # communicator of the epoch, or host buffers over the group (comm_device="cpu").
+            _validation.choose_transport(device, comm_device, "gloo")
             self._elastic = _elastic_worker.ElasticWorker(membership, min_workers, timeout, "gloo")
             # The donor's optimizer state, until register_optimizer() hands it to the optimizer.
             self._handed_optimizer_state = None
             self._holds_state = False
             # Why this worker stopped (removed, or too few workers left): raised by every call.
             self._stopped: BaseException | None = None
-            _validation.check_elastic_device(device, comm_device)
             self._elastic.on_silent = _abandon_rounds_of(weakref.ref(self))
             change = self._elastic.join()
             failure = None
@@ -444,6 +447,7 @@ class GossipDataParallel(nn.Module):
                 group=gossip_group,
                 device=self._device,
                 every_step=a["base_algorithm"] == "sgp",
+                rendezvous=None if self._elastic is None else self._elastic.nccl_rendezvous(),
             )
         else:
             self._mix = inner.InnerMix(
@@ -739,14 +743,13 @@ class GossipDataParallel(nn.Module):
         )
         dist.all_reduce(held, op=dist.ReduceOp.MAX, group=change.group)
         self._steps = int(held[0])
-        self._build(
-            initial=first and change.epoch.number == 0, peers_per_itr=int(held[1]) or None
-        )
+        self._build(initial=first and change.epoch.number == 0, peers_per_itr=int(held[1]) or None)
         if outer_state is not None:
             self._outer.load_state_dict(outer_state, members_changed=True)
         joined = [change.epoch.rank(j) for j in change.joined]
         if self._elastic.worker in change.joined:
-            self._take_handoff(_elastic_worker.receive_state(change.donor, change.group))
+            state = _elastic_worker.receive_state(change.donor, change.group, self._device)
+            self._take_handoff(state)
             self._elastic.mark_ready()
         elif joined and change.rank == change.donor:
             _elastic_worker.send_state(self._handoff(), joined, change.group)

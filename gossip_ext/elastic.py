@@ -291,6 +291,12 @@ class ElasticWorker:
         )
         return change
 
+    def nccl_rendezvous(self) -> tuple[dist.Store, str]:
+        """Where the ranks of this epoch's NCCL transport meet: a key of the epoch in the
+        membership store (no default store exists, and the key must differ from every earlier
+        epoch's, which a joiner could not count)."""
+        return dist.PrefixStore(f"epoch/{self.epoch.number}/nccl", self.client.store), "unique_id"
+
     def leaving_epoch(self) -> None:
         """Says, before this worker drops anything of its epoch, that it is leaving it alive: a
         peer whose round with it fails then does not take it for dead."""
@@ -352,10 +358,17 @@ def send_state(state: dict[str, Any], joiners: list[int], group: dist.ProcessGro
         dist.send(data, rank, group)
 
 
-def receive_state(donor: int, group: dist.ProcessGroup) -> dict[str, Any]:
-    """A joiner's side of the handoff: the donor's state."""
+def receive_state(donor: int, group: dist.ProcessGroup, device: torch.device) -> dict[str, Any]:
+    """A joiner's side of the handoff: the donor's state, its CUDA tensors on ``device`` (the
+    donor's GPU index means nothing here) and its host tensors on the host."""
     size = torch.empty(1, dtype=torch.int64)
     dist.recv(size, donor, group)
     data = torch.empty(int(size.item()), dtype=torch.uint8)
     dist.recv(data, donor, group)
-    return torch.load(io.BytesIO(data.numpy().tobytes()), weights_only=False)
+
+    def place(storage, location: str):
+        if location.startswith("cuda") and device.type == "cuda":
+            return storage.cuda(device.index)
+        return storage
+
+    return torch.load(io.BytesIO(data.numpy().tobytes()), map_location=place, weights_only=False)

@@ -66,11 +66,13 @@ class InnerMix:
         group: dist.ProcessGroup,
         device: torch.device,
         every_step: bool,
+        rendezvous: tuple[dist.Store, str] | None = None,
     ) -> InnerMix:
         """An engine over the ``named`` tensors (the parameters, then any gossiped buffers),
         whose storage it takes over, talking over ``group``; configured by the wrapper's
         ``arguments`` (graph, mixing, push_sum, overlap, synch_freq, timeout, check_finite,
-        message_dtype, log_every, verbose)."""
+        message_dtype, log_every, verbose). ``rendezvous``: where an NCCL transport's ranks meet
+        (see ``_transport.make_transport``)."""
         a = arguments
         synchronous = not a["overlap"] and a["synch_freq"] == 0
         # Synchronous modes leave the parameters alone while a round is in flight, so the engine
@@ -84,7 +86,9 @@ class InnerMix:
             check_finite=a["check_finite"],
             message_dtype=a["message_dtype"],
         )
-        transport = _transport.make_transport(transport_kind, group, device, a["timeout"])
+        transport = _transport.make_transport(
+            transport_kind, group, device, a["timeout"], rendezvous
+        )
         engine = _C.GossipEngine([t for _, t in named], [n for n, _ in named], transport, options)
         if a["log_every"] > 0:
             engine = consensus.MeasuredEngine(engine, a["graph"], a["log_every"])

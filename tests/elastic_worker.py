@@ -53,12 +53,14 @@ def batch(step: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def flat(module: nn.Module) -> torch.Tensor:
-    return torch.cat([p.detach().flatten() for p in module.parameters()])
+    return torch.cat([p.detach().flatten() for p in module.parameters()]).cpu()
 
 
 def momentum(opt: torch.optim.Optimizer) -> list[torch.Tensor | None]:
     return [
-        None if "momentum_buffer" not in opt.state[p] else opt.state[p]["momentum_buffer"].clone()
+        None
+        if "momentum_buffer" not in opt.state[p]
+        else opt.state[p]["momentum_buffer"].to("cpu", copy=True)
         for p in opt.param_groups[0]["params"]
     ]
 
@@ -100,6 +102,7 @@ def main() -> int:
         "--peers-at", default="", help="STEP:N: set_peers_per_itr(N) after this step"
     )
     parser.add_argument("--init-seed", type=int, default=0)
+    parser.add_argument("--device", default="cpu", help="where the model lives: cpu, cuda:N")
     parser.add_argument("--step-seconds", type=float, default=0.0, help="sleep per step")
     parser.add_argument("--rejoin", action="store_true", help="rejoin as new once removed")
     parser.add_argument("--die-as-donor", action="store_true", help="SIGKILL during a handoff")
@@ -112,7 +115,7 @@ def main() -> int:
     result: dict = {"steps": [], "error": None, "removed": None}
 
     def build():
-        net = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 1))
+        net = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 1)).to(args.device)
         model = gossip_ext.GossipDataParallel(
             net,
             membership=args.membership,
@@ -135,13 +138,13 @@ def main() -> int:
     result["joined_after_s"] = time.monotonic() - started
     result["worker_id"] = model.worker_id
     result["first_step"] = model.step_count
-    result["first_params"] = [p.detach().clone() for p in model.module.parameters()]
+    result["first_params"] = [p.detach().to("cpu", copy=True) for p in model.module.parameters()]
     result["first_momentum"] = momentum(opt)
     step = model.step_count
     epoch = model.epoch
     try:
         while step < args.steps:
-            x, y = batch(step, model.worker_id)
+            x, y = (t.to(args.device) for t in batch(step, model.worker_id))
             before, stepping = flat(model.module), False
             try:
                 loss = nn.functional.mse_loss(model(x), y)
@@ -162,7 +165,7 @@ def main() -> int:
                     "equals_before_forward": torch.equal(reads, before),
                     "finite": bool(reads.isfinite().all()),
                     "state_dict_agrees": torch.equal(
-                        torch.cat([state[k].flatten() for k in state]), reads
+                        torch.cat([state[k].flatten() for k in state]).cpu(), reads
                     ),
                 }
                 try:
@@ -180,7 +183,7 @@ def main() -> int:
                 step = model.step_count
                 continue
             step = model.step_count
-            params = [p.detach().clone() for p in model.module.parameters()]
+            params = [p.detach().to("cpu", copy=True) for p in model.module.parameters()]
             if model.epoch != epoch:
                 # What a donor handed on at this boundary: its model and optimizer state.
                 epoch = model.epoch
@@ -216,7 +219,7 @@ def main() -> int:
         result["error"] = f"{type(error).__name__}: {error}"
         traceback.print_exc()
     model.sync_comms() if result["error"] is None and step >= args.steps else None
-    result["final_params"] = [p.detach().clone() for p in model.module.parameters()]
+    result["final_params"] = [p.detach().to("cpu", copy=True) for p in model.module.parameters()]
     result["final_step"] = step
     record(out)
     print(json.dumps({"name": args.name, "error": result["error"]}), flush=True)

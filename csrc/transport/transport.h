@@ -67,8 +67,9 @@ class Transport {
   // Fails every round in flight with a gossip::TimeoutError that says `why`, and releases whatever
   // waits on them: the caller learned that a peer is gone (an elastic job's membership saw its
   // heartbeat stop) and will not wait out the timeout for it. Callable from any thread. A
-  // transport that cannot tell its rounds apart from their peers' does nothing: its rounds then
-  // end at the timeout, as before.
+  // transport whose backend cannot cancel single operations (NCCL) fails for good instead: its
+  // later rounds raise the same error. One that cannot tell its rounds apart from their peers'
+  // does nothing: its rounds then end at the timeout, as before.
   virtual void abandon(const std::string& why) { (void)why; }
   virtual std::string name() const = 0;
 };

@@ -9,6 +9,7 @@
 #include <c10/cuda/CUDAGuard.h>
 
 #include "common/cuda_check.h"
+#include "common/error.h"
 #include "transport/store_check_in.h"
 
 namespace gossip {
@@ -256,6 +257,11 @@ NcclTransport::~NcclTransport() {
   } else {
     comm_->abort();
   }
+}
+
+void NcclTransport::abandon(const std::string& why) {
+  watchdog_->fail(std::make_exception_ptr(TimeoutError(
+      detail::str_cat("gossip_ext: rank ", rank_, " gave up its nccl gossip rounds: ", why))));
 }
 
 std::shared_ptr<Work> NcclTransport::exchange(std::vector<PeerMessage> sends,

@@ -137,6 +137,11 @@ class NcclTransport final : public Transport {
   // symmetric across the group (q lists r exactly when r lists q), as Graph::peers is. A round may
   // only exchange with connected peers (Note [NCCL communicator calls]).
   void connect_peers(const std::vector<int>& peers) override;
+  // NCCL cannot cancel one operation and keep its communicator: the rounds in flight fail and the
+  // communicator is aborted, so the transport stays failed and every later call raises the same
+  // TimeoutError. The caller (an elastic job whose member went silent) builds a new transport for
+  // its next epoch anyway.
+  void abandon(const std::string& why) override;
 
  private:
   // Posts one round on the gossip stream (Note [Gossip stream ordering], rules 1, 2 and 4).
