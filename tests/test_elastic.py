@@ -356,3 +356,40 @@ def test_a_worker_found_dead_by_several_neighbours_is_announced_once():
     }
     assert neighbours[0]._text("gone").count("2:") == 1
 
+
+class _CountingStore:
+    """A store that counts the requests that read beats."""
+
+    def __init__(self, store):
+        self.store, self.reads = store, 0
+
+    def add(self, key, value):
+        self.reads += value == 0  # a read (add 0) rather than a beat
+        return self.store.add(key, value)
+
+    def multi_get(self, keys):
+        self.reads += 1
+        return self.store.multi_get(keys)
+
+
+def test_a_look_at_the_heartbeats_is_one_request_and_a_worker_that_never_beat_is_silent():
+    server = torch.distributed.TCPStore(
+        "127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=30)
+    )
+    server.add("beat/1", 5)  # worker 2 never beat: its key does not exist yet
+    store = _CountingStore(server)
+    beats = epochs._Beats(store, [1, 2, 3])
+    store.reads = 0
+    start = time.monotonic()
+    looks, silent = 0, []
+    while not silent:
+        time.sleep(epochs.HEARTBEAT_S)
+        server.add("beat/1", 1)  # worker 1 beats; 2 and 3 do not
+        silent = beats.silent([1, 2, 3])
+        looks += 1
+    elapsed = time.monotonic() - start
+    assert silent == [2, 3]
+    assert epochs.SILENT_S < elapsed < epochs.SILENT_S + 1.0, elapsed  # no wait for a missing key
+    assert store.reads == looks, (store.reads, looks)
+    server.add("beat/1", 1)
+    assert beats.unchanged([1, 2]) == [2]
