@@ -165,12 +165,6 @@ def check_arguments(
     if timeout <= timedelta(0):
         raise ValueError(f"timeout must be positive, got {timeout}")
     check_membership(membership, min_workers, process_group, nprocs_per_node)
-    if membership is not None and fragments != 1:
-        raise ValueError(
-            f"membership={membership!r} with fragments={fragments}: Streaming DiLoCo's fragments "
-            "in flight would have to cross an epoch change, which an elastic job does not support "
-            "yet; use fragments=1 (DiLoCo) in an elastic job"
-        )
     if membership is None and (not dist.is_available() or not dist.is_initialized()):
         raise RuntimeError(
             "GossipDataParallel needs torch.distributed: call "

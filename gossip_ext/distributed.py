@@ -29,6 +29,7 @@ from gossip_ext import (
     inner,
     outer,
     outer_rules,
+    streaming,
 )
 from gossip_ext import elastic as _elastic_worker
 from gossip_ext.graphs import GraphBase, NPeerDynamicDirectedExponentialGraph
@@ -753,6 +754,7 @@ class GossipDataParallel(nn.Module):
             self._elastic.mark_ready()
         elif joined and change.rank == change.donor:
             _elastic_worker.send_state(self._handoff(), joined, change.group)
+        self._outer.align_in_flight(self._steps)
         self._holds_state = True
         self._versions_at_forward = None
 
@@ -773,9 +775,12 @@ class GossipDataParallel(nn.Module):
         self._steps = int(state["steps"])
         # The donor's error-feedback residuals are what it still owes the others: not this
         # worker's to send again.
-        self._outer.load_state_dict(
-            {k: v for k, v in state["outer"].items() if k != "outer_residuals"}
-        )
+        outer_state = {k: v for k, v in state["outer"].items() if k != "outer_residuals"}
+        if outer_state.get("streaming") is not None:
+            # A fragment in flight is sent again by the joiner too, with the donor's
+            # pseudo-gradient: its own would be the same, as its model is the donor's.
+            outer_state["streaming"] = streaming.without_residuals(outer_state["streaming"])
+        self._outer.load_state_dict(outer_state)
         self._handed_optimizer_state = state["optimizer"]
         optimizer = self._optimizer
         if optimizer is not None and state["optimizer"] is not None:

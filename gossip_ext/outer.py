@@ -220,6 +220,13 @@ class OuterSteps:
         """Streaming DiLoCo's prepares and applies due after optimizer step ``step``."""
         self.rule.run(step, weight)
 
+    def align_in_flight(self, step: int) -> None:
+        """An elastic epoch begins at optimizer step ``step``: Streaming DiLoCo's fragments in
+        flight become those its schedule has in flight there (``StreamingOuter.align_in_flight``).
+        Nothing else of the outer steps is ever in flight between steps."""
+        if isinstance(self.rule, StreamingOuter):
+            self.rule.align_in_flight(step)
+
     def run_on_mixed(self) -> None:
         """The rule's step with this worker's own parameters in place of the exact average:
         ``outer_average="gossip"``, whose round has just mixed them with the round's peers.
@@ -248,7 +255,12 @@ class OuterSteps:
         if self.rule is None:
             return
         saved = state.get(self.rule.state_key)
-        self.rule.load_state_dict(saved, self.buckets)
+        if isinstance(
+            self.rule, StreamingOuter
+        ):  # its fragments hold compressed means of their own
+            self.rule.load_state_dict(saved, self.buckets, members_changed)
+        else:
+            self.rule.load_state_dict(saved, self.buckets)
         self._start_at_forward = saved is None
         if self.compressed is not None:
             self.compressed.load_state_dict(

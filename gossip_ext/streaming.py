@@ -73,6 +73,18 @@ class Schedule:
         self.apply_at = [sync_every * (j + 1) // fragments for j in range(fragments)]
         self.prepare_at = [s - delay for s in self.apply_at]
 
+    def in_flight(self, step: int) -> dict[int, int]:
+        """The fragments in flight once the actions of optimizer step ``step`` ran: each with the
+        step of its prepare (prepared, not yet applied; none before the first step)."""
+        if step < 1:
+            return {}
+        i = (step - 1) % self.sync_every + 1
+        return {
+            j: step - (i - prepare)
+            for j, (prepare, apply) in enumerate(zip(self.prepare_at, self.apply_at))
+            if prepare <= i < apply
+        }
+
     def actions(self, step: int) -> list[tuple[str, int]]:
         """("prepare" or "apply", fragment) due after optimizer step ``step`` (1-based), in the
         order to run them: a fragment prepared and applied at one step (tau = 0) is prepared
@@ -229,8 +241,9 @@ class StreamingOuter:
         self.alpha = alpha
         self.started = False
         # Fragments whose in-flight pseudo-gradient a checkpoint restored: sent again before the
-        # next step's actions (resend_restored), on every rank alike.
-        self._restored: dict[int, tuple[list[torch.Tensor], float | None, int]] = {}
+        # next step's actions (resend_restored), on every rank alike. None in place of the
+        # pseudo-gradients: prepared then, from the parameters (see align_in_flight).
+        self._restored: dict[int, tuple[list[torch.Tensor] | None, float | None, int]] = {}
 
     @property
     def optimizers(self) -> list[torch.optim.Optimizer]:
@@ -255,15 +268,36 @@ class StreamingOuter:
             fragment.rule.start(fragment.buckets)
         self.started = True
 
-    def resend_restored(self) -> None:
-        """Sends again the pseudo-gradients in flight when the loaded checkpoint was taken."""
-        for j, (pseudo_gradients, weight, round) in sorted(self._restored.items()):
-            self.fragments[j].send(pseudo_gradients, weight, round)
+    def resend_restored(self, weight: float | None) -> None:
+        """Sends again the pseudo-gradients in flight when the loaded checkpoint was taken, and
+        prepares those that an elastic epoch found due (with ``weight``)."""
+        for j, (pseudo_gradients, saved_weight, round) in sorted(self._restored.items()):
+            if pseudo_gradients is None:
+                self.fragments[j].prepare(weight, round)
+            else:
+                self.fragments[j].send(pseudo_gradients, saved_weight, round)
         self._restored.clear()
+
+    def align_in_flight(self, step: int) -> None:
+        """An elastic epoch begins at optimizer step ``step`` (its members' latest): the
+        fragments in flight are made those the schedule has in flight there, the same on every
+        member, so that every member sends the same collectives. A member that noticed the change
+        before it prepared one of them (it was a step behind) prepares it with its next step's
+        actions; one that holds a fragment the schedule has applied by ``step`` (the apply failed
+        with the epoch, or this member was a step ahead) drops it: that fragment's outer step is
+        lost for this period, as a DiLoCo outer step that fails with its epoch. A fragment in
+        flight is sent again over the new members, with its pseudo-gradient as it was taken."""
+        if not self.started:
+            self._restored.clear()
+            return
+        due = self.schedule.in_flight(step)
+        restored = {j: self._restored.get(j, (None, None)) for j in due}
+        # Every member names the round of a gossip mean alike: the step of the prepare.
+        self._restored = {j: (*restored[j][:2], prepared) for j, prepared in due.items()}
 
     def run(self, step: int, weight: float | None) -> None:
         """The prepares and applies due after optimizer step ``step``. Collective."""
-        self.resend_restored()
+        self.resend_restored(weight)
         for action, j in self.schedule.actions(step):
             if action == "prepare":
                 self.fragments[j].prepare(weight, step)
@@ -271,14 +305,24 @@ class StreamingOuter:
                 self.fragments[j].apply(self.alpha)
 
     def state_dict(self) -> dict[str, Any]:
-        return {
-            "bounds": self.bounds,
-            "fragments": [f.state_dict() for f in self.fragments],
-        }
+        fragments = [f.state_dict() for f in self.fragments]
+        # Restored and not sent again yet: still in flight, as far as a checkpoint is concerned.
+        for j, (pseudo_gradients, weight, round) in self._restored.items():
+            fragments[j]["in_flight"] = {
+                "pseudo_gradients": None
+                if pseudo_gradients is None
+                else [d.clone() for d in pseudo_gradients],
+                "weight": weight,
+                "round": round,
+            }
+        return {"bounds": self.bounds, "fragments": fragments}
 
-    def load_state_dict(self, state: Mapping[str, Any] | None, buckets=None) -> None:
+    def load_state_dict(
+        self, state: Mapping[str, Any] | None, buckets=None, members_changed: bool = False
+    ) -> None:
         """A checkpoint without this state leaves ``theta_global`` to start again at the next
-        forward."""
+        forward. ``members_changed``: the state of this worker's previous elastic epoch (see
+        ``CompressedMean.load_state_dict``)."""
         if state is None:
             self.started = False
             return
@@ -292,13 +336,26 @@ class StreamingOuter:
         for j, (fragment, saved) in enumerate(zip(self.fragments, state["fragments"])):
             fragment.rule.load_state_dict(saved["outer"], fragment.buckets)
             if fragment.compressed is not None:
-                fragment.compressed.load_state_dict(saved["residuals"])
+                fragment.compressed.load_state_dict(saved["residuals"], members_changed)
             fragment.in_flight = None
             if saved["in_flight"] is not None:
                 flight = saved["in_flight"]
+                pseudo_gradients = flight["pseudo_gradients"]
                 self._restored[j] = (
-                    [d.detach().clone() for d in flight["pseudo_gradients"]],
+                    None
+                    if pseudo_gradients is None
+                    else [d.detach().clone() for d in pseudo_gradients],
                     flight["weight"],
                     flight.get("round", 0),
                 )
         self.started = True
+
+
+def without_residuals(state: Mapping[str, Any]) -> dict[str, Any]:
+    """``state`` (a StreamingOuter's) without the compressed means' residuals: what a worker that
+    joins an elastic job takes of its donor's. The residuals are what the donor still owes the
+    others, not the joiner's to send again."""
+    return {
+        **state,
+        "fragments": [{**f, "residuals": None} for f in state["fragments"]],
+    }

@@ -43,6 +43,16 @@ MODES = {
         "outer_optimizer": lambda p: torch.optim.SGD(p, lr=0.7, momentum=0.5, nesterov=True),
         "outer_dtype": "int8",
     },
+    # Streaming DiLoCo, one fragment in flight after every other step (prepared at steps 1 and 3
+    # of a period of 4, applied at 2 and 4): an epoch change often finds one in flight.
+    "streaming_int8": {
+        "base_algorithm": "localsgd",
+        "sync_every": 4,
+        "fragments": 2,
+        "fragment_delay": 1,
+        "outer_optimizer": lambda p: torch.optim.SGD(p, lr=0.7, momentum=0.5, nesterov=True),
+        "outer_dtype": "int8",
+    },
 }
 
 

@@ -93,8 +93,12 @@ def _reference(
 
 
 def _wrap(**options) -> gossip_ext.GossipDataParallel:
-    options = {"base_algorithm": "localsgd", "sync_every": H, "outer_optimizer": _outer_sgd,
-               **options}
+    options = {
+        "base_algorithm": "localsgd",
+        "sync_every": H,
+        "outer_optimizer": _outer_sgd,
+        **options,
+    }
     return gossip_ext.GossipDataParallel(_net(), **options)
 
 
@@ -106,9 +110,7 @@ def _train(rank: int, world_size: int, options: dict) -> dict:
         _step(model, opt, rank, step)
     return {
         "params": [p.detach().clone() for p in model.module.parameters()],
-        "theta": [
-            [t.clone() for t in o.param_groups[0]["params"]] for o in model.outer_optimizers
-        ],
+        "theta": [[t.clone() for t in o.param_groups[0]["params"]] for o in model.outer_optimizers],
         "bounds": model._outer.rule.bounds,
     }
 
@@ -141,8 +143,12 @@ def test_streaming_diloco_by_gossip_matches_plain_pytorch(fragments, delay, alph
         for t in range(4)
     )
     expected, theta = _reference(world_size, fragments, delay, alpha, by_gossip=True)
-    options = {"fragments": fragments, "fragment_delay": delay, "fragment_alpha": alpha,
-               "outer_average": "gossip"}
+    options = {
+        "fragments": fragments,
+        "fragment_delay": delay,
+        "fragment_alpha": alpha,
+        "outer_average": "gossip",
+    }
     results = run_ranks(world_size, _train, options)
     _assert_matches(results, expected, theta, fragments)
     # The workers' theta_global differ (a round mixes two of four), yet their pseudo-gradients'
@@ -280,6 +286,20 @@ def test_schedule_is_torchfts_offsets():
     assert Schedule(4, 2, 0).actions(2) == [("prepare", 0), ("apply", 0)]
 
 
+def test_schedule_names_the_fragments_in_flight_after_a_step_and_their_prepares():
+    # What an elastic epoch that begins after that step has every member send: prepared at
+    # steps 1, 4, 6, 9 of each period of 10, applied at 2, 5, 7, 10.
+    schedule = Schedule(10, 4, 1)
+    assert schedule.in_flight(0) == {}
+    assert schedule.in_flight(1) == {0: 1}
+    assert schedule.in_flight(2) == {}
+    assert schedule.in_flight(4) == {1: 4}
+    assert schedule.in_flight(19) == {3: 19}
+    assert schedule.in_flight(20) == {}
+    assert Schedule(10, 2, 3).in_flight(13) == {0: 12}  # prepared at 2, applied at 5
+    assert all(Schedule(4, 2, 0).in_flight(step) == {} for step in range(12))
+
+
 # ----------------------------------------------------------------------------- checkpoint
 
 
@@ -312,6 +332,8 @@ def _resume_in_flight(rank: int, world_size: int, mean: dict) -> dict:
     state = torch.load(io.BytesIO(saved), weights_only=False)
     resumed.load_state_dict(state["model"])
     opt.load_state_dict(state["opt"])
+    # Saved again before it is sent again: still in flight.
+    again = resumed.state_dict()["_extra_state"]["streaming"]["fragments"][0]["in_flight"]
     for step in range(SAVE_AT, STEPS):
         _step(resumed, opt, rank, step)
     fragments = state["model"]["_extra_state"]["streaming"]["fragments"]
@@ -319,6 +341,13 @@ def _resume_in_flight(rank: int, world_size: int, mean: dict) -> dict:
         "straight": straight,
         "resumed": [p.detach().clone() for p in resumed.module.parameters()],
         "in_flight_saved": fragments[0]["in_flight"] is not None,
+        "in_flight_saved_again": again is not None
+        and all(
+            torch.equal(a, b)
+            for a, b in zip(
+                again["pseudo_gradients"], fragments[0]["in_flight"]["pseudo_gradients"]
+            )
+        ),
         "residuals_saved": fragments[0]["residuals"] is not None,
     }
 
@@ -330,7 +359,7 @@ def _resume_in_flight(rank: int, world_size: int, mean: dict) -> dict:
 )
 def test_a_run_saved_with_a_fragment_in_flight_resumes_bit_for_bit(mean):
     for result in run_ranks(4 if mean.get("outer_average") else 2, _resume_in_flight, mean):
-        assert result["in_flight_saved"]
+        assert result["in_flight_saved"] and result["in_flight_saved_again"]
         assert result["residuals_saved"] == ("outer_dtype" in mean)
         for got, want in zip(result["resumed"], result["straight"]):
             assert torch.equal(got, want)
@@ -390,7 +419,11 @@ def test_a_peer_dying_during_a_delayed_gossip_sync_is_named_by_its_neighbour(tmp
     naming it; rank 2 sends to it, and raises when the send or a later exchange fails."""
     dead = 1
     outcomes = run_ranks_tolerating_deaths(
-        3, _survivor_of_a_delayed_sync, dead, str(tmp_path), {"outer_average": "gossip"},
+        3,
+        _survivor_of_a_delayed_sync,
+        dead,
+        str(tmp_path),
+        {"outer_average": "gossip"},
         deadline_s=150.0,
     )
     assert outcomes[dead].exitcode == -signal.SIGKILL, outcomes[dead]
