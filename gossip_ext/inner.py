@@ -138,8 +138,12 @@ class InnerMix:
             self.engine.restore(self.engine.round, 1.0)
 
     def closed(self) -> InnerMix:
-        """This mix without its engine, which is dropped: a round in flight is aborted, never
-        absorbed (an elastic worker between epochs, or after it left)."""
+        """This mix without its engine, which is dropped: a round in flight is given up, never
+        absorbed (an elastic worker between epochs, or after it left). Given up first, through
+        the transport: an NCCL transport would otherwise wait for the round, up to the timeout,
+        before letting go of its communicator, and every member is dropping its own round."""
+        if self.engine is not None and self.engine.in_flight:
+            self.engine.abandon("its elastic epoch ended")
         return InnerMix(None, self.graph, overlap=False, synch_freq=0, every_step=False)
 
     def abandon(self, why: str) -> None:
