@@ -255,9 +255,8 @@ class OuterSteps:
         if self.rule is None:
             return
         saved = state.get(self.rule.state_key)
-        if isinstance(
-            self.rule, StreamingOuter
-        ):  # its fragments hold compressed means of their own
+        if isinstance(self.rule, StreamingOuter):
+            # Its fragments hold compressed means of their own.
             self.rule.load_state_dict(saved, self.buckets, members_changed)
         else:
             self.rule.load_state_dict(saved, self.buckets)
