@@ -3,8 +3,9 @@
 A worker joins through the membership service (:mod:`gossip_ext.membership`; its protocol in
 :mod:`gossip_ext.epochs`) and trains in epochs, each with a process group of its own over that
 epoch's members (:mod:`._epoch_group`).
-At every step boundary it reads one counter of the service; when the membership changed (a worker
-registered, left, or was announced dead) it moves to the next epoch there. When a round or a
+At every step boundary it compares the service's event counter, as its watch thread last read it,
+with its epoch's; when the membership changed (a worker registered, left, or was announced dead)
+it moves to the next epoch there. When a round or a
 collective fails because a peer died or stalled, the worker announces the peers the error names
 (unless a change is already pending, which explains the failure) and moves on the same way; a
 worker that is not a neighbour of the dead one learns it from the counter, without waiting for a
@@ -174,8 +175,9 @@ class ElasticWorker:
     # ----------------------------------------------------------------------------- changing
 
     def changed(self) -> bool:
-        """Whether the membership changed since this epoch formed: one read of the service."""
-        return self.client.events() > self.epoch.events
+        """Whether the membership changed since this epoch formed, as the watch's latest look at
+        the service saw it (every HEARTBEAT_S): no step waits on a request of its own."""
+        return self.client.watch.events > self.epoch.events
 
     def next_epoch(self, failure: str | None) -> Change:
         """Moves to the next epoch: announces the peers the ``failure`` message names (unless a

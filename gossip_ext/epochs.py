@@ -3,8 +3,9 @@
 
 The membership is a sequence of epochs, each a sorted list of worker ids (ids are handed out in
 order of registration, so the oldest member is rank 0 of every epoch it is in). Nothing here is
-a global step: a worker reads one counter per training step (:meth:`MembershipClient.events`)
-and takes part in forming a new epoch only when the membership changed. The keys:
+a global step: a worker's watch thread reads one counter (``events``) with the heartbeats it
+watches, its training steps compare it with their epoch's, and it takes part in forming a new
+epoch only when the membership changed. The keys:
 
 - ``registered``: every worker id that ever registered, appended (``"3,"``);
 - ``gone``: the ids that left or were removed, with why (``"3:died;"``), appended;
@@ -243,9 +244,9 @@ class MembershipClient:
 
 class _Beats:
     """The heartbeats of ``workers`` as seen from a check-in or a watch: which stopped for
-    SILENT_S. Each look reads every beat it needs in one request (``multi_get``): a watch looks
-    at every beat, and each of N workers reading N - 1 keys one by one made N^2 requests per look
-    at the service."""
+    SILENT_S. Each look reads every beat it needs, and the ``events`` count, in one request
+    (``multi_get``): a watch looks at every beat, and each of N workers reading N - 1 keys one by
+    one made N^2 requests per look at the service."""
 
     def __init__(self, store: dist.Store, workers: Sequence[int]):
         self.store = store
@@ -253,14 +254,15 @@ class _Beats:
             # multi_get waits for a key that does not exist yet (the store's timeout, minutes):
             # a worker that died before its first beat must still read as silent.
             store.add(f"beat/{w}", 0)
+        self.events = -1  # the ``events`` count at the latest look (it exists: this registered)
         now = time.monotonic()
         self.seen = {w: (beat, now) for w, beat in zip(workers, self._read(workers))}
         self.read_at = now
 
     def _read(self, workers: Sequence[int]) -> list[int]:
-        if not workers:
-            return []
-        return [int(v) for v in self.store.multi_get([f"beat/{w}" for w in workers])]
+        events, *beats = self.store.multi_get(["events", *(f"beat/{w}" for w in workers)])
+        self.events = int(events)
+        return [int(v) for v in beats]
 
     def unchanged(self, workers: Sequence[int]) -> list[int]:
         """Those of ``workers`` whose heartbeat did not move since this began watching."""
@@ -321,6 +323,9 @@ class Watch:
         self.client.worker = worker  # its announcements claim in this worker's name
         self._lock = threading.Lock()
         self._following: tuple[Epoch, list[int], Callable[[str], None]] | None = None
+        # The highest ``events`` count its looks read: the worker compares it with its epoch's at
+        # every step boundary, so that no step waits on a request to the service.
+        self.events = -1
         self.stopped = threading.Event()
         self.thread = threading.Thread(
             target=self._run, name=f"gossip_ext watch {worker}", daemon=True
@@ -350,17 +355,18 @@ class Watch:
             if following is None:
                 continue
             epoch, others, on_silent = following
-            if watched is not following:
-                watched, beats, why = following, _Beats(self.client.store, others), None
-                continue
-            if why is None:
-                try:
+            try:
+                if watched is not following:
+                    watched, beats, why = following, _Beats(self.client.store, others), None
+                elif why is None:
                     why = self._silent(epoch, others, beats)
-                except Exception:  # noqa: BLE001 - the service is gone; the worker will find out
-                    return
-                if why is None:
-                    continue
-                logger.info("gossip_ext epoch %d: %s", epoch.number, why)
+                    if why is not None:
+                        logger.info("gossip_ext epoch %d: %s", epoch.number, why)
+            except Exception:  # noqa: BLE001 - the service is gone; the worker will find out
+                return
+            self.events = max(self.events, beats.events)
+            if why is None:
+                continue
             # Again at every look until the worker leaves the epoch: a round it starts after the
             # first call (its engine was being built) is given up too.
             with self._lock:  # pause() waits for it: no call reaches the worker's next epoch

@@ -18,7 +18,7 @@ from multiprocess import run_ranks
 from torch import nn
 
 import gossip_ext
-from gossip_ext import epochs
+from gossip_ext import elastic, epochs
 
 sys.path.insert(0, str(Path(__file__).parent))
 from elastic_job import STEPS, TIMEOUT_S, Job, free_port  # noqa: E402
@@ -412,20 +412,57 @@ def test_a_look_at_the_heartbeats_is_one_request_and_a_worker_that_never_beat_is
     server = torch.distributed.TCPStore(
         "127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=30)
     )
+    server.add("events", 4)  # bumped by every registration
     server.add("beat/1", 5)  # worker 2 never beat: its key does not exist yet
     store = _CountingStore(server)
     beats = epochs._Beats(store, [1, 2, 3])
+    assert beats.events == 4
     store.reads = 0
     start = time.monotonic()
     looks, silent = 0, []
     while not silent:
         time.sleep(epochs.HEARTBEAT_S)
         server.add("beat/1", 1)  # worker 1 beats; 2 and 3 do not
+        server.add("events", 1)  # read with the beats, in the same request
         silent = beats.silent([1, 2, 3])
         looks += 1
     elapsed = time.monotonic() - start
     assert silent == [2, 3]
+    assert beats.events == 4 + looks
     assert epochs.SILENT_S < elapsed < epochs.SILENT_S + 1.0, elapsed  # no wait for a missing key
     assert store.reads == looks, (store.reads, looks)
     server.add("beat/1", 1)
     assert beats.unchanged([1, 2]) == [2]
+
+
+class _NoRequests:
+    """A store that fails any request: what a step boundary must not make."""
+
+    def __getattr__(self, name):
+        raise AssertionError(f"a step boundary asked the membership service ({name})")
+
+
+def test_a_step_boundary_asks_the_service_nothing_and_sees_a_change_from_the_watch():
+    server = torch.distributed.TCPStore(
+        "127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=30)
+    )
+    address = f"127.0.0.1:{server.port}"
+    worker = elastic.ElasticWorker(address, 1, timedelta(seconds=5), "gloo")
+    worker.client.register()  # worker 0; events 1
+    try:
+        worker.epoch = epochs.Epoch(0, (0, 1), events=worker.client.events())
+        worker.client.watch.follow(worker.epoch, [1], lambda why: None)
+        asked, worker.client.store = worker.client.store, _NoRequests()
+        start = time.monotonic()
+        while time.monotonic() - start < 3 * epochs.HEARTBEAT_S:
+            assert not worker.changed()
+            time.sleep(0.01)
+        server.add("events", 1)  # worker 1 registered, left or was announced gone
+        changed = time.monotonic()
+        while not worker.changed():
+            assert time.monotonic() - changed < 3 * epochs.HEARTBEAT_S
+            time.sleep(0.01)
+    finally:
+        worker.client.store = asked
+        worker.client.watch.stop()
+        worker.client.heartbeat.stop()
