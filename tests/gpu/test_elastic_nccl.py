@@ -6,14 +6,13 @@ GPUs (one GPU cannot hold two NCCL ranks)."""
 from __future__ import annotations
 
 import signal
-import threading
-import time
 
 import pytest
 import torch
 from elastic_job import STEPS, TIMEOUT_S, Job
 from elastic_worker import batch
 from multiprocess import run_ranks
+from nccl_rounds import held_round
 from torch import nn
 
 from gossip_ext import _C, epochs
@@ -94,39 +93,11 @@ def test_a_stalled_nccl_peer_is_given_up_after_its_heartbeat_stops(job):
     assert gap < epochs.SILENT_S + 3.0 + 0.2 < TIMEOUT_S, gap
 
 
-def _round_abandoned_from_another_thread(rank: int, world_size: int) -> dict:
-    from datetime import timedelta
-
-    import torch.distributed as dist
-
-    store = dist.distributed_c10d._get_default_store()
-    transport = _C.NcclTransport(store, "test/abandon", 0, 1, 0, timedelta(seconds=60))
-    transport.connect_peers([0])
-    sent = torch.full((1024,), 7.0, device="cuda")
-    received = torch.zeros(1024, device="cuda")
-    # The round waits behind a compute stream busy for 3 s: to the transport, a silent peer.
-    rate_khz = getattr(torch.cuda.get_device_properties(0), "clock_rate", 2_000_000)
-    torch.cuda._sleep(int(3.0 * rate_khz * 1000))
-    work = transport.exchange([(0, sent)], [(0, received)], 4)
-    threading.Timer(0.5, transport.abandon, ["worker 1 went silent"]).start()
-    start = time.monotonic()
-    try:
-        work.wait(timedelta(seconds=60))
-        error = None
-    except TimeoutError as e:
-        error = str(e)
-    elapsed = time.monotonic() - start
-    try:
-        transport.exchange([(0, sent)], [(0, received)], 5)
-        later = None
-    except TimeoutError as e:
-        later = str(e)
-    torch.cuda.synchronize()
-    return {"error": error, "later": later, "elapsed": elapsed}
-
-
 def test_an_nccl_round_given_up_from_another_thread_raises_long_before_its_timeout():
-    result = run_ranks(1, _round_abandoned_from_another_thread)[0]
+    # The round waits behind a compute stream busy for 3 s: to the transport, a silent peer,
+    # given up from another thread after 0.5 s as the watch gives up a silent member's rounds.
+    give_up = (0.5, "worker 1 went silent")
+    result = run_ranks(1, held_round, "test/abandon", 60.0, 3.0, 60.0, 4, give_up)[0]
     assert result["error"] is not None, "wait() returned for an abandoned round"
     assert "gave up" in result["error"] and "worker 1 went silent" in result["error"], result
     assert result["later"] == result["error"], result  # the communicator is gone for good

@@ -8,6 +8,7 @@ needs two GPUs, and its test skips below two."""
 import pytest
 import torch
 from multiprocess import run_ranks
+from nccl_rounds import held_round, hold_stream, nccl_transport
 from torch import nn
 
 from gossip_ext import _C
@@ -51,55 +52,12 @@ def test_world_of_one_on_nccl_trains_like_plain_sgd():
         torch.testing.assert_close(got, want)
 
 
-def _nccl_transport(key: str, timeout_s: float):
-    from datetime import timedelta
-
-    import torch.distributed as dist
-
-    store = dist.distributed_c10d._get_default_store()
-    return _C.NcclTransport(store, key, 0, 1, 0, timedelta(seconds=timeout_s))
-
-
-def _sleep_seconds(seconds: float) -> None:
-    """Holds the current stream about ``seconds`` with a sleeping kernel (clock cycles at the
-    GPU's clock rate, or 2 GHz where torch does not report it)."""
-    rate_khz = getattr(torch.cuda.get_device_properties(0), "clock_rate", 2_000_000)
-    torch.cuda._sleep(int(seconds * rate_khz * 1000))
-
-
-def _round_behind_a_busy_stream(rank: int, world_size: int) -> dict:
-    import time
-    from datetime import timedelta
-
-    transport = _nccl_transport("test/slow-round", 1.0)
-    transport.connect_peers([0])
-    sent = torch.full((1024,), 7.0, device="cuda")
-    received = torch.zeros(1024, device="cuda")
-    # The round waits for the compute stream (Note [Gossip stream ordering], rule 1), which
-    # sleeps past the transport's timeout: to the watchdog, a peer that never answers.
-    _sleep_seconds(4.0)
-    work = transport.exchange([(0, sent)], [(0, received)], 5)
-    start = time.monotonic()
-    try:
-        work.wait(timedelta(seconds=1))
-        error = None
-    except TimeoutError as e:
-        error = str(e)
-    elapsed = time.monotonic() - start
-    try:
-        transport.exchange([(0, sent)], [(0, received)], 6)
-        later = None
-    except TimeoutError as e:
-        later = str(e)
-    torch.cuda.synchronize()
-    return {"error": error, "later": later, "elapsed": elapsed}
-
-
 def test_a_round_past_its_timeout_raises_at_wait_and_stays_raised():
     # Note [Gossip stream ordering], rule 3: the watchdog fails the round, then aborts the
     # communicator, which completes the end event; wait() must raise rather than let an absorb
-    # read the buffers, and so must every later round.
-    result = run_ranks(1, _round_behind_a_busy_stream)[0]
+    # read the buffers, and so must every later round. The round waits behind a compute stream
+    # that sleeps past the transport's timeout (4 s against 1 s): a peer that never answers.
+    result = run_ranks(1, held_round, "test/slow-round", 1.0, 4.0, 1.0, 5)[0]
     assert result["error"] is not None, "wait() returned for a round the watchdog aborted"
     assert "round 5" in result["error"] and "peers [0]" in result["error"], result["error"]
     assert result["later"] == result["error"], result
@@ -184,7 +142,7 @@ def _loopback_rounds(rank: int, world_size: int) -> dict:
     for index, (name, config) in enumerate(LOOPBACK_CONFIGS.items()):
         params = _loopback_params()
         before = [p.clone() for p in params]
-        transport = _C.LoopbackTransport(_nccl_transport(f"test/loopback/{index}", 30.0), 2, 5)
+        transport = _C.LoopbackTransport(nccl_transport(f"test/loopback/{index}", 30.0), 2, 5)
         engine = _engine(config, transport, params)
         for _ in range(4):
             engine.start_round()
@@ -200,7 +158,7 @@ def _loopback_rounds(rank: int, world_size: int) -> dict:
     params[0][5] = float("inf")
     engine = _engine(
         LOOPBACK_CONFIGS["sent in place"],
-        _C.LoopbackTransport(_nccl_transport("test/loopback/nonfinite", 30.0), 0, 3),
+        _C.LoopbackTransport(nccl_transport("test/loopback/nonfinite", 30.0), 0, 3),
         params,
     )
     engine.start_round()
@@ -227,13 +185,13 @@ def test_rounds_through_nccl_to_self_keep_the_model():
 
 def _engine_round_past_its_timeout(rank: int, world_size: int, name: str) -> dict:
     params = _loopback_params()
-    transport = _C.LoopbackTransport(_nccl_transport("test/loopback/slow", 3.0), 2, 5)
+    transport = _C.LoopbackTransport(nccl_transport("test/loopback/slow", 3.0), 2, 5)
     engine = _engine(LOOPBACK_CONFIGS[name], transport, params)
     engine.start_round()
     engine.finish_round()
     engine.synchronize()
     model = [p.clone() for p in params]
-    _sleep_seconds(8.0)  # the next round waits behind the compute stream, past the timeout
+    hold_stream(8.0)  # the next round waits behind the compute stream, past the timeout
     errors = []
     for call in (engine.start_round, engine.finish_round, engine.synchronize):
         try:
