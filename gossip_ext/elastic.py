@@ -5,12 +5,12 @@ A worker joins through the membership service (:mod:`gossip_ext.membership`; its
 epoch's members (:mod:`._epoch_group`).
 At every step boundary it compares the service's event counter, as its watch thread last read it,
 with its epoch's; when the membership changed (a worker registered, left, or was announced dead)
-it moves to the next epoch there. When a round or a
-collective fails because a peer died or stalled, the worker announces the peers the error names
-(unless a change is already pending, which explains the failure) and moves on the same way; a
-worker that is not a neighbour of the dead one learns it from the counter, without waiting for a
-timeout of its own. Forming an epoch is the only moment the members wait for each other: each
-checks in, and one that does not within the timeout is removed.
+it moves to the next epoch there. When a round or a collective fails because a peer died or
+stalled, the worker announces the peers the error names (unless a change is already pending,
+which explains the failure) and moves on the same way; a worker that is not a neighbour of the
+dead one learns it from the counter, without waiting for a timeout of its own. Forming an epoch
+is the only moment the members wait for each other: each checks in, and one that does not within
+the timeout is removed.
 
 What moves with a worker from one epoch to the next is its own: its model, its optimizer, its
 step count and outer state. The push-sum weight restarts at 1 in every epoch (a dead worker's

@@ -460,7 +460,8 @@ def test_a_step_boundary_asks_the_service_nothing_and_sees_a_change_from_the_wat
         server.add("events", 1)  # worker 1 registered, left or was announced gone
         changed = time.monotonic()
         while not worker.changed():
-            assert time.monotonic() - changed < 3 * epochs.HEARTBEAT_S
+            # The watch looks every HEARTBEAT_S; a loaded machine may hold a look back a little.
+            assert time.monotonic() - changed < 1.0, "the watch did not see the change"
             time.sleep(0.01)
     finally:
         worker.client.store = asked
