@@ -4,7 +4,8 @@
     python -m gossip_ext.demo --bandwidth 100mbit      # as root: each worker behind its own NIC
 
 Every system (DDP, DDP + PowerSGD, decent-dp, torchft's LocalSGD and DiLoCo, and gossip_ext's
-modes; those whose package is missing are named and left out) trains a small byte-level
+modes; those whose package is missing are named and left out, and the Streaming DiLoCos join at
+a sync period that fits their fragments, ``--sync-every 16``) trains a small byte-level
 transformer on the standard library's sources with the same data, seed and schedule shape
 (gossip_ext.tasks), each at its own peak learning rate (gossip_ext.compare.systems.PEAK_LR). DDP
 runs half the steps of the others: its final held-out loss is the target, which a system that
@@ -40,10 +41,18 @@ def parse_args(argv=None):
     parser.add_argument(
         "--systems",
         nargs="+",
-        default=list(systems.ALL),
         choices=systems.ALL,
         metavar="SYSTEM",
-        help=f"a subset of: {' '.join(systems.ALL)} (default: all)",
+        help=f"a subset of: {' '.join(systems.ALL)} (default: every one that runs at the sync "
+        "period)",
+    )
+    parser.add_argument(
+        "--sync-every",
+        type=int,
+        default=4,
+        metavar="H",
+        help="the sync period of LocalSGD, SlowMo and the DiLoCos (default: 4; the Streaming "
+        f"DiLoCos, {systems.STREAMING_FRAGMENTS} fragments each, need 8 or 12 and more)",
     )
     parser.add_argument(
         "--steps",
@@ -67,11 +76,17 @@ def parse_args(argv=None):
         help="where to write the PNG plot (default: %(default)s)",
     )
     args = parser.parse_args(argv)
-    for name in ("workers", "steps", "eval_every"):
+    for name in ("workers", "steps", "eval_every", "sync_every"):
         if getattr(args, name) < 1:
             parser.error(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
     if args.steps <= 20:
         parser.error(f"--steps must be > 20 (twice the warmup), got {args.steps}")
+    if args.systems is None:
+        args.systems = [s for s in systems.ALL if not systems.schedule_problem(s, args.sync_every)]
+    for name in args.systems:
+        problem = systems.schedule_problem(name, args.sync_every)
+        if problem:
+            parser.error(f"--sync-every: {problem}")
     args.rate = _netns.rate_option(parser, args.bandwidth, args.workers)
     return args
 
@@ -83,7 +98,11 @@ def main(argv=None) -> dict:
         sys.exit(2)
     network = "loopback" if args.rate is None else f"{_netns.format_rate(args.rate)} NICs"
     protocol = runner.Protocol(
-        steps=args.steps, ddp_steps=args.steps // 2, warmup=10, eval_every=args.eval_every
+        steps=args.steps,
+        ddp_steps=args.steps // 2,
+        warmup=10,
+        local_steps=args.sync_every,
+        eval_every=args.eval_every,
     )
     rows = runner.run_systems(args.systems, protocol, args.workers, args.rate, timeout=3600)
     setting = f"{args.workers} workers, {network}"

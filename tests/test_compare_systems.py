@@ -68,3 +68,70 @@ def test_ddp_on_two_workers_matches_one_process_on_both_batches():
 def test_an_unknown_system_is_named():
     with pytest.raises(ValueError, match="unknown system 'allreduce'"):
         systems.available("allreduce")
+
+
+# ----------------------------------------------------------------------------- sync periods
+
+STREAMING = [s for s in systems.ALL if systems.streaming_delay(s) is not None]
+
+
+def _gossip_ext_refuses(tau: int, local_steps: int) -> bool:
+    from gossip_ext import _validation
+
+    try:
+        _validation.check_fragments(
+            systems.STREAMING_FRAGMENTS, tau, 0.0, systems.Recipe(1).outer_optimizer, local_steps
+        )
+    except ValueError:
+        return True
+    return False
+
+
+def _torchft_refuses(tau: int, local_steps: int) -> bool:
+    """Whether torchft 0.2.0's DiLoCo refuses the schedule: its checks of the schedule come
+    before it touches the manager beyond one flag, so a stand-in manager reaches them."""
+    from types import SimpleNamespace
+
+    from torchft.local_sgd import DiLoCo
+
+    fragments = [torch.nn.Linear(2, 2) for _ in range(systems.STREAMING_FRAGMENTS)]
+    outer = [torch.optim.SGD(f.parameters(), lr=0.1) for f in fragments]
+    inner = torch.optim.SGD([p for f in fragments for p in f.parameters()], lr=0.1)
+    manager = SimpleNamespace(_use_async_quorum=False)
+    try:
+        DiLoCo(manager, fragments, inner, outer, local_steps, pin_memory=False,
+               fragment_sync_delay=tau)  # fmt: skip
+    except ValueError as error:
+        schedule = ("Only 1 fragment", "must divide", "synced before it is reduced")
+        if any(words in str(error) for words in schedule):
+            return True
+        raise
+    except Exception:  # noqa: BLE001 - past the schedule's checks: the stand-in manager
+        return False
+    return False
+
+
+@pytest.mark.parametrize("system", STREAMING)
+def test_a_sync_period_is_refused_exactly_where_the_system_itself_refuses_it(system):
+    tau = systems.streaming_delay(system)
+    for local_steps in range(1, 25):
+        problem = systems.schedule_problem(system, local_steps)
+        if system.startswith("torchft"):
+            pytest.importorskip("torchft")
+            refused = _torchft_refuses(tau, local_steps)
+        else:
+            # gossip_ext runs any period its check allows; the comparison keeps torchft's
+            # schedule (a multiple of the fragments) for both.
+            refused = _gossip_ext_refuses(tau, local_steps) or (
+                local_steps % systems.STREAMING_FRAGMENTS != 0
+            )
+        assert (problem is not None) == refused, (system, local_steps, problem)
+    for system in systems.ALL:
+        if system not in STREAMING:
+            assert systems.schedule_problem(system, 1) is None
+
+
+def test_a_comparison_refuses_a_system_its_sync_period_cannot_run_before_running_any():
+    protocol = runner.Protocol(steps=24, ddp_steps=12, local_steps=4)
+    with pytest.raises(ValueError, match=r"streaming_diloco_t1_int8 .* at least 8, got 4"):
+        runner.run_systems(["alone", "streaming_diloco_t1_int8"], protocol, 2, None, 60)

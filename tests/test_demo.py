@@ -7,6 +7,7 @@ import sys
 import pytest
 
 from gossip_ext import demo
+from gossip_ext.compare import systems
 
 
 def test_the_demo_compares_systems_names_the_fastest_and_writes_the_plot(tmp_path, capsys):
@@ -40,6 +41,20 @@ def test_the_demo_rejects_bad_flags(capsys):
     with pytest.raises(SystemExit):
         demo.parse_args(["--steps", "20"])
     assert "--steps must be > 20 (twice the warmup), got 20" in capsys.readouterr().err
+
+
+def test_the_demo_runs_by_default_every_system_that_fits_its_sync_period(capsys):
+    # The Streaming DiLoCos sync 4 fragments in a period, each over tau + 1 steps: not at H = 4.
+    streaming = [s for s in systems.ALL if "streaming" in s]
+    assert demo.parse_args([]).systems == [s for s in systems.ALL if s not in streaming]
+    assert demo.parse_args(["--sync-every", "16"]).systems == list(systems.ALL)
+    assert "streaming_diloco_t2_int8" not in demo.parse_args(["--sync-every", "8"]).systems
+    with pytest.raises(SystemExit):
+        demo.parse_args(["--systems", "ddp", "streaming_diloco_t2_int8"])
+    assert "streaming_diloco_t2_int8 syncs 4 fragments" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        demo.parse_args(["--sync-every", "0"])
+    assert "--sync-every must be >= 1, got 0" in capsys.readouterr().err
 
 
 def test_the_demo_as_a_user_runs_it_prints_no_warning(tmp_path):

@@ -164,9 +164,9 @@ class Protocol:
                 else "each system's peak learning rate (`lr`: gossip_ext.compare.systems.PEAK_LR)"
             )
             + f"; H = {self.local_steps} for LocalSGD, SlowMo and DiLoCo, DiLoCo's outer lr "
-            f"{self.outer_lr:g} (momentum {self.outer_momentum:g}, Nesterov). Held-out bits per byte "
-            f"every {self.eval_every} steps (the mean over workers of each worker's own model), "
-            f"off the clock."
+            f"{self.outer_lr:g} (momentum {self.outer_momentum:g}, Nesterov). Held-out bits per "
+            f"byte every {self.eval_every} steps (the mean over workers of each worker's own "
+            f"model), off the clock."
         )
 
 
@@ -178,7 +178,13 @@ def run_systems(
     timeout: float,
 ) -> dict[str, dict]:
     """Each system of ``names`` that this Python can run (the others are named and left out),
-    one after the other under ``protocol``; their results by name, progress on stdout."""
+    one after the other under ``protocol``; their results by name, progress on stdout. A system
+    that cannot run at the protocol's sync period is refused before any runs."""
+    names = list(names)
+    for name in names:
+        problem = systems.schedule_problem(name, protocol.local_steps)
+        if problem:
+            raise ValueError(problem)
     rows: dict[str, dict] = {}
     for name in names:
         why_not = systems.available(name)

@@ -172,6 +172,32 @@ def needs(system: str) -> str | None:
     return None
 
 
+def streaming_delay(system: str) -> int | None:
+    """A streaming system's tau (its fragment_delay, or torchft's fragment_sync_delay); None for
+    the others."""
+    for prefix in ("streaming_diloco_t", "torchft_streaming_diloco_t"):
+        if system.startswith(prefix):
+            return int(system.removeprefix(prefix).split("_")[0])
+    return None
+
+
+def schedule_problem(system: str, local_steps: int) -> str | None:
+    """Why ``system`` cannot run with a sync period of ``local_steps`` (None: it can). A streaming
+    system syncs its STREAMING_FRAGMENTS fragments one after another within the period, each
+    averaged over tau + 1 steps before the next starts: the period is at least fragments *
+    (tau + 1) (gossip_ext and torchft both refuse less) and a multiple of the fragments (torchft
+    refuses others; gossip_ext's runs take the same schedule)."""
+    tau = streaming_delay(system)
+    fragments = STREAMING_FRAGMENTS
+    if tau is None or (local_steps % fragments == 0 and local_steps // fragments > tau):
+        return None
+    return (
+        f"{system} syncs {fragments} fragments of tau + 1 = {tau + 1} steps each in one sync "
+        f"period: it needs a period that is a multiple of {fragments} and at least "
+        f"{fragments * (tau + 1)}, got {local_steps}"
+    )
+
+
 def available(system: str) -> str | None:
     """None if this Python can run ``system``, else why not."""
     if system not in ALL:
@@ -270,14 +296,14 @@ class _Gossip(_OptimizerStep):
             if system == "diloco_int8":
                 options["outer_dtype"] = "int8"
         if system.startswith("streaming_diloco"):
-            delay, dtype = system.removeprefix("streaming_diloco_t").split("_")
+            dtype = system.rsplit("_", 1)[1]
             options.update(
                 base_algorithm="localsgd",
                 sync_every=recipe.local_steps,
                 outer_optimizer=recipe.outer_optimizer,
                 outer_dtype=OUTER_DTYPES[dtype],
                 fragments=STREAMING_FRAGMENTS,
-                fragment_delay=int(delay),
+                fragment_delay=streaming_delay(system),
             )
         if system == "slowmo":
             options.update(slowmo_freq=recipe.local_steps, slowmo_momentum=SLOWMO_MOMENTUM)
@@ -377,7 +403,7 @@ class _Torchft(_OptimizerStep):
                 self.opt,
                 self.outer,
                 sync_every=recipe.local_steps,
-                fragment_sync_delay=int(system.removeprefix("torchft_streaming_diloco_t")),
+                fragment_sync_delay=streaming_delay(system),
             )
         else:
             algorithm = LocalSGD(self.manager, module, self.opt, sync_every=recipe.local_steps)
