@@ -1,0 +1,63 @@
+"""The training scripts of examples/, launched as the README launches them, so that they cannot
+rot: under torchrun, and an elastic job's workers each on its own."""
+
+from __future__ import annotations
+
+import re
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from elastic_job import Job
+
+EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
+CHANCE = 0.25  # four classes
+
+
+def _accuracy(output: str) -> float:
+    return float(re.search(r"accuracy (\d\.\d+)", output).group(1))
+
+
+def test_train_py_under_torchrun_learns_and_reports(tmp_path):
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node",
+               "2", str(EXAMPLES / "train.py"), "--mode", "sgp", "--steps", "100"]  # fmt: skip
+    done = subprocess.run(command, capture_output=True, text=True, timeout=300, cwd=tmp_path)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "relative consensus distance" in done.stdout, done.stdout
+    assert _accuracy(done.stdout) > 2 * CHANCE, done.stdout
+
+
+def test_elastic_train_py_goes_on_after_a_kill_and_takes_in_a_replacement(tmp_path):
+    job = Job(tmp_path)  # the membership service; its close() ends every worker left
+
+    def start(name: str) -> subprocess.Popen:
+        log = open(tmp_path / f"{name}.log", "w")  # noqa: SIM115 - closed with the process
+        job.workers[name] = subprocess.Popen(
+            [sys.executable, str(EXAMPLES / "elastic_train.py"), "--membership",
+             f"127.0.0.1:{job.port}", "--steps", "400", "--step-seconds", "0.02",
+             "--log-interval", "100", "--timeout", "20"],
+            stdout=log, stderr=subprocess.STDOUT,
+        )  # fmt: skip
+        return job.workers[name]
+
+    try:
+        for name in ("a", "b", "c"):
+            start(name)
+        deadline = time.monotonic() + 120
+        while "step 100 " not in job.log("a"):
+            assert time.monotonic() < deadline, job.log("a")
+            time.sleep(0.1)
+        job.workers["c"].kill()
+        start("d")  # a replacement, from a live member's state
+        for name in ("a", "b", "d"):
+            assert job.workers[name].wait(timeout=120) == 0, job.log(name)
+            log = job.log(name)
+            assert "finished step 400" in log, log
+            assert _accuracy(log) > 2 * CHANCE, log
+        joined_at = int(re.search(r"from step (\d+)", job.log("d")).group(1))
+        assert joined_at >= 100, job.log("d")  # the donor's step count, not 0
+        changes = re.findall(r"left \[([\d, ]*)\], joined \[([\d, ]*)\]", job.log("a"))
+        assert any(left for left, _ in changes) and any(joined for _, joined in changes), changes
+    finally:
+        job.close()
