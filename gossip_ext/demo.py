@@ -51,8 +51,9 @@ def parse_args(argv=None):
         type=int,
         default=4,
         metavar="H",
-        help="the sync period of LocalSGD, SlowMo and the DiLoCos (default: 4; the Streaming "
-        f"DiLoCos, {systems.STREAMING_FRAGMENTS} fragments each, need 8 or 12 and more)",
+        help="the sync period of LocalSGD, SlowMo and the DiLoCos (default: 4; each Streaming "
+        f"DiLoCo, {systems.STREAMING_FRAGMENTS} fragments, needs a multiple of "
+        f"{systems.STREAMING_FRAGMENTS} of at least {systems.STREAMING_FRAGMENTS} * (tau + 1))",
     )
     parser.add_argument(
         "--steps",
