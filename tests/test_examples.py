@@ -23,7 +23,7 @@ def test_train_py_under_torchrun_learns_and_reports(tmp_path):
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node",
                "2", str(EXAMPLES / "train.py"), "--mode", "sgp", "--steps", "100"]  # fmt: skip
     done = subprocess.run(command, capture_output=True, text=True, timeout=300, cwd=tmp_path)
-    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.returncode == 0, (done.returncode, done.stdout[-2000:], done.stderr[-4000:])
     assert "relative consensus distance" in done.stdout, done.stdout
     assert _accuracy(done.stdout) > 2 * CHANCE, done.stdout
 
