@@ -95,20 +95,26 @@ def _return_freed_buffers(monkeypatch):
     monkeypatch.setenv("MALLOC_MMAP_THRESHOLD_", "131072")  # read by the spawned ranks' malloc
 
 
+def _run_fresh(settings: dict) -> list:
+    """Ranks started from a fresh interpreter: malloc reads the threshold above at process start,
+    and the peak resident memory measured must be the rank's own, not a forkserver's preload."""
+    return run_ranks(2, _extra_copies, settings, start_method="spawn")
+
+
 def test_max_memory_used_localsgd_slowmo_memory_efficient():
     # LocalSGD every step with memory-efficient SlowMo: SlowMo's share is one model copy (two
     # copies of state in halves over 2 workers), and LocalSGD's must be below 0.3 of a copy.
-    for extra in run_ranks(2, _extra_copies, {**SLOWMO_EFFICIENT, "localsgd_frequency": 1}):
+    for extra in _run_fresh({**SLOWMO_EFFICIENT, "localsgd_frequency": 1}):
         extra_used_by_slowmo = 1.0
         assert extra - extra_used_by_slowmo < 0.3
 
 
 def test_max_memory_used_slowmo_memory_efficient():
-    for extra in run_ranks(2, _extra_copies, {**SLOWMO_EFFICIENT, "localsgd_frequency": 100}):
+    for extra in _run_fresh({**SLOWMO_EFFICIENT, "localsgd_frequency": 100}):
         assert extra == pytest.approx(1.0, 0.1)
 
 
 def test_max_memory_used_slowmo_no_sharding():
     settings = {**SLOWMO_EFFICIENT, "localsgd_frequency": 100, "slowmo_memory_efficient": False}
-    for extra in run_ranks(2, _extra_copies, settings):
+    for extra in _run_fresh(settings):
         assert extra == pytest.approx(2.0, 0.1)
