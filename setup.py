@@ -45,15 +45,6 @@ def _check_cuda_home() -> None:
         )
 
 
-_CONFIGURATION = "-".join(
-    [
-        f"py{sys.version_info.major}.{sys.version_info.minor}",
-        f"torch{torch.__version__}",
-        "cuda" if _want_cuda() else "cpu",
-    ]
-)
-
-
 def _extension():
     cuda = _want_cuda()
     files = [os.path.relpath(f, ROOT) for f in sources.extension_sources(ROOT, cuda=cuda)]
@@ -99,14 +90,15 @@ def _extension():
 
 class _BuildExt(BuildExtension.with_options(use_ninja=True)):
     """torch's ninja build, always with its objects in one folder per configuration under
-    build/temp: pip's editable and wheel builds would otherwise compile into a fresh temporary
-    directory every time, and ninja then recompiles everything; with one directory it recompiles
-    only what changed. One folder per configuration (Python, torch, CPU or CUDA), so that a CUDA
-    build in another environment (tools/rehearse_cuda_build.sh) leaves the CPU build's objects."""
+    build/temp (tools/sources.py; the C++ tests link them from there): pip's editable and wheel
+    builds would otherwise compile into a fresh temporary directory every time, and ninja then
+    recompiles everything; with one directory it recompiles only what changed. One folder per
+    configuration (Python, torch, CPU or CUDA), so that a CUDA build in another environment
+    (tools/rehearse_cuda_build.sh) leaves the CPU build's objects."""
 
     def finalize_options(self) -> None:
         super().finalize_options()
-        self.build_temp = os.path.join(ROOT, "build", "temp", _CONFIGURATION)
+        self.build_temp = sources.object_dir(ROOT, cuda=_want_cuda())
 
 
 setup(

@@ -1,12 +1,19 @@
-"""The source lists of the build, derived from the folder layout.
+"""The source lists of the build, and where its objects go, derived from the folder layout.
 
 setup.py imports this; CMakeLists.txt applies the same rule with file(GLOB_RECURSE). The rule:
 every .cpp under csrc/ is built; a file under a folder named `cuda` or `nccl`, or any .cu file,
 is built only in a CUDA build; csrc/bindings.cpp belongs to the Python extension only.
+
+The extension's objects go to one folder per configuration (Python, torch, CPU or CUDA) under
+build/temp, each at the source's path relative to the checkout with .o for its suffix. The C++
+tests link the objects of that folder rather than compile the sources again:
+
+    python3 tools/sources.py --object-dir      # prints the folder of the installed torch's build
 """
 
 import glob
 import os
+import sys
 
 CUDA_ONLY_DIRS = ("cuda", "nccl")
 
@@ -23,3 +30,24 @@ def extension_sources(root: str, cuda: bool) -> list:
     found += glob.glob(os.path.join(csrc, "**", "*.cu"), recursive=True)
     rel = sorted(os.path.relpath(f, csrc) for f in found)
     return [os.path.join(csrc, f) for f in rel if cuda or not _is_cuda_only(f)]
+
+
+def object_dir(root: str, cuda: bool) -> str:
+    """The folder of the extension's objects for the running Python, the installed torch and the
+    given kind of build (torch is imported here, not at module import)."""
+    import torch
+
+    configuration = "-".join(
+        [
+            f"py{sys.version_info.major}.{sys.version_info.minor}",
+            f"torch{torch.__version__}",
+            "cuda" if cuda else "cpu",
+        ]
+    )
+    return os.path.join(root, "build", "temp", configuration)
+
+
+if __name__ == "__main__":
+    if sys.argv[1:] != ["--object-dir"]:
+        sys.exit(f"usage: {sys.argv[0]} --object-dir")
+    print(object_dir(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), cuda=False))
