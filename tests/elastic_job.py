@@ -1,8 +1,16 @@
 """An elastic job as tests launch one: a membership service (python -m gossip_ext.membership) and
-workers started each on its own (tests/elastic_worker.py), as a user starts them."""
+workers started each on its own (tests/elastic_worker.py), as a user starts them.
+
+Each worker is a process of its own, with no launcher between the workers: they meet only through
+the membership service, and the tests kill, stop and resume them by signal. The service and
+the workers are forked from the tests' forkserver (tests/multiprocess.py), which imported torch
+and gossip_ext once, rather than started as fresh interpreters: with seven workers and two
+services a test, the imports were a third of the elastic tests' time on two cores."""
 
 from __future__ import annotations
 
+import importlib
+import os
 import pickle
 import socket
 import subprocess
@@ -11,8 +19,8 @@ import time
 from pathlib import Path
 
 import pytest
+from multiprocess import forkserver_context
 
-WORKER = Path(__file__).resolve().parent / "elastic_worker.py"
 STEPS = 30
 TIMEOUT_S = 10.0  # each worker's timeout: how long a stalled peer is waited for
 
@@ -23,6 +31,51 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def _run_main(module: str, argv: list[str], log_path: str) -> None:
+    """A forked process's body: ``module``'s main() with argv as its command line, its output to
+    log_path."""
+    log = os.open(log_path, os.O_WRONLY | os.O_TRUNC)
+    os.dup2(log, 1)
+    os.dup2(log, 2)
+    os.close(log)
+    sys.argv = [module, *argv]
+    sys.exit(importlib.import_module(module).main())
+
+
+class ForkedProcess:
+    """``python -m MODULE ARGV...`` forked from the forkserver, with the part of subprocess.Popen's
+    interface the tests use: returncode (negative: the signal that ended it), poll, wait,
+    send_signal, kill."""
+
+    def __init__(self, module: str, argv: list[str], log_path: Path):
+        log_path.touch()  # there to be read at once
+        # Daemonic: one the tests left running ends with them instead of holding up their exit.
+        self._process = forkserver_context().Process(
+            target=_run_main, args=(module, argv, str(log_path)), daemon=True
+        )
+        self._process.start()
+        self.pid = self._process.pid
+
+    @property
+    def returncode(self) -> int | None:
+        return self._process.exitcode
+
+    def poll(self) -> int | None:
+        return self._process.exitcode
+
+    def wait(self, timeout: float | None = None) -> int:
+        self._process.join(timeout)
+        if self._process.exitcode is None:
+            raise subprocess.TimeoutExpired(f"process {self.pid}", timeout)
+        return self._process.exitcode
+
+    def send_signal(self, signum: int) -> None:
+        os.kill(self.pid, signum)
+
+    def kill(self) -> None:
+        self._process.kill()
+
+
 class Job:
     """A membership service and the workers of one job, in ``out``."""
 
@@ -30,22 +83,21 @@ class Job:
         out.mkdir(exist_ok=True)
         self.out = out
         self.port = free_port()
-        self.service = subprocess.Popen(
-            [sys.executable, "-m", "gossip_ext.membership", "--port", str(self.port)],
-            stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
-            text=True,
+        self.service = ForkedProcess(
+            "gossip_ext.membership", ["--port", str(self.port)], out / "service.log"
         )
-        line = self.service.stdout.readline()
-        assert "membership service on" in line, line
-        self.workers: dict[str, subprocess.Popen] = {}
+        self.workers: dict[str, ForkedProcess | subprocess.Popen] = {}
+        end = time.monotonic() + 30.0
+        while "membership service on" not in (out / "service.log").read_text():
+            if time.monotonic() > end or self.service.poll() is not None:
+                self.close()
+                pytest.fail(f"no membership service:\n{(out / 'service.log').read_text()}")
+            time.sleep(0.02)
 
-    def start(self, name: str, *args: str) -> subprocess.Popen:
-        log = open(self.out / f"{name}.log", "w")  # noqa: SIM115 - closed with the process
-        self.workers[name] = subprocess.Popen(
+    def start(self, name: str, *args: str) -> ForkedProcess:
+        self.workers[name] = ForkedProcess(
+            "elastic_worker",
             [
-                sys.executable,
-                str(WORKER),
                 "--membership",
                 f"127.0.0.1:{self.port}",
                 "--out",
@@ -58,8 +110,7 @@ class Job:
                 str(TIMEOUT_S),
                 *args,
             ],
-            stdout=log,
-            stderr=subprocess.STDOUT,
+            self.out / f"{name}.log",
         )
         return self.workers[name]
 
