@@ -6,6 +6,7 @@ import math
 
 import pytest
 import torch
+from multiprocess import forkserver_context
 
 from gossip_ext.compare import runner, systems, worker
 from gossip_ext.tasks import byte_lm
@@ -13,6 +14,13 @@ from gossip_ext.tasks.byte_lm import ByteLM, ByteLMConfig
 from gossip_ext.tasks.stdlib_text import StdlibText
 
 TINY = ByteLMConfig(layers=1, width=32, heads=2, context=32)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _preloaded_forkserver():
+    # The workers fork from the tests' forkserver (tests/multiprocess.py), which has imported torch
+    # and gossip_ext once, rather than import them anew in each worker as the benchmark's do.
+    forkserver_context()
 
 
 def _config(system: str, steps: int = 6) -> worker.RunConfig:
@@ -34,7 +42,7 @@ def test_every_system_trains_two_workers_and_reports_its_heldout_loss(system):
     why_not = systems.available(system)
     if why_not:
         pytest.skip(why_not)
-    result = runner.run_local(_config(system), workers=2)
+    result = runner.run_local(_config(system), workers=2, start_method="forkserver")
     history = result["history"]
     assert result["system"] == system and result["workers"] == 2
     assert history["step"] == [3, 6]
@@ -47,7 +55,7 @@ def test_ddp_on_two_workers_matches_one_process_on_both_batches():
     # An independent reference for the harness: two DDP workers with their own batches take the
     # step one process takes on both batches together, so the held-out loss is the same.
     steps = 6
-    result = runner.run_local(_config("ddp", steps), workers=2)
+    result = runner.run_local(_config("ddp", steps), workers=2, start_method="forkserver")
     data = StdlibText.load()
     torch.manual_seed(0)
     model = ByteLM(TINY)

@@ -25,6 +25,9 @@ _LIGHTHOUSE_PORT = 29510  # in rank 0's namespace on the emulated network
 
 
 def _entry(rank: int, world_size: int, init_file: str, out_dir: str, config) -> None:
+    # torchft's servers log every quorum unless told otherwise, read when a worker imports it; a
+    # worker forked from a forkserver does not see what the parent set after the server started.
+    os.environ.setdefault("RUST_LOG", "warn")
     result = worker.train(rank, world_size, f"file://{init_file}", config)
     with open(os.path.join(out_dir, f"rank{rank}.pkl"), "wb") as f:
         pickle.dump(result, f)
@@ -51,8 +54,12 @@ def lighthouse(workers: int) -> Iterator[str]:
         server.shutdown()
 
 
-def run_local(config: worker.RunConfig, workers: int) -> dict:
-    """``config`` on ``workers`` processes of this machine (loopback); rank 0's result."""
+def run_local(config: worker.RunConfig, workers: int, start_method: str = "spawn") -> dict:
+    """``config`` on ``workers`` processes of this machine (loopback); rank 0's result.
+
+    Each worker starts a fresh interpreter (``"spawn"``), so that its peak memory is its own;
+    the tests, which need the numbers right and not the memory, fork theirs from a preloaded
+    server (``"forkserver"``)."""
     with contextlib.ExitStack() as stack:
         if config.system.startswith("torchft"):
             config = dataclasses.replace(
@@ -65,7 +72,7 @@ def run_local(config: worker.RunConfig, workers: int) -> dict:
             args=(workers, init_file, out_dir, config),
             nprocs=workers,
             join=True,
-            start_method="spawn",
+            start_method=start_method,
         )
         with open(os.path.join(out_dir, "rank0.pkl"), "rb") as f:
             return pickle.load(f)
