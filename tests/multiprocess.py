@@ -33,13 +33,17 @@ import torch.multiprocessing as mp
 _PRELOAD = ["torch", "torch.distributed", "torch.multiprocessing", "gossip_ext", "multiprocess"]
 
 
+def forkserver_context():
+    """The multiprocessing context whose processes fork from the preloaded forkserver."""
+    context = mp.get_context("forkserver")
+    context.set_forkserver_preload(_PRELOAD)
+    return context
+
+
 def _context(start_method: str):
     if start_method not in ("forkserver", "spawn"):
         raise ValueError(f"start_method must be 'forkserver' or 'spawn', got {start_method!r}")
-    context = mp.get_context(start_method)
-    if start_method == "forkserver":
-        context.set_forkserver_preload(_PRELOAD)
-    return context
+    return forkserver_context() if start_method == "forkserver" else mp.get_context("spawn")
 
 
 def _entry(rank: int, world_size: int, init_file: str, out_dir: str, fn: Callable, args) -> None:

@@ -25,6 +25,8 @@ from torch import nn
 
 import gossip_ext
 
+pytestmark = pytest.mark.extension  # the CUDA rehearsal runs these too (pyproject.toml)
+
 # ----------------------------------------------------------------------------- harness
 
 _COLLECTIVES = (

@@ -19,6 +19,8 @@ import sys
 import pytest
 import torch
 
+pytestmark = pytest.mark.extension  # the CUDA rehearsal runs these too (pyproject.toml)
+
 # gossip_ext's, each needing those before it; zen4 is avx512_bf16 as Zen 4 runs it best.
 ISAS = ["base", "avx2", "avx512", "avx512_bf16", "zen4"]
 # A process each: (ATEN_CPU_CAPABILITY, GOSSIP_EXT_MAX_CPU_ISA or None).

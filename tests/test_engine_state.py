@@ -11,6 +11,8 @@ import torch
 import gossip_ext
 from gossip_ext import _C
 
+pytestmark = pytest.mark.extension  # the CUDA rehearsal runs these too (pyproject.toml)
+
 
 def _two_engines(synchronous: bool):
     hub = _C.InProcHub(2)

@@ -30,6 +30,8 @@ from gossip_ext import (
     UniformMixing,
 )
 
+pytestmark = pytest.mark.extension  # the CUDA rehearsal runs these too (pyproject.toml)
+
 GRAPH_CLASSES = list(KIND_OF)
 WORLD_SIZES = list(range(1, 18)) + [32, 64]
 

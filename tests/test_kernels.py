@@ -6,6 +6,8 @@ from torch.library import opcheck
 
 import gossip_ext  # noqa: F401  (registers torch.ops.gossip_ext)
 
+pytestmark = pytest.mark.extension  # the CUDA rehearsal runs these too (pyproject.toml)
+
 scale_into = torch.ops.gossip_ext.scale_into
 absorb_ = torch.ops.gossip_ext.absorb_
 compress_into_ = torch.ops.gossip_ext.compress_into_

@@ -11,6 +11,8 @@ from gossip_ext import NPeerDynamicDirectedExponentialGraph, RingGraph
 
 import block_reference as ref
 
+pytestmark = pytest.mark.extension  # the CUDA rehearsal runs these too (pyproject.toml)
+
 FORMATS = {"int8": "int8", "int4": "int4", "float8_e4m3fn": torch.float8_e4m3fn}
 
 

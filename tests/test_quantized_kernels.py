@@ -13,6 +13,8 @@ from gossip_ext import _C
 
 import block_reference as ref
 
+pytestmark = pytest.mark.extension  # the CUDA rehearsal runs these too (pyproject.toml)
+
 quantize_into_ = torch.ops.gossip_ext.quantize_into_
 absorb_quantized_ = torch.ops.gossip_ext.absorb_quantized_
 

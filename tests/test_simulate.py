@@ -22,6 +22,8 @@ from gossip_ext import (
     UniformMixing,
 )
 
+pytestmark = pytest.mark.extension  # the CUDA rehearsal runs these too (pyproject.toml)
+
 GRAPHS = [
     NPeerDynamicDirectedExponentialGraph(),
     NPeerDynamicDirectedExponentialGraph(2),

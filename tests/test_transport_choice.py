@@ -6,6 +6,8 @@ import torch
 from gossip_ext import _C
 from gossip_ext._validation import HOST_STAGING, NCCL, PROCESS_GROUP, choose_transport
 
+pytestmark = pytest.mark.extension  # the CUDA rehearsal runs these too (pyproject.toml)
+
 CPU = torch.device("cpu")
 CUDA = torch.device("cuda", 0)
 

@@ -8,7 +8,10 @@
 #      the NCCL of the nvidia-nccl wheel;
 #   2. imports it and checks that the CUDA build is what loaded: NcclTransport registered, the CUDA
 #      kernels registered with the dispatcher, one libnccl in the process (torch's);
-#   3. runs the CPU test suite against that build (tests/gpu skip, visibly: no GPU here).
+#   3. runs against that build the tests that exercise the compiled extension (pytest -m extension:
+#      the ops, the engine, the transports, the bindings, one multi-rank run per transport; the
+#      rest of the suite drives the same extension through Python and runs in tools/run_tests.sh
+#      against the CPU build; tests/gpu skip, visibly: no GPU here).
 # Stops at the first failing stage with its log. Needs nvcc (the CUDA toolkit) and prints SKIPPED
 # without it. Measured on 2 cores: 1 min 43 s and 4.6 GB of disk for the environment (once; kept
 # in build/cuda-rehearsal), 83 s to 2 min 42 s for a first build (objects kept in build/temp), and
@@ -74,9 +77,9 @@ if ! "$PY" -c "import torch, sys; sys.exit(torch.__version__.split('+')[0] != '$
   "$python_bin" -m venv "$VENV"
 fi
 # The registry's torch of this version is the CUDA build: its nvidia-* packages come along. The
-# rest is what tools/build.sh --demo and tools/run_tests.sh install for the test suite.
-"$PY" -m pip install --quiet "torch==$TORCH_VERSION" ninja "setuptools>=77" wheel pytest numpy \
-  matplotlib tqdm torchft==0.2.0 decent-dp==0.2.3 >"$ROOT/environment.log" 2>&1 ||
+# rest is what the build and the extension's tests need (not the peers the comparison tests run).
+"$PY" -m pip install --quiet "torch==$TORCH_VERSION" ninja "setuptools>=77" wheel pytest \
+  pytest-timeout numpy >"$ROOT/environment.log" 2>&1 ||
   failed "installing the environment" "$ROOT/environment.log"
 "$PY" - <<'EOF'
 import sys, setuptools, torch
@@ -97,7 +100,7 @@ step "import the CUDA build and check what it registered"
   >"$ROOT/import.log" 2>&1 || failed "the import check" "$ROOT/import.log"
 cat "$ROOT/import.log"
 
-step "CPU test suite against the installed CUDA build"
+step "the extension's tests against the installed CUDA build (pytest -m extension)"
 # From a folder outside the checkout, so that the installed package is the one imported.
 cd "$ROOT"
-"$PY" -m pytest "$REPO/tests" --rootdir "$REPO" -q -rs -p no:cacheprovider "$@"
+"$PY" -m pytest "$REPO/tests" --rootdir "$REPO" -m extension -q -rs -p no:cacheprovider "$@"

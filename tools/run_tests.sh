@@ -1,10 +1,14 @@
 #!/usr/bin/env bash
-# Runs every test of gossip_ext on a fresh machine: installs what is missing (torch, ninja, pytest,
-# torchft and decent-dp, GoogleTest), builds the extension and the C++ tests, then runs ctest
-# (plain, then under ASan+UBSan and TSan: tools/run_sanitizers.sh), rehearses a GPU user's CUDA
-# build where nvcc is present (tools/rehearse_cuda_build.sh: torch 2.11's CUDA build on Python
-# 3.12, the test suite against it) and runs pytest. Exits non-zero if anything fails. CPU only; the
-# GPU tests skip visibly where no GPU is present.
+# Runs every test of gossip_ext on a fresh machine: installs what is missing (torch, ninja, pytest
+# and pytest-timeout, torchft and decent-dp, GoogleTest), builds the extension, then the C++ tests
+# from the extension's own objects, runs ctest (plain, then under ASan+UBSan and TSan:
+# tools/run_sanitizers.sh), rehearses a GPU user's CUDA build where nvcc is present
+# (tools/rehearse_cuda_build.sh: torch 2.11's CUDA build on Python 3.12, the extension's tests
+# against it) and runs pytest. Exits non-zero if anything fails, and prints how long each stage
+# took and the 20 slowest tests. CPU only; the GPU tests skip visibly where no GPU is present.
+#
+# Installs into the Python environment that PYTHON (default python3) runs: a virtual environment
+# keeps it apart from the system's (python3 -m venv .venv && . .venv/bin/activate first).
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 
@@ -12,17 +16,45 @@ PYTHON=${PYTHON:-python3}
 export PIP_ROOT_USER_ACTION=ignore  # root in a container is the norm where this runs
 TORCH_VERSION=${GOSSIP_TORCH_VERSION:-2.13.0}
 
-step() { printf '\n== %s\n' "$*"; }
+# stage NAME: starts a stage; the previous one's time goes to the summary printed at the end.
+stages=()
+stage_name=""
+stage_start=$SECONDS
+run_start=$SECONDS
+end_stage() {
+  [ -n "$stage_name" ] && stages+=("$(printf '%-64s %3d min %02d s' "$stage_name" \
+    $(((SECONDS - stage_start) / 60)) $(((SECONDS - stage_start) % 60)))")
+  stage_name=""
+}
+stage() {
+  end_stage
+  stage_name=$1
+  stage_start=$SECONDS
+  printf '\n== %s\n' "$stage_name"
+}
+summary() {
+  local status=$?
+  end_stage
+  printf '\n== Time per stage\n'
+  printf '%s\n' "${stages[@]}"
+  printf '%-64s %3d min %02d s\n' "all" $(((SECONDS - run_start) / 60)) $(((SECONDS - run_start) % 60))
+  # pytest's own closing line stays the last line of the run.
+  [ -s build/pytest.log ] && tail -n 1 build/pytest.log
+  return $status
+}
+trap summary EXIT
+mkdir -p build
+rm -f build/pytest.log
 
-step "Python dependencies"
+stage "Python dependencies"
 if ! "$PYTHON" -c "import torch, sys; sys.exit(torch.__version__.split('+')[0] != '$TORCH_VERSION')" 2>/dev/null; then
   "$PYTHON" -m pip install "torch==$TORCH_VERSION"
 fi
-# pytest, and the systems the comparison runs beside gossip_ext (benchmark and test dependencies
-# only: tests/test_compare_systems.py).
-"$PYTHON" -m pip install --quiet pytest torchft==0.2.0 decent-dp==0.2.3
+# pytest with its per-test time limit, and the systems the comparison runs beside gossip_ext
+# (benchmark and test dependencies only: tests/test_compare_systems.py).
+"$PYTHON" -m pip install --quiet pytest pytest-timeout torchft==0.2.0 decent-dp==0.2.3
 
-step "GoogleTest"
+stage "GoogleTest"
 if [ ! -f /usr/include/gtest/gtest.h ]; then
   SUDO=""
   [ "$(id -u)" -eq 0 ] || SUDO="sudo"
@@ -30,21 +62,24 @@ if [ ! -f /usr/include/gtest/gtest.h ]; then
   $SUDO apt-get install -y -qq libgtest-dev cmake ninja-build
 fi
 
-step "Build the extension (gossip_ext._C; reused when up to date)"
+stage "Build the extension (gossip_ext._C; reused when up to date)"
 PYTHON="$PYTHON" bash tools/build.sh --demo
 
-step "Build and run the C++ tests (ctest; they link the objects the extension's build compiled)"
+stage "Build and run the C++ tests (ctest; linked from the extension's objects)"
 TORCH_CMAKE=$("$PYTHON" -c 'import torch; print(torch.utils.cmake_prefix_path)')
 cmake -S . -B build/cmake -G Ninja -DCMAKE_PREFIX_PATH="$TORCH_CMAKE" \
   -DGOSSIP_CORE_OBJECTS="$("$PYTHON" tools/sources.py --object-dir)" >/dev/null
 cmake --build build/cmake -j "$(nproc)"
 ctest --test-dir build/cmake --output-on-failure -j "$(nproc)"
 
-step "C++ tests under sanitizers (ASan+UBSan: all; TSan: in-process transport)"
-bash tools/run_sanitizers.sh
+stage "C++ tests under ASan+UBSan (all of ctest)"
+bash tools/run_sanitizers.sh asan
 
-step "Rehearse a GPU user's build without a GPU (torch 2.11 CUDA build, Python 3.12; needs nvcc)"
+stage "C++ tests under TSan (the threaded transports: ctest -L inproc)"
+bash tools/run_sanitizers.sh tsan
+
+stage "Rehearse a GPU user's build without a GPU (torch 2.11 CUDA build, Python 3.12)"
 bash tools/rehearse_cuda_build.sh
 
-step "Python tests (pytest)"
-"$PYTHON" -m pytest tests -q
+stage "Python tests (pytest; the 20 slowest listed at the end)"
+"$PYTHON" -m pytest tests -q --durations=20 | tee build/pytest.log

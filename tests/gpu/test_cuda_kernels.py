@@ -5,7 +5,10 @@ import torch
 
 import gossip_ext  # noqa: F401  (registers torch.ops.gossip_ext)
 
-pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+pytestmark = [
+    pytest.mark.extension,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"),
+]
 
 DTYPES = [torch.float32, torch.float64, torch.float16, torch.bfloat16]
 SIZES = [1, 7, 1023, 70001, (1 << 20) + 3]

@@ -17,10 +17,13 @@ from torch import nn
 
 from gossip_ext import _C, epochs
 
-pytestmark = pytest.mark.skipif(
-    not (torch.cuda.is_available() and hasattr(_C, "NcclTransport")),
-    reason="needs a CUDA GPU and a CUDA build of gossip_ext",
-)
+pytestmark = [
+    pytest.mark.extension,
+    pytest.mark.skipif(
+        not (torch.cuda.is_available() and hasattr(_C, "NcclTransport")),
+        reason="needs a CUDA GPU and a CUDA build of gossip_ext",
+    ),
+]
 two_gpus = pytest.mark.skipif(
     torch.cuda.device_count() < 2, reason="an elastic job of two NCCL workers needs two GPUs"
 )

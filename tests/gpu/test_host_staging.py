@@ -9,9 +9,12 @@ from torch import nn
 
 import gossip_ext
 
-pytestmark = pytest.mark.skipif(
-    not torch.cuda.is_available(), reason="needs a CUDA GPU (CUDA parameters staged to the host)"
-)
+pytestmark = [
+    pytest.mark.extension,
+    pytest.mark.skipif(
+        not torch.cuda.is_available(), reason="needs a CUDA GPU (CUDA parameters staged to the host)"
+    ),
+]
 
 STEPS = 6
 

@@ -13,10 +13,13 @@ from torch import nn
 
 from gossip_ext import _C
 
-pytestmark = pytest.mark.skipif(
-    not (torch.cuda.is_available() and hasattr(_C, "NcclTransport")),
-    reason="needs a CUDA GPU and a CUDA build of gossip_ext",
-)
+pytestmark = [
+    pytest.mark.extension,
+    pytest.mark.skipif(
+        not (torch.cuda.is_available() and hasattr(_C, "NcclTransport")),
+        reason="needs a CUDA GPU and a CUDA build of gossip_ext",
+    ),
+]
 
 
 def _train_on_gpu(rank: int, world_size: int) -> dict:
