@@ -28,7 +28,6 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-
 # What the forkserver imports once, before it forks the first rank.
 _PRELOAD = ["torch", "torch.distributed", "torch.multiprocessing", "gossip_ext", "multiprocess"]
 

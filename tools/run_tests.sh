@@ -22,7 +22,7 @@ stage_name=""
 stage_start=$SECONDS
 run_start=$SECONDS
 end_stage() {
-  [ -n "$stage_name" ] && stages+=("$(printf '%-64s %3d min %02d s' "$stage_name" \
+  [ -n "$stage_name" ] && stages+=("$(printf '%-80s %3d min %02d s' "$stage_name" \
     $(((SECONDS - stage_start) / 60)) $(((SECONDS - stage_start) % 60)))")
   stage_name=""
 }
@@ -37,7 +37,7 @@ summary() {
   end_stage
   printf '\n== Time per stage\n'
   printf '%s\n' "${stages[@]}"
-  printf '%-64s %3d min %02d s\n' "all" $(((SECONDS - run_start) / 60)) $(((SECONDS - run_start) % 60))
+  printf '%-80s %3d min %02d s\n' "all" $(((SECONDS - run_start) / 60)) $(((SECONDS - run_start) % 60))
   # pytest's own closing line stays the last line of the run.
   [ -s build/pytest.log ] && tail -n 1 build/pytest.log
   return $status

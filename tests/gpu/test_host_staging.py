@@ -12,7 +12,8 @@ import gossip_ext
 pytestmark = [
     pytest.mark.extension,
     pytest.mark.skipif(
-        not torch.cuda.is_available(), reason="needs a CUDA GPU (CUDA parameters staged to the host)"
+        not torch.cuda.is_available(),
+        reason="needs a CUDA GPU (CUDA parameters staged to the host)",
     ),
 ]
 
