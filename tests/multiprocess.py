@@ -97,7 +97,7 @@ def run_ranks(
     raises fails the test with its traceback; the ranks still running then, or when the test is
     interrupted (the suite's per-test time limit), are killed, never left behind.
     """
-    _context(start_method)
+    _context(start_method)  # checks the name, and sets what a forkserver preloads
     with tempfile.TemporaryDirectory() as out_dir:
         init_file = os.path.join(out_dir, "store")
         context = mp.start_processes(
