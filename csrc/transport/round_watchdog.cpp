@@ -7,8 +7,22 @@
 
 namespace gossip {
 
+namespace {
+
+// Each peer once, in the order first seen: a transport posts a receive per message, and a peer
+// that sends several must not be named several times in an error.
+std::vector<int> distinct(std::vector<int> peers) {
+  std::vector<int> once;
+  for (int peer : peers) {
+    if (std::find(once.begin(), once.end(), peer) == once.end()) once.push_back(peer);
+  }
+  return once;
+}
+
+}  // namespace
+
 WatchedRound::WatchedRound(int64_t round, std::vector<int> recv_peers)
-    : round_(round), recv_peers_(std::move(recv_peers)) {}
+    : round_(round), recv_peers_(distinct(std::move(recv_peers))) {}
 
 void WatchedRound::throw_if_failed() const {
   std::lock_guard<std::mutex> lock(mutex_);

@@ -59,6 +59,7 @@ class WatchedRound {
   // Rethrows the round's failure, if it failed.
   void throw_if_failed() const;
   int64_t round() const { return round_; }
+  // The peers the round receives from, each once (however many messages it sends).
   const std::vector<int>& recv_peers() const { return recv_peers_; }
 
  private:

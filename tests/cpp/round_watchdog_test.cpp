@@ -117,6 +117,22 @@ TEST(RoundWatchdogTest, DrainWaitsForARoundStillInFlight) {
   EXPECT_EQ(hooks.aborts, 0);
 }
 
+TEST(RoundWatchdogTest, APeerThatOwesSeveralMessagesIsNamedOnce) {
+  // A transport that posts a receive per message (NCCL, a large message in pieces) hands the
+  // watchdog a peer per message; the timeout names each peer once.
+  Pair pair;
+  Hooks hooks;
+  RoundWatchdog watchdog = hooks.make(200ms);
+  auto work = pair.rank0.exchange({}, {{1, at::zeros({4})}}, 7);
+  auto round = std::make_shared<InProcRound>(work, 7, std::vector<int>{1, 1, 1});
+  EXPECT_EQ(round->recv_peers(), std::vector<int>{1});
+  watchdog.watch(round);
+  EXPECT_TRUE(fails_within(watchdog, 5s));
+  const std::string error = error_of(*round);
+  EXPECT_NE(error.find("gossip round 7 waiting for messages from peers [1] ("), std::string::npos)
+      << error;
+}
+
 TEST(RoundWatchdogTest, ARoundPastItsDeadlineFailsEveryRoundThenAbortsOnce) {
   Pair pair;
   Hooks hooks;

@@ -1,5 +1,7 @@
 #include "transport/inproc/inproc_transport.h"
 
+#include <algorithm>
+
 #include "common/error.h"
 
 namespace gossip {
@@ -92,8 +94,12 @@ class InProcWork final : public Work {
     while (!pending_.empty()) {
       at::Tensor message;
       if (!hub_->take_until(pending_.front().peer, rank_, round_, &message, deadline)) {
-        std::vector<int> missing;
-        for (const PeerMessage& m : pending_) missing.push_back(m.peer);
+        std::vector<int> missing;  // each peer once, however many messages it owes
+        for (const PeerMessage& m : pending_) {
+          if (std::find(missing.begin(), missing.end(), m.peer) == missing.end()) {
+            missing.push_back(m.peer);
+          }
+        }
         throw TimeoutError(detail::str_cat(
             "gossip_ext: rank ", rank_, " timed out after ", timeout.count(),
             " ms in gossip round ", round_, " waiting for messages from peers ", missing,
