@@ -5,9 +5,17 @@
     torchrun --standalone --nproc_per_node 4 examples/train.py --mode sgp --nprocs-per-node 2
     torchrun --standalone --nproc_per_node 4 examples/train.py --mode ddp
 
+On GPUs (--device cuda), one process per GPU over NCCL, or several processes sharing one GPU,
+gossiping over gloo through pinned host buffers (GossipDataParallel's comm_device="cpu";
+examples/devices.py):
+
+    torchrun --standalone --nproc_per_node 8 examples/train.py --device cuda
+    torchrun --standalone --nproc_per_node 4 examples/train.py --device cuda --comm-device cpu
+
 Every rank trains the same MLP on its own shard of a synthetic classification data set,
 generated deterministically from --seed (no download): each class is the union of two Gaussian
-clusters, so the classes are not linearly separable. Everything runs on the CPU over gloo.
+clusters, so the classes are not linearly separable. By default everything runs on the CPU over
+gloo.
 
 Modes:
     sgp      Stochastic Gradient Push: push-sum over a directed graph, synchronous.
@@ -29,6 +37,7 @@ import os
 import sys
 import time
 
+import devices  # examples/devices.py: this process's device and the process group's backend
 import torch
 import torch.distributed as dist
 from torch import nn
@@ -89,7 +98,10 @@ def make_graph(args: argparse.Namespace, gossip_world_size: int) -> gossip_ext.G
 
 def wrap(args: argparse.Namespace, module: nn.Module, world_size: int) -> nn.Module:
     if args.mode == "ddp":
-        return nn.parallel.DistributedDataParallel(module)
+        device = next(module.parameters()).device
+        return nn.parallel.DistributedDataParallel(
+            module, device_ids=[device.index] if device.type == "cuda" else None
+        )
     graph = make_graph(args, world_size // args.nprocs_per_node)
     return gossip_ext.GossipDataParallel(
         module,
@@ -98,6 +110,7 @@ def wrap(args: argparse.Namespace, module: nn.Module, world_size: int) -> nn.Mod
         overlap=args.mode == "overlap",
         synch_freq=args.synch_freq if args.mode == "async" else 0,
         nprocs_per_node=args.nprocs_per_node,
+        comm_device=args.comm_device,
         message_dtype=MESSAGE_DTYPES[args.message_dtype],
         global_avg_freq=args.global_avg_freq,
         slowmo_freq=args.slowmo_freq,
@@ -107,26 +120,26 @@ def wrap(args: argparse.Namespace, module: nn.Module, world_size: int) -> nn.Mod
     )
 
 
-def mean_over_ranks(values: list[float]) -> list[float]:
-    t = torch.tensor(values, dtype=torch.float64)
+def mean_over_ranks(values: list[float], device: torch.device) -> list[float]:
+    t = devices.collective_tensor(values, device)
     dist.all_reduce(t)
     return (t / dist.get_world_size()).tolist()
 
 
-def max_over_ranks(value: float) -> float:
-    t = torch.tensor([value], dtype=torch.float64)
+def max_over_ranks(value: float, device: torch.device) -> float:
+    t = devices.collective_tensor([value], device)
     dist.all_reduce(t, op=dist.ReduceOp.MAX)
     return t.item()
 
 
-def train(args: argparse.Namespace) -> None:
+def train(args: argparse.Namespace, device: torch.device) -> None:
     rank, world_size = dist.get_rank(), dist.get_world_size()
     points, labels = make_dataset(args.seed)
     # Strided shards: disjoint, equal-sized, and every class on every rank.
-    shard_x, shard_y = points[rank::world_size], labels[rank::world_size]
+    shard_x, shard_y = points[rank::world_size].to(device), labels[rank::world_size].to(device)
 
     torch.manual_seed(args.seed)  # the wrappers broadcast rank 0's initial parameters anyway
-    module = make_model()
+    module = make_model().to(device)
     model = wrap(args, module, world_size)
     gossip = isinstance(model, gossip_ext.GossipDataParallel)
     opt = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=args.momentum)
@@ -137,9 +150,12 @@ def train(args: argparse.Namespace) -> None:
 
     if rank == 0:
         graph = repr(model.graph) if gossip else "all-reduce"
+        where = f"{device} over {dist.get_backend()}"
+        if args.comm_device is not None:
+            where += f", comm_device={args.comm_device}"
         print(
             f"mode={args.mode} world_size={world_size} nprocs_per_node={args.nprocs_per_node} "
-            f"graph={graph} params={sum(p.numel() for p in module.parameters())} "
+            f"device={where} graph={graph} params={sum(p.numel() for p in module.parameters())} "
             f"shard={shard_x.shape[0]} samples/rank"
         )
 
@@ -149,6 +165,7 @@ def train(args: argparse.Namespace) -> None:
     start = time.perf_counter()
     for step in range(1, args.steps + 1):
         idx = torch.randint(0, shard_x.shape[0], (args.batch_size,), generator=batches)
+        idx = idx.to(device)
         loss = nn.functional.cross_entropy(model(shard_x[idx]), shard_y[idx])
         opt.zero_grad()
         loss.backward()
@@ -162,7 +179,9 @@ def train(args: argparse.Namespace) -> None:
             interval_loss, interval_steps = 0.0, 0
     if gossip:
         model.sync_comms()  # absorb the last round: every message sent is part of the model
-    step_time = max_over_ranks(time.perf_counter() - start) / args.steps
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    step_time = max_over_ranks(time.perf_counter() - start, device) / args.steps
 
     model.eval()
     with torch.no_grad():
@@ -173,12 +192,13 @@ def train(args: argparse.Namespace) -> None:
         [
             nn.functional.cross_entropy(logits, shard_y).item(),
             (logits.argmax(1) == shard_y).double().mean().item(),
-        ]
+        ],
+        device,
     )
     # Exact, collective; DDP's replicas are identical by construction.
     consensus = model.consensus_distance(relative=True) if gossip else 0.0
     # A collective (every rank takes part); DDP has no gossip counter.
-    sent = max_over_ranks(model.bytes_sent / args.steps) if gossip else None
+    sent = max_over_ranks(model.bytes_sent / args.steps, device) if gossip else None
     if rank == 0:
         print(f"final training loss {loss:.4f}  accuracy {accuracy:.4f}  (mean over ranks)")
         print(f"time per step {1000 * step_time:.2f} ms (slowest rank)")
@@ -231,6 +251,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="processes per gossip node: they average gradients by all-reduce and "
         "one of them gossips; gossip modes only (default: %(default)s)",
     )
+    devices.add_arguments(parser)
     parser.add_argument(
         "--steps", type=int, default=200, help="training steps (default: %(default)s)"
     )
@@ -301,12 +322,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     if args.mode == "ddp" and (args.graph, args.peers_per_itr) != (None, None):
         parser.error("--graph and --peers-per-itr are for the gossip modes, not --mode ddp")
     gossip_only = ("message_dtype", "float32"), ("global_avg_freq", 0), ("slowmo_freq", 0)
-    gossip_only += (("log_every", 0),)
+    gossip_only += (("log_every", 0), ("comm_device", None))
     for name, default in gossip_only:
         if args.mode == "ddp" and getattr(args, name) != default:
             parser.error(f"--{name.replace('_', '-')} is for the gossip modes, not --mode ddp")
     if args.mode == "ddp" and args.nprocs_per_node != 1:
         parser.error("--nprocs-per-node is for the gossip modes; ddp all-reduces over every rank")
+    devices.check_arguments(parser, args)
     return args
 
 
@@ -321,9 +343,9 @@ def main(argv: list[str] | None = None) -> None:
     # Several ranks share few cores: one intra-op thread each avoids oversubscription, which
     # costs far more than it gains on a model this small.
     torch.set_num_threads(1)
-    dist.init_process_group("gloo")  # torchrun's environment gives the rank, size and store
+    device = devices.init_process_group(args)  # the rank, size and store: torchrun's environment
     try:
-        train(args)
+        train(args, device)
     finally:
         dist.destroy_process_group()
 
