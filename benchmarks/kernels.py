@@ -14,15 +14,41 @@ For every dtype and size (elements of the flat buffer), in the same run, this ti
 - copy: ``dst.copy_(src)`` of the same n elements, which reads n and writes n: the bandwidth
   ceiling of a one-pass op.
 
-Bandwidth counts the bytes the op must move: scale_into reads n and writes n elements, absorb_
-reads (k + 1) n and writes n. "fused/copy" is the fused op's GB/s over the copy's GB/s;
-"speedup" is the unfused chain's time over the fused op's. Times are medians over interleaved
-rounds of torch.utils.benchmark.Timer.blocked_autorange medians (which synchronizes the GPU).
-Goals (from the issue): fused >= 0.8x the copy's bandwidth and >= 2x faster than the unfused
-chain. With every op bandwidth-bound, the chain moves 2x (scale_into), 7/3 = 2.33x (absorb_,
-k = 1) and 13/5 = 2.6x (absorb_, k = 3) the fused op's bytes: those are its speedup ceilings.
-The three are timed in interleaved rounds (--rounds), so that a drift of the machine's memory
-bandwidth (other tenants) hits them alike.
+Bandwidth counts the bytes the op must move, for a state of n elements of s bytes:
+
+| op | reads | writes |
+|---|---|---|
+| scale_into | n s | n s |
+| absorb_, k messages (of the state's dtype) | (k + 1) n s | n s |
+| compress_into_ (bf16 message, error feedback) | n s | n s + 2n |
+| quantize_into_ (error feedback) | n s | n s + m |
+| absorb_quantized_, k messages | n s + k m | n s |
+
+where m is a quantized message's bytes: n (int8, float8) or n / 2 (int4) plus 4 bytes a block
+of 128. "fused/copy" is the fused op's GB/s over the copy's GB/s; "speedup" is the unfused
+chain's time over the fused op's. Times are medians over interleaved rounds of
+torch.utils.benchmark.Timer.blocked_autorange medians (which synchronizes the GPU).
+
+Goals: fused >= 0.9x the copy's bandwidth on a GPU (0.8x on a CPU) and >= 2x faster than the
+unfused chain. With every op bandwidth-bound, the chain moves 2x (scale_into), 7/3 = 2.33x
+(absorb_, k = 1) and 13/5 = 2.6x (absorb_, k = 3) the fused op's bytes: those are its speedup
+ceilings. The three are timed in interleaved rounds (--rounds), so that a drift of the machine's
+memory bandwidth (other tenants) hits them alike.
+
+What held the CUDA kernels below a copy (an H100, 25M float32 elements, Nsight Compute), and
+what each does now (csrc/kernels/cuda/):
+- absorb_ (0.58x with one message): one 16-byte vector a thread and 24,415 blocks; each warp
+  waited 49 of its 68 cycles on a load. Now each thread issues the loads of 4 vectors at once,
+  in a grid that fills the GPU once and strides.
+- quantize_into_ (0.66-0.75x): compute-bound; a thread a value, so each value paid a block-wide
+  max through shared memory and two barriers. Now a warp a block of 128, four values a lane in
+  one 16-byte load, the max in five shuffles, the codes stored as one word.
+- absorb_quantized_ (0.32-0.48x): L2 at 91% while DRAM sat at 42%: each value read its block's
+  scale a byte at a time and its code a byte at a time. Now a lane reads its four values in one
+  16-byte load, its four codes as one word and the scale as one word the warp shares, every
+  message's loads issued before the first is used.
+The weights are divided in double once per thread, as the CPU twins do on the host, so that the
+quantized ops keep the CPU's bits.
 
 On CPUs the kernels run the best instruction set the CPU has (base, avx2, avx512, avx512_bf16,
 or zen4: avx512_bf16 as AMD Zen 4 runs it best), capped by torch's CPU capability and by
@@ -39,6 +65,7 @@ import statistics
 import sys
 
 import torch
+from quantized_cases import ALPHA, Case, quantized_cases, size_of
 from results import machine, record
 from torch.utils.benchmark import Timer
 
@@ -50,24 +77,10 @@ DTYPES = {
     "float16": torch.float16,
     "float64": torch.float64,
 }
-ALPHA = 0.5  # the uniform mixing share of one out-peer
-GOAL_COPY_FRACTION = 0.8
+# Fused op's GB/s over a copy's: a one-pass op on a GPU moves its bytes as a copy does; on a CPU
+# the kernels' arithmetic and the copy's streaming stores leave more between them.
+GOAL_COPY_FRACTION = {"cpu": 0.8, "cuda": 0.9}
 GOAL_SPEEDUP = 2.0
-
-
-class Case:
-    """One op at one (dtype, size): the fused and unfused callables and the bytes they move."""
-
-    def __init__(self, name: str, fused, unfused, passes: float, outputs: list[torch.Tensor]):
-        self.name = name
-        self.fused = fused
-        self.unfused = unfused
-        self.passes = passes  # elements read + written, in units of n
-        self.outputs = outputs  # what both write: compared before timing
-
-
-def size_of(dtype: torch.dtype) -> int:
-    return torch.tensor([], dtype=dtype).element_size()
 
 
 def make_cases(
@@ -181,103 +194,6 @@ def make_cases(
     return cases, copy
 
 
-# Block-quantized messages (Note [Quantized messages] in csrc/kernels/block_format.h): a float32
-# scale per block of 128 values, then the codes.
-BLOCK = 128
-LEVELS = {"int8": 127.0, "int4": 7.0, "float8_e4m3fn": 448.0}
-
-
-def quantize_chain(state, message, fmt: str, scale: float, fold: float) -> None:
-    """quantize_into_ as the chain of torch ops a plain-PyTorch implementation runs: scale, pad to
-    whole blocks, block maxima, divide, clamp, round (or cast to float8), pack, error feedback."""
-    n, dtype, q = state.numel(), state.dtype, LEVELS[fmt]
-    blocks = -(-n // BLOCK)
-    v = state * scale
-    padded = torch.zeros(blocks * BLOCK, dtype=dtype, device=state.device)
-    padded[:n] = v
-    per_block = padded.view(blocks, BLOCK)
-    scales = (per_block.abs().amax(1) / q).float()
-    divisor = torch.where(scales > 0, scales.to(dtype), torch.ones((), dtype=dtype))
-    y = (per_block / divisor[:, None]).float().clamp_(-q, q)
-    if fmt == "float8_e4m3fn":
-        codes = y.to(torch.float8_e4m3fn)
-        values = codes.float()
-        payload = codes.view(torch.uint8).flatten()[:n]
-    else:
-        values = y.round_()
-        ints = values.to(torch.int8).flatten()[:n]
-        if fmt == "int8":
-            payload = ints.view(torch.uint8)
-        else:
-            nibbles = (ints & 0xF).view(torch.uint8)
-            if n % 2:
-                nibbles = torch.cat([nibbles, nibbles.new_zeros(1)])
-            payload = nibbles[0::2] | (nibbles[1::2] << 4)
-    message[: 4 * blocks].copy_(scales.view(torch.uint8))
-    message[4 * blocks :].copy_(payload)
-    if fold:
-        sent = (values * scales[:, None]).flatten()[:n].to(dtype)
-        state.add_((v - sent) * fold)
-
-
-def dequantize_chain(message, n: int, fmt: str, device) -> torch.Tensor:
-    blocks = -(-n // BLOCK)
-    scales = message[: 4 * blocks].view(torch.float32)
-    payload = message[4 * blocks :]
-    if fmt == "int8":
-        codes = payload.view(torch.int8).float()
-    elif fmt == "int4":
-        low = (payload & 0xF).view(torch.int8)
-        high = (payload >> 4).view(torch.int8)
-        nibbles = torch.stack([low, high], dim=1).flatten()[:n]
-        codes = torch.where(nibbles >= 8, nibbles - 16, nibbles).float()
-    else:
-        codes = payload.view(torch.float8_e4m3fn).float()
-    return codes * scales.repeat_interleave(BLOCK)[:n]
-
-
-def quantized_cases(n: int, dtype, device, buffer, w) -> list[Case]:
-    """quantize_into_ (with error feedback) and absorb_quantized_ (k = 1 received message, the
-    de-bias), int8, int4 and float8 e4m3fn: each reads and writes the state once and writes or
-    reads a message of about a quarter (int8, float8) or an eighth (int4) of float32's bytes."""
-    ops = torch.ops.gossip_ext
-    cases = []
-    for fmt, short in (("int8", "int8"), ("int4", "int4"), ("float8_e4m3fn", "fp8")):
-        size = gossip_ext._C.quantized_message_bytes(n, fmt)
-        message = torch.zeros(size, dtype=torch.uint8, device=device)
-        state = buffer()
-        passes = 2 + size / (n * size_of(dtype))
-        scale = ALPHA * w.item()
-
-        def quantize_fused(state=state, message=message, fmt=fmt):
-            ops.quantize_into_(state, message, fmt, ALPHA, w, 2.0)
-
-        def quantize_unfused(state=state, message=message, fmt=fmt, scale=scale):
-            quantize_chain(state, message, fmt, scale, 2.0 / w.item())
-
-        cases.append(
-            Case(f"quantize_into_ {short}", quantize_fused, quantize_unfused, passes,
-                 [state, message])
-        )
-        if fmt == "float8_e4m3fn":
-            continue
-        ops.quantize_into_(buffer(), message, fmt, 1.0)
-        x = buffer()
-        ws, wn = torch.full_like(w, 0.5), torch.full_like(w, 1.0)
-
-        def absorb_fused(x=x, message=message, fmt=fmt, ws=ws, wn=wn):
-            ops.absorb_quantized_(x, [message], fmt, ALPHA, ws, wn)
-
-        def absorb_unfused(x=x, message=message, fmt=fmt):
-            values = dequantize_chain(message, n, fmt, device)
-            x.mul_(0.5 * ALPHA).add_(values.to(dtype)).div_(1.0)
-
-        cases.append(
-            Case(f"absorb_quantized_ {short} k=1", absorb_fused, absorb_unfused, passes, [x])
-        )
-    return cases
-
-
 def check_equivalence(cases: list[Case], dtype, twins: list[Case] | None = None) -> None:
     """Fused and unfused must compute the same thing before their times are compared.
 
@@ -379,15 +295,15 @@ def format_elements(n: int) -> str:
     return f"{n / 1e6:g}M" if n >= 1e6 else f"{n / 1e3:g}K" if n >= 1e3 else str(n)
 
 
-def format_table(rows: list[dict]) -> str:
+def format_table(rows: list[dict], goal: float) -> str:
     header = (
         "| op | dtype | elements | fused ms | unfused ms | copy ms | fused GB/s | unfused GB/s "
-        f"| copy GB/s | fused/copy BW (goal >= {GOAL_COPY_FRACTION}) "
+        f"| copy GB/s | fused/copy BW (goal >= {goal}) "
         f"| speedup over unfused (goal >= {GOAL_SPEEDUP:g}) | goals |"
     )
     lines = [header, "|" + "---|" * 12]
     for r in rows:
-        met = [r["of_copy"] >= GOAL_COPY_FRACTION, r["speedup"] >= GOAL_SPEEDUP]
+        met = [r["of_copy"] >= goal, r["speedup"] >= GOAL_SPEEDUP]
         verdict = (
             "met"
             if all(met)
@@ -403,11 +319,11 @@ def format_table(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
-def summary(rows: list[dict]) -> str:
-    bw = sum(r["of_copy"] >= GOAL_COPY_FRACTION for r in rows)
+def summary(rows: list[dict], goal: float) -> str:
+    bw = sum(r["of_copy"] >= goal for r in rows)
     sp = sum(r["speedup"] >= GOAL_SPEEDUP for r in rows)
     return (
-        f"Goals: fused >= {GOAL_COPY_FRACTION}x copy bandwidth in {bw}/{len(rows)} rows "
+        f"Goals: fused >= {goal}x copy bandwidth in {bw}/{len(rows)} rows "
         f"({'met' if bw == len(rows) else 'missed'}); fused >= {GOAL_SPEEDUP:g}x the unfused "
         f"chain in {sp}/{len(rows)} rows ({'met' if sp == len(rows) else 'missed'}).\n"
         "Speedup ceilings if every op is bandwidth-bound: scale_into 2x (the chain moves 4n "
@@ -516,7 +432,8 @@ def main(argv=None) -> list[dict]:
     check_build(torch.device(args.device))
     torch.set_num_threads(args.threads)
     rows = run(args)
-    table = format_table(rows)
+    goal = GOAL_COPY_FRACTION[torch.device(args.device).type]
+    table = format_table(rows, goal)
     device = torch.device(args.device)
     kernels = f", {gossip_ext._C.cpu_kernels_isa()} kernels" if device.type == "cpu" else ""
     print(
@@ -524,7 +441,7 @@ def main(argv=None) -> list[dict]:
         f"{kernels}"
     )
     print(table)
-    goals = summary(rows)
+    goals = summary(rows, goal)
     print("\n" + goals)
     if not args.no_record:
         record_results(table, goals, args)

@@ -10,8 +10,11 @@ from datetime import UTC, datetime
 
 import torch
 
-RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "RESULTS.md")
-_TITLE = "# Benchmark results\n"
+# Where record() writes: benchmarks/RESULTS.md, or the file GOSSIP_EXT_RESULTS names (then it
+# holds the sections alone, ready to paste: tools/gpu_check.sh collects them so).
+RESULTS_MD = os.path.join(os.path.dirname(os.path.abspath(__file__)), "RESULTS.md")
+RESULTS = os.environ.get("GOSSIP_EXT_RESULTS") or RESULTS_MD
+_TITLE = "# Benchmark results\n" if RESULTS == RESULTS_MD else ""
 
 
 def machine(device: torch.device | None = None) -> str:
@@ -35,7 +38,7 @@ _SETTINGS = ("ATEN_CPU_CAPABILITY", "GOSSIP_EXT_MAX_CPU_ISA")
 
 def command_line() -> str:
     """The command that reproduces this run, with the settings that changed it."""
-    script = os.path.relpath(sys.argv[0], os.path.dirname(os.path.dirname(RESULTS)))
+    script = os.path.relpath(sys.argv[0], os.path.dirname(os.path.dirname(RESULTS_MD)))
     settings = [f"{name}={os.environ[name]}" for name in _SETTINGS if os.environ.get(name)]
     return " ".join([*settings, "python", script, *sys.argv[1:]])
 
@@ -62,7 +65,7 @@ def write_section(title: str, section: str) -> None:
     lines = text.splitlines(keepends=True)
     start = next((i for i, line in enumerate(lines) if line.startswith(f"## {title} (")), None)
     if start is None:
-        text = text.rstrip("\n") + "\n\n" + section
+        text = (text.rstrip("\n") + "\n\n" if text.strip() else "") + section
     else:
         end = next(
             (i for i in range(start + 1, len(lines)) if lines[i].startswith("## ")), len(lines)

@@ -57,3 +57,25 @@ def test_a_benchmark_rewrites_its_own_section_and_leaves_the_others(monkeypatch,
     )
     with pytest.raises(ValueError, match="must start with '## Soak"):
         results.write_section("Soak", "## Memory (x)\n")
+
+
+def test_gossip_ext_results_sends_the_sections_alone_to_another_file(monkeypatch, tmp_path):
+    # tools/gpu_check.sh collects each GPU benchmark's section so, ready to paste.
+    import importlib
+
+    monkeypatch.syspath_prepend(BENCHMARKS)
+    path = tmp_path / "kernels.md"
+    monkeypatch.setenv("GOSSIP_EXT_RESULTS", str(path))
+    import results
+
+    try:
+        results = importlib.reload(results)
+        results.write_section("Kernels, cuda", "## Kernels, cuda (2026-02-01)\n\ntable\n")
+        results.write_section("NCCL round", "## NCCL round (2026-02-01)\n\nround table\n")
+        assert path.read_text() == (
+            "## Kernels, cuda (2026-02-01)\n\ntable\n\n## NCCL round (2026-02-01)\n\nround table\n"
+        )
+        assert results.RESULTS_MD.endswith(os.path.join("benchmarks", "RESULTS.md"))
+    finally:
+        monkeypatch.delenv("GOSSIP_EXT_RESULTS")
+        importlib.reload(results)

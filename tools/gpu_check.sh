@@ -1,52 +1,81 @@
 #!/usr/bin/env bash
-# Everything that needs a GPU, as it runs on a GPU machine with no network and torch's CUDA build,
-# nvcc and the nvidia-nccl wheel preinstalled: it installs nothing. Two commands, each within
-# 10 minutes on 16 cores (the build is most of the first):
+# Everything that needs a GPU, in one command of at most 8 minutes on a 16-core GPU machine with
+# no network, torch's CUDA build, nvcc and the nvidia-nccl wheel preinstalled: it installs nothing.
 #
-#   bash tools/gpu_check.sh tests        # what it found; the CUDA build in place; the GPU tests
-#   bash tools/gpu_check.sh benchmarks   # the GPU kernel benchmark; the one-GPU NCCL round
+#   bash tools/gpu_check.sh
 #
-# With no argument it runs both. It prints what it found first (versions, Python headers, GPU),
-# then each stage; it stops at the first stage that fails and prints the end of that stage's log.
-# Every stage and every test has a time limit. Logs and tables go to RESULTS_DIR ($OUT if set,
-# else build/gpu-check): kernels.md and nccl_round.md are ready for benchmarks/RESULTS.md.
+# Stages, each run even when an earlier one failed, each under its own time limit and all within
+# GPU_CHECK_SECONDS (default 470):
+#   found       versions, Python headers, the GPU
+#   build       the CUDA build in place (GOSSIP_EXT_CUDA=1, the present GPU's architecture)
+#   import      tools/check_cuda_build.py: the CUDA ops registered, NcclTransport, one libnccl
+#   tests       pytest tests/gpu
+#   memcheck    compute-sanitizer memcheck over tests/gpu/test_cuda_kernels.py (less the cases
+#               too large or timed for it), beside the tests: both check, neither times
+#   kernels     benchmarks/kernels.py on the GPU, alone: 25M and 100M elements, fp32 and bf16
+#   nccl_round  benchmarks/nccl_round.py: a gossip round through NCCL beside a bare NCCL
+#               send/receive of the same bytes, alone
+# It ends with one table (stage, result, seconds) and exits non-zero if any stage failed.
+# RESULTS_DIR ($OUT if set, else build/gpu-check) holds 8 files: summary.md (what was found and
+# the table), build.log (found, build, import), tests.log, memcheck.log, kernels.log,
+# nccl_round.log, and kernels.md and nccl_round.md, the benchmarks' sections of
+# benchmarks/RESULTS.md, naming the GPU, ready to paste.
 set -uo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
-WHAT=${1:-all}
-case $WHAT in
-  tests | benchmarks | all) ;;
-  *)
-    echo "usage: $0 [tests|benchmarks|all]" >&2
-    exit 2
-    ;;
-esac
+if [ $# -ne 0 ]; then
+  echo "usage: $0 (no arguments: it runs every stage; RESULTS_DIR, GPU_CHECK_SECONDS)" >&2
+  exit 2
+fi
 RESULTS_DIR=${RESULTS_DIR:-${OUT:-build/gpu-check}}
 mkdir -p "$RESULTS_DIR"
+rm -f "$RESULTS_DIR"/{summary.md,build.log,tests.log,memcheck.log,kernels.log,nccl_round.log,kernels.md,nccl_round.md}
 PYTHON=${PYTHON:-python3}
 export PYTHONUNBUFFERED=1
 # shellcheck source=tools/cuda_home.sh
 source tools/cuda_home.sh
+export PYTHON CUDA_HOME
+deadline=$((SECONDS + ${GPU_CHECK_SECONDS:-470}))
+rows=()
+failed=0
 
-# stage NAME SECONDS COMMAND...: runs COMMAND (a shell function through bash -c) under a time limit, its output shown and kept in
-# RESULTS_DIR/NAME.log; a failure ends the check with the log's end.
-stage() {
-  local name=$1 limit=$2 start=$SECONDS
-  shift 2
-  printf '\n== %s (limit %d s)\n' "$name" "$limit"
-  timeout --kill-after=10 "$limit" "$@" 2>&1 | tee "$RESULTS_DIR/$name.log"
-  local status=${PIPESTATUS[0]}
-  if [ "$status" -ne 0 ]; then
-    [ "$status" -eq 124 ] && echo "gpu_check: $name ran past its $limit s limit"
-    echo "---- end of $RESULTS_DIR/$name.log"
-    tail -60 "$RESULTS_DIR/$name.log"
-    echo "gpu_check: FAILED at $name (exit $status)"
-    exit 1
+# limit_for SECONDS: the stage's own limit, or what is left of the whole check if that is less.
+limit_for() {
+  local left=$((deadline - SECONDS - 5))
+  echo $(($1 < left ? $1 : left))
+}
+
+# finish NAME STATUS SECONDS LIMIT: one row of the table.
+finish() {
+  local result=passed
+  if [ "$2" -eq 124 ] || [ "$2" -eq 137 ]; then
+    result="TIMED OUT (limit $4 s)"
+  elif [ "$2" -ne 0 ]; then
+    result="FAILED (exit $2)"
   fi
-  printf '== %s: passed in %d s\n' "$name" $((SECONDS - start))
+  [ "$result" = passed ] || failed=1
+  rows+=("$(printf '| %-10s | %-22s | %4d |' "$1" "$result" "$3")")
+  printf '== %s: %s in %d s\n' "$1" "$result" "$3"
+}
+
+# stage NAME SECONDS LOG COMMAND...: runs COMMAND under a time limit, its output shown and
+# appended to RESULTS_DIR/LOG.
+stage() {
+  local name=$1 limit log=$RESULTS_DIR/$3 start=$SECONDS
+  limit=$(limit_for "$2")
+  shift 3
+  if [ "$limit" -lt 10 ]; then
+    rows+=("$(printf '| %-10s | %-22s | %4d |' "$name" "SKIPPED (out of time)" 0)")
+    failed=1
+    return
+  fi
+  printf '\n== %s (limit %d s)\n' "$name" "$limit" | tee -a "$log"
+  timeout --kill-after=10 "$limit" "$@" 2>&1 | tee -a "$log"
+  finish "$name" "${PIPESTATUS[0]}" $((SECONDS - start)) "$limit"
 }
 
 found() {
   echo "CUDA_HOME=${CUDA_HOME:-unset}; nvcc: $(nvcc --version 2>/dev/null | tail -n 2 | head -n 1)"
+  echo "compute-sanitizer: $(command -v compute-sanitizer || echo "${CUDA_HOME:-}/bin/compute-sanitizer")"
   nproc | sed 's/^/cores: /'
   "$PYTHON" - <<'EOF'
 import os, sys, sysconfig
@@ -81,26 +110,66 @@ build() {
   arch=${TORCH_CUDA_ARCH_LIST:-$("$PYTHON" -c "import torch; print('%d.%d' % torch.cuda.get_device_capability())")}
   echo "GOSSIP_EXT_CUDA=1 TORCH_CUDA_ARCH_LIST=$arch setup.py build_ext --inplace"
   GOSSIP_EXT_CUDA=1 TORCH_CUDA_ARCH_LIST=$arch MAX_JOBS=${MAX_JOBS:-$(nproc)} \
-    "$PYTHON" setup.py build_ext --inplace && "$PYTHON" tools/check_cuda_build.py
+    "$PYTHON" setup.py build_ext --inplace
 }
-
-export PYTHON CUDA_HOME
 export -f found build
+
 pytest_limit=()
 "$PYTHON" -c "import pytest_timeout" 2>/dev/null && pytest_limit=(--timeout=120)
+export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 
-if [ "$WHAT" = tests ] || [ "$WHAT" = all ]; then
-  stage found 60 bash -c found
-  stage build 300 bash -c build
-  export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
-  stage tests 230 "$PYTHON" -m pytest tests/gpu -q -rs -p no:cacheprovider "${pytest_limit[@]}"
+stage found 30 build.log bash -c found
+cp "$RESULTS_DIR/build.log" "$RESULTS_DIR/found.txt"
+if [ "$failed" -ne 0 ]; then
+  # No usable GPU or CUDA build of torch: nothing after this could run.
+  for name in build import tests memcheck kernels nccl_round; do
+    rows+=("$(printf '| %-10s | %-22s | %4d |' "$name" "SKIPPED (found failed)" 0)")
+  done
+  deadline=$SECONDS
 fi
-if [ "$WHAT" = benchmarks ] || [ "$WHAT" = all ]; then
-  export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
-  stage kernels 280 "$PYTHON" benchmarks/kernels.py --device cuda \
-    --dtypes float32 bfloat16 float16 --no-record
-  cp "$RESULTS_DIR/kernels.log" "$RESULTS_DIR/kernels.md"
-  stage nccl_round 280 "$PYTHON" benchmarks/nccl_round.py --no-record
-  cp "$RESULTS_DIR/nccl_round.log" "$RESULTS_DIR/nccl_round.md"
+if [ "$failed" -eq 0 ]; then
+  stage build 180 build.log bash -c build
+  stage import 30 build.log "$PYTHON" tools/check_cuda_build.py
+
+  # memcheck beside the tests: it runs each kernel far slower, so it leaves out the sizes that take
+  # several grid-stride passes and the tests that time the host.
+  memcheck_start=$SECONDS
+  memcheck_limit=$(limit_for 240)
+  sanitizer=$(command -v compute-sanitizer || echo "${CUDA_HOME:-}/bin/compute-sanitizer")
+  (
+    printf '\n== memcheck (limit %d s)\n' "$memcheck_limit"
+    timeout --kill-after=10 "$memcheck_limit" "$sanitizer" --tool memcheck --error-exitcode 99 \
+      "$PYTHON" -m pytest tests/gpu/test_cuda_kernels.py -q -p no:cacheprovider \
+      -k "not several_grid_stride and not return_at_once and not 2097155"
+  ) >"$RESULTS_DIR/memcheck.log" 2>&1 &
+  memcheck_pid=$!
+  stage tests 240 tests.log "$PYTHON" -m pytest tests/gpu -q -rs -p no:cacheprovider \
+    "${pytest_limit[@]}"
+  wait "$memcheck_pid"
+  memcheck_status=$?
+  tail -n 5 "$RESULTS_DIR/memcheck.log"
+  finish memcheck "$memcheck_status" $((SECONDS - memcheck_start)) "$memcheck_limit"
+
+  GOSSIP_EXT_RESULTS=$RESULTS_DIR/kernels.md stage kernels 120 kernels.log \
+    "$PYTHON" benchmarks/kernels.py --device cuda --sizes 2.5e7 1e8 --dtypes float32 bfloat16 \
+    --min-run-time 0.3 --rounds 3
+  GOSSIP_EXT_RESULTS=$RESULTS_DIR/nccl_round.md stage nccl_round 60 nccl_round.log \
+    "$PYTHON" benchmarks/nccl_round.py --params 2.5e7 1e8
 fi
-echo "gpu_check: $WHAT passed"
+
+{
+  echo "# tools/gpu_check.sh, $(date -u '+%Y-%m-%d %H:%M') UTC, commit $(git rev-parse --short HEAD 2>/dev/null || echo unknown)"
+  echo
+  echo '```'
+  cat "$RESULTS_DIR/found.txt"
+  echo '```'
+  echo
+  echo "| stage      | result                 | s    |"
+  echo "|------------|------------------------|------|"
+  printf '%s\n' "${rows[@]}"
+} >"$RESULTS_DIR/summary.md"
+rm -f "$RESULTS_DIR/found.txt"
+printf '\n'
+tail -n $((${#rows[@]} + 2)) "$RESULTS_DIR/summary.md"
+[ "$failed" -eq 0 ] && echo "gpu_check: every stage passed" || echo "gpu_check: a stage failed"
+exit "$failed"

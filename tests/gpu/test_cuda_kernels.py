@@ -240,8 +240,9 @@ def test_absorb_with_mixed_alignment_matches_cpu(dtype, unaligned):
     torch.testing.assert_close(got.cpu(), want, rtol=tol, atol=tol)
 
 
-# 65535 blocks of 256 threads: more work items than that takes a second grid-stride pass. The
-# scalar path has one item per element, the vectorized float32 path one per 4 elements.
+# scale_into launches up to 65535 blocks of 256 threads, absorb_ enough to fill the GPU once (4
+# vectors a thread a pass): either way sizes like these take several grid-stride passes, on the
+# scalar path (one item per element) and the vectorized one (one per 4 float32 elements).
 @pytest.mark.parametrize("n, offset", [((1 << 24) + 3, 1), ((1 << 26) + 5, 0)])
 def test_absorb_and_scale_into_cover_several_grid_stride_passes(n, offset):
     x = _random(n, torch.float32)
@@ -292,7 +293,8 @@ def _message(n, fmt, offset=0, device="cpu"):
 
 @pytest.mark.parametrize("fmt", QUANTIZED_FORMATS)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
-@pytest.mark.parametrize("n", [1, 129, 1023, 70001, (1 << 20) + 3])
+# (1 << 21) + 3: more blocks of 128 than the warps of a full GPU, so each warp takes several
+@pytest.mark.parametrize("n", [1, 129, 1023, 70001, (1 << 21) + 3])
 @pytest.mark.parametrize("offset", [0, 1])
 @pytest.mark.parametrize("feedback", [0.0, 2.0])
 def test_quantize_into_matches_cpu_bit_for_bit(fmt, dtype, n, offset, feedback):
@@ -310,10 +312,12 @@ def test_quantize_into_matches_cpu_bit_for_bit(fmt, dtype, n, offset, feedback):
 
 @pytest.mark.parametrize("fmt", QUANTIZED_FORMATS)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
-@pytest.mark.parametrize("n", [129, 70001])
+@pytest.mark.parametrize("n", [129, 70001, (1 << 21) + 3])
 @pytest.mark.parametrize("num_received", [0, 1, 3, 11])  # 11: more than one launch
 @pytest.mark.parametrize("with_sent", [False, True])
-def test_absorb_quantized_matches_cpu_bit_for_bit(fmt, dtype, n, num_received, with_sent):
+# offset 1: the state and every message unaligned, read a byte or a value at a time
+@pytest.mark.parametrize("offset", [0, 1])
+def test_absorb_quantized_matches_cpu_bit_for_bit(fmt, dtype, n, num_received, with_sent, offset):
     def message_of(seed):
         m = _message(n, fmt)
         torch.manual_seed(seed)
@@ -329,11 +333,11 @@ def test_absorb_quantized_matches_cpu_bit_for_bit(fmt, dtype, n, num_received, w
     want_flag = torch.zeros(1, dtype=torch.int32)
     torch.ops.gossip_ext.absorb_quantized_(want, received, fmt, 0.5, self_weight, new_weight,
                                            want_flag, sent, -2.0)
-    cuda_x = x.cuda()
+    cuda_x = _device_view(x, offset)
     flag = torch.zeros(1, dtype=torch.int32, device="cuda")
     torch.ops.gossip_ext.absorb_quantized_(
-        cuda_x, [m.cuda() for m in received], fmt, 0.5, self_weight.cuda(), new_weight.cuda(),
-        flag, None if sent is None else sent.cuda(), -2.0)
+        cuda_x, [_device_view(m, offset) for m in received], fmt, 0.5, self_weight.cuda(),
+        new_weight.cuda(), flag, None if sent is None else _device_view(sent, offset), -2.0)
     assert torch.equal(cuda_x.cpu(), want)
     assert flag.item() == want_flag.item() == 0
 
