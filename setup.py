@@ -63,6 +63,10 @@ def _extension():
     ]
     link_flags = ["-fopenmp"] + ([] if debug else ["-s"])
     include_dirs = [os.path.join(ROOT, "csrc")]
+    # The torch compiled against, exactly as torch.__version__ says it (local suffix included: a
+    # +cpu and a +cu130 build differ too), for _C.built_with_torch(): the package refuses to run
+    # under another torch, whose ABI may differ (gossip_ext/_torch_check.py).
+    define_macros = [("GOSSIP_EXT_TORCH_VERSION", f'"{torch.__version__}"')]
 
     if cuda:
         _check_cuda_home()
@@ -75,7 +79,7 @@ def _extension():
             "gossip_ext._C",
             files,
             include_dirs=include_dirs + [nccl.include_dir],
-            define_macros=[("GOSSIP_WITH_CUDA", "1")],
+            define_macros=define_macros + [("GOSSIP_WITH_CUDA", "1")],
             extra_compile_args={"cxx": cxx_flags, "nvcc": ["-O3", "--fmad=false"]},
             extra_link_args=link_flags + nccl.link_args,
         )
@@ -83,6 +87,7 @@ def _extension():
         "gossip_ext._C",
         files,
         include_dirs=include_dirs,
+        define_macros=define_macros,
         extra_compile_args={"cxx": cxx_flags},
         extra_link_args=link_flags,
     )

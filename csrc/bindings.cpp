@@ -5,6 +5,8 @@
 #include <pybind11/stl.h>
 #include <torch/csrc/utils/pybind.h>
 
+#include <string>
+
 #include "common/error.h"
 #include "engine/gossip_engine.h"
 #include "engine/simulate.h"
@@ -19,10 +21,18 @@
 #include "transport/nccl/nccl_bindings.h"
 #endif
 
+// torch.__version__ of the torch this module is compiled against, as a string literal: setup.py
+// defines it. gossip_ext/_torch_check.py refuses to run the module under any other torch.
+#ifndef GOSSIP_EXT_TORCH_VERSION
+#error "GOSSIP_EXT_TORCH_VERSION is not defined: build gossip_ext._C with setup.py"
+#endif
+
 namespace py = pybind11;
 
 namespace gossip {
 namespace {
+
+std::string built_with_torch() { return GOSSIP_EXT_TORCH_VERSION; }
 
 void bind_topology(py::module_& m) {
   py::enum_<GraphKind>(m, "GraphKind")
@@ -215,6 +225,8 @@ PYBIND11_MODULE(_C, m) {
       PyErr_SetString(PyExc_FloatingPointError, e.what());
     }
   });
+  m.def("built_with_torch", &gossip::built_with_torch,
+        "torch.__version__ of the torch this module was compiled against");
   gossip::bind_topology(m);
   gossip::bind_engine(m);
 #ifdef GOSSIP_WITH_CUDA

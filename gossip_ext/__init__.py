@@ -33,7 +33,9 @@ gains the argument that selects it.
 
 import torch  # noqa: F401  (loads libtorch before the extension)
 
-from gossip_ext import _C  # noqa: F401  (registers torch.ops.gossip_ext)
+# gossip_ext._C (it registers torch.ops.gossip_ext), refused before anything runs in it if it was
+# built against another torch than the running one.
+from gossip_ext._torch_check import _C
 from gossip_ext.distributed import GossipDataParallel
 from gossip_ext.epochs import RemovedError
 from gossip_ext.graphs import (
