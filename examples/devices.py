@@ -83,7 +83,8 @@ def choose(
 def init_process_group(args: argparse.Namespace) -> torch.device:
     """Chooses this process's device from torchrun's environment, makes it the current one and
     initializes the default process group over its backend; returns the device. Exits with
-    status 2 and the reason (printed once per node) when the node cannot run ``args``."""
+    status 2 and the reason when the node cannot run ``args``: every process prints it, since
+    torchrun stops the others as soon as the first one exits."""
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
     try:
         device, backend = choose(
@@ -94,8 +95,7 @@ def init_process_group(args: argparse.Namespace) -> torch.device:
             hasattr(gossip_ext._C, "NcclTransport"),
         )
     except ValueError as error:
-        if local_rank == 0:
-            print(f"{os.path.basename(sys.argv[0])}: error: {error}", file=sys.stderr)
+        print(f"{os.path.basename(sys.argv[0])}: error: {error}", file=sys.stderr, flush=True)
         sys.exit(2)
     if device.type == "cuda":
         torch.cuda.set_device(device)
