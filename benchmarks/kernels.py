@@ -262,7 +262,10 @@ def run(args) -> list[dict]:
         dtype = DTYPES[dtype_name]
         size = torch.tensor([], dtype=dtype).element_size()
         for n in args.sizes:
+            # Progress, so that a run stopped by a time limit shows where it was.
+            print(f"{dtype_name} {format_elements(n)}: building and checking the cases", flush=True)
             cases, copy = make_cases(n, dtype, device, args.weight_shape)
+            print(f"{dtype_name} {format_elements(n)}: timing {len(cases)} ops", flush=True)
             fns = {"copy": copy}
             for case in cases:
                 fns[(case.name, "fused")] = case.fused

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import statistics
 import sys
 import tempfile
 import time
@@ -76,9 +77,9 @@ def copy_ms(num_params: int, reps: int) -> float:
     return time_ms(lambda: copy.copy_(state), reps)
 
 
-def measure(num_params: int, reps: int, nccl_group) -> dict:
-    row = {"params": num_params}
-    row["copy"] = copy_ms(num_params, reps)
+def measure_rounds(num_params: int, reps: int) -> dict:
+    """The gossip rounds of num_params parameters, float32 and bfloat16 messages, and a copy."""
+    row = {"params": num_params, "copy": copy_ms(num_params, reps)}
     for name, message_dtype in (("float32", None), ("bfloat16", torch.bfloat16)):
         params = [torch.randn(num_params, device="cuda")]
         e = engine(params, message_dtype, f"bench/{num_params}/{name}")
@@ -88,25 +89,27 @@ def measure(num_params: int, reps: int, nccl_group) -> dict:
             e.finish_round()
             e.synchronize()
 
-        message_bytes = num_params * (4 if message_dtype is None else 2)
+        row[name] = statistics.median(time_ms(round_trip, reps) for _ in range(3))
+        print(f"{num_params / 1e6:g}M {name}: gossip round {row[name]:.3f} ms", flush=True)
+        del e
+    return row
+
+
+def measure_bare(row: dict, reps: int, nccl_group) -> None:
+    """The bare send/receive of each row's message bytes, added to the row."""
+    num_params = row["params"]
+    for name, message_bytes in (("float32", 4 * num_params), ("bfloat16", 2 * num_params)):
         src = torch.empty(message_bytes, dtype=torch.uint8, device="cuda")
         dst = torch.empty_like(src)
-
-        def bare(src=src, dst=dst):
-            bare_send_receive(src, dst, nccl_group)
-
-        # Interleaved, so that a drift of the GPU's clocks hits both alike.
-        rounds, bares = [], []
-        for _ in range(3):
-            rounds.append(time_ms(round_trip, reps))
-            try:
-                bares.append(time_ms(bare, reps))
-            except (RuntimeError, ValueError) as error:  # the row still shows the round's time
-                print(f"bare send/receive of {message_bytes} bytes to self failed: {error}")
-                bares.append(float("nan"))
-        row[name], row[f"bare {name}"] = sorted(rounds)[1], sorted(bares)[1]
-        del e, src, dst
-    return row
+        try:
+            row[f"bare {name}"] = statistics.median(
+                time_ms(lambda src=src, dst=dst: bare_send_receive(src, dst, nccl_group), reps)
+                for _ in range(3)
+            )
+        except (RuntimeError, ValueError) as error:  # the table still shows the rounds
+            print(f"bare send/receive of {message_bytes} bytes to self failed: {error}")
+            row[f"bare {name}"] = float("nan")
+        print(f"{num_params / 1e6:g}M {name}: bare send/receive {row[f'bare {name}']:.3f} ms")
 
 
 def format_table(rows: list[dict]) -> str:
@@ -138,8 +141,12 @@ def main(argv=None) -> None:
         dist.init_process_group(
             "gloo", init_method=f"file://{os.path.join(tmp, 'store')}", rank=0, world_size=1
         )
+        rows = [measure_rounds(int(p), args.reps) for p in args.params]
+        # torch's NCCL communicator only once the engine's rounds are timed: whatever befalls
+        # it, the rounds' figures are printed above.
         nccl_group = dist.new_group([0], backend="nccl")
-        rows = [measure(int(p), args.reps, nccl_group) for p in args.params]
+        for row in rows:
+            measure_bare(row, args.reps, nccl_group)
         dist.destroy_process_group()
     table = format_table(rows)
     print(f"\nOne NCCL gossip round to self on {machine(torch.device('cuda'))}\n{table}")

@@ -9,12 +9,15 @@
 #   found       versions, Python headers, the GPU
 #   build       the CUDA build in place (GOSSIP_EXT_CUDA=1, the present GPU's architecture)
 #   import      tools/check_cuda_build.py: the CUDA ops registered, NcclTransport, one libnccl
-#   tests       pytest tests/gpu
-#   memcheck    compute-sanitizer memcheck over tests/gpu/test_cuda_kernels.py (less the cases
-#               too large or timed for it), beside the tests: both check, neither times
 #   kernels     benchmarks/kernels.py on the GPU, alone: 25M and 100M elements, fp32 and bf16
 #   nccl_round  benchmarks/nccl_round.py: a gossip round through NCCL beside a bare NCCL
 #               send/receive of the same bytes, alone
+#   tests       pytest tests/gpu, a file at a time, each test under a limit: a file that crashes
+#               or hangs still leaves its failures, with their tracebacks, in the log
+#   memcheck    compute-sanitizer memcheck over tests/gpu/test_cuda_kernels.py (less the cases
+#               too large or timed for it), beside the tests: both check, neither times
+# The benchmarks run before the tests, so that a test that hangs cannot take their time, and a
+# crash anywhere prints the Python stack of every thread (PYTHONFAULTHANDLER).
 # It ends with one table (stage, result, seconds) and exits non-zero if any stage failed.
 # RESULTS_DIR ($OUT if set, else build/gpu-check) holds 8 files: summary.md (what was found and
 # the table), build.log (found, build, import), tests.log, memcheck.log, kernels.log,
@@ -30,7 +33,7 @@ RESULTS_DIR=${RESULTS_DIR:-${OUT:-build/gpu-check}}
 mkdir -p "$RESULTS_DIR"
 rm -f "$RESULTS_DIR"/{summary.md,build.log,tests.log,memcheck.log,kernels.log,nccl_round.log,kernels.md,nccl_round.md}
 PYTHON=${PYTHON:-python3}
-export PYTHONUNBUFFERED=1
+export PYTHONUNBUFFERED=1 PYTHONFAULTHANDLER=1
 # shellcheck source=tools/cuda_home.sh
 source tools/cuda_home.sh
 export PYTHON CUDA_HOME
@@ -112,17 +115,29 @@ build() {
   GOSSIP_EXT_CUDA=1 TORCH_CUDA_ARCH_LIST=$arch MAX_JOBS=${MAX_JOBS:-$(nproc)} \
     "$PYTHON" setup.py build_ext --inplace
 }
-export -f found build
+# tests/gpu a file at a time, each test under pytest-timeout's limit where it is installed; the
+# kernel tests first. Exits non-zero if any file failed.
+gpu_tests() {
+  local status=0 file
+  for file in tests/gpu/test_cuda_kernels.py $(ls tests/gpu/test_*.py | grep -v test_cuda_kernels); do
+    echo "-- $file"
+    "$PYTHON" -m pytest "$file" -q -rfEs --tb=short -p no:cacheprovider $PYTEST_LIMIT ||
+      status=1
+  done
+  return $status
+}
+export -f found build gpu_tests
 
-pytest_limit=()
-"$PYTHON" -c "import pytest_timeout" 2>/dev/null && pytest_limit=(--timeout=120)
+PYTEST_LIMIT=""
+"$PYTHON" -c "import pytest_timeout" 2>/dev/null && PYTEST_LIMIT=--timeout=90
+export PYTEST_LIMIT
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 
 stage found 30 build.log bash -c found
 cp "$RESULTS_DIR/build.log" "$RESULTS_DIR/found.txt"
 if [ "$failed" -ne 0 ]; then
   # No usable GPU or CUDA build of torch: nothing after this could run.
-  for name in build import tests memcheck kernels nccl_round; do
+  for name in build import kernels nccl_round tests memcheck; do
     rows+=("$(printf '| %-10s | %-22s | %4d |' "$name" "SKIPPED (found failed)" 0)")
   done
   deadline=$SECONDS
@@ -131,10 +146,16 @@ if [ "$failed" -eq 0 ]; then
   stage build 180 build.log bash -c build
   stage import 30 build.log "$PYTHON" tools/check_cuda_build.py
 
+  GOSSIP_EXT_RESULTS=$RESULTS_DIR/kernels.md stage kernels 150 kernels.log \
+    "$PYTHON" benchmarks/kernels.py --device cuda --sizes 2.5e7 1e8 --dtypes float32 bfloat16 \
+    --min-run-time 0.2 --rounds 3
+  GOSSIP_EXT_RESULTS=$RESULTS_DIR/nccl_round.md stage nccl_round 60 nccl_round.log \
+    "$PYTHON" benchmarks/nccl_round.py --params 2.5e7 1e8
+
   # memcheck beside the tests: it runs each kernel far slower, so it leaves out the sizes that take
   # several grid-stride passes and the tests that time the host.
   memcheck_start=$SECONDS
-  memcheck_limit=$(limit_for 240)
+  memcheck_limit=$(limit_for 200)
   sanitizer=$(command -v compute-sanitizer || echo "${CUDA_HOME:-}/bin/compute-sanitizer")
   (
     printf '\n== memcheck (limit %d s)\n' "$memcheck_limit"
@@ -143,18 +164,11 @@ if [ "$failed" -eq 0 ]; then
       -k "not several_grid_stride and not return_at_once and not 2097155"
   ) >"$RESULTS_DIR/memcheck.log" 2>&1 &
   memcheck_pid=$!
-  stage tests 240 tests.log "$PYTHON" -m pytest tests/gpu -q -rs -p no:cacheprovider \
-    "${pytest_limit[@]}"
+  stage tests 240 tests.log bash -c gpu_tests
   wait "$memcheck_pid"
   memcheck_status=$?
   tail -n 5 "$RESULTS_DIR/memcheck.log"
   finish memcheck "$memcheck_status" $((SECONDS - memcheck_start)) "$memcheck_limit"
-
-  GOSSIP_EXT_RESULTS=$RESULTS_DIR/kernels.md stage kernels 120 kernels.log \
-    "$PYTHON" benchmarks/kernels.py --device cuda --sizes 2.5e7 1e8 --dtypes float32 bfloat16 \
-    --min-run-time 0.3 --rounds 3
-  GOSSIP_EXT_RESULTS=$RESULTS_DIR/nccl_round.md stage nccl_round 60 nccl_round.log \
-    "$PYTHON" benchmarks/nccl_round.py --params 2.5e7 1e8
 fi
 
 {
