@@ -98,8 +98,8 @@ class _BuildExt(BuildExtension.with_options(use_ninja=True)):
     build/temp (tools/sources.py; the C++ tests link them from there): pip's editable and wheel
     builds would otherwise compile into a fresh temporary directory every time, and ninja then
     recompiles everything; with one directory it recompiles only what changed. One folder per
-    configuration (Python, torch, CPU or CUDA), so that a CUDA build in another environment
-    (tools/rehearse_cuda_build.sh) leaves the CPU build's objects."""
+    configuration (Python, torch, CPU or CUDA), so that a build in another environment
+    (tools/rehearse_build.sh) leaves the CPU build's objects."""
 
     def finalize_options(self) -> None:
         super().finalize_options()

@@ -1,10 +1,11 @@
 """The compiled extension names the torch it was compiled against, and ``import gossip_ext``
 refuses to run it under another (gossip_ext/_torch_check.py).
 
-A second torch is not needed to test the refusal: the check takes both versions, and a
-subprocess whose torch reports another version imports the package as a user would.
+A second torch is not needed to test the refusal: the check takes both versions, and an
+interpreter whose torch reports another version imports the package as a user would.
 """
 
+import importlib
 import os
 import subprocess
 import sys
@@ -13,7 +14,7 @@ import pytest
 import torch
 
 import gossip_ext  # the check has passed for this process
-from gossip_ext import _C
+from gossip_ext import _C, _torch_check
 from gossip_ext._torch_check import check_built_with, load_failed
 
 pytestmark = pytest.mark.extension  # the rehearsals run these too (pyproject.toml)
@@ -56,20 +57,16 @@ def test_a_module_that_does_not_load_is_reported_with_the_running_torch_and_the_
     assert REBUILD in str(error)
 
 
-def _import_gossip_ext(setup: str) -> subprocess.CompletedProcess:
-    """Imports gossip_ext in a fresh interpreter after running ``setup`` there: the copy this
-    process imported (from the folder above it: a checkout, or site-packages)."""
-    return subprocess.run(
-        [sys.executable, "-c", f"import sys, torch\n{setup}\nimport gossip_ext"],
+def test_import_refuses_the_extension_under_another_torch():
+    # A fresh interpreter whose torch reports another version imports the package as a user would.
+    result = subprocess.run(
+        [sys.executable, "-c", "import torch\ntorch.__version__ = '2.15.0'\nimport gossip_ext"],
+        # The copy this process imported, from the folder above it (a checkout or site-packages).
         cwd=os.path.dirname(os.path.dirname(os.path.realpath(gossip_ext.__file__))),
         capture_output=True,
         text=True,
         timeout=60,
     )
-
-
-def test_import_refuses_the_extension_under_another_torch():
-    result = _import_gossip_ext("torch.__version__ = '2.15.0'")
     assert result.returncode != 0
     last = result.stderr.strip().splitlines()[-1]
     assert last.startswith("ImportError: ")
@@ -78,12 +75,12 @@ def test_import_refuses_the_extension_under_another_torch():
     assert REBUILD in last
 
 
-def test_import_reports_an_extension_that_does_not_load():
-    # None in sys.modules makes `from gossip_ext import _C` raise ImportError, as a missing module
-    # or an undefined symbol does.
-    result = _import_gossip_ext("sys.modules['gossip_ext._C'] = None")
-    assert result.returncode != 0
-    last = result.stderr.strip().splitlines()[-1]
-    assert last.startswith("ImportError: ")
-    assert f"could not be loaded with torch {torch.__version__}" in last
-    assert REBUILD in last
+def test_an_extension_that_does_not_load_is_reported(monkeypatch):
+    # Loading the checking module again, with gossip_ext._C unloadable (None in sys.modules makes
+    # its import raise ImportError, as a missing module or an undefined symbol does).
+    monkeypatch.delattr(gossip_ext, "_C")
+    monkeypatch.setitem(sys.modules, "gossip_ext._C", None)
+    with pytest.raises(ImportError) as raised:
+        importlib.reload(_torch_check)
+    assert f"could not be loaded with torch {torch.__version__}" in str(raised.value)
+    assert REBUILD in str(raised.value)

@@ -5,7 +5,7 @@ libnccl, torch's. Needs no GPU. Exits non-zero naming what is missing.
     python tools/check_cuda_build.py [--not-under FOLDER]
 
 --not-under FOLDER: fail if the extension was imported from FOLDER (a checkout), i.e. check an
-installed copy. Run by tools/rehearse_cuda_build.sh and tools/gpu_check.sh.
+installed copy. Run by tools/rehearse_build.sh and tools/gpu_check.sh.
 """
 
 import argparse
@@ -40,6 +40,7 @@ def main() -> int:
         problems.append(f"expected one libnccl in the process, found {nccl or 'none'}")
 
     print(f"gossip_ext {gossip_ext.__version__}: {where}")
+    print(f"  built against torch {_C.built_with_torch()}, running torch {torch.__version__}")
     print(f"  NcclTransport: {'registered' if hasattr(_C, 'NcclTransport') else 'MISSING'}")
     print(f"  CUDA kernels: {', '.join(CUDA_OPS)}")
     print(

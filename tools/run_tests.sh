@@ -2,10 +2,12 @@
 # Runs every test of gossip_ext on a fresh machine: installs what is missing (torch, ninja, pytest
 # and pytest-timeout, torchft and decent-dp, GoogleTest), builds the extension, then the C++ tests
 # from the extension's own objects, runs ctest (plain, then under ASan+UBSan and TSan:
-# tools/run_sanitizers.sh), rehearses a GPU user's CUDA build where nvcc is present
-# (tools/rehearse_cuda_build.sh: torch 2.11's CUDA build on Python 3.12, the extension's tests
-# against it) and runs pytest. Exits non-zero if anything fails, and prints how long each stage
-# took and the 20 slowest tests. CPU only; the GPU tests skip visibly where no GPU is present.
+# tools/run_sanitizers.sh), rehearses two users' installs against other torches, each in an
+# environment of its own (tools/rehearse_build.sh, the extension's tests against each build): a GPU
+# user's CUDA build against torch 2.11 where nvcc is present, and a CPU build against the newest
+# torch, 2.15, both on Python 3.12; then runs pytest, the whole suite, against the CPU build of
+# torch 2.13. Exits non-zero if anything fails, and prints how long each stage took and the 20
+# slowest tests. CPU only; the GPU tests skip visibly where no GPU is present.
 #
 # Installs into the Python environment that PYTHON (default python3) runs: a virtual environment
 # keeps it apart from the system's (python3 -m venv .venv && . .venv/bin/activate first).
@@ -78,8 +80,36 @@ bash tools/run_sanitizers.sh asan
 stage "C++ tests under TSan (the threaded transports: ctest -L inproc)"
 bash tools/run_sanitizers.sh tsan
 
-stage "Rehearse a GPU user's build without a GPU (torch 2.11 CUDA build, Python 3.12)"
-bash tools/rehearse_cuda_build.sh
+# The rehearsals (tools/rehearse_build.sh): what each builds against.
+cuda_rehearsal=(GOSSIP_REHEARSAL_TORCH=2.11.0 GOSSIP_REHEARSAL_PYTHON=3.12 GOSSIP_REHEARSAL_CUDA=1)
+newest_rehearsal=(GOSSIP_REHEARSAL_TORCH=2.15.0 GOSSIP_REHEARSAL_PYTHON=3.12 GOSSIP_REHEARSAL_CUDA=0)
+
+stage "Rehearsal environments: torch 2.11 and 2.15 (10 GB of disk), side by side"
+# Installing one is CPU-bound (unpacking and writing its files; the downloads do not hold it up)
+# and pip uses one core: the two install at once on two cores. Each keeps its log; both are
+# waited for, and shown, before a failure stops the run.
+mkdir -p build/rehearsal
+env "${cuda_rehearsal[@]}" bash tools/rehearse_build.sh --environment \
+  >build/rehearsal/environment-cuda.log 2>&1 &
+cuda_environment=$!
+env "${newest_rehearsal[@]}" bash tools/rehearse_build.sh --environment \
+  >build/rehearsal/environment-newest.log 2>&1 &
+newest_environment=$!
+environments=0
+wait "$cuda_environment" || environments=$?
+cat build/rehearsal/environment-cuda.log
+wait "$newest_environment" || environments=$?
+cat build/rehearsal/environment-newest.log
+if [ "$environments" -ne 0 ]; then
+  echo "tools/run_tests.sh: a rehearsal's environment did not install (its log is above)"
+  exit 1
+fi
+
+stage "Rehearsal: torch 2.11's CUDA build without a GPU (build, pytest -m extension)"
+env "${cuda_rehearsal[@]}" bash tools/rehearse_build.sh
+
+stage "Rehearsal: the newest torch, 2.15, a CPU build (build, pytest -m extension)"
+env "${newest_rehearsal[@]}" bash tools/rehearse_build.sh
 
 stage "Python tests (pytest; the 20 slowest listed at the end)"
 "$PYTHON" -m pytest tests -q --durations=20 | tee build/pytest.log
