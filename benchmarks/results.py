@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import platform
+import re
 import subprocess
 import sys
 from datetime import UTC, datetime
@@ -72,6 +73,103 @@ def write_section(title: str, section: str) -> None:
         )
         tail = "".join(lines[end:])
         text = "".join(lines[:start]) + section + ("\n" + tail if tail else "")
+    if _TITLE:  # the whole document, not sections collected to paste
+        text = with_summary(text)
     with open(RESULTS, "w", encoding="utf-8") as f:
         f.write(text)
     print(f"wrote its section of {RESULTS}")
+
+
+# The summary, first in RESULTS.md: every comparison section's table of systems (a row per
+# system, a column per "N workers, RATE" setting, each cell opening with the time to DDP's final
+# held-out loss and its multiple of DDP's, or "not reached": benchmarks/lm_compare.py's
+# systems_table) read back, a row per setting. Rewritten with every section, so that it never
+# says what the sections below no longer do.
+SUMMARY = "Summary"
+_PEERS = ("ddp", "powersgd", "decent_dp", "hsdp", "torchft")  # what users run instead
+_TIME = re.compile(r"\d+(?:\.\d+)? s \(\d+(?:\.\d+)?x\)")
+_SETTING = re.compile(r"\d+ workers, ")
+
+
+def _cells(line: str) -> list[str]:
+    return [cell.strip() for cell in line.strip().strip("|").split("|")]
+
+
+def _first(times: dict[str, str], names) -> str:
+    """The first of ``names`` to DDP's final loss, as "name: time (multiple of DDP's)"."""
+    reached = [(float(times[n].split()[0]), n) for n in names if times[n] is not None]
+    if not reached:
+        return "none of them reached it" if names else "none measured"
+    name = min(reached)[1]
+    return f"{name}: {times[name]}"
+
+
+def summary_rows(text: str) -> list[str]:
+    """A markdown row per setting of every comparison section in ``text``."""
+    rows = []
+    for section in re.split(r"^(?=## )", text, flags=re.M):
+        heading = section.split("\n", 1)[0]
+        if not heading.startswith("## ") or heading.startswith(f"## {SUMMARY} ("):
+            continue
+        title = heading[3:].rsplit(" (", 1)[0].split(":")[0]
+        date = re.search(r"\((\d{4}-\d{2}-\d{2})", heading)
+        prose = [line for line in section.splitlines()[1:] if line and line[0].isalpha()]
+        task = next((line.split(" (")[0] for line in prose if not line.startswith(
+            ("Machine:", "Command:"))), "-")  # fmt: skip
+        lines = section.splitlines()
+        for i, line in enumerate(lines):
+            header = _cells(line) if line.startswith("| system |") else None
+            if header is None:
+                continue
+            body = []
+            for row in lines[i + 2 :]:
+                if not row.startswith("|"):
+                    break
+                body.append(_cells(row))
+            names = [cells[0] for cells in body]
+            if "ddp" not in names:
+                continue
+            for column, setting in enumerate(header):
+                if not _SETTING.match(setting):
+                    continue
+                times = {}
+                for cells in body:
+                    found = _TIME.match(cells[column]) if column < len(cells) else None
+                    times[cells[0]] = found.group(0) if found else None
+                candidates = [n for n in names if n != "alone"]
+                ours = [n for n in candidates if not n.startswith(_PEERS)]
+                peers = [n for n in candidates if n.startswith(_PEERS) and n != "ddp"]
+                ddp = times["ddp"].split(" (")[0] if times["ddp"] else "not reached"
+                rows.append(
+                    f"| {setting} | {task} | {title} ({date.group(1) if date else 'no date'}) "
+                    f"| {ddp} | {_first(times, candidates)} | {_first(times, ours)} "
+                    f"| {_first(times, peers)} |"
+                )
+    return rows
+
+
+def with_summary(text: str) -> str:
+    """``text`` with its summary section, first, rewritten from the comparison sections; as it
+    is where there are none."""
+    rows = summary_rows(text)
+    if not rows:
+        return text
+    summary = (
+        f"## {SUMMARY} (written by benchmarks/results.py from the comparison sections below)\n\n"
+        "Who reaches DDP's final held-out loss first, per setting of the sections that compare "
+        "systems on a real task: the wall-clock time to it and, in parentheses, its multiple of "
+        "DDP's, read from each section's table of systems (the section gives the machine, the "
+        "command and the rest of the numbers). gossip_ext's fastest is the first of its modes; "
+        "the other peers are what users run instead of it (DDP + PowerSGD, decent-dp, torchft, "
+        "HSDP: whichever the section ran).\n\n"
+        "| setting | task | section (run) | DDP | fastest | gossip_ext's fastest "
+        "| best other peer |\n|---|---|---|---|---|---|---|\n" + "\n".join(rows) + "\n"
+    )
+    lines = text.splitlines(keepends=True)
+    start = next((i for i, line in enumerate(lines) if line.startswith("## ")), len(lines))
+    end = start
+    if start < len(lines) and lines[start].startswith(f"## {SUMMARY} ("):
+        end = next((i for i in range(start + 1, len(lines)) if lines[i].startswith("## ")),
+                   len(lines))  # fmt: skip
+    head, tail = "".join(lines[:start]).rstrip("\n"), "".join(lines[end:])
+    return (head + "\n\n" if head else "") + summary + ("\n" + tail if tail else "")
