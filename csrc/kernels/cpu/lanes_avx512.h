@@ -241,12 +241,12 @@ struct BFloat16EvenOddLanes : LanePairs<FloatLanes> {
 // operand is float16, in the zen4 set. Zen 4 runs a 512-bit instruction on two 256-bit halves, and
 // there these 256-bit conversions made float16 scale_into, absorb and checked absorb take
 // 0.73-0.88x the time of Lanes<HalfBits>'s 512-bit ones, from 16K to 1M elements
-// (benchmarks/RESULTS.md, "float16 in 256-bit halves on Zen 4"). On Intel's AVX-512 cores every
+// (benchmarks/NOTES.md, "float16 in 256-bit halves on Zen 4"). On Intel's AVX-512 cores every
 // F16C conversion also takes one uop on the shuffle port whatever its width, so halving the width
 // would double that port's work: the other sets keep Lanes<HalfBits> (uops.info's port tables; not
 // measured on an Intel CPU). A float32 state with float16 messages converts each message once, and
 // keeps the 512-bit conversions on Zen 4 too: there the avx2 kernels' 256-bit layout was the slower
-// (RESULTS.md, same section).
+// (NOTES.md, same section).
 struct HalfPairLanes : LanePairs<FloatRegisterLanes<8>> {
   static constexpr bool kEnabled = true;
   static __m256 load8(const HalfBits* p) {
