@@ -442,9 +442,9 @@ def main(argv=None) -> int:
         now = datetime.datetime.now().astimezone().strftime("%Y-%m-%d %H:%M %Z")
         section = (
             f"## Topologies: rounds to consensus ({now})\n\n"
-            f"- machine: {machine()}\n"
-            f"- torch {torch.__version__}, python {platform.python_version()}\n"
-            f"- command: `{command}`\n\n{table}\n"
+            f"Machine: {machine()}; torch {torch.__version__}, python "
+            f"{platform.python_version()}.\n"
+            f"Command: `{command}`\n\n{table}\n"
         )
         write_section("Topologies: rounds to consensus", section)
     return 0
