@@ -52,111 +52,37 @@ def check_type(name: str, value, expected, what: str) -> None:
 def check_arguments(
     *,
     module,
-    graph,
-    mixing,
-    push_sum,
-    overlap,
-    synch_freq,
-    nprocs_per_node,
     process_group,
     comm_device,
     timeout,
-    check_finite,
-    message_dtype,
-    global_avg_freq,
-    slowmo_freq,
-    slowmo_momentum,
-    slowmo_lr,
-    slowmo_memory_efficient,
-    slowmo_num_shards,
-    base_algorithm,
-    outer_optimizer,
-    sync_every,
-    outer_average,
-    outer_device,
-    outer_dtype,
-    fragments,
-    fragment_delay,
-    fragment_alpha,
-    start_in_forward,
+    nprocs_per_node,
     broadcast_buffers,
     gossip_buffers,
     log_every,
     verbose,
-    membership,
-    min_workers,
+    **flat,
 ) -> None:
-    """The constructor's arguments on their own, then that torch.distributed is set up (or that
-    an elastic job's membership service is named instead)."""
+    """The constructor's arguments on their own (``flat``: the algorithm's settings, as
+    algorithms.to_flat gives them), then that torch.distributed is set up (or that an elastic
+    job's membership service is named instead)."""
     check_type("module", module, nn.Module, "an nn.Module")
-    check_type("graph", graph, GraphBase, "a gossip_ext graph (a GraphBase)")
-    check_type("mixing", mixing, MixingBase, "a gossip_ext mixing (a MixingBase)")
-    check_type("push_sum", push_sum, bool, "a bool")
-    check_type("overlap", overlap, bool, "a bool")
-    check_type("synch_freq", synch_freq, int, "an int")
     check_type("nprocs_per_node", nprocs_per_node, int, "an int")
     if process_group is not None:
         check_type("process_group", process_group, dist.ProcessGroup, "a ProcessGroup or None")
     if comm_device is not None:
         check_type("comm_device", comm_device, (str, torch.device), "a torch.device, str or None")
     check_type("timeout", timeout, timedelta, "a datetime.timedelta")
-    check_type("check_finite", check_finite, bool, "a bool")
-    check_message_dtype("message_dtype", message_dtype)
     check_type("verbose", verbose, bool, "a bool")
-    for name, value in (("global_avg_freq", global_avg_freq), ("slowmo_freq", slowmo_freq)):
-        if value is not None:
-            check_type(name, value, int, "an int or None")
-            if value < 0:
-                raise ValueError(f"{name} must be >= 0 (0 or None: off), got {value}")
-    check_type("slowmo_momentum", slowmo_momentum, (int, float), "a float")
-    check_type("slowmo_lr", slowmo_lr, (int, float), "a float")
     check_type("log_every", log_every, int, "an int")
-    # beta = 1 never forgets a slow step and diverges; NaN fails both comparisons.
-    if not 0.0 <= slowmo_momentum < 1.0:
-        raise ValueError(f"slowmo_momentum must be in [0, 1), got {slowmo_momentum}")
-    if not 0.0 < slowmo_lr < math.inf:
-        raise ValueError(f"slowmo_lr must be positive and finite, got {slowmo_lr}")
     if log_every < 0:
         raise ValueError(f"log_every must be >= 0 (0: off), got {log_every}")
-    if synch_freq < 0:
-        raise ValueError(f"synch_freq must be >= 0, got {synch_freq}")
-    if overlap and synch_freq > 0:
-        raise ValueError(
-            f"overlap=True and synch_freq={synch_freq} are two different schedules for "
-            "absorbing rounds; choose one"
-        )
     if nprocs_per_node < 1:
         raise ValueError(f"nprocs_per_node must be >= 1, got {nprocs_per_node}")
     for name, value in (
-        ("slowmo_memory_efficient", slowmo_memory_efficient),
-        ("start_in_forward", start_in_forward),
         ("broadcast_buffers", broadcast_buffers),
         ("gossip_buffers", gossip_buffers),
     ):
         check_type(name, value, bool, "a bool")
-    if slowmo_num_shards is not None:
-        check_type("slowmo_num_shards", slowmo_num_shards, int, "an int or None")
-        if slowmo_num_shards < 1:
-            raise ValueError(
-                f"slowmo_num_shards must be >= 1 (None: every rank), got {slowmo_num_shards}"
-            )
-    if base_algorithm not in ("sgp", "localsgd"):
-        raise ValueError(f"base_algorithm must be 'sgp' or 'localsgd', got {base_algorithm!r}")
-    check_outer(outer_optimizer, sync_every, outer_device, global_avg_freq, slowmo_freq)
-    check_outer_average(outer_average, outer_optimizer, nprocs_per_node)
-    check_outer_dtype(outer_dtype, outer_optimizer, outer_average)
-    check_fragments(fragments, fragment_delay, fragment_alpha, outer_optimizer, sync_every)
-    if start_in_forward and not overlap:
-        raise ValueError(
-            "start_in_forward=True needs overlap=True: a synchronous round is absorbed by the "
-            "same forward that would start it"
-        )
-    if start_in_forward and slowmo_freq:
-        raise ValueError(
-            f"start_in_forward=True cannot be combined with slowmo_freq={slowmo_freq}: SlowMo "
-            "reads the learning rate of the optimizer given to register_optimizer(), whose hook "
-            "would start a second round after every step"
-        )
     if broadcast_buffers and gossip_buffers:
         raise ValueError(
             "broadcast_buffers=True and gossip_buffers=True: the broadcast before every forward "
@@ -164,13 +90,86 @@ def check_arguments(
         )
     if timeout <= timedelta(0):
         raise ValueError(f"timeout must be positive, got {timeout}")
-    check_membership(membership, min_workers, process_group, nprocs_per_node)
-    if membership is None and (not dist.is_available() or not dist.is_initialized()):
+    check_flat(flat, nprocs_per_node=nprocs_per_node, process_group=process_group)
+    if flat["membership"] is None and (not dist.is_available() or not dist.is_initialized()):
         raise RuntimeError(
             "GossipDataParallel needs torch.distributed: call "
             "torch.distributed.init_process_group() first (torchrun sets it up), or name an "
             "elastic job's membership service (membership='HOST:PORT')"
         )
+
+
+def check_flat(flat: Mapping[str, Any], *, nprocs_per_node: int = 1, process_group=None) -> None:
+    """The algorithm's settings in the flat keywords of earlier releases (every key of
+    algorithms.FLAT_DEFAULTS), alone and together, each error naming the keyword."""
+    f = flat
+    check_type("graph", f["graph"], GraphBase, "a gossip_ext graph (a GraphBase)")
+    check_type("mixing", f["mixing"], MixingBase, "a gossip_ext mixing (a MixingBase)")
+    for name in (
+        "push_sum",
+        "overlap",
+        "check_finite",
+        "slowmo_memory_efficient",
+        "start_in_forward",
+    ):
+        check_type(name, f[name], bool, "a bool")
+    check_type("synch_freq", f["synch_freq"], int, "an int")
+    check_message_dtype("message_dtype", f["message_dtype"])
+    for name in ("global_avg_freq", "slowmo_freq"):
+        if f[name] is not None:
+            check_type(name, f[name], int, "an int or None")
+            if f[name] < 0:
+                raise ValueError(f"{name} must be >= 0 (0 or None: off), got {f[name]}")
+    check_type("slowmo_momentum", f["slowmo_momentum"], (int, float), "a float")
+    check_type("slowmo_lr", f["slowmo_lr"], (int, float), "a float")
+    # beta = 1 never forgets a slow step and diverges; NaN fails both comparisons.
+    if not 0.0 <= f["slowmo_momentum"] < 1.0:
+        raise ValueError(f"slowmo_momentum must be in [0, 1), got {f['slowmo_momentum']}")
+    if not 0.0 < f["slowmo_lr"] < math.inf:
+        raise ValueError(f"slowmo_lr must be positive and finite, got {f['slowmo_lr']}")
+    if f["synch_freq"] < 0:
+        raise ValueError(f"synch_freq must be >= 0, got {f['synch_freq']}")
+    if f["overlap"] and f["synch_freq"] > 0:
+        raise ValueError(
+            f"overlap=True and synch_freq={f['synch_freq']} are two different schedules for "
+            "absorbing rounds; choose one"
+        )
+    if f["slowmo_num_shards"] is not None:
+        check_type("slowmo_num_shards", f["slowmo_num_shards"], int, "an int or None")
+        if f["slowmo_num_shards"] < 1:
+            raise ValueError(
+                f"slowmo_num_shards must be >= 1 (None: every rank), got {f['slowmo_num_shards']}"
+            )
+    if f["base_algorithm"] not in ("sgp", "localsgd"):
+        raise ValueError(f"base_algorithm must be 'sgp' or 'localsgd', got {f['base_algorithm']!r}")
+    check_outer(
+        f["outer_optimizer"],
+        f["sync_every"],
+        f["outer_device"],
+        f["global_avg_freq"],
+        f["slowmo_freq"],
+    )
+    check_outer_average(f["outer_average"], f["outer_optimizer"], nprocs_per_node)
+    check_outer_dtype(f["outer_dtype"], f["outer_optimizer"], f["outer_average"])
+    check_fragments(
+        f["fragments"],
+        f["fragment_delay"],
+        f["fragment_alpha"],
+        f["outer_optimizer"],
+        f["sync_every"],
+    )
+    if f["start_in_forward"] and not f["overlap"]:
+        raise ValueError(
+            "start_in_forward=True needs overlap=True: a synchronous round is absorbed by the "
+            "same forward that would start it"
+        )
+    if f["start_in_forward"] and f["slowmo_freq"]:
+        raise ValueError(
+            f"start_in_forward=True cannot be combined with slowmo_freq={f['slowmo_freq']}: "
+            "SlowMo reads the learning rate of the optimizer given to register_optimizer(), whose "
+            "hook would start a second round after every step"
+        )
+    check_membership(f["membership"], f["min_workers"], process_group, nprocs_per_node)
 
 
 def check_membership(membership, min_workers, process_group, nprocs_per_node) -> None:

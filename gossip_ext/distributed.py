@@ -25,6 +25,7 @@ from gossip_ext import (
     _checkpoint,
     _hierarchy,
     _validation,
+    algorithms,
     consensus,
     inner,
     outer,
@@ -33,9 +34,12 @@ from gossip_ext import (
 )
 from gossip_ext import elastic as _elastic_worker
 from gossip_ext.graphs import GraphBase, NPeerDynamicDirectedExponentialGraph
-from gossip_ext.mixing import MixingBase, UniformMixing
+from gossip_ext.mixing import UniformMixing
 
 __all__ = ["GossipDataParallel"]
+
+# What gossip= defaults to when not given: SGP(), unless flat keywords say otherwise.
+_DEFAULT_GOSSIP = object()
 
 
 def _parameter_versions(module: nn.Module) -> int:
@@ -252,49 +256,46 @@ class GossipDataParallel(nn.Module):
     def __init__(
         self,
         module: nn.Module,
+        gossip: algorithms.SGP | None | object = _DEFAULT_GOSSIP,
+        outer: algorithms.Average | algorithms.SlowMo | algorithms.DiLoCo | None = None,
+        membership: algorithms.Elastic | str | None = None,
         *,
-        graph: GraphBase | None = None,
-        mixing: MixingBase | None = None,
-        push_sum: bool = True,
-        overlap: bool = False,
-        synch_freq: int = 0,
-        nprocs_per_node: int = 1,
         process_group: dist.ProcessGroup | None = None,
         comm_device: torch.device | str | None = None,
         timeout: timedelta = timedelta(minutes=5),
-        check_finite: bool = True,
-        message_dtype: torch.dtype | str | None = None,
-        global_avg_freq: int | None = None,
-        slowmo_freq: int | None = None,
-        slowmo_momentum: float = 0.5,
-        slowmo_lr: float = 1.0,
-        slowmo_memory_efficient: bool = False,
-        slowmo_num_shards: int | None = None,
-        base_algorithm: str = "sgp",
-        outer_optimizer: outer_rules.OuterOptimizerFactory | None = None,
-        sync_every: int | None = None,
-        outer_average: str = "allreduce",
-        outer_device: torch.device | str | None = None,
-        outer_dtype: torch.dtype | str | None = None,
-        fragments: int = 1,
-        fragment_delay: int = 0,
-        fragment_alpha: float = 0.0,
-        start_in_forward: bool = False,
+        nprocs_per_node: int = 1,
         broadcast_buffers: bool = False,
         gossip_buffers: bool = False,
         log_every: int = 0,
         verbose: bool = False,
-        membership: str | None = None,
-        min_workers: int = 1,
+        **flat_keywords: Any,
     ):
-        # Every argument by name, for the checks and for the configuration the ranks compare.
-        arguments = {k: v for k, v in locals().items() if k not in ("self", "__class__")}
         super().__init__()
-        if graph is None:
-            graph = arguments["graph"] = NPeerDynamicDirectedExponentialGraph()
-        if mixing is None:
-            mixing = arguments["mixing"] = UniformMixing()
+        gossip, outer, membership = _algorithms_of(gossip, outer, membership, flat_keywords)
+        self.algorithms = (gossip, outer, membership)
+        # Every setting by name, for the checks and for the configuration the ranks compare.
+        arguments = dict(
+            algorithms.to_flat(gossip, outer, membership),
+            module=module,
+            process_group=process_group,
+            comm_device=comm_device,
+            timeout=timeout,
+            nprocs_per_node=nprocs_per_node,
+            broadcast_buffers=broadcast_buffers,
+            gossip_buffers=gossip_buffers,
+            log_every=log_every,
+            verbose=verbose,
+        )
+        if arguments["graph"] is None:
+            arguments["graph"] = NPeerDynamicDirectedExponentialGraph()
+        if arguments["mixing"] is None:
+            arguments["mixing"] = UniformMixing()
         _validation.check_arguments(**arguments)
+        a = arguments
+        graph, mixing, push_sum, overlap = a["graph"], a["mixing"], a["push_sum"], a["overlap"]
+        synch_freq, base_algorithm = a["synch_freq"], a["base_algorithm"]
+        outer_average, start_in_forward = a["outer_average"], a["start_in_forward"]
+        outer_device, membership, min_workers = a["outer_device"], a["membership"], a["min_workers"]
 
         self.module = module
         self.mixing = mixing
@@ -361,7 +362,7 @@ class GossipDataParallel(nn.Module):
             except Exception as error:
                 if not _elastic_worker.is_peer_failure(error):
                     raise
-                failure = f"{type(error).__name__}: {error}"
+                failure = _elastic_worker.Failure.of(error)
             del change
             if failure is not None:
                 self._change_epoch(failure)  # the donor died during the handoff: another one
@@ -688,14 +689,14 @@ class GossipDataParallel(nn.Module):
         except Exception as error:
             if not _elastic_worker.is_peer_failure(error):
                 raise
-            # Only its text leaves this block: the traceback's frames hold the failed engine,
-            # whose transport would keep the epoch's group, and its connections, open.
-            failure = f"{type(error).__name__}: {error}"
+            # Only its text and peers leave this block: the traceback's frames hold the failed
+            # engine, whose transport would keep the epoch's group, and its connections, open.
+            failure = _elastic_worker.Failure.of(error)
         del fn, args  # a bound method of the old inner mix holds its engine, too
         self._change_epoch(failure)
         return None
 
-    def _change_epoch(self, failure: str | None) -> None:
+    def _change_epoch(self, failure: _elastic_worker.Failure | None) -> None:
         """Moves to the next epoch, keeping the model, the optimizer, the step count and the
         outer state; the push-sum weight restarts at 1. Retries while members fail during the
         change itself."""
@@ -720,7 +721,7 @@ class GossipDataParallel(nn.Module):
             except Exception as error:
                 if not _elastic_worker.is_peer_failure(error):
                     raise
-                failure = f"{type(error).__name__}: {error}"
+                failure = _elastic_worker.Failure.of(error)
             # A member failed while the epoch was being entered: let go of its group as above.
             change = None
             self._elastic.leaving_epoch()
@@ -1086,3 +1087,34 @@ def _abandon_rounds_of(model: weakref.ref) -> Callable[[str], None]:
             mix.abandon(why)
 
     return abandon
+
+
+def _algorithms_of(gossip, outer, membership, flat: dict[str, Any]) -> tuple:
+    """The (gossip, outer, membership) objects, from the objects given or from the flat keywords
+    of earlier releases (translated by algorithms.from_flat after the flat checks, so that their
+    errors read as before); not from both."""
+    if isinstance(membership, str):  # the flat spelling of membership
+        flat = dict(flat, membership=membership)
+        membership = None
+    unknown = sorted(set(flat) - set(algorithms.FLAT_DEFAULTS))
+    if unknown:
+        raise TypeError(f"GossipDataParallel got unexpected keyword arguments {unknown}")
+    if not flat:
+        return (algorithms.SGP() if gossip is _DEFAULT_GOSSIP else gossip), outer, membership
+    given = [
+        name
+        for name, value in (("gossip", gossip), ("outer", outer), ("membership", membership))
+        if value is not None and value is not _DEFAULT_GOSSIP
+    ]
+    if given:
+        raise TypeError(
+            f"GossipDataParallel: {', '.join(given)} given as objects beside the flat keywords "
+            f"{sorted(flat)}: give the algorithm one way (see gossip_ext.algorithms)"
+        )
+    settings = dict(algorithms.FLAT_DEFAULTS, **flat)
+    if settings["graph"] is None:
+        settings["graph"] = NPeerDynamicDirectedExponentialGraph()
+    if settings["mixing"] is None:
+        settings["mixing"] = UniformMixing()
+    _validation.check_flat(settings)
+    return algorithms.from_flat(flat)

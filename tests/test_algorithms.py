@@ -1,0 +1,215 @@
+"""gossip_ext.algorithms: the algorithm objects check their own arguments, the flat keywords of
+earlier releases translate into the same objects, and both spellings train alike."""
+
+import pytest
+import torch
+from multiprocess import run_ranks
+from torch import nn
+
+import gossip_ext
+from gossip_ext import algorithms as A
+
+
+def _outer_sgd(params):
+    return torch.optim.SGD(params, lr=0.7, momentum=0.5, nesterov=True)
+
+
+# Every flat spelling the README and the compat layers use, and the objects it stands for.
+TRANSLATIONS = [
+    ({}, (A.SGP(), None, None)),
+    ({"overlap": True}, (A.SGP(overlap=True), None, None)),
+    (
+        {"overlap": True, "start_in_forward": True},
+        (A.SGP(overlap=True, start_in_forward=True), None, None),
+    ),
+    ({"synch_freq": 2}, (A.SGP(synch_freq=2), None, None)),
+    (
+        {"push_sum": False, "graph": gossip_ext.RingGraph(peers_per_itr=2)},
+        (A.PushPull(graph=gossip_ext.RingGraph(peers_per_itr=2)), None, None),
+    ),
+    ({"message_dtype": "int8"}, (A.SGP(message_dtype="int8"), None, None)),
+    ({"base_algorithm": "localsgd", "global_avg_freq": 4}, (None, A.Average(4), None)),
+    ({"global_avg_freq": 8}, (A.SGP(), A.Average(8), None)),
+    (
+        {"slowmo_freq": 6, "slowmo_momentum": 0.3, "slowmo_lr": 0.9},
+        (A.SGP(), A.SlowMo(6, momentum=0.3, lr=0.9), None),
+    ),
+    (
+        {
+            "slowmo_freq": 6,
+            "slowmo_memory_efficient": True,
+            "slowmo_num_shards": 2,
+            "base_algorithm": "localsgd",
+        },
+        (None, A.SlowMo(6, memory_efficient=True, num_shards=2), None),
+    ),
+    (
+        {"base_algorithm": "localsgd", "sync_every": 64, "outer_optimizer": _outer_sgd},
+        (None, A.DiLoCo(_outer_sgd, every=64), None),
+    ),
+    (
+        {
+            "base_algorithm": "localsgd",
+            "sync_every": 16,
+            "outer_optimizer": _outer_sgd,
+            "fragments": 4,
+            "fragment_delay": 1,
+            "outer_dtype": "int4",
+            "outer_device": "cpu",
+        },
+        (
+            None,
+            A.DiLoCo(
+                _outer_sgd,
+                every=16,
+                average=A.Exact(dtype="int4", device="cpu"),
+                fragments=4,
+                delay=1,
+            ),
+            None,
+        ),
+    ),
+    (
+        {"sync_every": 8, "outer_optimizer": _outer_sgd, "outer_average": "gossip"},
+        (A.SGP(), A.DiLoCo(_outer_sgd, every=8, average=A.ByGossip()), None),
+    ),
+    (
+        {"membership": "127.0.0.1:29400", "min_workers": 3},
+        (A.SGP(), None, A.Elastic("127.0.0.1:29400", min_workers=3)),
+    ),
+]
+
+
+@pytest.mark.parametrize("flat, objects", TRANSLATIONS)
+def test_flat_keywords_translate_into_the_objects_and_back(flat, objects):
+    assert A.from_flat(flat) == objects
+    back = A.to_flat(*objects)
+    for name, value in flat.items():
+        if name == "global_avg_freq" or (name == "sync_every" and "outer_optimizer" not in flat):
+            continue  # the two spellings of an exact average every k steps: checked below
+        assert back[name] == value, name
+    assert set(back) == set(A.FLAT_DEFAULTS)
+
+
+def test_an_exact_average_every_k_steps_has_one_object_whatever_its_flat_spelling():
+    # sync_every without an outer optimizer is LocalSGD's plain average, as global_avg_freq is.
+    assert A.from_flat({"base_algorithm": "localsgd", "sync_every": 5}) == (
+        None,
+        A.Average(5),
+        None,
+    )
+    assert A.to_flat(None, A.Average(5), None)["sync_every"] == 5
+    assert A.to_flat(A.SGP(), A.Average(5), None)["global_avg_freq"] == 5
+
+
+def test_localsgd_averaged_by_gossip_keeps_its_own_graph():
+    ring = gossip_ext.RingGraph()
+    flat = {
+        "base_algorithm": "localsgd",
+        "sync_every": 8,
+        "outer_optimizer": _outer_sgd,
+        "outer_average": "gossip",
+        "graph": ring,
+        "message_dtype": torch.bfloat16,
+    }
+    gossip, outer, _ = A.from_flat(flat)
+    assert gossip is None
+    assert outer.average == A.ByGossip(graph=ring, message_dtype=torch.bfloat16)
+    back = A.to_flat(gossip, outer, None)
+    assert (back["graph"], back["message_dtype"], back["outer_average"]) == (
+        ring,
+        torch.bfloat16,
+        "gossip",
+    )
+    with pytest.raises(ValueError, match="engine of its own, but gossip is set"):
+        A.to_flat(A.SGP(), A.DiLoCo(_outer_sgd, every=8, average=A.ByGossip(graph=ring)), None)
+
+
+@pytest.mark.parametrize(
+    "make, error, words",
+    [
+        (lambda: A.SGP(synch_freq=-1), ValueError, r"SGP\(synch_freq=...\): must be >= 0, got -1"),
+        (lambda: A.SGP(overlap=1), TypeError, r"SGP\(overlap=...\): overlap must be a bool"),
+        (lambda: A.SGP(overlap=True, synch_freq=2), ValueError, "two different schedules"),
+        (lambda: A.PushPull(start_in_forward=True), ValueError, "needs overlap=True"),
+        (lambda: A.SGP(message_dtype="int3"), ValueError, r"message_dtype must be .* got 'int3'"),
+        (lambda: A.SGP(graph="ring"), TypeError, r"SGP\(graph=...\): graph must be a gossip_ext"),
+        (lambda: A.Average(0), ValueError, r"Average\(every=...\): every must be >= 1"),
+        (lambda: A.Average(True), TypeError, r"every must be an int, got True"),
+        (lambda: A.SlowMo(4, momentum=1.0), ValueError, r"SlowMo\(momentum=...\): must be in"),
+        (lambda: A.SlowMo(4, lr=0.0), ValueError, r"SlowMo\(lr=...\): must be positive"),
+        (lambda: A.SlowMo(4, num_shards=0), ValueError, r"num_shards=...\): must be >= 1"),
+        (lambda: A.DiLoCo("sgd", every=4), TypeError, r"DiLoCo\(optimizer=...\): optimizer must"),
+        (lambda: A.DiLoCo(_outer_sgd, every=4, fragments=5), ValueError, r"fragments=...\)"),
+        (lambda: A.DiLoCo(_outer_sgd, every=8, fragments=4, delay=2), ValueError, "delay"),
+        (lambda: A.DiLoCo(_outer_sgd, every=8, alpha=2.0), ValueError, r"alpha=...\)"),
+        (lambda: A.DiLoCo(_outer_sgd, every=8, average="gossip"), TypeError, "Exact"),
+        (lambda: A.Exact(dtype="int3"), ValueError, r"Exact\(dtype=...\)"),
+        (lambda: A.Exact(device="gpu:x"), ValueError, r"Exact\(device=...\)"),
+        (lambda: A.Elastic("nohost"), ValueError, "HOST:PORT"),
+        (lambda: A.Elastic("h:1", min_workers=0), ValueError, r"min_workers=...\): must be"),
+    ],
+)
+def test_each_object_checks_its_own_arguments_and_names_them(make, error, words):
+    with pytest.raises(error, match=words):
+        make()
+
+
+def test_the_wrapper_refuses_objects_beside_flat_keywords_and_unknown_keywords():
+    net = nn.Linear(2, 1)
+    with pytest.raises(TypeError, match=r"gossip given as objects beside the flat keywords"):
+        gossip_ext.GossipDataParallel(net, A.SGP(), overlap=True)
+    with pytest.raises(TypeError, match=r"outer given as objects .*\['sync_every'\]"):
+        gossip_ext.GossipDataParallel(net, outer=A.Average(4), sync_every=4)
+    with pytest.raises(TypeError, match=r"unexpected keyword arguments \['overlapp'\]"):
+        gossip_ext.GossipDataParallel(net, overlapp=True)
+    with pytest.raises(TypeError, match=r"gossip must be SGP\(...\), PushPull\(...\) or None"):
+        gossip_ext.GossipDataParallel(net, gossip="sgp")
+    with pytest.raises(TypeError, match=r"outer must be Average"):
+        gossip_ext.GossipDataParallel(net, outer=A.Exact())
+
+
+def _train(rank: int, world_size: int, spelling: str) -> dict:
+    torch.manual_seed(rank)
+    net = nn.Linear(4, 1)
+    if spelling == "objects":
+        model = gossip_ext.GossipDataParallel(
+            net,
+            A.SGP(graph=gossip_ext.RingGraph(), overlap=True),
+            A.DiLoCo(_outer_sgd, every=3, fragments=2),
+        )
+    else:
+        model = gossip_ext.GossipDataParallel(
+            net,
+            graph=gossip_ext.RingGraph(),
+            overlap=True,
+            sync_every=3,
+            outer_optimizer=_outer_sgd,
+            fragments=2,
+        )
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    model.register_optimizer(opt)
+    x = torch.randn(8, 4, generator=torch.Generator().manual_seed(rank))
+    for _ in range(7):
+        loss = model(x).pow(2).mean()
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    model.sync_comms()
+    return {
+        "params": [p.detach().clone() for p in net.parameters()],
+        "algorithms": model.algorithms,
+    }
+
+
+def test_both_spellings_train_the_same_model():
+    by_objects = run_ranks(3, _train, "objects")
+    by_flat = run_ranks(3, _train, "flat")
+    for a, b in zip(by_objects, by_flat):
+        assert a["algorithms"][0] == b["algorithms"][0]
+        assert a["algorithms"][1].every == b["algorithms"][1].every == 3
+        for p, q in zip(a["params"], b["params"]):
+            assert torch.equal(p, q)
+    assert not torch.equal(by_objects[0]["params"][0], by_objects[1]["params"][0]), (
+        "the ranks trained alike: the test would not see a difference in gossip"
+    )
