@@ -158,8 +158,8 @@ def describe(params: int, protocol: runner.Protocol, args) -> str:
         f"{args.outer_momentum:g} (the best tried: benchmarks/diloco_compare.py); `diloco` "
         f"averages the pseudo-gradients exactly (all-reduce), `diloco_gossip` mixes them by "
         f"push-sum with one peer per outer step, `_bf16` in bfloat16 messages; `localsgd` at "
-        f"the same H is the outer SGD at lr 1 without momentum, the plain average. `bound by`: "
-        f"CPU where a step takes at most {report.CPU_BOUND}x `alone`'s."
+        f"the same H is the outer SGD at lr 1 without momentum, the plain average. A step "
+        f"within {report.CPU_BOUND}x of `alone`'s is bound by the CPU."
     )
 
 

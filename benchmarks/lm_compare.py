@@ -42,6 +42,12 @@ from gossip_ext.compare import report, runner, systems  # noqa: E402
 from gossip_ext.tasks.byte_lm import ByteLMConfig  # noqa: E402
 
 TITLE = "Time to the same held-out quality: gossip_ext beside DDP, PowerSGD, decent-dp, torchft"
+# What this comparison runs unless --systems says otherwise: every system but the DiLoCos that
+# diloco_compare.py and streaming_compare.py run at their own H (torchft's DiLoCo stays, at
+# H = 4: the bar for gossip_ext's own).
+SYSTEMS = tuple(
+    s for s in systems.ALL if not s.startswith(("diloco", "streaming_diloco", "torchft_streaming"))
+)
 GOALS = {  # (workers, NIC rate): the best gossip_ext mode's time to DDP's final held-out loss
     (8, 1e9): "<= 0.3x DDP, <= 0.6x decent-dp, no later than DDP + PowerSGD's best",
     (4, 1e8): "<= 0.15x DDP",
@@ -51,7 +57,7 @@ GOALS = {  # (workers, NIC rate): the best gossip_ext mode's time to DDP's final
 
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--systems", nargs="+", default=list(systems.ALL), choices=systems.ALL)
+    p.add_argument("--systems", nargs="+", default=list(SYSTEMS), choices=systems.ALL)
     p.add_argument("--workers", nargs="+", type=int, default=[2])
     p.add_argument(
         "--settings",
@@ -195,18 +201,64 @@ def load_rows(path: str):
     return protocol, all_rows
 
 
+def systems_table(all_rows, target_bpb: float | None) -> str:
+    """RESULTS.md's table of a run: a row per system, a column per setting, each cell the time to
+    DDP's final held-out loss (its multiple of DDP's), to ``target_bpb``, a step's time, what a
+    worker sent a step and the final held-out loss. benchmarks/results.py's summary reads the
+    first of these in every cell."""
+    names = list(dict.fromkeys(name for rows in all_rows.values() for name in rows))
+    header = ["system", "lr", *(_setting(w, r) for w, r in all_rows)]
+    lines = [
+        "Each cell: the time to DDP's final held-out loss (its multiple of DDP's); "
+        + ("" if target_bpb is None else f"to {target_bpb:.2f} bpb; ")
+        + "the time of a step; what each worker sent a step; the final held-out bits per byte. "
+        "The run prints each setting's full table, with what bounds each step and a worker's "
+        "peak memory, and saves every result (--rows).",
+        "",
+        "| " + " | ".join(header) + " |",
+        "|" + "---|" * len(header),
+    ]
+
+    def seconds(t: float | None) -> str:
+        return "not reached" if t is None else f"{t:.1f} s"
+
+    for name in names:
+        lr, cells = next(rows[name]["lr"] for rows in all_rows.values() if name in rows), []
+        for rows in all_rows.values():
+            r, ddp = rows.get(name), rows.get("ddp")
+            if r is None:
+                cells.append("not run")
+                continue
+            to_ddp = "-"
+            if ddp is not None:
+                target = ddp["final_bpb"]
+                t, ddp_time = report.time_to(r, target), report.time_to(ddp, target)
+                ratio = f" ({t / ddp_time:.2f}x)" if t is not None and ddp_time else ""
+                to_ddp = seconds(t) + ratio
+            wire = r["wire_bytes_per_step"]
+            cell = [to_ddp]
+            if target_bpb is not None:
+                cell.append(seconds(report.time_to(r, target_bpb)))
+            cell += [
+                f"{r['step_ms']:.0f} ms",
+                "-" if wire is None else f"{wire / 1e6:.2f} MB",
+                f"{r['final_bpb']:.3f}",
+            ]
+            cells.append("; ".join(cell))
+        lines.append(f"| {name} | {lr:g} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
 def report_settings(all_rows, target_bpb: float, plot: str, echo: bool = True):
-    """Every setting's table (printed if ``echo``) as a RESULTS.md subsection, the plot of them
-    all at ``plot``, and the model's parameter count: what every comparison reports alike."""
-    sections = []
+    """Every setting's full table (printed if ``echo``), the table of systems across settings as
+    a RESULTS.md subsection, the plot of them all at ``plot``, and the model's parameter count:
+    what every comparison reports alike."""
     for (workers, rate), rows in all_rows.items():
-        text = report.table(rows, target_bpb)
         if echo:
-            print(f"\n{_setting(workers, rate)}\n{text}\n", flush=True)
-        sections.append(f"### {_setting(workers, rate)}\n\n{text}")
+            print(f"\n{_setting(workers, rate)}\n{report.table(rows, target_bpb)}\n", flush=True)
     report.plot({_setting(w, r): rows for (w, r), rows in all_rows.items()}, plot)
     params = next(iter(next(iter(all_rows.values())).values()))["params"]
-    return sections, params
+    return [f"### Every system\n\n{systems_table(all_rows, target_bpb)}"], params
 
 
 def report_all(args, protocol: runner.Protocol, all_rows, echo: bool) -> None:
@@ -216,8 +268,8 @@ def report_all(args, protocol: runner.Protocol, all_rows, echo: bool) -> None:
     print(goal_table)
     body = (
         protocol.describe(params)
-        + f" `bound by`: CPU where a step takes at most {report.CPU_BOUND}x the workers "
-        "computing alone (`alone`), communication otherwise.\n\n"
+        + f" A step within {report.CPU_BOUND}x of the workers computing alone (`alone`) is "
+        "bound by the CPU, otherwise by communication.\n\n"
         + ("### Goals\n\n" + goal_table + "\n\n" if "|---|" in goal_table else "")
         + "\n\n".join(sections)
     )

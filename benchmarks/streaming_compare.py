@@ -135,9 +135,8 @@ def describe(params: int, protocol: runner.Protocol, args) -> str:
         f"loss is the target. AdamW at each system's peak lr (gossip_ext.compare.systems). "
         f"H = {args.sync_every}, outer Nesterov SGD at lr {args.outer_lr:g}, momentum "
         f"{args.outer_momentum:g}; Streaming DiLoCo in 4 fragments, one synced every "
-        f"{args.sync_every // 4} steps, gossip_ext's and torchft's alike. `sent/worker/step` is "
-        f"what the worker's NIC sent. `bound by`: CPU where a step takes at most "
-        f"{report.CPU_BOUND}x `alone`'s."
+        f"{args.sync_every // 4} steps, gossip_ext's and torchft's alike. What a worker sent is "
+        f"what its NIC sent. A step within {report.CPU_BOUND}x of `alone`'s is bound by the CPU."
     )
 
 
