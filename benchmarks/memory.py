@@ -488,13 +488,14 @@ def verdict(results: dict, metric: str) -> str:
         + (f"peak {peak:.2f}" if peak_ok else "peak n/a")
         + f" -> {'met' if worst <= GOAL_COPIES else 'missed'}."
     ]
+    beside = []
     for peer in PEERS:
         if peer in results and "error" not in results[peer][0]:
             other = extra_copies(results, peer, metric, "steady", "steady")
             ratio = f"{steady / other:.2f}x" if other > 0.05 else "n/a (peer adds ~0)"
-            lines.append(
-                f"- steady extra vs {peer}: {steady:.2f} against {other:.2f} copies (ratio {ratio})"
-            )
+            beside.append(f"{peer}: {steady:.2f} against {other:.2f} copies (ratio {ratio})")
+    if beside:
+        lines.append("Steady extra vs " + "; vs ".join(beside) + ".")
     return "\n".join(lines)
 
 

@@ -111,3 +111,116 @@ def test_a_recorded_section_brings_the_summary_up_to_date(results, monkeypatch, 
     text = path.read_text()
     assert _sections(text)[0].startswith(f"## {results.SUMMARY} (")
     assert "| sgp_bf16: 9.0 s (0.45x) |" in text and text.endswith(SECTION)
+
+
+# What each benchmark writes stays within the limits at its default settings: made-up results of
+# the default systems, settings and sizes, reported through the benchmark's own code.
+
+
+def _section(path, title: str) -> list[str]:
+    section = next(s for s in _sections(path.read_text()) if s.startswith(f"## {title} ("))
+    return section.splitlines()
+
+
+@pytest.fixture
+def recorded(results, monkeypatch, tmp_path):
+    path = tmp_path / "RESULTS.md"
+    path.write_text("# Benchmark results\n")
+    monkeypatch.setattr(results, "RESULTS", str(path))
+    return path
+
+
+def _rows(names) -> dict[str, dict]:
+    """Every system reaches its final 2.9 bpb, DDP's among them, at its own pace."""
+    return {
+        name: {
+            "lr": 2e-3,
+            "step_ms": 100.0 + i,
+            "wire_bytes_per_step": 1e6,
+            "final_bpb": 2.9,
+            "peak_rss_mib": 400.0,
+            "params": 440_000,
+            "history": {
+                "step": [480, 960],
+                "time": [10.0 + i, 20.0 + i],
+                "heldout_bpb": [3.5, 2.9],
+            },
+        }
+        for i, name in enumerate(names)
+    }
+
+
+def test_the_comparisons_write_sections_within_the_limit(recorded, tmp_path, monkeypatch):
+    import diloco_compare
+    import lm_compare
+    import streaming_compare
+
+    from harness.compare import runner
+
+    protocol = runner.Protocol(steps=960, ddp_steps=480)
+    plot = ["--plot", str(tmp_path / "plot.png")]
+    args = lm_compare.parse_args(plot)
+    assert len(args.systems) == 14, "the default: every system but the other comparisons' DiLoCos"
+    settings = [(4, 1e8), (4, 1e9), (8, 1e8), (8, 1e9)]
+    rows = _rows(args.systems)
+    lm_compare.report_all(args, protocol, dict.fromkeys(settings, rows), echo=False)
+    args = diloco_compare.parse_args(plot)
+    per_h = [diloco_compare.row_name(s, h) for h in args.sync_every for s in diloco_compare.PER_H]
+    rows = _rows([*diloco_compare.ONCE, *per_h])
+    diloco_compare.report_all(args, protocol, {(8, 1e9): rows, (8, 1e8): rows})
+    rows = _rows([*streaming_compare.ONCE, *streaming_compare.PER_H])
+    streaming_compare.report_all(streaming_compare.parse_args(plot), protocol, {(8, 1e8): rows})
+    for title in (lm_compare.TITLE, diloco_compare.TITLE, streaming_compare.TITLE):
+        assert len(_section(recorded, title)) <= MAX_SECTION_LINES, title
+    summary = _section(recorded, "Summary")
+    assert len([line for line in summary if line.startswith("| 8 workers, 100 Mbit/s |")]) == 3
+    assert "| ddp: 21.0 s (1.00x) |" in "\n".join(summary), "DDP first: it is first here"
+
+
+def test_the_cluster_benchmark_writes_a_section_within_the_limit(results, recorded):
+    import cluster
+
+    def mode(step, to_target):
+        return {"step": step, "wire": 0.4, "steps": 40, "wall": 60.0, "to_target": to_target}
+
+    runs = {}
+    for n in (4, 8):
+        for rate in (1e9, 1e10):
+            modes = {"compute": mode(0.6, None), "ddp": mode(2.0, (18, 40.0))}
+            modes.update({name: mode(1.2, (20, 25.0)) for name in cluster.MODES[1:]})
+            round_ = {"seconds": 0.9, "bytes": 1e8, "wire": 0.8}
+            runs[(n, rate)] = {
+                "link": {"pair": 0.96, "ring": 0.94},
+                "round": {"float32": round_, "bfloat16": round_},
+                "modes": modes,
+            }
+    results.record("Emulated cluster", "What the workers ran.\n\n" + cluster.report(runs))
+    lines = _section(recorded, "Emulated cluster")
+    assert len(lines) <= MAX_SECTION_LINES
+    assert (
+        "- every gossip mode's step within 1.1x max(compute, wire) (goal): met in 0 of 20 rows"
+        in (lines)
+    )
+
+
+def test_the_kernel_benchmark_writes_a_section_within_the_limit(results, recorded):
+    import kernels
+    import torch
+
+    rows = []
+    for name in ("float32", "bfloat16", "float16"):
+        dtype = kernels.DTYPES[name]
+        cases = kernels.make_cases(1001, dtype, torch.device("cpu"), "scalar", check=False)[0]
+        for n in (1_000_000, 10_000_000, 25_000_000):
+            for case in cases:
+                timing = {"fused_ms": 1.0, "unfused_ms": 2.0, "copy_ms": 1.0, "fused_gbs": 50.0}
+                timing.update(unfused_gbs=25.0, copy_gbs=50.0, of_copy=1.0, speedup=2.0)
+                rows.append({"op": case.name, "dtype": name, "n": n, **timing})
+    table = kernels.short_table(rows, 0.8)
+    results.record("Push-sum kernels, cpu", f"{table}\n\n{kernels.summary(rows, 0.8)}")
+    lines = _section(recorded, "Push-sum kernels, cpu")
+    assert len(lines) <= MAX_SECTION_LINES
+    assert (
+        "| copy | float32 | 1.000 ms; 50.0 GB/s | 1.000 ms; 50.0 GB/s | 1.000 ms; 50.0 GB/s |"
+        in (lines)
+    )
