@@ -63,7 +63,7 @@ def check_arguments(
     **flat,
 ) -> None:
     """The constructor's arguments on their own (``flat``: the algorithm's settings, as
-    algorithms.to_flat gives them), then that torch.distributed is set up (or that an elastic
+    flat_keywords.to_flat gives them), then that torch.distributed is set up (or that an elastic
     job's membership service is named instead)."""
     check_type("module", module, nn.Module, "an nn.Module")
     check_type("nprocs_per_node", nprocs_per_node, int, "an int")
@@ -101,7 +101,7 @@ def check_arguments(
 
 def check_flat(flat: Mapping[str, Any], *, nprocs_per_node: int = 1, process_group=None) -> None:
     """The algorithm's settings in the flat keywords of earlier releases (every key of
-    algorithms.FLAT_DEFAULTS), alone and together, each error naming the keyword."""
+    flat_keywords.FLAT_DEFAULTS), alone and together, each error naming the keyword."""
     f = flat
     check_type("graph", f["graph"], GraphBase, "a gossip_ext graph (a GraphBase)")
     check_type("mixing", f["mixing"], MixingBase, "a gossip_ext mixing (a MixingBase)")

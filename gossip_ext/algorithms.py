@@ -23,57 +23,28 @@ by the wrapper. Objects are frozen values: equal objects configure the same trai
 rank must be given equal ones (the wrapper compares them across ranks).
 
 The flat keywords of earlier releases, and SGP's and fairscale's through gossip_ext.compat, are
-translated by :func:`from_flat` into these objects; :func:`to_flat` is its inverse, the
-configuration the runtime parts are built from.
+translated into these objects by :func:`gossip_ext.flat_keywords.from_flat`; ``to_flat`` is its
+inverse, the configuration the runtime parts are built from.
 
 Adding an algorithm: a new frozen class here with its checks and its ``flat()`` (the settings it
 stands for), and the runtime part it selects in ``inner`` (a way to mix) or ``outer`` /
-``outer_rules`` (an outer step); register it in :func:`from_flat` if a flat spelling exists.
+``outer_rules`` (an outer step); translate its flat spelling, if one exists, in
+``flat_keywords``.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import math
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 from typing import Any
 
 import torch
 
+from gossip_ext._validation import MESSAGE_DTYPES
 from gossip_ext.epochs import parse_address
 from gossip_ext.graphs import GraphBase
 from gossip_ext.mixing import MixingBase
-
-# The flat keywords an object can stand for, with the wrapper's defaults: to_flat() starts here.
-FLAT_DEFAULTS: dict[str, Any] = {
-    "graph": None,
-    "mixing": None,
-    "push_sum": True,
-    "overlap": False,
-    "synch_freq": 0,
-    "check_finite": True,
-    "message_dtype": None,
-    "start_in_forward": False,
-    "base_algorithm": "sgp",
-    "global_avg_freq": None,
-    "slowmo_freq": None,
-    "slowmo_momentum": 0.5,
-    "slowmo_lr": 1.0,
-    "slowmo_memory_efficient": False,
-    "slowmo_num_shards": None,
-    "outer_optimizer": None,
-    "sync_every": None,
-    "outer_average": "allreduce",
-    "outer_device": None,
-    "outer_dtype": None,
-    "fragments": 1,
-    "fragment_delay": 0,
-    "fragment_alpha": 0.0,
-    "membership": None,
-    "min_workers": 1,
-}
-
-MESSAGE_DTYPES = (torch.bfloat16, torch.float16, torch.float8_e4m3fn, "int8", "int4")
 
 
 def _where(obj: Any, name: str) -> str:
@@ -113,14 +84,33 @@ def _check_message_dtype(obj: Any, name: str, value: Any) -> None:
 
 @dataclasses.dataclass(frozen=True)
 class SGP:
-    """Stochastic Gradient Push: after every optimizer step, a push-sum round over ``graph``
-    (default: :class:`~gossip_ext.NPeerDynamicDirectedExponentialGraph`) with ``mixing``'s
-    weights (default: uniform). ``overlap``: the round runs during the next step and is absorbed
-    after it (``start_in_forward``: started by the forward, as SGP's reference does);
-    ``synch_freq``: up to that many steps may go on while a round is late; ``message_dtype``:
-    what a message is sent as (bfloat16, float16, float8_e4m3fn, 'int8', 'int4', with the
-    rounding error kept and sent later); ``check_finite``: a NaN or Inf received raises, naming
-    the sender."""
+    """Stochastic Gradient Push (Assran et al., ICML 2019): after every optimizer step, a
+    push-sum round over a rotating graph.
+
+    Args:
+        graph (GraphBase, optional): who sends to whom in each round (default:
+            ``NPeerDynamicDirectedExponentialGraph(peers_per_itr=1)``).
+        mixing (MixingBase, optional): the weights of a round (default: ``UniformMixing()``).
+        overlap (bool): absorb each round one step later, so that it runs during the next
+            forward, backward and step (default: False).
+        synch_freq (int): bounded asynchrony: a forward absorbs a finished round without waiting
+            and blocks only after ``synch_freq`` consecutive forwards found it unfinished; 0 is
+            synchronous (default: 0).
+        message_dtype (torch.dtype or str, optional): ``torch.bfloat16`` or ``torch.float16``
+            send float32/float64 parameters in 16 bits; ``"int8"``, ``"int4"`` or
+            ``torch.float8_e4m3fn`` send them block-quantized, a float32 scale per block of 128
+            values: 0.258 (int8, float8) or 0.133 (int4) of float32's bytes. The parameters, the
+            absorb and the push-sum weight stay in full precision and each message's rounding
+            error stays in the sender's state (error feedback), so the mean over workers is
+            conserved to float32 rounding. None: full precision (default).
+        check_finite (bool): raise naming the sender when an absorbed message holds NaN or Inf,
+            and naming this rank when its own parameters do, before push-sum spreads them. The
+            check rides on the absorb's single pass; on a GPU it is read one step later, to
+            avoid a host sync (default: True).
+        start_in_forward (bool): under ``overlap=True``, every training forward absorbs the round
+            in flight and starts the next, as the reference SGP's loop does; the script then
+            calls neither ``transfer_params()`` nor ``register_optimizer()`` (default: False).
+    """
 
     graph: GraphBase | None = None
     mixing: MixingBase | None = None
@@ -183,9 +173,20 @@ class PushPull(SGP):
 
 @dataclasses.dataclass(frozen=True)
 class Exact:
-    """An outer step's average by one all-reduce, of ``dtype`` (DiLoCo's pseudo-gradients only:
-    bfloat16, float16, float8_e4m3fn, 'int8', 'int4', the rounding error kept; None: full
-    precision), DiLoCo's global parameters kept on ``device`` ('cpu' or the parameters')."""
+    """An outer step's average over every worker, exactly.
+
+    Args:
+        dtype (torch.dtype or str, optional): DiLoCo's pseudo-gradients sent compressed
+            (``torch.bfloat16``, ``torch.float16``, ``torch.float8_e4m3fn``, ``"int8"``,
+            ``"int4"``) as a reduce-scatter and an all-gather of compressed shards, with error
+            feedback on every worker and on every shard's owner: each outer step sends
+            ``2 (n - 1) / n`` of the model at the message's width, every worker's global
+            parameters stay the same bits, and no rounding accumulates. None: full precision,
+            one all-reduce (default).
+        device (torch.device or str, optional): where DiLoCo's global parameters and its outer
+            optimizer's state live: ``'cpu'`` keeps them in host memory when the parameters are
+            on a GPU (torchft's ``backup_device``). Default: the parameters' device.
+    """
 
     dtype: torch.dtype | str | None = None
     device: torch.device | str | None = None
@@ -204,9 +205,14 @@ class Exact:
 
 @dataclasses.dataclass(frozen=True)
 class ByGossip:
-    """An outer step's average by one gossip round of the inner mix's engine (DiLoCo's
-    pseudo-gradients mixed with a few peers instead of all). With ``gossip=None`` the round
-    needs a graph, mixing and message dtype of its own, given here."""
+    """An outer step's average by one gossip round, with no collective over every worker: each
+    worker mixes its parameters with the round's peers and steps its own global parameters with
+    ``theta_global - z``. Push-sum keeps the mean over workers, so their mean moves as under an
+    exact average; each worker's own differs from it by what one round did not mix
+    (``consensus_distance()`` right after an outer step says by how much). With Streaming
+    DiLoCo, a fragment's pseudo-gradient goes to the out-peers of one round while the workers
+    train. With ``gossip=None`` the round needs a ``graph``, ``mixing`` and ``message_dtype``
+    of its own (as :class:`SGP`'s); with gossip, it runs on the inner mix's engine."""
 
     graph: GraphBase | None = None
     mixing: MixingBase | None = None
@@ -226,8 +232,10 @@ class ByGossip:
 
 @dataclasses.dataclass(frozen=True)
 class Average:
-    """Every ``every`` steps, the parameters' exact average in place of that step's gossip round
-    (with gossip: SGP's global averaging; without: LocalSGD)."""
+    """Every ``every`` optimizer steps (counted by ``transfer_params()`` calls), the parameters'
+    exact average (push-sum's consensus value, one all-reduce per dtype) in place of that step's
+    gossip round, the push-sum weights reset to 1. With gossip: SGP's global averaging; with
+    ``gossip=None``: LocalSGD (Lin et al., ICLR 2020), every worker alone in between."""
 
     every: int
 
@@ -240,10 +248,15 @@ class Average:
 
 @dataclasses.dataclass(frozen=True)
 class SlowMo:
-    """SlowMo: every ``every`` steps, the exact average, then heavy-ball steps on it with
-    ``momentum`` and ``lr`` scaled by the inner optimizer's learning rate (register_optimizer()
-    names that optimizer). ``memory_efficient``: the slow step from the start of the period
-    recomputed instead of stored; ``num_shards``: the slow state split over that many ranks."""
+    """SlowMo (Wang et al., ICLR 2020): every ``every`` steps, the exact average ``x_avg``, then
+    the slow momentum step ``u <- momentum * u + (x_slow - x_avg) / lr_inner``, ``x_slow <-
+    x_slow - lr * lr_inner * u``, and every rank's parameters become ``x_slow``; ``lr_inner`` is
+    each param group's current learning rate, read from the optimizer given to
+    ``register_optimizer()``. ``x_slow`` starts at the parameters of the first forward.
+    ``momentum`` in [0, 1) (default 0.5); ``lr`` > 0 (default 1.0). ``memory_efficient``: the slow
+    state (two model copies) sharded over ``num_shards`` ranks (None: every rank), each updating
+    its slice and sending it to the others, ``2 / num_shards`` copies a rank for one
+    all-gather's traffic per step."""
 
     every: int
     momentum: float = 0.5
@@ -281,12 +294,28 @@ class SlowMo:
 
 @dataclasses.dataclass(frozen=True)
 class DiLoCo:
-    """DiLoCo: every ``every`` steps, the pseudo-gradient (global parameters minus local) is
-    averaged (``average``: :class:`Exact` or :class:`ByGossip`) and ``optimizer`` (a callable
-    that builds a torch.optim.Optimizer from a list of tensors, e.g. Nesterov SGD) steps the
-    global parameters with it. ``fragments > 1``: Streaming DiLoCo, each of that many fragments
-    synced at its own step of the period, its average overlapping ``delay`` steps of training
-    and merged with weight ``alpha`` on the local parameters."""
+    """DiLoCo (Douillard et al., 2023): every ``every`` inner steps (its H) the workers average
+    their pseudo-gradients ``theta_global - theta_i``, an outer optimizer steps ``theta_global``
+    with that average as its gradient, and every worker goes on from ``theta_global``, which
+    starts at the parameters of the first forward.
+
+    Args:
+        optimizer (callable): called once with the global parameters (tensors shaped like the
+            module's, in its order), returns the torch.optim.Optimizer that steps them, e.g.
+            ``lambda ps: torch.optim.SGD(ps, lr=0.7, momentum=0.9, nesterov=True)``; an outer
+            scheduler goes on ``model.outer_optimizer``, stepped by you.
+        every (int): inner steps between outer steps.
+        average (Exact or ByGossip): how the pseudo-gradients are averaged (default: ``Exact()``).
+        fragments (int): Streaming DiLoCo (Douillard et al., 2025) when > 1: the parameters, in
+            module order, in ``fragments`` contiguous fragments of about equal bytes, fragment
+            ``j`` synchronised at step ``floor(every (j + 1) / fragments)`` of every period with
+            its own outer optimizer (``model.outer_optimizers``), so that ``1 / fragments`` of the
+            model travels at a time (default: 1).
+        delay (int): a fragment's averaging starts ``delay`` steps before its outer step and
+            travels while the workers train, ``0 <= delay < every // fragments`` (default: 0).
+        alpha (float): at a fragment's outer step its parameters become ``alpha * local + (1 -
+            alpha) * theta_global``, in [0, 1]; 0 drops the steps taken in flight (default: 0).
+    """
 
     optimizer: Callable[[list[torch.Tensor]], torch.optim.Optimizer]
     every: int
@@ -342,9 +371,10 @@ class DiLoCo:
 
 @dataclasses.dataclass(frozen=True)
 class Elastic:
-    """An elastic job: workers join and leave through the membership service at ``address``
-    ('HOST:PORT', ``python -m gossip_ext.membership``); training goes on while at least
-    ``min_workers`` are left."""
+    """An elastic job (:mod:`gossip_ext.elastic`): workers join and leave through the membership
+    service at ``address`` (``"HOST:PORT"``, ``python -m gossip_ext.membership --port PORT``).
+    The first epoch forms once ``min_workers`` workers registered, and the job stops with a
+    TimeoutError naming who is gone when fewer are left (default: 1)."""
 
     address: str
     min_workers: int = 1
@@ -355,105 +385,3 @@ class Elastic:
         _check_type(self, "min_workers", self.min_workers, int, "an int")
         if self.min_workers < 1:
             raise ValueError(f"{_where(self, 'min_workers')}: must be >= 1, got {self.min_workers}")
-
-
-# ----------------------------------------------------------------------------- translation
-
-Gossip = SGP | None  # PushPull is an SGP
-Outer = Average | SlowMo | DiLoCo | None
-
-
-def to_flat(gossip: Gossip, outer: Outer, membership: Elastic | None) -> dict[str, Any]:
-    """The flat settings the objects stand for (FLAT_DEFAULTS where they say nothing)."""
-    if gossip is not None and not isinstance(gossip, SGP):
-        raise TypeError(
-            f"gossip must be SGP(...), PushPull(...) or None, got {type(gossip).__name__} "
-            f"{gossip!r}"
-        )
-    if outer is not None and not isinstance(outer, (Average, SlowMo, DiLoCo)):
-        raise TypeError(
-            f"outer must be Average(...), SlowMo(...), DiLoCo(...) or None, got "
-            f"{type(outer).__name__} {outer!r}"
-        )
-    if membership is not None and not isinstance(membership, Elastic):
-        raise TypeError(
-            f"membership must be Elastic(...) or None, got {type(membership).__name__} "
-            f"{membership!r}"
-        )
-    flat = dict(FLAT_DEFAULTS)
-    if gossip is None:
-        flat["base_algorithm"] = "localsgd"
-    else:
-        flat.update(gossip.flat())
-    if outer is not None:
-        flat.update(outer.flat(gossips=gossip is not None))
-        average = getattr(outer, "average", None)
-        if isinstance(average, ByGossip) and average.own_engine:
-            if gossip is not None:
-                raise ValueError(
-                    "ByGossip(graph=..., mixing=..., message_dtype=...) gives the outer round an "
-                    "engine of its own, but gossip is set: the outer round then runs on the "
-                    "inner mix's engine; give those settings to the gossip object"
-                )
-            flat.update(
-                graph=average.graph, mixing=average.mixing, message_dtype=average.message_dtype
-            )
-    if membership is not None:
-        flat.update(membership=membership.address, min_workers=membership.min_workers)
-    return flat
-
-
-def from_flat(flat: Mapping[str, Any]) -> tuple[Gossip, Outer, Elastic | None]:
-    """The objects that a flat configuration (keywords of FLAT_DEFAULTS, the others defaulted)
-    stands for. The flat configuration must be valid (_validation.check_arguments)."""
-    unknown = set(flat) - set(FLAT_DEFAULTS)
-    if unknown:
-        raise TypeError(f"from_flat: unknown settings {sorted(unknown)}")
-    f = dict(FLAT_DEFAULTS, **flat)
-    gossips = f["base_algorithm"] == "sgp"
-    gossip = None
-    if gossips:
-        kind = SGP if f["push_sum"] else PushPull
-        gossip = kind(
-            graph=f["graph"],
-            mixing=f["mixing"],
-            overlap=f["overlap"],
-            synch_freq=f["synch_freq"],
-            message_dtype=f["message_dtype"],
-            check_finite=f["check_finite"],
-            start_in_forward=f["start_in_forward"],
-        )
-    outer = None
-    if f["slowmo_freq"]:
-        outer = SlowMo(
-            every=f["slowmo_freq"],
-            momentum=f["slowmo_momentum"],
-            lr=f["slowmo_lr"],
-            memory_efficient=f["slowmo_memory_efficient"],
-            num_shards=f["slowmo_num_shards"],
-        )
-    elif f["outer_optimizer"] is not None:
-        if f["outer_average"] == "gossip":
-            average = (
-                ByGossip()
-                if gossips
-                else ByGossip(
-                    graph=f["graph"], mixing=f["mixing"], message_dtype=f["message_dtype"]
-                )
-            )
-        else:
-            average = Exact(dtype=f["outer_dtype"], device=f["outer_device"])
-        outer = DiLoCo(
-            optimizer=f["outer_optimizer"],
-            every=f["sync_every"],
-            average=average,
-            fragments=f["fragments"],
-            delay=f["fragment_delay"],
-            alpha=f["fragment_alpha"],
-        )
-    elif f["global_avg_freq"] or f["sync_every"]:
-        outer = Average(every=f["global_avg_freq"] or f["sync_every"])
-    membership = None
-    if f["membership"] is not None:
-        membership = Elastic(f["membership"], min_workers=f["min_workers"])
-    return gossip, outer, membership

@@ -33,6 +33,7 @@ from gossip_ext import (
     streaming,
 )
 from gossip_ext import elastic as _elastic_worker
+from gossip_ext import flat_keywords as _flat
 from gossip_ext.graphs import GraphBase, NPeerDynamicDirectedExponentialGraph
 from gossip_ext.mixing import UniformMixing
 
@@ -101,16 +102,26 @@ class GossipDataParallel(nn.Module):
 
     Args:
         module (nn.Module): the model; its parameters must be floating point, on one device.
-        graph (GraphBase, optional): the gossip graph
-            (default: ``NPeerDynamicDirectedExponentialGraph(peers_per_itr=1)``).
-        mixing (MixingBase, optional): mixing weights (default: ``UniformMixing()``).
-        push_sum (bool): push-sum (SGP) if True; push-pull averaging (D-PSGD) if False, which
-            needs a graph that pairs nodes symmetrically (default: True).
-        overlap (bool): absorb each round one step later, so that it runs during the next
-            forward, backward and step (default: False).
-        synch_freq (int): bounded asynchrony: a forward absorbs a finished round without waiting,
-            and blocks only after ``synch_freq`` consecutive forwards found it unfinished; 0 is
-            synchronous (default: 0).
+        gossip (SGP, PushPull or None): what happens between steps: a push-sum round over a
+            graph after every step (:class:`~gossip_ext.SGP`, the default ``SGP()``: a 1-peer
+            exponential graph, uniform mixing, synchronous, full precision), push-pull averaging
+            (:class:`~gossip_ext.PushPull`, D-PSGD), or ``None``: no gossip, the workers train
+            alone between outer steps (LocalSGD, DiLoCo). Their arguments (graph, mixing,
+            overlap, synch_freq, message_dtype, check_finite, start_in_forward) are documented on
+            the classes.
+        outer (Average, SlowMo, DiLoCo or None): what happens every few steps in place of that
+            step's round: an exact average (:class:`~gossip_ext.Average`), SlowMo's heavy ball
+            on it (:class:`~gossip_ext.SlowMo`, which reads the learning rate of the optimizer
+            given to :meth:`register_optimizer`), or DiLoCo's outer optimizer on the averaged
+            pseudo-gradients (:class:`~gossip_ext.DiLoCo`, streamed in fragments, averaged
+            exactly or by gossip: :class:`~gossip_ext.Exact`, :class:`~gossip_ext.ByGossip`).
+            None: none (default).
+        membership (Elastic, optional): an elastic job (:class:`~gossip_ext.Elastic`): the worker
+            then needs no ``init_process_group``; it registers with the membership service,
+            trains in epochs with a process group per epoch over the live workers, survives
+            workers that die, stall or leave, and a worker started later receives the model,
+            the optimizer state, the outer state and the step count from a live member before
+            its first forward. Not with ``process_group`` nor ``nprocs_per_node > 1``.
         nprocs_per_node (int): processes per machine: gradients are averaged inside each machine,
             one process per machine gossips, and the others receive its parameters before every
             forward (default: 1).
@@ -124,93 +135,6 @@ class GossipDataParallel(nn.Module):
         timeout (timedelta): how long a round waits for a peer before raising TimeoutError
             naming the peers; a peer whose connection closes (it died) raises TimeoutError at
             once (default: 5 minutes).
-        check_finite (bool): raise FloatingPointError naming the sender when an absorbed message
-            holds NaN or Inf, and naming this rank when its own parameters do, before push-sum
-            spreads them to every worker. The check rides on the absorb kernel's single pass; on
-            a GPU it is read one step later to avoid a host sync. False lets them through
-            (default: True).
-        message_dtype (torch.dtype or str, optional): ``torch.bfloat16`` or ``torch.float16``
-            sends float32/float64 parameters in 16 bits, half the bytes; ``"int8"``, ``"int4"``
-            or ``torch.float8_e4m3fn`` sends them block-quantized, with a float32 scale per block
-            of 128 values: 0.258 (int8, float8) or 0.133 (int4) of float32's bytes. The
-            parameters, the absorb and the push-sum weight stay in full precision, and each
-            message's rounding error stays in the sender's own state (error feedback), so the
-            mean over workers is conserved to float32 rounding; workers agree to within the
-            message precision. None: full precision (default).
-        global_avg_freq (int, optional): every ``global_avg_freq`` optimizer steps (counted by
-            :meth:`transfer_params` calls), all-reduce the parameters to their exact average (see
-            :meth:`average_parameters`) instead of that step's gossip round, and reset the
-            push-sum weights to 1. None or 0: never (default: None).
-        slowmo_freq (int, optional): SlowMo (Wang et al., ICLR 2020): every ``slowmo_freq``
-            steps, average exactly, then take the slow momentum step ``u <- slowmo_momentum * u +
-            (x_slow - x_avg) / lr``, ``x_slow <- x_slow - slowmo_lr * lr * u``, and set the
-            parameters to ``x_slow`` on every rank; ``lr`` is each param group's current learning
-            rate, so it needs :meth:`register_optimizer`. ``x_slow`` starts at the parameters of
-            the first forward. None or 0: off (default: None).
-        slowmo_momentum (float): SlowMo's slow momentum ``beta``, in [0, 1) (default: 0.5).
-        slowmo_lr (float): SlowMo's slow learning rate ``alpha`` > 0 (default: 1.0).
-        slowmo_memory_efficient (bool): shard SlowMo's state (the slow parameters and the slow
-            momentum, two model copies) over ``slowmo_num_shards`` ranks, each of which updates
-            its slice and sends it to the others: ``2 / slowmo_num_shards`` model copies per rank
-            for one all-gather's worth of extra traffic per SlowMo step (default: False).
-        slowmo_num_shards (int, optional): ranks that share the SlowMo state when
-            ``slowmo_memory_efficient``; None: every rank of the group (default: None).
-        base_algorithm (str): ``"sgp"``: a gossip round after every step (default).
-            ``"localsgd"``: no gossip at all, every worker trains alone between the exact averages
-            of ``global_avg_freq`` (LocalSGD, Lin et al., ICLR 2020) and the SlowMo steps of
-            ``slowmo_freq``, one of which it needs; no engine and no message buffers are made.
-        outer_optimizer (callable, optional): DiLoCo's outer step (Douillard et al., 2023; see
-            :mod:`gossip_ext.outer`): called once with the global parameters (a list of tensors
-            shaped like the module's parameters, in their order), it returns the optimizer that
-            steps them, e.g. ``lambda params: torch.optim.SGD(params, lr=0.7, momentum=0.9,
-            nesterov=True)``. Every ``sync_every`` steps the workers average exactly their
-            pseudo-gradients ``theta_global - theta_i``, it steps ``theta_global`` with that average
-            as the gradient, and every worker's parameters become ``theta_global``. With
-            ``base_algorithm="localsgd"`` nothing else is sent (DiLoCo); with SGP the workers also
-            gossip every step. An outer scheduler goes on :attr:`outer_optimizer`, stepped by you.
-            ``theta_global`` starts at the parameters of the first forward. None: no outer step
-            (default: None).
-        sync_every (int, optional): inner steps between outer steps (DiLoCo's H). Without
-            ``outer_optimizer``, the exact average of LocalSGD every ``sync_every`` steps, as
-            ``global_avg_freq`` (default: None).
-        outer_average (str): how an outer step averages the pseudo-gradients. ``"allreduce"``:
-            exactly, over every worker (DiLoCo's). ``"gossip"``: that step's gossip round mixes
-            each worker's parameters with its peers' (push-sum: the mean over workers is kept),
-            and each worker steps its own ``theta_global`` with ``theta_global - z``, ``z`` its
-            mixed parameters; no collective over every worker happens at any point. The workers'
-            ``theta_global`` then differ slightly (:meth:`consensus_distance` right after an outer
-            step measures by how much), while their mean moves as the outer optimizer stepped
-            with the mean of the workers' pseudo-gradients, as under exact averaging; later rounds
-            keep pulling them together. Under LocalSGD that round is the only communication of a
-            period: one model to one peer (default: ``"allreduce"``).
-        outer_device (torch.device or str, optional): where ``theta_global`` and the outer
-            optimizer's state live: ``'cpu'`` keeps them in host memory when the parameters are on
-            a GPU (torchft's ``backup_device``). Default: the parameters' device.
-        outer_dtype (torch.dtype or str, optional): the messages of DiLoCo's exact outer step
-            (``outer_average="allreduce"``): ``torch.bfloat16``, ``torch.float16``,
-            ``torch.float8_e4m3fn``, ``"int8"`` or ``"int4"`` send the pseudo-gradients
-            compressed, as Streaming DiLoCo does, with error feedback on every worker and on
-            every shard's owner (:mod:`gossip_ext.compressed_average`): each outer step sends
-            ``2 (n - 1) / n`` of the model at the message's width (int4: 0.133 of float32's
-            bytes), every worker's ``theta_global`` stays identical, and no rounding accumulates
-            over outer steps. None: full precision (default).
-        fragments (int): Streaming DiLoCo (Douillard et al., 2025; :mod:`gossip_ext.streaming`):
-            the parameters, in module order, in ``fragments`` contiguous fragments of about equal
-            bytes, fragment ``j`` synchronised at step ``floor(sync_every (j + 1) / fragments)``
-            of every period, each with its own outer optimizer (:attr:`outer_optimizers`), so
-            that ``1 / fragments`` of the model travels at a time; averaged exactly, or with
-            ``outer_average="gossip"`` by one exchange with the peers of a round of the graph
-            (:mod:`gossip_ext.fragment_gossip`). 1: DiLoCo (default).
-        fragment_delay (int): Streaming DiLoCo's ``tau``: a fragment's averaging starts
-            ``fragment_delay`` steps before its outer step and travels while the workers train,
-            ``0 <= fragment_delay < sync_every // fragments`` (default: 0).
-        fragment_alpha (float): at a fragment's outer step its parameters become
-            ``fragment_alpha * local + (1 - fragment_alpha) * theta_global``, in [0, 1]; 0 drops
-            the steps taken while it travelled (default: 0.0).
-        start_in_forward (bool): under ``overlap=True``, start every round from the training
-            forward, as the reference SGP does (its loop never calls :meth:`transfer_params`):
-            the forward absorbs the round in flight and sends the parameters it is about to use.
-            :meth:`transfer_params` then raises (default: False).
         broadcast_buffers (bool): before every training forward, set every rank's buffers to rank
             0's (as DDP and fairscale's SlowMo do): one broadcast of the buffers per step
             (default: False).
@@ -224,17 +148,12 @@ class GossipDataParallel(nn.Module):
             absorbed round without communication (see :attr:`consensus_estimate`); 0: never
             (default: 0).
         verbose (bool): log every round at INFO level (default: False).
-        membership (str, optional): ``"HOST:PORT"`` of an elastic job's membership service
-            (``python -m gossip_ext.membership --port PORT``; :mod:`gossip_ext.elastic`). The
-            worker then needs no ``init_process_group``: it registers, trains in epochs with a
-            process group per epoch over the live workers, survives workers that die, stall or
-            leave (they are dropped at the next step boundary), and a worker started later
-            receives the model, the state of the optimizer given to :meth:`register_optimizer`,
-            the outer state and the step count from a live member before its first forward.
-            Not with ``process_group`` nor ``nprocs_per_node > 1`` (default: None).
-        min_workers (int): an elastic job's first epoch forms once ``min_workers`` workers
-            registered, and the job stops with a TimeoutError naming who is gone when fewer are
-            left (default: 1).
+        **flat_keywords: the flat spelling of earlier releases, which SGP's and fairscale's
+            scripts also use through :mod:`gossip_ext.compat` (``graph=``, ``overlap=``,
+            ``message_dtype=``, ``global_avg_freq=``, ``slowmo_freq=``, ``base_algorithm=``,
+            ``outer_optimizer=``, ``sync_every=``, ``fragments=``, ``membership="HOST:PORT"``,
+            ...): translated into the objects above by :func:`gossip_ext.flat_keywords.from_flat`
+            (every name in ``flat_keywords.FLAT_DEFAULTS``); not beside them.
 
     Example::
 
@@ -248,7 +167,7 @@ class GossipDataParallel(nn.Module):
 
     SlowMo over gossip (the optimizer's hook then calls :meth:`transfer_params`)::
 
-        >>> model = gossip_ext.GossipDataParallel(net, slowmo_freq=48, slowmo_momentum=0.5)
+        >>> model = gossip_ext.GossipDataParallel(net, outer=gossip_ext.SlowMo(every=48))
         >>> opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
         >>> model.register_optimizer(opt)
     """
@@ -275,7 +194,7 @@ class GossipDataParallel(nn.Module):
         self.algorithms = (gossip, outer, membership)
         # Every setting by name, for the checks and for the configuration the ranks compare.
         arguments = dict(
-            algorithms.to_flat(gossip, outer, membership),
+            _flat.to_flat(gossip, outer, membership),
             module=module,
             process_group=process_group,
             comm_device=comm_device,
@@ -1096,7 +1015,7 @@ def _algorithms_of(gossip, outer, membership, flat: dict[str, Any]) -> tuple:
     if isinstance(membership, str):  # the flat spelling of membership
         flat = dict(flat, membership=membership)
         membership = None
-    unknown = sorted(set(flat) - set(algorithms.FLAT_DEFAULTS))
+    unknown = sorted(set(flat) - set(_flat.FLAT_DEFAULTS))
     if unknown:
         raise TypeError(f"GossipDataParallel got unexpected keyword arguments {unknown}")
     if not flat:
@@ -1111,10 +1030,10 @@ def _algorithms_of(gossip, outer, membership, flat: dict[str, Any]) -> tuple:
             f"GossipDataParallel: {', '.join(given)} given as objects beside the flat keywords "
             f"{sorted(flat)}: give the algorithm one way (see gossip_ext.algorithms)"
         )
-    settings = dict(algorithms.FLAT_DEFAULTS, **flat)
+    settings = dict(_flat.FLAT_DEFAULTS, **flat)
     if settings["graph"] is None:
         settings["graph"] = NPeerDynamicDirectedExponentialGraph()
     if settings["mixing"] is None:
         settings["mixing"] = UniformMixing()
     _validation.check_flat(settings)
-    return algorithms.from_flat(flat)
+    return _flat.from_flat(flat)

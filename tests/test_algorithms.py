@@ -8,6 +8,7 @@ from torch import nn
 
 import gossip_ext
 from gossip_ext import algorithms as A
+from gossip_ext import flat_keywords as F
 
 
 def _outer_sgd(params):
@@ -82,24 +83,24 @@ TRANSLATIONS = [
 
 @pytest.mark.parametrize("flat, objects", TRANSLATIONS)
 def test_flat_keywords_translate_into_the_objects_and_back(flat, objects):
-    assert A.from_flat(flat) == objects
-    back = A.to_flat(*objects)
+    assert F.from_flat(flat) == objects
+    back = F.to_flat(*objects)
     for name, value in flat.items():
         if name == "global_avg_freq" or (name == "sync_every" and "outer_optimizer" not in flat):
             continue  # the two spellings of an exact average every k steps: checked below
         assert back[name] == value, name
-    assert set(back) == set(A.FLAT_DEFAULTS)
+    assert set(back) == set(F.FLAT_DEFAULTS)
 
 
 def test_an_exact_average_every_k_steps_has_one_object_whatever_its_flat_spelling():
     # sync_every without an outer optimizer is LocalSGD's plain average, as global_avg_freq is.
-    assert A.from_flat({"base_algorithm": "localsgd", "sync_every": 5}) == (
+    assert F.from_flat({"base_algorithm": "localsgd", "sync_every": 5}) == (
         None,
         A.Average(5),
         None,
     )
-    assert A.to_flat(None, A.Average(5), None)["sync_every"] == 5
-    assert A.to_flat(A.SGP(), A.Average(5), None)["global_avg_freq"] == 5
+    assert F.to_flat(None, A.Average(5), None)["sync_every"] == 5
+    assert F.to_flat(A.SGP(), A.Average(5), None)["global_avg_freq"] == 5
 
 
 def test_localsgd_averaged_by_gossip_keeps_its_own_graph():
@@ -112,17 +113,17 @@ def test_localsgd_averaged_by_gossip_keeps_its_own_graph():
         "graph": ring,
         "message_dtype": torch.bfloat16,
     }
-    gossip, outer, _ = A.from_flat(flat)
+    gossip, outer, _ = F.from_flat(flat)
     assert gossip is None
     assert outer.average == A.ByGossip(graph=ring, message_dtype=torch.bfloat16)
-    back = A.to_flat(gossip, outer, None)
+    back = F.to_flat(gossip, outer, None)
     assert (back["graph"], back["message_dtype"], back["outer_average"]) == (
         ring,
         torch.bfloat16,
         "gossip",
     )
     with pytest.raises(ValueError, match="engine of its own, but gossip is set"):
-        A.to_flat(A.SGP(), A.DiLoCo(_outer_sgd, every=8, average=A.ByGossip(graph=ring)), None)
+        F.to_flat(A.SGP(), A.DiLoCo(_outer_sgd, every=8, average=A.ByGossip(graph=ring)), None)
 
 
 @pytest.mark.parametrize(
