@@ -3,7 +3,7 @@
     python benchmarks/cluster.py --workers 4 8 --bandwidth 1gbit 10gbit      # as root
 
 Each worker runs in its own network namespace behind its own NIC of the chosen rate (veth pairs
-on a bridge, capped with tbf both ways: gossip_ext/_netns.py), and gloo talks only over those
+on a bridge, capped with tbf both ways: harness/netns.py), and gloo talks only over those
 NICs. For every worker count and rate, in one run on the same processes, this measures:
 
 - the NIC: the nominal rate beside a timed gloo send between two workers, and with every worker
@@ -40,7 +40,9 @@ from torch import nn
 from torch.distributed.algorithms.model_averaging.averagers import PeriodicModelAverager
 
 import gossip_ext
-from gossip_ext import _netns
+
+sys.path.append(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the root: harness/
+from harness import netns  # noqa: E402
 
 GOSSIP = {
     "sgp": {},
@@ -186,14 +188,14 @@ def time_to(curve: list, target: float) -> tuple[int, float] | None:
 
 
 def cluster_worker(rank: int, world_size: int, init_method: str, cfg: dict) -> dict:
-    """Runs on every worker of the emulated cluster (gossip_ext._netns); rank 0's dict returns."""
+    """Runs on every worker of the emulated cluster (harness.netns); rank 0's dict returns."""
     torch.set_num_threads(1)  # the workers share the machine's cores
     warnings.filterwarnings("ignore", message=".*one gossiping process.*")
     dist.init_process_group(
         "gloo", init_method=init_method, rank=rank, world_size=world_size,
         timeout=timedelta(minutes=5),
     )  # fmt: skip
-    label = f"{world_size} workers, {_netns.format_rate(cfg['rate'])}"
+    label = f"{world_size} workers, {netns.format_rate(cfg['rate'])}"
     say = print if rank == 0 else (lambda *a, **k: None)
     out = {"link": measure_link(rank, world_size, cfg["rate"]), "modes": {}}
     say(f"[{label}] link: {out['link']['pair']:.2f} Gbit/s one pair", flush=True)
@@ -229,7 +231,7 @@ def report(results: dict) -> str:
     per setting; and the goals, as markdown."""
     link, steps, headline, fits = [], {}, [], []
     for (n, rate), r in sorted(results.items()):
-        nic = _netns.format_rate(rate)
+        nic = netns.format_rate(rate)
         setting = f"{n} workers, {nic}"
         rounds = [
             f"{1000 * x['seconds']:.0f} ms for {x['bytes'] / 1e6:.1f} MB "
@@ -307,7 +309,7 @@ def plot(results: dict, path: str) -> None:
                 ax.plot([t for _, t, _ in m["curve"]], [x for _, _, x in m["curve"]], label=mode)
         ax.axhline(r["target"], color="grey", linestyle=":", label="DDP's final loss")
         ax.set(xlabel="wall-clock time (s)", ylabel=f"training loss (mean of {WINDOW} steps)",
-               title=f"{n} workers, {_netns.format_rate(rate)} NICs")  # fmt: skip
+               title=f"{n} workers, {netns.format_rate(rate)} NICs")  # fmt: skip
         ax.grid(alpha=0.3)
         ax.legend(fontsize=8)
     fig.tight_layout()
@@ -337,10 +339,10 @@ def main(argv=None) -> dict:
     if any(n < 2 for n in args.workers) or args.steps < WINDOW + WARMUP:
         parser.error(f"need --workers >= 2 and --steps >= {WINDOW + WARMUP}")
     try:
-        rates = [_netns.parse_rate(b) for b in args.bandwidth]
+        rates = [netns.parse_rate(b) for b in args.bandwidth]
     except ValueError as e:
         parser.error(f"--bandwidth: {e}")
-    reason = _netns.unavailable()
+    reason = netns.unavailable()
     if reason:
         print(f"benchmarks/cluster.py: {reason}", file=sys.stderr)
         sys.exit(2)
@@ -351,7 +353,7 @@ def main(argv=None) -> dict:
     for n in args.workers:
         for rate in rates:
             cfg = dict(vars(args), params=int(args.params), rate=rate, modes=modes)
-            with _netns.EmulatedCluster(n, rate) as cluster:
+            with netns.EmulatedCluster(n, rate) as cluster:
                 results[(n, rate)] = cluster.run("cluster:cluster_worker", cfg, 1800, here)
     text = report(results)
     print("\n" + text)

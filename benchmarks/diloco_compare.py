@@ -1,6 +1,6 @@
 """DiLoCo at long sync periods: gossip_ext's beside torchft's, DDP and DDP + PowerSGD.
 
-The same task, data, seeds and protocol as benchmarks/lm_compare.py (gossip_ext.compare): DDP
+The same task, data, seeds and protocol as benchmarks/lm_compare.py (harness.compare): DDP
 runs --ddp-steps and its final held-out loss is the target; every other system runs --steps.
 Each DiLoCo runs at every H of --sync-every: torchft's (``torchft.local_sgd.DiLoCo`` behind its
 lighthouse), gossip_ext's with the exact average of the pseudo-gradients (``outer_average=
@@ -28,12 +28,13 @@ import os
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+sys.path.append(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the root: harness/
 
 import lm_compare  # noqa: E402  (benchmarks/lm_compare.py: its saved runs)
 import results  # noqa: E402  (benchmarks/results.py)
 
-from gossip_ext import _netns  # noqa: E402
-from gossip_ext.compare import report, runner  # noqa: E402
+from harness import netns  # noqa: E402
+from harness.compare import report, runner  # noqa: E402
 
 TITLE = "DiLoCo at H = 16 and 64: gossip_ext beside torchft, DDP and PowerSGD"
 ONCE = ("alone", "ddp", "powersgd_r4")
@@ -137,7 +138,7 @@ def goals(all_rows, sync_every) -> str:
                 ok = ours is not None and ours <= 0.15 * ddp_time and ahead is not False
                 met = "yes" if ok else "no"
             lines.append(
-                f"| {workers} workers, {_netns.format_rate(rate)} | {h} | {goal} | {ours_text} "
+                f"| {workers} workers, {netns.format_rate(rate)} | {h} | {goal} | {ours_text} "
                 f"| {ddp_time:.1f} s | {powersgd} | {theirs_text} | {ahead_text} "
                 f"| {theirs_own_text} | {met} |"
             )
@@ -152,7 +153,7 @@ def describe(params: int, protocol: runner.Protocol, args) -> str:
         f"thread per worker (benchmarks/lm_compare.py's protocol). Every system runs "
         f"{protocol.steps} steps but DDP, which runs {protocol.ddp_steps}: DDP's final held-out "
         f"loss is the target. AdamW, warmup {protocol.warmup} then cosine decay over each "
-        f"system's own steps, each at its peak lr (gossip_ext.compare.systems.PEAK_LR). Every "
+        f"system's own steps, each at its peak lr (harness.compare.systems.PEAK_LR). Every "
         f"DiLoCo at H = {' and '.join(map(str, args.sync_every))} with the outer Nesterov SGD "
         f"at lr {' and '.join(f'{lr:g}' for lr in args.outer_lr)}, momentum "
         f"{args.outer_momentum:g} (the best tried: benchmarks/diloco_compare.py); `diloco` "
@@ -184,7 +185,7 @@ def main(argv=None):
         protocol, all_rows = lm_compare.load_rows(args.from_rows)
         report_all(args, protocol, all_rows)
         return all_rows
-    if why := _netns.unavailable():
+    if why := netns.unavailable():
         sys.exit(f"this benchmark needs an emulated network: {why}")
     protocol = runner.Protocol(steps=args.steps, ddp_steps=args.ddp_steps)
     all_rows = {}

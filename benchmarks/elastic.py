@@ -1,7 +1,7 @@
 """A worker lost and replaced mid-run: gossip_ext's elastic job beside torchft's, on the emulated
 cluster.
 
-Each system trains the byte-level language model of gossip_ext.compare on ``--workers`` workers,
+Each system trains the byte-level language model of harness.compare on ``--workers`` workers,
 each in its own network namespace behind a NIC capped at ``--bandwidth``, each launched on its own
 (benchmarks/elastic_worker.py), its coordinator on a namespace of its own: gossip_ext's membership
 service (``python -m gossip_ext.membership``) or torchft's lighthouse (``torchft_lighthouse``).
@@ -57,11 +57,12 @@ import tempfile
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+sys.path.append(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the root: harness/
 
 import results  # noqa: E402
 
-from gossip_ext import _netns  # noqa: E402
-from gossip_ext.compare import systems  # noqa: E402
+from harness import netns  # noqa: E402
+from harness.compare import systems  # noqa: E402
 
 TITLE = "Elastic: a worker lost and replaced, beside torchft"
 WORKER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "elastic_worker.py")
@@ -99,7 +100,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--from-rows", metavar="FILE", help="report the runs saved in FILE again")
     p.add_argument("--no-record", action="store_true")
     args = p.parse_args(argv)
-    args.rate = _netns.rate_option(p, args.bandwidth, args.workers)
+    args.rate = netns.rate_option(p, args.bandwidth, args.workers)
     if not 0 <= args.victim < args.workers:
         p.error(f"--victim must be a slot in [0, {args.workers}), got {args.victim}")
     if args.victim == 0:
@@ -119,7 +120,7 @@ def parse_args(argv=None) -> argparse.Namespace:
 # ----------------------------------------------------------------------------- one run
 
 
-def _coordinator(system: str, cluster: _netns.EmulatedCluster, args, out: str):
+def _coordinator(system: str, cluster: netns.EmulatedCluster, args, out: str):
     """gossip_ext's membership service or torchft's lighthouse, in the cluster's last namespace;
     returns (process, the address the workers are given)."""
     rank = cluster.workers - 1
@@ -180,7 +181,7 @@ class _Workers:
         ]  # fmt: skip
         env = dict(
             os.environ,
-            GLOO_SOCKET_IFNAME=_netns.IFNAME,
+            GLOO_SOCKET_IFNAME=netns.IFNAME,
             GOSSIP_EXT_HOST=self.cluster.address(slot),
             PYTHONUNBUFFERED="1",
             RUST_LOG="warn",
@@ -362,10 +363,10 @@ def _label(run: dict) -> str:
 def report(rows: list[dict], args) -> str:
     lines = [
         f"{args.workers} workers, each in its own network namespace behind a "
-        f"{_netns.format_rate(args.rate)} NIC (tbf), one torch thread each, all on this "
+        f"{netns.format_rate(args.rate)} NIC (tbf), one torch thread each, all on this "
         f"machine's cores: every step is bound by the CPU, not the network (benchmarks/"
         f"lm_compare.py at this setting), and {args.workers - 1} workers step faster than "
-        f"{args.workers}. Byte-level transformer of gossip_ext.compare (2 layers, width 128, "
+        f"{args.workers}. Byte-level transformer of harness.compare (2 layers, width 128, "
         f"context 64), batch 8 per worker, AdamW, warmup 20 then cosine decay over "
         f"{args.steps} steps. The worker on slot {args.victim} is SIGKILLed, or SIGSTOPped for "
         f"good, after its step {args.fail_at}; a replacement starts on its slot when worker 0 "
@@ -474,7 +475,7 @@ def goals(rows: list[dict], args) -> list[str]:
 
 def run_all(args) -> list[dict]:
     """Every run of the benchmark, each system's failure run first, then the uninterrupted."""
-    why = _netns.unavailable()
+    why = netns.unavailable()
     if why:
         sys.exit(why)
     for system in args.systems:
@@ -482,7 +483,7 @@ def run_all(args) -> list[dict]:
         if why_not:
             sys.exit(why_not)
     runs = []
-    with _netns.EmulatedCluster(args.workers + 1, args.rate) as cluster:
+    with netns.EmulatedCluster(args.workers + 1, args.rate) as cluster:
         # Interleaved, so that a slow spell of the machine does not fall on one system only.
         # Uninterrupted, besides each system: gossip_ext's job without the victim's slot (the
         # failure run's worker-steps lie between its and the full job's), and a static job.

@@ -1,6 +1,6 @@
 """One worker of benchmarks/elastic.py, launched on its own as a user launches an elastic job's
 workers (``python elastic_worker.py ...``, no torchrun, no init_process_group): it trains the
-byte-level language model of gossip_ext.compare with gossip_ext (an elastic job:
+byte-level language model of harness.compare with gossip_ext (an elastic job:
 ``membership=``) or with torchft (its Manager and lighthouse, LocalSGD), writes every finished
 step and its wall-clock time to ``<out>/<name>.steps`` as it goes (the harness watches it), and at
 the end its held-out bits per byte and timeline to ``<out>/<name>.json``.
@@ -28,9 +28,11 @@ import torch.distributed as dist  # noqa: E402
 
 import gossip_ext  # noqa: E402
 from gossip_ext.epochs import parse_address  # noqa: E402
-from gossip_ext.tasks import byte_lm  # noqa: E402
-from gossip_ext.tasks.byte_lm import ByteLM, ByteLMConfig  # noqa: E402
-from gossip_ext.tasks.stdlib_text import StdlibText  # noqa: E402
+
+sys.path.append(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the root: harness/
+from harness.tasks import byte_lm  # noqa: E402
+from harness.tasks.byte_lm import ByteLM, ByteLMConfig  # noqa: E402
+from harness.tasks.stdlib_text import StdlibText  # noqa: E402
 
 MODEL = ByteLMConfig(layers=2, width=128, heads=4, context=64)
 BATCH = 8

@@ -1,6 +1,6 @@
 """Time to the same held-out quality: gossip_ext beside the systems a user would pick instead.
 
-Every system (gossip_ext.compare.systems) trains the byte-level transformer of gossip_ext.tasks
+Every system (harness.compare.systems) trains the byte-level transformer of harness.tasks
 on the standard library's sources with the same data order, seeds, batch size and schedule shape
 (AdamW, warmup, cosine decay), each at its own peak learning rate (systems.PEAK_LR, from a sweep).
 DDP runs --ddp-steps and its final held-out loss is the target; the others run --steps (twice as
@@ -19,7 +19,7 @@ mode with DDP, PowerSGD, decent-dp and torchft's DiLoCo.
     python benchmarks/lm_compare.py --settings 4x100mbit 4x1gbit 8x1gbit
 
 With --bandwidth, each worker runs in its own network namespace behind a NIC capped with tbf
-(gossip_ext._netns); torchft's lighthouse runs in rank 0's namespace. Writes a plot of held-out
+(harness.netns); torchft's lighthouse runs in rank 0's namespace. Writes a plot of held-out
 bits per byte against time (--plot), every result with its held-out history (--rows, JSON) and,
 unless --no-record, rewrites this benchmark's section of benchmarks/RESULTS.md.
 --from-rows FILE reports a saved run again (table, goals, plot, RESULTS.md) without running it.
@@ -34,12 +34,13 @@ import os
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+sys.path.append(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the root: harness/
 
 import results  # noqa: E402  (benchmarks/results.py)
 
-from gossip_ext import _netns  # noqa: E402
-from gossip_ext.compare import report, runner, systems  # noqa: E402
-from gossip_ext.tasks.byte_lm import ByteLMConfig  # noqa: E402
+from harness import netns  # noqa: E402
+from harness.compare import report, runner, systems  # noqa: E402
+from harness.tasks.byte_lm import ByteLMConfig  # noqa: E402
 
 TITLE = "Time to the same held-out quality: gossip_ext beside DDP, PowerSGD, decent-dp, torchft"
 # What this comparison runs unless --systems says otherwise: every system but the DiLoCos that
@@ -110,7 +111,7 @@ def parse_args(argv=None):
     if min(args.steps, args.ddp_steps) <= args.warmup:
         p.error(f"--steps and --ddp-steps must exceed --warmup ({args.warmup})")
     try:
-        rates = [_netns.parse_rate(b) for b in args.bandwidth] or [None]
+        rates = [netns.parse_rate(b) for b in args.bandwidth] or [None]
     except ValueError as e:
         p.error(f"--bandwidth: {e}")
     args.settings_parsed = [(w, r) for w in args.workers for r in rates]
@@ -127,7 +128,7 @@ def parse_settings(p: argparse.ArgumentParser, texts) -> list[tuple[int, float]]
     for text in texts:
         workers, _, rate = text.partition("x")
         try:
-            settings.append((int(workers), _netns.parse_rate(rate)))
+            settings.append((int(workers), netns.parse_rate(rate)))
         except ValueError as e:
             p.error(f"--settings: {text!r} is not WORKERSxRATE like 4x100mbit ({e})")
     return settings
@@ -171,14 +172,14 @@ def goals(all_rows: dict[tuple[int, float | None], dict[str, dict]]) -> str:
                 checks.append(ours is not None and (powersgd is None or ours <= powersgd))
             met = "yes" if all(checks) else "no"
         lines.append(
-            f"| {workers} workers, {_netns.format_rate(rate)} | {goal} | {ours_text} | "
+            f"| {workers} workers, {netns.format_rate(rate)} | {goal} | {ours_text} | "
             f"{ddp_time:.1f} s | {powersgd_text} | {decent_text} | {diloco_text} | {met} |"
         )
     return "\n".join(lines)
 
 
 def _setting(workers: int, rate: float | None) -> str:
-    return f"{workers} workers, " + ("loopback" if rate is None else _netns.format_rate(rate))
+    return f"{workers} workers, " + ("loopback" if rate is None else netns.format_rate(rate))
 
 
 def save_rows(path: str, protocol: runner.Protocol, all_rows) -> None:
@@ -284,7 +285,7 @@ def main(argv=None) -> dict:
         report_all(args, protocol, all_rows, echo=True)
         return all_rows
     networked = any(rate is not None for _, rate in args.settings_parsed)
-    if networked and (why := _netns.unavailable()):
+    if networked and (why := netns.unavailable()):
         sys.exit(f"--bandwidth needs an emulated network: {why}")
     protocol = runner.Protocol(
         steps=args.steps,

@@ -37,6 +37,7 @@ import contextlib
 import importlib.util
 import os
 import re
+import sys
 import tempfile
 import traceback
 from datetime import timedelta
@@ -49,6 +50,8 @@ from torch import nn
 
 import gossip_ext
 from gossip_ext.compat.fairscale import SlowMoDistributedDataParallel
+
+sys.path.append(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the root: harness/
 
 WORLD_SIZE = 2
 WIDTH = 2048  # features of every Linear layer
@@ -407,7 +410,7 @@ def run_configs(args) -> dict:
                     if importlib.util.find_spec("torchft") is None:
                         print(f"left out: {config} (pip install torchft==0.2.0)")
                         continue
-                    from gossip_ext.compare.runner import lighthouse
+                    from harness.compare.runner import lighthouse
 
                     args.lighthouse = stack.enter_context(lighthouse(WORLD_SIZE))
                 mp.spawn(

@@ -2,7 +2,7 @@
 
     python benchmarks/message_bytes.py --workers 4 --bandwidth 1gbit --params 4e6      # as root
 
-On the emulated cluster (gossip_ext/_netns.py: each worker in its own network namespace behind
+On the emulated cluster (harness/netns.py: each worker in its own network namespace behind
 its own NIC capped at --bandwidth, gloo over those NICs only), every worker holds a model of
 --params float32 values, and in one run on the same processes this measures, for every message
 format (float32, bfloat16, float16, float8 e4m3fn, int8, int4):
@@ -32,8 +32,10 @@ from results import record
 from torch import nn
 
 import gossip_ext
-from gossip_ext import _netns
 from gossip_ext.compressed_average import bytes_per_step
+
+sys.path.append(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the root: harness/
+from harness import netns  # noqa: E402
 
 FORMATS = {
     "float32": None,
@@ -141,12 +143,12 @@ def main(argv=None) -> None:
     parser.add_argument("--reps", type=int, default=5, help="repetitions (default: 5)")
     parser.add_argument("--no-record", action="store_true", help="do not write RESULTS.md")
     args = parser.parse_args(argv)
-    problem = _netns.unavailable()
+    problem = netns.unavailable()
     if problem:
         sys.exit(f"benchmarks/message_bytes.py: {problem}")
-    rate = _netns.parse_rate(args.bandwidth)
+    rate = netns.parse_rate(args.bandwidth)
     payload = {"params": int(args.params), "reps": args.reps}
-    with _netns.EmulatedCluster(args.workers, rate) as cluster:
+    with netns.EmulatedCluster(args.workers, rate) as cluster:
         result = cluster.run(
             "message_bytes:measure",
             payload,
@@ -155,7 +157,7 @@ def main(argv=None) -> None:
         )
     table = format_table(result["rows"], rate)
     header = (
-        f"{args.workers} workers, each behind a {_netns.format_rate(rate)} NIC (emulated), "
+        f"{args.workers} workers, each behind a {netns.format_rate(rate)} NIC (emulated), "
         f"{int(args.params):,} float32 parameters; bytes per round or outer step sent by one "
         "worker, the mean over workers."
     )

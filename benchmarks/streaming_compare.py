@@ -2,7 +2,7 @@
 torchft's Streaming DiLoCo, DDP and the workers computing alone.
 
 The same task, data, seeds and protocol as benchmarks/lm_compare.py and diloco_compare.py
-(gossip_ext.compare): DDP runs --ddp-steps and its final held-out loss is the target; every other
+(harness.compare): DDP runs --ddp-steps and its final held-out loss is the target; every other
 system runs --steps. At H = --sync-every, with the outer Nesterov SGD of diloco_compare.py
 (lr 0.7, momentum 0.5):
 
@@ -32,13 +32,14 @@ import os
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+sys.path.append(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the root: harness/
 
 import diloco_compare  # noqa: E402  (its outer step, tuned)
 import lm_compare  # noqa: E402  (its settings parser and saved runs)
 import results  # noqa: E402
 
-from gossip_ext import _netns  # noqa: E402
-from gossip_ext.compare import report, runner  # noqa: E402
+from harness import netns  # noqa: E402
+from harness.compare import report, runner  # noqa: E402
 
 TITLE = "Streaming DiLoCo with int8 and int4 messages beside torchft's"
 ONCE = ("alone", "ddp")
@@ -119,7 +120,7 @@ def goals(all_rows) -> str:
             )
             met = "yes" if ok else "no"
         lines.append(
-            f"| {workers} workers, {_netns.format_rate(rate)} | {goal} | {ours_text} "
+            f"| {workers} workers, {netns.format_rate(rate)} | {goal} | {ours_text} "
             f"| {ddp_time:.1f} s | {theirs_text} | {common_text} | {theirs_common} | {met} |"
         )
     return "\n".join(lines)
@@ -132,7 +133,7 @@ def describe(params: int, protocol: runner.Protocol, args) -> str:
         f"{m.width}, context {m.context}), batch {protocol.batch_size} per worker, one torch "
         f"thread per worker (benchmarks/lm_compare.py's protocol). Every system runs "
         f"{protocol.steps} steps but DDP, which runs {protocol.ddp_steps}: DDP's final held-out "
-        f"loss is the target. AdamW at each system's peak lr (gossip_ext.compare.systems). "
+        f"loss is the target. AdamW at each system's peak lr (harness.compare.systems). "
         f"H = {args.sync_every}, outer Nesterov SGD at lr {args.outer_lr:g}, momentum "
         f"{args.outer_momentum:g}; Streaming DiLoCo in 4 fragments, one synced every "
         f"{args.sync_every // 4} steps, gossip_ext's and torchft's alike. What a worker sent is "
@@ -156,7 +157,7 @@ def main(argv=None):
         protocol, all_rows = lm_compare.load_rows(args.from_rows)
         report_all(args, protocol, all_rows)
         return all_rows
-    if why := _netns.unavailable():
+    if why := netns.unavailable():
         sys.exit(f"this benchmark needs an emulated network: {why}")
     protocol = runner.Protocol(steps=args.steps, ddp_steps=args.ddp_steps)
     at_h = dataclasses.replace(

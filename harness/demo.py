@@ -1,13 +1,13 @@
 """The main demo: gossip_ext beside the systems a user would pick instead, on a real task.
 
-    python -m gossip_ext.demo                          # loopback, 2 workers, a few minutes
-    python -m gossip_ext.demo --bandwidth 100mbit      # as root: each worker behind its own NIC
+    python -m harness.demo                          # loopback, 2 workers, a few minutes
+    python -m harness.demo --bandwidth 100mbit      # as root: each worker behind its own NIC
 
 Every system (DDP, DDP + PowerSGD, decent-dp, torchft's LocalSGD and DiLoCo, and gossip_ext's
 modes; those whose package is missing are named and left out, and the Streaming DiLoCos join at
 a sync period that fits their fragments, ``--sync-every 16``) trains a small byte-level
 transformer on the standard library's sources with the same data, seed and schedule shape
-(gossip_ext.tasks), each at its own peak learning rate (gossip_ext.compare.systems.PEAK_LR). DDP
+(harness.tasks), each at its own peak learning rate (harness.compare.systems.PEAK_LR). DDP
 runs half the steps of the others: its final held-out loss is the target, which a system that
 steps faster but learns less per step can still reach. The demo prints one table (time per step
 beside the workers computing alone, bytes each worker sent per step on the emulated network, time
@@ -17,7 +17,7 @@ loopback, communication is a memory copy: the network result (--bandwidth) is th
 the systems apart.
 
 For the full measurement, at 4 and 8 workers and long enough for the order not to be noise:
-benchmarks/lm_compare.py. The quick MLP demo is python -m gossip_ext.demo_mlp.
+benchmarks/lm_compare.py. The quick MLP demo is python -m harness.demo_mlp.
 """
 
 from __future__ import annotations
@@ -27,13 +27,13 @@ import os
 import sys
 import tempfile
 
-from gossip_ext import _netns
-from gossip_ext.compare import report, runner, systems
+from harness import netns
+from harness.compare import report, runner, systems
 
 
 def parse_args(argv=None):
     parser = argparse.ArgumentParser(
-        prog="python -m gossip_ext.demo",
+        prog="python -m harness.demo",
         description="Compare gossip_ext with DDP, PowerSGD, decent-dp and torchft on a small "
         "byte-level language model.",
     )
@@ -88,16 +88,16 @@ def parse_args(argv=None):
         problem = systems.schedule_problem(name, args.sync_every)
         if problem:
             parser.error(f"--sync-every: {problem}")
-    args.rate = _netns.rate_option(parser, args.bandwidth, args.workers)
+    args.rate = netns.rate_option(parser, args.bandwidth, args.workers)
     return args
 
 
 def main(argv=None) -> dict:
     args = parse_args(argv)
-    if args.rate is not None and (reason := _netns.unavailable()):
-        print(f"python -m gossip_ext.demo --bandwidth: {reason}", file=sys.stderr)
+    if args.rate is not None and (reason := netns.unavailable()):
+        print(f"python -m harness.demo --bandwidth: {reason}", file=sys.stderr)
         sys.exit(2)
-    network = "loopback" if args.rate is None else f"{_netns.format_rate(args.rate)} NICs"
+    network = "loopback" if args.rate is None else f"{netns.format_rate(args.rate)} NICs"
     protocol = runner.Protocol(
         steps=args.steps,
         ddp_steps=args.steps // 2,

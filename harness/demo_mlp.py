@@ -1,8 +1,8 @@
 """The quick demo on a small MLP: N worker processes on gloo, four ways of keeping them together.
-(The main demo, python -m gossip_ext.demo, compares systems on a real task.)
+(The main demo, python -m harness.demo, compares systems on a real task.)
 
-    python -m gossip_ext.demo_mlp --workers 4
-    python -m gossip_ext.demo_mlp --bandwidth 100mbit --hidden 2048   # as root: 100 Mbit/s NICs
+    python -m harness.demo_mlp --workers 4
+    python -m harness.demo_mlp --bandwidth 100mbit --hidden 2048   # as root: 100 Mbit/s NICs
 
 Every worker trains the same small MLP on its own shard of a synthetic 10-class data set
 (generated deterministically: no download) with SGP, overlap SGP, D-PSGD and DDP all-reduce in
@@ -13,7 +13,7 @@ wall-clock time and against steps, and of the consensus distance.
 
 By default the workers are processes of this machine talking over loopback, where a message is a
 memory copy. With --bandwidth RATE (root) each worker runs in its own network namespace behind a
-NIC capped at RATE (gossip_ext/_netns.py): the regime gossip is for, where bytes cost time.
+NIC capped at RATE (harness/netns.py): the regime gossip is for, where bytes cost time.
 """
 
 from __future__ import annotations
@@ -34,7 +34,8 @@ import torch.multiprocessing as mp
 from torch import nn
 
 import gossip_ext
-from gossip_ext import _netns, consensus
+from gossip_ext import consensus
+from harness import netns
 
 MODES = ("sgp", "overlap", "dpsgd", "ddp")
 NUM_CLASSES = 10
@@ -176,7 +177,7 @@ def run_mode(mode: str, rank: int, world_size: int, args) -> dict:
 
 def train_all(rank: int, world_size: int, init_method: str, args) -> dict:
     """Every mode in turn on this worker; returns {mode: result} (rank 0's is the one shown).
-    Also the entry point of a worker on the emulated cluster (gossip_ext._netns)."""
+    Also the entry point of a worker on the emulated cluster (harness.netns)."""
     torch.set_num_threads(1)  # the workers share the machine's cores
     warnings.filterwarnings("ignore", message=".*one gossiping process.*")
     dist.init_process_group(
@@ -334,7 +335,7 @@ def plot(results: dict, path: str, network: str = "loopback") -> None:
 
 def parse_args(argv=None):
     parser = argparse.ArgumentParser(
-        prog="python -m gossip_ext.demo_mlp",
+        prog="python -m harness.demo_mlp",
         description="Train a small MLP on N local worker processes (gloo) with SGP, overlap SGP, "
         "D-PSGD and DDP all-reduce, and compare them.",
     )
@@ -390,22 +391,22 @@ def parse_args(argv=None):
             parser.error(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
     if args.samples < args.workers:
         parser.error(f"--samples ({args.samples}) must be >= --workers ({args.workers})")
-    args.rate = _netns.rate_option(parser, args.bandwidth, args.workers)
+    args.rate = netns.rate_option(parser, args.bandwidth, args.workers)
     return args
 
 
 def main(argv=None) -> dict:
     args = parse_args(argv)
     if args.bandwidth is not None:
-        reason = _netns.unavailable()
+        reason = netns.unavailable()
         if reason:
-            print(f"python -m gossip_ext.demo_mlp --bandwidth: {reason}", file=sys.stderr)
+            print(f"python -m harness.demo_mlp --bandwidth: {reason}", file=sys.stderr)
             sys.exit(2)
-        network = f"each worker behind its own {_netns.format_rate(args.rate)} NIC"
+        network = f"each worker behind its own {netns.format_rate(args.rate)} NIC"
         args.quiet = True  # the workers' output goes through ip netns exec: no progress bars
-        with _netns.EmulatedCluster(args.workers, args.rate) as cluster:
+        with netns.EmulatedCluster(args.workers, args.rate) as cluster:
             print(f"emulated cluster: {args.workers} network namespaces, {network}")
-            results = cluster.run("gossip_ext.demo_mlp:train_all", args, timeout=3600)
+            results = cluster.run("harness.demo_mlp:train_all", args, timeout=3600)
     else:
         network = "loopback"
         # Starting the workers and their process group takes a few seconds before the first bar.

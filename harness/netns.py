@@ -32,6 +32,9 @@ _SUBNET = "198.18.0"  # 198.18.0.0/15 is reserved for network benchmarks (RFC 25
 _MAX_WORKERS = 250
 _RATE_UNITS = {"bit": 1, "kbit": 1e3, "mbit": 1e6, "gbit": 1e9, "tbit": 1e12}
 _counter = 0
+# The folder holding harness/: every worker imports harness.netns and its target from there,
+# whatever the directory the cluster was started from.
+_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def parse_rate(text: str) -> float:
@@ -211,14 +214,15 @@ class EmulatedCluster:
             spec = os.path.join(tmp, "spec.pkl")
             with open(spec, "wb") as f:
                 pickle.dump((target, payload, sys_path), f)
-            env = dict(os.environ, GLOO_SOCKET_IFNAME=IFNAME, PYTHONUNBUFFERED="1")
+            path = os.pathsep.join(d for d in (_ROOT, os.environ.get("PYTHONPATH")) if d)
+            env = dict(os.environ, GLOO_SOCKET_IFNAME=IFNAME, PYTHONUNBUFFERED="1", PYTHONPATH=path)
             init = f"tcp://{self.address(0)}:{STORE_PORT}"
             procs, logs = [], []
             try:
                 for rank in range(self.workers):
                     log = open(os.path.join(tmp, f"rank{rank}.log"), "w+")
                     logs.append(log)
-                    argv = [sys.executable, "-m", "gossip_ext._netns", spec, str(rank)]
+                    argv = [sys.executable, "-m", "harness.netns", spec, str(rank)]
                     argv += [str(self.workers), init, os.path.join(tmp, "out.pkl")]
                     procs.append(
                         subprocess.Popen(

@@ -5,9 +5,9 @@ import sys
 
 import pytest
 
-from gossip_ext import _netns
+from harness import netns
 
-REASON = _netns.unavailable()
+REASON = netns.unavailable()
 BENCHMARKS = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks")
 
 
@@ -38,22 +38,22 @@ def test_small_cluster_run_measures_the_cap_and_tears_down(tmp_path, monkeypatch
         assert m["step"] > 0 and m["steps"] >= cluster.WINDOW, (mode, m)
     assert plot.stat().st_size > 10_000
     # Every namespace, and with them every veth and the bridge, is gone.
-    assert _netns.leftovers() == []
+    assert netns.leftovers() == []
 
 
 @pytest.mark.skipif(REASON is not None, reason=f"emulated cluster unavailable: {REASON}")
 def test_cluster_tears_down_on_error():
     with pytest.raises(RuntimeError, match=r"worker \d exited"):
-        with _netns.EmulatedCluster(2, 1e9) as cluster:
-            assert len(_netns.leftovers()) == 3  # two workers and the bridge's namespace
-            cluster.run("gossip_ext._netns:no_such_function", None, timeout=60)
-    assert _netns.leftovers() == []
+        with netns.EmulatedCluster(2, 1e9) as cluster:
+            assert len(netns.leftovers()) == 3  # two workers and the bridge's namespace
+            cluster.run("harness.netns:no_such_function", None, timeout=60)
+    assert netns.leftovers() == []
 
 
 def test_rates_parse_like_tc():
-    assert _netns.parse_rate("1gbit") == 1e9
-    assert _netns.parse_rate("100mbit") == 1e8
-    assert _netns.parse_rate("2.5Gbit") == 2.5e9
+    assert netns.parse_rate("1gbit") == 1e9
+    assert netns.parse_rate("100mbit") == 1e8
+    assert netns.parse_rate("2.5Gbit") == 2.5e9
     for bad in ("fast", "1gbps", "-1gbit", "0mbit"):
         with pytest.raises(ValueError, match="bandwidth"):
-            _netns.parse_rate(bad)
+            netns.parse_rate(bad)

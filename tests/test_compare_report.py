@@ -7,7 +7,7 @@ import os
 import pytest
 import torch
 
-from gossip_ext.compare import report, runner, systems
+from harness.compare import report, runner, systems
 
 BENCHMARKS = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks")
 

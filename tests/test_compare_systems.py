@@ -8,10 +8,10 @@ import pytest
 import torch
 from multiprocess import forkserver_context
 
-from gossip_ext.compare import runner, systems, worker
-from gossip_ext.tasks import byte_lm
-from gossip_ext.tasks.byte_lm import ByteLM, ByteLMConfig
-from gossip_ext.tasks.stdlib_text import StdlibText
+from harness.compare import runner, systems, worker
+from harness.tasks import byte_lm
+from harness.tasks.byte_lm import ByteLM, ByteLMConfig
+from harness.tasks.stdlib_text import StdlibText
 
 TINY = ByteLMConfig(layers=1, width=32, heads=2, context=32)
 

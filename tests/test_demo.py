@@ -1,13 +1,16 @@
-"""The README's main job, python -m gossip_ext.demo, on a short run of a few systems."""
+"""The README's main job, python -m harness.demo, on a short run of a few systems."""
 
 import math
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
-from gossip_ext import demo
-from gossip_ext.compare import systems
+from harness import demo
+from harness.compare import systems
+
+ROOT = Path(__file__).resolve().parent.parent  # as a user runs it: from the repository root
 
 
 def test_the_demo_compares_systems_names_the_fastest_and_writes_the_plot(tmp_path, capsys):
@@ -58,9 +61,9 @@ def test_the_demo_runs_by_default_every_system_that_fits_its_sync_period(capsys)
 
 
 def test_the_demo_as_a_user_runs_it_prints_no_warning(tmp_path):
-    command = [sys.executable, "-m", "gossip_ext.demo", "--systems", "sgp", "--steps", "24"]
+    command = [sys.executable, "-m", "harness.demo", "--systems", "sgp", "--steps", "24"]
     command += ["--plot", str(tmp_path / "demo.png")]
-    done = subprocess.run(command, capture_output=True, text=True, timeout=300)
+    done = subprocess.run(command, capture_output=True, text=True, timeout=300, cwd=ROOT)
     assert done.returncode == 0, done.stderr
     assert "Warning" not in done.stderr and "leaked" not in done.stderr, done.stderr
     assert "| sgp |" in done.stdout

@@ -1,12 +1,15 @@
-"""The quick MLP demo, python -m gossip_ext.demo_mlp, on a short run."""
+"""The quick MLP demo, python -m harness.demo_mlp, on a short run."""
 
 import math
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
-from gossip_ext import demo_mlp as demo
+from harness import demo_mlp as demo
+
+ROOT = Path(__file__).resolve().parent.parent  # as a user runs it: from the repository root
 
 
 def test_demo_trains_every_mode_and_writes_the_plot(tmp_path, capsys):
@@ -51,10 +54,10 @@ def test_demo_rejects_bad_flags(capsys):
 def test_the_demo_as_a_user_runs_it_prints_no_warning(tmp_path):
     # With its progress bars (no --quiet) and in a process of its own, whose exit is where the
     # multiprocessing resource tracker reports what the workers left behind.
-    command = [sys.executable, "-m", "gossip_ext.demo_mlp", "--workers", "2"]
+    command = [sys.executable, "-m", "harness.demo_mlp", "--workers", "2"]
     command += ["--steps", "40"]
     command += ["--modes", "sgp", "--plot", str(tmp_path / "demo.png")]
-    done = subprocess.run(command, capture_output=True, text=True, timeout=300)
+    done = subprocess.run(command, capture_output=True, text=True, timeout=300, cwd=ROOT)
     assert done.returncode == 0, done.stderr
     assert "Warning" not in done.stderr and "leaked" not in done.stderr, done.stderr
     assert "sgp" in done.stderr  # the bar was drawn

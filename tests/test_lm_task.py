@@ -4,13 +4,16 @@ that depend on (seed, step, rank) alone, and a small byte-level transformer that
 import math
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import torch
 
-from gossip_ext.tasks import byte_lm, stdlib_text
-from gossip_ext.tasks.byte_lm import ByteLM, ByteLMConfig
-from gossip_ext.tasks.stdlib_text import StdlibText
+from harness.tasks import byte_lm, stdlib_text
+from harness.tasks.byte_lm import ByteLM, ByteLMConfig
+from harness.tasks.stdlib_text import StdlibText
+
+ROOT = Path(__file__).resolve().parent.parent  # the folder holding harness/
 
 
 @pytest.fixture(scope="module")
@@ -48,11 +51,13 @@ def test_a_batch_depends_on_seed_step_and_rank_only(data):
 
 def test_a_batch_is_the_same_in_another_process(data):
     code = (
-        "from gossip_ext.tasks.stdlib_text import StdlibText\n"
+        "from harness.tasks.stdlib_text import StdlibText\n"
         "x, _ = StdlibText.load().batch(step=5, rank=2, batch_size=2, context=16, seed=1)\n"
         "print(x.tolist())\n"
     )
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    out = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, check=True, cwd=ROOT
+    )
     x, _ = data.batch(step=5, rank=2, batch_size=2, context=16, seed=1)
     assert out.stdout.strip() == str(x.tolist())
 

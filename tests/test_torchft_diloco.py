@@ -96,7 +96,7 @@ def _torchft(rank: int, world_size: int, lighthouse: str) -> list[torch.Tensor]:
 
 
 def test_three_outer_steps_give_torchfts_parameters():
-    from gossip_ext.compare import runner
+    from harness.compare import runner
 
     world_size = 2
     os.environ.setdefault("RUST_LOG", "warn")

@@ -17,8 +17,9 @@ if ! "$PYTHON" -c "import torch" 2>/dev/null; then
   "$PYTHON" -m pip install "torch==$TORCH_VERSION"
 fi
 extras=(ninja "setuptools>=77" wheel)
-# The demo plots (matplotlib; tqdm for the MLP demo's bars) and runs the systems users compare
-# gossip_ext with (torchft, decent-dp): demo dependencies, never the library's.
+# The demo (harness/, run from the checkout) plots (matplotlib; tqdm for the MLP demo's bars) and
+# runs the systems users compare gossip_ext with (torchft, decent-dp): demo dependencies, never
+# the library's.
 [ "${1:-}" = "--demo" ] && extras+=(matplotlib tqdm torchft==0.2.0 decent-dp==0.2.3)
 PIP_ROOT_USER_ACTION=ignore "$PYTHON" -m pip install --quiet "${extras[@]}"
 

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from gossip_ext.compare import systems
+from harness.compare import systems
 
 
 def time_to(result: dict, bpb: float) -> float | None:

@@ -1,5 +1,5 @@
 """Runs one system of a comparison on N worker processes over gloo, local (loopback) or each in
-its own network namespace behind a capped NIC (gossip_ext._netns), and returns rank 0's result
+its own network namespace behind a capped NIC (harness.netns), and returns rank 0's result
 (``worker.train``'s). For torchft's systems it starts a lighthouse first and always stops it
 after."""
 
@@ -17,9 +17,9 @@ from collections.abc import Iterable, Iterator
 
 import torch.multiprocessing as mp
 
-from gossip_ext import _netns
-from gossip_ext.compare import systems, worker
-from gossip_ext.tasks.byte_lm import ByteLMConfig
+from harness import netns
+from harness.compare import systems, worker
+from harness.tasks.byte_lm import ByteLMConfig
 
 _LIGHTHOUSE_PORT = 29510  # in rank 0's namespace on the emulated network
 
@@ -79,7 +79,7 @@ def run_local(config: worker.RunConfig, workers: int, start_method: str = "spawn
 
 
 @contextlib.contextmanager
-def _lighthouse_in(cluster: _netns.EmulatedCluster):
+def _lighthouse_in(cluster: netns.EmulatedCluster):
     """torchft's lighthouse in rank 0's namespace; yields its address."""
     address = f"{cluster.address(0)}:{_LIGHTHOUSE_PORT}"
     code = (
@@ -110,12 +110,12 @@ def run(config: worker.RunConfig, workers: int, rate: float | None, timeout: flo
     whose NICs are capped at ``rate`` bits/s (needs root)."""
     if rate is None:
         return run_local(config, workers)
-    with _netns.EmulatedCluster(workers, rate) as cluster:
+    with netns.EmulatedCluster(workers, rate) as cluster:
         with contextlib.ExitStack() as stack:
             if config.system.startswith("torchft"):
                 address = stack.enter_context(_lighthouse_in(cluster))
                 config = dataclasses.replace(config, lighthouse=address)
-            return cluster.run("gossip_ext.compare.worker:train", config, timeout)
+            return cluster.run("harness.compare.worker:train", config, timeout)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -168,7 +168,7 @@ class Protocol:
             + (
                 f"peak learning rate {self.lr:g}"
                 if self.lr
-                else "each system's peak learning rate (`lr`: gossip_ext.compare.systems.PEAK_LR)"
+                else "each system's peak learning rate (`lr`: harness.compare.systems.PEAK_LR)"
             )
             + f"; H = {self.local_steps} for LocalSGD, SlowMo and DiLoCo, DiLoCo's outer lr "
             f"{self.outer_lr:g} (momentum {self.outer_momentum:g}, Nesterov). Held-out bits per "

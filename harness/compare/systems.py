@@ -49,7 +49,7 @@ from torch import nn
 
 import gossip_ext
 from gossip_ext.streaming import fragment_bounds
-from gossip_ext.tasks import byte_lm
+from harness.tasks import byte_lm
 
 GOSSIP = (
     "sgp",

@@ -20,10 +20,10 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from gossip_ext.compare import systems
-from gossip_ext.tasks import byte_lm
-from gossip_ext.tasks.byte_lm import ByteLM, ByteLMConfig
-from gossip_ext.tasks.stdlib_text import StdlibText
+from harness.compare import systems
+from harness.tasks import byte_lm
+from harness.tasks.byte_lm import ByteLM, ByteLMConfig
+from harness.tasks.stdlib_text import StdlibText
 
 
 @dataclasses.dataclass(frozen=True)
