@@ -34,6 +34,35 @@ namespace {
 
 std::string built_with_torch() { return GOSSIP_EXT_TORCH_VERSION; }
 
+// Raises gossip_ext.errors.<name> with the message of `error` and its PeerFailure as the
+// attributes (peers, round, transport, and timeout where one passed). If that class cannot be had
+// (the interpreter is finalizing), the built-in `fallback` with the message.
+void raise_peer_failure(const char* name, PyObject* fallback, const std::exception& error,
+                        const PeerFailure& failure) {
+  try {
+    const py::object type = py::module_::import("gossip_ext.errors").attr(name);
+    py::dict attributes;
+    attributes["peers"] = py::tuple(py::cast(failure.peers));
+    attributes["round"] = py::cast(failure.round);
+    if (!failure.transport.empty()) attributes["transport"] = failure.transport;
+    if (failure.timeout) attributes["timeout"] = *failure.timeout;  // a datetime.timedelta
+    const py::object raised = type(error.what(), **attributes);
+    PyErr_SetObject(type.ptr(), raised.ptr());
+  } catch (const py::error_already_set&) {
+    PyErr_SetString(fallback, error.what());
+  }
+}
+
+void translate_peer_failures(std::exception_ptr error) {
+  try {
+    if (error) std::rethrow_exception(error);
+  } catch (const TimeoutError& e) {
+    raise_peer_failure("PeerTimeoutError", PyExc_TimeoutError, e, e.failure());
+  } catch (const NonFiniteError& e) {
+    raise_peer_failure("NonFiniteError", PyExc_FloatingPointError, e, e.failure());
+  }
+}
+
 void bind_topology(py::module_& m) {
   py::enum_<GraphKind>(m, "GraphKind")
       .value("NPeerDynamicDirectedExponential", GraphKind::kNPeerDynamicDirectedExponential)
@@ -216,15 +245,7 @@ void bind_engine(py::module_& m) {
 
 PYBIND11_MODULE(_C, m) {
   m.doc() = "gossip_ext compiled engine (see the gossip_ext package for the public API)";
-  py::register_exception_translator([](std::exception_ptr error) {
-    try {
-      if (error) std::rethrow_exception(error);
-    } catch (const gossip::TimeoutError& e) {
-      PyErr_SetString(PyExc_TimeoutError, e.what());
-    } catch (const gossip::NonFiniteError& e) {
-      PyErr_SetString(PyExc_FloatingPointError, e.what());
-    }
-  });
+  py::register_exception_translator(&gossip::translate_peer_failures);
   m.def("built_with_torch", &gossip::built_with_torch,
         "torch.__version__ of the torch this module was compiled against");
   gossip::bind_topology(m);

@@ -38,6 +38,7 @@ import torch  # noqa: F401  (loads libtorch before the extension)
 from gossip_ext._torch_check import _C
 from gossip_ext.distributed import GossipDataParallel
 from gossip_ext.epochs import RemovedError
+from gossip_ext.errors import NonFiniteError, PeerTimeoutError
 from gossip_ext.graphs import (
     CustomGraph,
     DynamicBipartiteExponentialGraph,
@@ -70,6 +71,8 @@ __all__ = [
     "MixingBase",
     "MixingWeights",
     "NPeerDynamicDirectedExponentialGraph",
+    "NonFiniteError",
+    "PeerTimeoutError",
     "RemovedError",
     "RingGraph",
     "SelfWeightMixing",

@@ -29,6 +29,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from gossip_ext.errors import PeerTimeoutError
+
 # Tags of these messages: [OUTER_TAG_BASE, 2 OUTER_TAG_BASE). process_group_transport.cpp masks
 # the engine's round tags below it; c10d takes tags in [0, 2^31).
 OUTER_TAG_BASE = 1 << 30
@@ -67,6 +69,7 @@ class GossipMean:
         self.graph = graph
         self.mixing = mixing
         self.group = group
+        self.transport = f"process_group({dist.get_backend(group)})"  # named in errors
         self.rank = group.rank()
         self.world_size = dist.get_world_size(group)
         self.timeout = timeout
@@ -114,15 +117,19 @@ class GossipMean:
     @torch.no_grad()
     def finish(self, exchange: _Exchange) -> list[torch.Tensor]:
         """Waits for every message of the exchange; returns the mean estimate per bucket. Raises
-        TimeoutError naming the peer whose message did not arrive (or could not be sent)."""
+        PeerTimeoutError naming the peer whose message did not arrive (or could not be sent)."""
         for direction, peer, work in exchange.works:
             try:
                 work.wait(self.timeout)
             except Exception as error:
-                raise TimeoutError(
+                raise PeerTimeoutError(
                     f"gossip_ext: Streaming DiLoCo's gossip exchange of round {exchange.round} "
                     f"failed: the message {direction} rank {peer} did not complete within "
-                    f"{self.timeout.total_seconds():g} s ({error})"
+                    f"{self.timeout.total_seconds():g} s ({error})",
+                    peers=(peer,),
+                    round=exchange.round,
+                    transport=self.transport,
+                    timeout=self.timeout,
                 ) from error
         means = []
         for total, inbox in zip(exchange.kept, exchange.received):

@@ -35,8 +35,22 @@ def _one_rank_stalls(rank: int, world_size: int, stall_s: float) -> dict:
             repeated = None
         except TimeoutError as again:
             repeated = str(again)
-        return {"error": str(error), "elapsed": elapsed, "repeated": repeated}
+        return {
+            "error": str(error),
+            "elapsed": elapsed,
+            "repeated": repeated,
+            "type": type(error),
+            "data": _failure_data(error),
+        }
     return {"error": None}
+
+
+def _failure_data(error: BaseException) -> dict | None:
+    """A typed peer failure's attributes (None for another error), for the test to compare."""
+    if not isinstance(error, (gossip_ext.PeerTimeoutError, gossip_ext.NonFiniteError)):
+        return None
+    names = ("peers", "round", "transport", "timeout")
+    return {name: getattr(error, name, None) for name in names}
 
 
 def test_a_stalled_peer_raises_timeout_naming_the_peer_and_round():
@@ -44,6 +58,14 @@ def test_a_stalled_peer_raises_timeout_naming_the_peer_and_round():
     r = results[0]
     assert r["error"] is not None, "the forward did not time out"
     assert "peers [1]" in r["error"] and "round 0" in r["error"], r["error"]
+    # The same as data: a TimeoutError whose attributes name the peer and the round.
+    assert r["type"] is gossip_ext.PeerTimeoutError and issubclass(r["type"], TimeoutError)
+    assert r["data"] == {
+        "peers": (1,),
+        "round": 0,
+        "transport": "process_group(gloo)",
+        "timeout": timedelta(seconds=1),
+    }, r["data"]
     # Within the 1 s timeout plus scheduling slack on a loaded machine: no hang.
     assert 0.9 <= r["elapsed"] < 10.0, r["elapsed"]
     assert r["repeated"] == r["error"]
@@ -172,7 +194,12 @@ def _one_rank_is_killed(
             if rank == dead and step == kill_step and when == "after_transfer":
                 die()
     except (RuntimeError, TimeoutError) as error:
-        result = {"error": str(error), "type": type(error).__name__, "raised_at": time.time()}
+        result = {
+            "error": str(error),
+            "type": type(error).__name__,
+            "raised_at": time.time(),
+            "data": _failure_data(error),
+        }
     _leave_with_the_survivors(sync_dir, rank, world_size, dead)
     return result
 
@@ -213,11 +240,18 @@ def test_a_killed_peer_makes_every_survivor_raise_naming_it_and_the_round(
         assert outcome.exitcode == 0, (rank, outcome)
         error = outcome.result["error"]
         assert error is not None, f"rank {rank} never raised"
-        # A dead peer and a silent one are one failure to the user: one type to catch.
-        assert outcome.result["type"] == "TimeoutError", (rank, outcome.result)
+        # A dead peer and a silent one are one failure to the user: one type to catch (a
+        # TimeoutError).
+        assert outcome.result["type"] == "PeerTimeoutError", (rank, outcome.result)
         assert dead in _named_peers(error), (rank, error)
         round_named = re.search(r"gossip round (\d+)", error)
         assert round_named is not None and int(round_named.group(1)) in rounds, (rank, error)
+        # The same as data: the peers the message names (those it waits for, then those whose
+        # sends are unconfirmed), each once, and the round.
+        data = outcome.result["data"]
+        assert _named_peers(error) <= set(data["peers"]), (rank, data, error)
+        assert len(set(data["peers"])) == len(data["peers"]), (rank, data)
+        assert data["round"] == int(round_named.group(1)), (rank, data, error)
         assert f"rank {rank} " in error, (rank, error)
         elapsed = outcome.result["raised_at"] - killed_at
         assert elapsed < DEAD_PEER_TIMEOUT_S + SCHEDULING_SLACK_S, (rank, elapsed, error)
@@ -239,7 +273,7 @@ def _one_rank_diverges(rank: int, world_size: int, check_finite: bool, message_d
     try:
         model(torch.ones(1, 4))  # absorbs round 0
     except FloatingPointError as error:
-        return {"error": str(error)}
+        return {"error": str(error), "data": _failure_data(error)}
     return {"error": None, "weight": module.weight.detach().clone()}
 
 
@@ -252,6 +286,10 @@ def test_a_nonfinite_message_raises_naming_the_sender_before_it_spreads(message_
     assert "round 0: the messages from peers [2] hold NaN or Inf" in results[3]["error"]
     assert "check_finite=False" in results[3]["error"]
     assert "the parameters of this rank (rank 2) hold NaN or Inf" in results[2]["error"]
+    # The same as data (a gossip_ext.NonFiniteError): the sender, none for the diverged rank.
+    round_0 = {"round": 0, "transport": "process_group(gloo)", "timeout": None}
+    assert results[3]["data"] == {"peers": (2,), **round_0}, results[3]["data"]
+    assert results[2]["data"] == {"peers": (), **round_0}, results[2]["data"]
 
 
 def test_check_finite_false_lets_nonfinite_values_through():
@@ -295,6 +333,7 @@ def _what_a_survivor_reads(model, module: nn.Module, last_model, error: Exceptio
     result = {
         "error": str(error),
         "type": type(error).__name__,
+        "data": _failure_data(error),
         "module_is_last_model": all(
             torch.equal(p, q) for p, q in zip(module.parameters(), last_model)
         ),
@@ -389,8 +428,9 @@ def test_a_survivor_keeps_its_last_valid_model_and_the_failure_stays_raised(
         assert outcome.exitcode == 0, (rank, outcome)
         result = outcome.result
         assert result["error"] is not None, f"rank {rank} never raised"
-        assert result["type"] == "TimeoutError", (rank, result)
+        assert result["type"] == "PeerTimeoutError", (rank, result)  # a TimeoutError
         assert dead in _named_peers(result["error"]), (rank, result["error"])
+        assert dead in result["data"]["peers"], (rank, result)
         if when == "after_absorb":
             # gloo already knows the connection closed when the round is posted: the post fails,
             # and the receives posted before it are cancelled.
@@ -407,7 +447,7 @@ def test_a_survivor_keeps_its_last_valid_model_and_the_failure_stays_raised(
             assert result["module_is_last_model"], (rank, result["error"])
             assert result["state_dict_is_last_model"], (rank, result["error"])
         for name in LATER_CALLS:
-            assert result["later"][name] == ("TimeoutError", result["error"]), (rank, name, result)
+            assert result["later"][name] == ("PeerTimeoutError", result["error"]), (rank, name)
 
 
 def _survivor_of_a_failed_average(

@@ -430,11 +430,12 @@ def test_a_peer_dying_during_a_delayed_gossip_sync_is_named_by_its_neighbour(tmp
     for rank in (0, 2):
         result = outcomes[rank].result
         assert outcomes[rank].exitcode == 0 and result["error"] is not None, (rank, outcomes[rank])
-        assert result["type"] == "TimeoutError", result
+        assert result["type"] == "PeerTimeoutError", result  # a TimeoutError
         _assert_unchanged_and_sticky(rank, result)
     first = outcomes[0].result
     assert first["failed_at_step"] == 1, first  # fragment 0's apply
     assert "round 1" in first["error"] and "from rank 1" in first["error"], first["error"]
+    assert (first["data"]["peers"], first["data"]["round"]) == ((dead,), 1), first["data"]
 
 
 def _assert_unchanged_and_sticky(rank: int, result: dict) -> None:

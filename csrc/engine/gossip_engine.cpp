@@ -331,16 +331,20 @@ void GossipEngine::raise_nonfinite(int64_t round, const std::vector<int>& in_pee
   }
   const int rank = transport_->rank();
   if (!senders.empty()) {
-    throw NonFiniteError(detail::str_cat(
-        "gossip_ext: round ", round, ": the messages from peers ", senders,
-        " hold NaN or Inf values: the training of those workers has diverged, and rank ", rank,
-        " absorbed them. Pass check_finite=False to let non-finite values through."));
+    throw NonFiniteError(
+        detail::str_cat(
+            "gossip_ext: round ", round, ": the messages from peers ", senders,
+            " hold NaN or Inf values: the training of those workers has diverged, and rank ", rank,
+            " absorbed them. Pass check_finite=False to let non-finite values through."),
+        {senders, round, transport_->name(), std::nullopt});
   }
-  throw NonFiniteError(detail::str_cat(
-      "gossip_ext: round ", round, ": the parameters of this rank (rank ", rank,
-      ") hold NaN or Inf values; no message did: the training of this worker has diverged "
-      "(look at its loss and learning rate). Pass check_finite=False to let non-finite values "
-      "through."));
+  throw NonFiniteError(
+      detail::str_cat(
+          "gossip_ext: round ", round, ": the parameters of this rank (rank ", rank,
+          ") hold NaN or Inf values; no message did: the training of this worker has diverged "
+          "(look at its loss and learning rate). Pass check_finite=False to let non-finite "
+          "values through."),
+      {{}, round, transport_->name(), std::nullopt});
 }
 
 at::Tensor GossipEngine::ps_weight() const {

@@ -7,22 +7,10 @@
 
 namespace gossip {
 
-namespace {
-
-// Each peer once, in the order first seen: a transport posts a receive per message, and a peer
-// that sends several must not be named several times in an error.
-std::vector<int> distinct(std::vector<int> peers) {
-  std::vector<int> once;
-  for (int peer : peers) {
-    if (std::find(once.begin(), once.end(), peer) == once.end()) once.push_back(peer);
-  }
-  return once;
-}
-
-}  // namespace
-
+// Each peer once: a transport posts a receive per message, and a peer that sends several must
+// not be named several times in an error.
 WatchedRound::WatchedRound(int64_t round, std::vector<int> recv_peers)
-    : round_(round), recv_peers_(distinct(std::move(recv_peers))) {}
+    : round_(round), recv_peers_(detail::each_once(recv_peers)) {}
 
 void WatchedRound::throw_if_failed() const {
   std::lock_guard<std::mutex> lock(mutex_);
@@ -153,11 +141,13 @@ void RoundWatchdog::check(std::unique_lock<std::mutex>& lock) {
     const auto now = WatchedRound::Clock::now();
     for (const auto& round : rounds_) {
       if (now < round->deadline_) continue;
-      error = std::make_exception_ptr(TimeoutError(detail::str_cat(
-          "gossip_ext: rank ", options_.rank, " timed out after ", options_.timeout.count(),
-          " ms in gossip round ", round->round(), " waiting for messages from peers ",
-          round->recv_peers(), " (", options_.transport, " transport); the ",
-          options_.transport, " communicator was aborted")));
+      error = std::make_exception_ptr(TimeoutError(
+          detail::str_cat("gossip_ext: rank ", options_.rank, " timed out after ",
+                          options_.timeout.count(), " ms in gossip round ", round->round(),
+                          " waiting for messages from peers ", round->recv_peers(), " (",
+                          options_.transport, " transport); the ", options_.transport,
+                          " communicator was aborted"),
+          {round->recv_peers(), round->round(), options_.transport, options_.timeout}));
       break;
     }
   }

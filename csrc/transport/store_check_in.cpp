@@ -29,7 +29,8 @@ void store_check_in(c10d::Store& store, const std::string& key, int rank, int wo
   }
   throw TimeoutError(detail::str_cat("gossip_ext: rank ", rank, " timed out after ",
                                      timeout.count(), " ms waiting for ranks ", missing, " to ",
-                                     what, " (store key ", key, ")"));
+                                     what, " (store key ", key, ")"),
+                     {missing, std::nullopt, "", timeout});
 }
 
 }  // namespace gossip

@@ -13,6 +13,7 @@
 #include <set>
 #include <string>
 #include <thread>
+#include <utility>
 #include <vector>
 
 #include <ATen/ops/arange.h>
@@ -419,6 +420,11 @@ TEST(GossipEngineTest, MissingPeerTimesOutNamingPeerAndRound) {
     const std::string message = e.what();
     EXPECT_NE(message.find("round 2"), std::string::npos) << message;
     EXPECT_NE(message.find("[3]"), std::string::npos) << message;
+    // The same as data, for the Python exception's attributes.
+    EXPECT_EQ(e.failure().peers, std::vector<int>{3});
+    EXPECT_EQ(e.failure().round, std::optional<int64_t>(2));
+    EXPECT_EQ(e.failure().transport, "inproc");
+    EXPECT_EQ(e.failure().timeout, std::optional(std::chrono::milliseconds(200)));
   }
   const auto waited = std::chrono::steady_clock::now() - begin;
   EXPECT_GE(waited, std::chrono::milliseconds(200));
@@ -483,6 +489,17 @@ TEST(GossipEngineTest, NonFiniteMessageRaisesNamingTheSender) {
       // The failure is sticky: the parameters now hold the values, so gossip must not go on.
       EXPECT_THROW(world.engines[3]->start_round(), NonFiniteError);
       EXPECT_THROW(world.engines[3]->finish_round(), NonFiniteError);
+      // The senders and the round as data; none for the rank whose own parameters diverged.
+      const std::vector<std::pair<int, std::vector<int>>> senders_of{{3, {2}}, {2, {}}};
+      for (const auto& [rank, senders] : senders_of) {
+        try {
+          world.engines[rank]->finish_round();
+          ADD_FAILURE() << "rank " << rank << " did not stay failed";
+        } catch (const NonFiniteError& e) {
+          EXPECT_EQ(e.failure().peers, senders) << "rank " << rank;
+          EXPECT_EQ(e.failure().round, std::optional<int64_t>(0)) << "rank " << rank;
+        }
+      }
     }
   }
 }

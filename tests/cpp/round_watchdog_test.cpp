@@ -2,7 +2,9 @@
 // real rounds of the in-process transport: a round is done when its receives have arrived.
 #include <atomic>
 #include <chrono>
+#include <functional>
 #include <memory>
+#include <optional>
 #include <string>
 #include <thread>
 #include <vector>
@@ -131,6 +133,31 @@ TEST(RoundWatchdogTest, APeerThatOwesSeveralMessagesIsNamedOnce) {
   const std::string error = error_of(*round);
   EXPECT_NE(error.find("gossip round 7 waiting for messages from peers [1] ("), std::string::npos)
       << error;
+}
+
+TEST(RoundWatchdogTest, TheTimeoutCarriesThePeersTheRoundAndTheTimeoutAsData) {
+  // The bindings set these as the Python exception's attributes (gossip_ext.PeerTimeoutError):
+  // nobody reads them out of the message.
+  Pair pair;
+  Hooks hooks;
+  RoundWatchdog watchdog = hooks.make(200ms);
+  auto work = pair.rank0.exchange({}, {{1, at::zeros({4})}, {1, at::zeros({2})}}, 9);
+  auto round = std::make_shared<InProcRound>(work, 9, std::vector<int>{1, 1});
+  watchdog.watch(round);
+  ASSERT_TRUE(fails_within(watchdog, 5s));
+  for (const std::function<void()>& raise : std::vector<std::function<void()>>{
+           [&] { round->throw_if_failed(); }, [&] { watchdog.throw_if_failed(); }}) {
+    try {
+      raise();
+      ADD_FAILURE() << "the round did not fail";
+    } catch (const TimeoutError& e) {
+      const PeerFailure& failure = e.failure();
+      EXPECT_EQ(failure.peers, std::vector<int>{1});  // each peer once
+      EXPECT_EQ(failure.round, std::optional<int64_t>(9));
+      EXPECT_EQ(failure.transport, "test");
+      EXPECT_EQ(failure.timeout, std::optional<std::chrono::milliseconds>(200ms));
+    }
+  }
 }
 
 TEST(RoundWatchdogTest, ARoundPastItsDeadlineFailsEveryRoundThenAbortsOnce) {

@@ -1,6 +1,7 @@
 // store_check_in, the NCCL transport's rendezvous before its blocking calls, over a c10d HashStore
 // shared by ranks that run as threads.
 #include <chrono>
+#include <optional>
 #include <string>
 #include <thread>
 #include <vector>
@@ -65,6 +66,10 @@ TEST(StoreCheckInTest, KeysOfOneCheckInDoNotSatisfyAnother) {
     store_check_in(store, "group/connect/1", 0, 2, 200ms, "connect");
   } catch (const TimeoutError& e) {
     error = e.what();
+    // The missing ranks as data; a check-in is no gossip round.
+    EXPECT_EQ(e.failure().peers, std::vector<int>{1});
+    EXPECT_EQ(e.failure().round, std::nullopt);
+    EXPECT_EQ(e.failure().timeout, std::optional(std::chrono::milliseconds(200)));
   }
   EXPECT_NE(error.find("ranks [1]"), std::string::npos) << error;
 }

@@ -100,10 +100,11 @@ class InProcWork final : public Work {
             missing.push_back(m.peer);
           }
         }
-        throw TimeoutError(detail::str_cat(
-            "gossip_ext: rank ", rank_, " timed out after ", timeout.count(),
-            " ms in gossip round ", round_, " waiting for messages from peers ", missing,
-            " (inproc transport)"));
+        throw TimeoutError(
+            detail::str_cat("gossip_ext: rank ", rank_, " timed out after ", timeout.count(),
+                            " ms in gossip round ", round_, " waiting for messages from peers ",
+                            missing, " (inproc transport)"),
+            {missing, round_, "inproc", timeout});
       }
       deliver(message);
     }

@@ -261,7 +261,8 @@ NcclTransport::~NcclTransport() {
 
 void NcclTransport::abandon(const std::string& why) {
   watchdog_->fail(std::make_exception_ptr(TimeoutError(
-      detail::str_cat("gossip_ext: rank ", rank_, " gave up its nccl gossip rounds: ", why))));
+      detail::str_cat("gossip_ext: rank ", rank_, " gave up its nccl gossip rounds: ", why),
+      {{}, std::nullopt, "nccl", std::nullopt})));
 }
 
 std::shared_ptr<Work> NcclTransport::exchange(std::vector<PeerMessage> sends,

@@ -2,6 +2,8 @@
 
 #include <algorithm>
 #include <map>
+#include <string>
+#include <utility>
 
 #include "common/error.h"
 
@@ -32,9 +34,10 @@ class ProcessGroupWork final : public Work {
     c10::intrusive_ptr<c10d::Work> work;
   };
 
-  ProcessGroupWork(int rank, int64_t round, std::vector<Entry> entries,
+  ProcessGroupWork(int rank, std::string transport, int64_t round, std::vector<Entry> entries,
                    std::vector<at::Tensor> keep_alive)
       : rank_(rank),
+        transport_(std::move(transport)),
         round_(round),
         entries_(std::move(entries)),
         keep_alive_(std::move(keep_alive)) {}
@@ -51,11 +54,16 @@ class ProcessGroupWork final : public Work {
       std::vector<int> unsent = pending_peers_locked(/*receives=*/false);
       lock.unlock();
       abort_pending();
-      throw TimeoutError(detail::str_cat(
-          "gossip_ext: rank ", rank_, " timed out after ", timeout.count(), " ms in gossip round ",
-          round_, " waiting for messages from peers ", missing,
-          unsent.empty() ? "" : detail::str_cat(" (sends to peers ", unsent, " not confirmed)"),
-          ". A peer may have died, stalled or left the training loop."));
+      // The peers: those it waits for, then those its unconfirmed sends go to.
+      std::vector<int> peers = missing;
+      peers.insert(peers.end(), unsent.begin(), unsent.end());
+      throw TimeoutError(
+          detail::str_cat(
+              "gossip_ext: rank ", rank_, " timed out after ", timeout.count(),
+              " ms in gossip round ", round_, " waiting for messages from peers ", missing,
+              unsent.empty() ? "" : detail::str_cat(" (sends to peers ", unsent, " not confirmed)"),
+              ". A peer may have died, stalled or left the training loop."),
+          {std::move(peers), round_, transport_, timeout});
     }
     if (error_) std::rethrow_exception(error_);
   }
@@ -70,10 +78,12 @@ class ProcessGroupWork final : public Work {
       } catch (const std::exception& e) {
         // Most often the peer died and gloo saw its connection close. The user's contract is
         // the same as for a silent peer, so it is the same error type: TimeoutError, at once.
-        finish(std::make_exception_ptr(TimeoutError(detail::str_cat(
-            "gossip_ext: rank ", rank_, " failed to ", entry.is_recv ? "receive from" : "send to",
-            " peer ", entry.peer, " in gossip round ", round_,
-            "; the peer may have died or left the training loop: ", e.what()))));
+        finish(std::make_exception_ptr(TimeoutError(
+            detail::str_cat("gossip_ext: rank ", rank_, " failed to ",
+                            entry.is_recv ? "receive from" : "send to", " peer ", entry.peer,
+                            " in gossip round ", round_,
+                            "; the peer may have died or left the training loop: ", e.what()),
+            {{entry.peer}, round_, transport_, std::nullopt})));
         return;
       }
       std::lock_guard<std::mutex> lock(mutex_);
@@ -84,8 +94,9 @@ class ProcessGroupWork final : public Work {
 
   // Fails the round with `why` (unless it finished) and releases its progress thread.
   void abandon(const std::string& why) {
-    finish(std::make_exception_ptr(TimeoutError(detail::str_cat(
-        "gossip_ext: rank ", rank_, " gave up gossip round ", round_, ": ", why))));
+    finish(std::make_exception_ptr(TimeoutError(
+        detail::str_cat("gossip_ext: rank ", rank_, " gave up gossip round ", round_, ": ", why),
+        {{}, round_, transport_, std::nullopt})));
     abort_pending();
   }
 
@@ -125,6 +136,7 @@ class ProcessGroupWork final : public Work {
   }
 
   const int rank_;
+  const std::string transport_;  // named in the errors' data
   const int64_t round_;
   const std::vector<Entry> entries_;
   std::mutex mutex_;
@@ -198,16 +210,18 @@ std::shared_ptr<Work> ProcessGroupTransport::exchange(std::vector<PeerMessage> s
                                  : group_->send(tensors, m.peer, tag(sent_to, m.peer))});
     } catch (const std::exception& e) {
       for (const ProcessGroupWork::Entry& posted : entries) abort_quietly(*posted.work);
-      throw TimeoutError(detail::str_cat(
-          "gossip_ext: rank ", rank(), " failed to post a ", is_recv ? "receive from" : "send to",
-          " peer ", m.peer, " in gossip round ", round,
-          "; the peer may have died or left the training loop: ", e.what()));
+      throw TimeoutError(
+          detail::str_cat("gossip_ext: rank ", rank(), " failed to post a ",
+                          is_recv ? "receive from" : "send to", " peer ", m.peer,
+                          " in gossip round ", round,
+                          "; the peer may have died or left the training loop: ", e.what()),
+          {{m.peer}, round, name(), std::nullopt});
     }
     keep_alive.push_back(m.buffer);
   };
   for (const PeerMessage& m : recvs) post(m, /*is_recv=*/true);
   for (const PeerMessage& m : sends) post(m, /*is_recv=*/false);
-  auto work = std::make_shared<ProcessGroupWork>(rank(), round, std::move(entries),
+  auto work = std::make_shared<ProcessGroupWork>(rank(), name(), round, std::move(entries),
                                                  std::move(keep_alive));
   {
     std::lock_guard<std::mutex> lock(mutex_);

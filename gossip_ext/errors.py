@@ -1,0 +1,83 @@
+"""The errors a peer's failure raises, with what it is about as attributes.
+
+The compiled engine raises them (csrc/bindings.cpp sets the attributes from the C++ exception's
+data, csrc/common/error.h), and so do the Python layer's own exchanges. Code that handles a
+failure reads ``peers`` and ``round``, never the message, whose wording may change.
+"""
+
+from __future__ import annotations
+
+import datetime
+from collections.abc import Iterable
+
+
+def _each_once(peers: Iterable[int]) -> tuple[int, ...]:
+    return tuple(dict.fromkeys(int(p) for p in peers))
+
+
+class PeerTimeoutError(TimeoutError):
+    """A gossip round (or a check-in) failed because of peers: they did not answer within the
+    timeout, their connection closed (the peer died or left), or the round was given up.
+
+    A :class:`TimeoutError`: ``except TimeoutError`` catches it. Its message names the peers and
+    the round, as the attributes do.
+
+    Attributes:
+        peers (tuple[int, ...]): the ranks, in the gossip's process group, that the failure is
+            about, each once; empty where none is known (a round given up from another thread).
+        round (int | None): the gossip round that failed; None where the failure is not a
+            round's (ranks that did not check in).
+        transport (str | None): the transport that saw it (``"process_group(gloo)"``,
+            ``"nccl"``, ``"inproc"``); None where unknown.
+        timeout (datetime.timedelta | None): the timeout that passed; None where the failure
+            came without waiting one out (a closed connection, a round given up).
+
+    Example::
+
+        try:
+            model(batch)
+        except gossip_ext.PeerTimeoutError as error:
+            print(f"round {error.round} failed; peers {error.peers} did not answer")
+    """
+
+    def __init__(
+        self,
+        message: str,
+        *,
+        peers: Iterable[int] = (),
+        round: int | None = None,  # noqa: A002 - the gossip round, as elsewhere in the package
+        transport: str | None = None,
+        timeout: datetime.timedelta | None = None,
+    ):
+        super().__init__(message)
+        self.peers = _each_once(peers)
+        self.round = round
+        self.transport = transport
+        self.timeout = timeout
+
+
+class NonFiniteError(FloatingPointError):
+    """NaN or Inf arrived in a message, or sat in this rank's parameters, when a gossip round
+    was absorbed (``check_finite=True``).
+
+    A :class:`FloatingPointError`: ``except FloatingPointError`` catches it.
+
+    Attributes:
+        peers (tuple[int, ...]): the ranks whose messages held the values, each once; empty
+            when no message did and this rank's own parameters hold them.
+        round (int | None): the gossip round whose messages were absorbed.
+        transport (str | None): the transport the round went over; None where unknown.
+    """
+
+    def __init__(
+        self,
+        message: str,
+        *,
+        peers: Iterable[int] = (),
+        round: int | None = None,  # noqa: A002 - the gossip round, as elsewhere in the package
+        transport: str | None = None,
+    ):
+        super().__init__(message)
+        self.peers = _each_once(peers)
+        self.round = round
+        self.transport = transport
