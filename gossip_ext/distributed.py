@@ -12,7 +12,7 @@ from __future__ import annotations
 import contextlib
 import warnings
 import weakref
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Iterator, Mapping
 from datetime import timedelta
 from typing import Any
 
@@ -28,11 +28,10 @@ from gossip_ext import (
     algorithms,
     consensus,
     inner,
+    membership_runtime,
     outer,
     outer_rules,
-    streaming,
 )
-from gossip_ext import elastic as _elastic_worker
 from gossip_ext import flat_keywords as _flat
 from gossip_ext.graphs import GraphBase, NPeerDynamicDirectedExponentialGraph
 from gossip_ext.mixing import UniformMixing
@@ -258,35 +257,13 @@ class GossipDataParallel(nn.Module):
         self._constructed_graph = graph
         self._hierarchy = None
         self._mix = None
-        self._elastic = None
         if membership is None:
-            self.process_group = dist.group.WORLD if process_group is None else process_group
-            self._build(initial=True)
+            self._members = membership_runtime.StaticMembership(self, process_group)
         else:
-            # Before joining, so that a worker that cannot gossip is refused without disturbing
-            # the job: an epoch's group is gloo; CUDA parameters gossip over an own NCCL
-            # communicator of the epoch, or host buffers over the group (comm_device="cpu").
-            _validation.choose_transport(device, comm_device, "gloo")
-            self._elastic = _elastic_worker.ElasticWorker(membership, min_workers, timeout, "gloo")
-            # The donor's optimizer state, until register_optimizer() hands it to the optimizer.
-            self._handed_optimizer_state = None
-            self._holds_state = False
-            # Why this worker stopped (removed, or too few workers left): raised by every call.
-            self._stopped: BaseException | None = None
-            self._elastic.on_silent = _abandon_rounds_of(weakref.ref(self))
-            change = self._elastic.join()
-            failure = None
-            try:
-                self._enter_epoch(change)
-            except Exception as error:
-                if not _elastic_worker.is_peer_failure(error):
-                    raise
-                failure = _elastic_worker.Failure.of(error)
-            del change
-            if failure is not None:
-                self._change_epoch(failure)  # the donor died during the handoff: another one
-            # Leaves when the process exits or the wrapper is collected, whichever is first.
-            weakref.finalize(self, self._elastic.leave)
+            self._members = membership_runtime.ElasticMembership(
+                self, membership, min_workers, timeout, device, comm_device
+            )
+        self._members.start()
         if self._hierarchy is not None:
             self._hierarchy.hook_gradients([p for _, p in named])
 
@@ -368,7 +345,7 @@ class GossipDataParallel(nn.Module):
                 group=gossip_group,
                 device=self._device,
                 every_step=a["base_algorithm"] == "sgp",
-                rendezvous=None if self._elastic is None else self._elastic.nccl_rendezvous(),
+                rendezvous=self._members.nccl_rendezvous(),
             )
         else:
             self._mix = inner.InnerMix(
@@ -378,7 +355,7 @@ class GossipDataParallel(nn.Module):
                 synch_freq=self.synch_freq,
                 every_step=False,
             )
-        if self.gossip_world_size == 1 and a["base_algorithm"] == "sgp" and self._elastic is None:
+        if self.gossip_world_size == 1 and a["base_algorithm"] == "sgp" and not self.elastic:
             warnings.warn(
                 "GossipDataParallel: there is one gossiping process, so gossip does nothing "
                 "and this trains like a single process",
@@ -389,12 +366,12 @@ class GossipDataParallel(nn.Module):
     # ----------------------------------------------------------------------------- training
 
     def forward(self, *inputs: Any, **kwargs: Any) -> Any:
-        self._check_member()
+        self._members.check_member()
         self._watch.check(self.module)
         if self.training:
             self._check_rounds_started()
         self._transferred = None
-        self._elastically(self._mix.before_forward, self.training)
+        self._members.guard(self._mix.before_forward, self.training)
         if self._hierarchy is not None:
             self._hierarchy.receive_parameters()
             self._node_behind = False
@@ -464,19 +441,18 @@ class GossipDataParallel(nn.Module):
         self._transfer(_validation.BY_HAND)
 
     def _transfer(self, caller: str) -> None:
-        self._check_member()
+        self._members.check_member()
         # Checked on every rank, gossiping or not, so that all of them raise alike.
         self._watch.check(self.module)
         # A failed round or exact average, before this step counts; also where no round would
         # start (LocalSGD has no engine).
-        self._elastically(self._mix.raise_if_failed)
+        self._members.guard(self._mix.raise_if_failed)
         _validation.check_transfer(self._transferred, caller, self.overlap)
         if self._outer.needs_inner_lr:
             _validation.check_slowmo_optimizer(self._outer.sync_every, self._optimizer)
-        if self._elastic is not None and self._elastic.changed():
-            self._change_epoch(None)  # the step boundary where a membership change takes effect
+        self._members.at_step_boundary()  # where a membership change takes effect
         self._steps += 1
-        self._elastically(self._end_step)
+        self._members.guard(self._end_step)
         self._node_behind = True
         self._transferred = caller
 
@@ -510,9 +486,7 @@ class GossipDataParallel(nn.Module):
         if self._outer.needs_inner_lr:
             _validation.check_learning_rates(optimizer)
         self._optimizer_ref = weakref.ref(optimizer)
-        if self._elastic is not None and self._handed_optimizer_state is not None:
-            optimizer.load_state_dict(self._handed_optimizer_state)  # the donor's, on joining
-            self._handed_optimizer_state = None
+        self._members.optimizer_registered(optimizer)  # a joiner's: the donor's state
         return optimizer.register_step_post_hook(
             lambda *_: self._transfer(_validation.BY_OPTIMIZER)
         )
@@ -530,8 +504,8 @@ class GossipDataParallel(nn.Module):
         failed round (naming the peer and the round). With ``nprocs_per_node > 1`` the machine's
         other processes receive the result (collective over the machine)."""
         self._transferred = None
-        self._check_member()
-        self._elastically(self._mix.drain)
+        self._members.check_member()
+        self._members.guard(self._mix.drain)
         if self._hierarchy is not None and self._node_behind:
             self._hierarchy.receive_parameters()
             self._node_behind = False
@@ -558,154 +532,27 @@ class GossipDataParallel(nn.Module):
     # ----------------------------------------------------------------------------- elastic
 
     @property
+    def elastic(self) -> bool:
+        """Whether this worker belongs to an elastic job (``membership=Elastic(...)``)."""
+        return isinstance(self._members, membership_runtime.ElasticMembership)
+
+    @property
     def worker_id(self) -> int | None:
         """This worker's id in an elastic job (ids are handed out in order of registration);
         None without ``membership``."""
-        return None if self._elastic is None else self._elastic.worker
+        return self._members.worker_id
 
     @property
     def epoch(self) -> int | None:
         """The membership epoch this worker trains in; None without ``membership``."""
-        return None if self._elastic is None else self._elastic.epoch.number
+        return self._members.epoch
 
     def leave(self) -> None:
         """Leaves an elastic job cleanly: this worker's last round is delivered, and the others
         drop it at their next step boundary, without waiting for a timeout. Runs by itself when
         the process exits or the wrapper is collected; after it, the wrapper no longer trains (its
         module keeps the model)."""
-        if self._elastic is None:
-            raise RuntimeError("leave() is for an elastic job's workers (membership='HOST:PORT')")
-        if self._elastic.left:
-            return
-        try:
-            self._mix.drain()
-        except Exception as error:  # noqa: BLE001 - leaving anyway; the model is as it was
-            if not _elastic_worker.is_peer_failure(error):
-                raise
-        self._elastic.leaving_epoch()
-        self._mix = self._mix.closed()
-        self._elastic.leave()
-
-    def _check_member(self) -> None:
-        if self._elastic is None:
-            return
-        if self._stopped is not None:
-            raise self._stopped
-        if self._elastic.left:
-            raise RuntimeError(
-                f"gossip_ext: worker {self._elastic.worker} left the job (leave()); its module "
-                "holds its last model. A new GossipDataParallel joins as a new worker"
-            )
-
-    def _elastically(self, fn, *args) -> Any:
-        """``fn(*args)``; in an elastic job, a peer's failure (it died, stalled or left) moves this
-        worker to the next epoch instead of raising. The failed round or outer step changed
-        nothing (Note [The parameters are the model]) and is dropped."""
-        if self._elastic is None:
-            return fn(*args)
-        try:
-            return fn(*args)
-        except Exception as error:
-            if not _elastic_worker.is_peer_failure(error):
-                raise
-            # Only its text and peers leave this block: the traceback's frames hold the failed
-            # engine, whose transport would keep the epoch's group, and its connections, open.
-            failure = _elastic_worker.Failure.of(error)
-        del fn, args  # a bound method of the old inner mix holds its engine, too
-        self._change_epoch(failure)
-        return None
-
-    def _change_epoch(self, failure: _elastic_worker.Failure | None) -> None:
-        """Moves to the next epoch, keeping the model, the optimizer, the step count and the
-        outer state; the push-sum weight restarts at 1. Retries while members fail during the
-        change itself."""
-        self._elastic.leaving_epoch()
-        outer_state = self._outer.state_dict() if self._holds_state else None
-        # Nothing may keep the epoch's group alive: gloo closes its connections only when the
-        # group is freed, and a peer still waiting on this worker's messages must see them close
-        # now rather than time out. A round in flight is dropped, never absorbed.
-        if self._mix is not None:
-            self._mix = self._mix.closed()
-        self._outer = None
-        self.process_group = None
-        while True:
-            try:
-                change = self._elastic.next_epoch(failure)
-            except Exception as error:
-                self._stopped = error  # raised again by every later call
-                raise
-            try:
-                self._enter_epoch(change, outer_state)
-                return
-            except Exception as error:
-                if not _elastic_worker.is_peer_failure(error):
-                    raise
-                failure = _elastic_worker.Failure.of(error)
-            # A member failed while the epoch was being entered: let go of its group as above.
-            change = None
-            self._elastic.leaving_epoch()
-            if self._mix is not None:
-                self._mix = self._mix.closed()
-            self._outer = None
-            self.process_group = None
-
-    def _enter_epoch(self, change: _elastic_worker.Change, outer_state=None) -> None:
-        """Builds everything over the epoch's group; then the donor hands its state to the
-        workers that joined, and a joiner loads it before anything else happens."""
-        self.process_group = change.group
-        first = not self._holds_state
-        # The members noticed the change at different steps (a neighbour of the dead worker one
-        # step before the others): they go on from the latest, so that every outer step of the
-        # epoch comes at the same step on all of them. They also keep the peers per round that
-        # set_peers_per_itr() gave them, which a joiner (0: none of its own) takes on.
-        held = torch.tensor(
-            [self._steps, self.graph.peers_per_itr] if self._holds_state else [0, 0],
-            dtype=torch.int64,
-        )
-        dist.all_reduce(held, op=dist.ReduceOp.MAX, group=change.group)
-        self._steps = int(held[0])
-        self._build(initial=first and change.epoch.number == 0, peers_per_itr=int(held[1]) or None)
-        if outer_state is not None:
-            self._outer.load_state_dict(outer_state, members_changed=True)
-        joined = [change.epoch.rank(j) for j in change.joined]
-        if self._elastic.worker in change.joined:
-            state = _elastic_worker.receive_state(change.donor, change.group, self._device)
-            self._take_handoff(state)
-            self._elastic.mark_ready()
-        elif joined and change.rank == change.donor:
-            _elastic_worker.send_state(self._handoff(), joined, change.group)
-        self._outer.align_in_flight(self._steps)
-        self._holds_state = True
-        self._versions_at_forward = None
-
-    def _handoff(self) -> dict[str, Any]:
-        """What a joiner receives from its donor: the model (parameters and buffers), the step
-        count, the outer state and the registered optimizer's state (the peers per round it
-        learned with every member when the epoch began)."""
-        optimizer = self._optimizer
-        return {
-            "module": self.module.state_dict(),
-            "steps": self._steps,
-            "outer": self._outer.state_dict(),
-            "optimizer": None if optimizer is None else optimizer.state_dict(),
-        }
-
-    def _take_handoff(self, state: Mapping[str, Any]) -> None:
-        self.module.load_state_dict(state["module"])
-        self._steps = int(state["steps"])
-        # The donor's error-feedback residuals are what it still owes the others: not this
-        # worker's to send again.
-        outer_state = {k: v for k, v in state["outer"].items() if k != "outer_residuals"}
-        if outer_state.get("streaming") is not None:
-            # A fragment in flight is sent again by the joiner too, with the donor's
-            # pseudo-gradient: its own would be the same, as its model is the donor's.
-            outer_state["streaming"] = streaming.without_residuals(outer_state["streaming"])
-        self._outer.load_state_dict(outer_state)
-        self._handed_optimizer_state = state["optimizer"]
-        optimizer = self._optimizer
-        if optimizer is not None and state["optimizer"] is not None:
-            optimizer.load_state_dict(state["optimizer"])
-            self._handed_optimizer_state = None
+        self._members.leave()
 
     # ----------------------------------------------------------------------------- outer steps
 
@@ -994,25 +841,12 @@ class GossipDataParallel(nn.Module):
         return result
 
 
-def _abandon_rounds_of(model: weakref.ref) -> Callable[[str], None]:
-    """What an elastic worker's watch calls, from its thread, when a member's heartbeat stopped:
-    the wrapper's round in flight fails at once (a TimeoutError saying why), instead of waiting
-    out the timeout for that member. Holds the wrapper weakly: the watch must not keep it alive."""
-
-    def abandon(why: str) -> None:
-        wrapper = model()
-        mix = None if wrapper is None else wrapper._mix
-        if mix is not None:
-            mix.abandon(why)
-
-    return abandon
-
-
 def _algorithms_of(gossip, outer, membership, flat: dict[str, Any]) -> tuple:
     """The (gossip, outer, membership) objects, from the objects given or from the flat keywords
     of earlier releases (translated by algorithms.from_flat after the flat checks, so that their
     errors read as before); not from both."""
-    if isinstance(membership, str):  # the flat spelling of membership
+    if membership is not None and not isinstance(membership, algorithms.Elastic):
+        # The flat spelling, "HOST:PORT" (whose check names anything else given there).
         flat = dict(flat, membership=membership)
         membership = None
     unknown = sorted(set(flat) - set(_flat.FLAT_DEFAULTS))

@@ -1,0 +1,267 @@
+"""Who trains with whom, inside GossipDataParallel: a static job's fixed process group, or an
+elastic job's membership epochs (``membership=Elastic(...)``).
+
+The wrapper asks its membership three things, whatever the job: to run every call that
+communicates (:meth:`StaticMembership.guard`: an elastic worker survives a peer's failure there),
+whether it may still train (:meth:`check_member`), and, at each step boundary, whether the
+members changed (:meth:`at_step_boundary`). A static job answers trivially; an elastic one moves
+the wrapper to the next epoch, keeping the model, the optimizer, the step count and the outer
+state, and hands that state to the workers that joined.
+"""
+
+from __future__ import annotations
+
+import weakref
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from gossip_ext import _validation, streaming
+from gossip_ext import elastic as _elastic_worker
+
+
+class StaticMembership:
+    """A job whose members are its process group's ranks, for its whole life."""
+
+    worker_id = None
+    epoch = None
+
+    def __init__(self, wrapper, process_group: dist.ProcessGroup | None):
+        self._wrapper = weakref.ref(wrapper)
+        self._process_group = process_group
+
+    def start(self) -> None:
+        """Builds the wrapper's runtime over the group, every rank from rank 0's parameters."""
+        w = self._wrapper()
+        w.process_group = dist.group.WORLD if self._process_group is None else self._process_group
+        w._build(initial=True)
+
+    def guard(self, fn: Callable, *args) -> Any:
+        return fn(*args)
+
+    def check_member(self) -> None:
+        pass
+
+    def at_step_boundary(self) -> None:
+        pass
+
+    def optimizer_registered(self, optimizer: torch.optim.Optimizer) -> None:
+        pass
+
+    def nccl_rendezvous(self):
+        return None  # the default store, under a key of the group (gossip_ext._transport)
+
+    def leave(self) -> None:
+        raise RuntimeError("leave() is for an elastic job's workers (membership=Elastic(...))")
+
+
+class ElasticMembership:
+    """An elastic job's worker (gossip_ext.elastic): it joins, trains in epochs with a process
+    group per epoch over the live workers, moves to the next epoch when a member dies, stalls or
+    leaves (the failed round or outer step changed nothing: Note [The parameters are the model])
+    and hands its state to the workers that join. Holds the wrapper weakly: the elastic watch's
+    thread must not keep it alive."""
+
+    def __init__(self, wrapper, address: str, min_workers: int, timeout, device, comm_device):
+        # Before joining, so that a worker that cannot gossip is refused without disturbing the
+        # job: an epoch's group is gloo; CUDA parameters gossip over an own NCCL communicator of
+        # the epoch, or host buffers over the group (comm_device="cpu").
+        _validation.choose_transport(device, comm_device, "gloo")
+        self._wrapper = weakref.ref(wrapper)
+        self.worker = _elastic_worker.ElasticWorker(address, min_workers, timeout, "gloo")
+        # The donor's optimizer state, until register_optimizer() hands it to the optimizer.
+        self._handed_optimizer_state = None
+        self._holds_state = False
+        # Why this worker stopped (removed, or too few workers left): raised by every call.
+        self._stopped: BaseException | None = None
+        self.worker.on_silent = _abandon_rounds_of(self._wrapper)
+
+    def start(self) -> None:
+        """Joins the job: the first epoch this worker is a member of, and the state of a live
+        member if the job was already training."""
+        change = self.worker.join()
+        failure = None
+        try:
+            self._enter_epoch(change)
+        except Exception as error:
+            if not _elastic_worker.is_peer_failure(error):
+                raise
+            failure = _elastic_worker.Failure.of(error)
+        del change
+        if failure is not None:
+            self._change_epoch(failure)  # the donor died during the handoff: another one
+        # Leaves when the process exits or the wrapper is collected, whichever is first.
+        weakref.finalize(self._wrapper(), self.worker.leave)
+
+    @property
+    def worker_id(self) -> int:
+        return self.worker.worker
+
+    @property
+    def epoch(self) -> int:
+        return self.worker.epoch.number
+
+    def nccl_rendezvous(self):
+        return self.worker.nccl_rendezvous()
+
+    def check_member(self) -> None:
+        if self._stopped is not None:
+            raise self._stopped
+        if self.worker.left:
+            raise RuntimeError(
+                f"gossip_ext: worker {self.worker.worker} left the job (leave()); its module "
+                "holds its last model. A new GossipDataParallel joins as a new worker"
+            )
+
+    def guard(self, fn: Callable, *args) -> Any:
+        """``fn(*args)``; a peer's failure (it died, stalled or left) moves this worker to the
+        next epoch instead of raising. The failed round or outer step changed nothing and is
+        dropped."""
+        try:
+            return fn(*args)
+        except Exception as error:
+            if not _elastic_worker.is_peer_failure(error):
+                raise
+            # Only its text and peers leave this block: the traceback's frames hold the failed
+            # engine, whose transport would keep the epoch's group, and its connections, open.
+            failure = _elastic_worker.Failure.of(error)
+        del fn, args  # a bound method of the old inner mix holds its engine, too
+        self._change_epoch(failure)
+        return None
+
+    def at_step_boundary(self) -> None:
+        """Where a membership change takes effect."""
+        if self.worker.changed():
+            self._change_epoch(None)
+
+    def optimizer_registered(self, optimizer: torch.optim.Optimizer) -> None:
+        if self._handed_optimizer_state is not None:
+            optimizer.load_state_dict(self._handed_optimizer_state)  # the donor's, on joining
+            self._handed_optimizer_state = None
+
+    def leave(self) -> None:
+        """This worker's last round is delivered, and the others drop it at their next step
+        boundary, without waiting for a timeout."""
+        if self.worker.left:
+            return
+        w = self._wrapper()
+        try:
+            w._mix.drain()
+        except Exception as error:  # noqa: BLE001 - leaving anyway; the model is as it was
+            if not _elastic_worker.is_peer_failure(error):
+                raise
+        self.worker.leaving_epoch()
+        w._mix = w._mix.closed()
+        self.worker.leave()
+
+    # ----------------------------------------------------------------------------- epochs
+
+    @staticmethod
+    def _let_go_of_the_epoch(w) -> None:
+        """Nothing may keep the epoch's group alive: gloo closes its connections only when the
+        group is freed, and a peer still waiting on this worker's messages must see them close
+        now rather than time out. A round in flight is dropped, never absorbed."""
+        if w._mix is not None:
+            w._mix = w._mix.closed()
+        w._outer = None
+        w.process_group = None
+
+    def _change_epoch(self, failure: _elastic_worker.Failure | None) -> None:
+        """Moves to the next epoch, keeping the model, the optimizer, the step count and the
+        outer state; the push-sum weight restarts at 1. Retries while members fail during the
+        change itself."""
+        w = self._wrapper()
+        self.worker.leaving_epoch()
+        outer_state = w._outer.state_dict() if self._holds_state else None
+        self._let_go_of_the_epoch(w)
+        while True:
+            try:
+                change = self.worker.next_epoch(failure)
+            except Exception as error:
+                self._stopped = error  # raised again by every later call
+                raise
+            try:
+                self._enter_epoch(change, outer_state)
+                return
+            except Exception as error:
+                if not _elastic_worker.is_peer_failure(error):
+                    raise
+                failure = _elastic_worker.Failure.of(error)
+            # A member failed while the epoch was being entered: let go of its group as above.
+            change = None
+            self.worker.leaving_epoch()
+            self._let_go_of_the_epoch(w)
+
+    def _enter_epoch(self, change: _elastic_worker.Change, outer_state=None) -> None:
+        """Builds everything over the epoch's group; then the donor hands its state to the
+        workers that joined, and a joiner loads it before anything else happens."""
+        w = self._wrapper()
+        w.process_group = change.group
+        first = not self._holds_state
+        # The members noticed the change at different steps (a neighbour of the dead worker one
+        # step before the others): they go on from the latest, so that every outer step of the
+        # epoch comes at the same step on all of them. They also keep the peers per round that
+        # set_peers_per_itr() gave them, which a joiner (0: none of its own) takes on.
+        held = torch.tensor(
+            [w._steps, w.graph.peers_per_itr] if self._holds_state else [0, 0], dtype=torch.int64
+        )
+        dist.all_reduce(held, op=dist.ReduceOp.MAX, group=change.group)
+        w._steps = int(held[0])
+        w._build(initial=first and change.epoch.number == 0, peers_per_itr=int(held[1]) or None)
+        if outer_state is not None:
+            w._outer.load_state_dict(outer_state, members_changed=True)
+        joined = [change.epoch.rank(j) for j in change.joined]
+        if self.worker.worker in change.joined:
+            state = _elastic_worker.receive_state(change.donor, change.group, w._device)
+            self._take_handoff(w, state)
+            self.worker.mark_ready()
+        elif joined and change.rank == change.donor:
+            _elastic_worker.send_state(self._handoff(w), joined, change.group)
+        w._outer.align_in_flight(w._steps)
+        self._holds_state = True
+        w._versions_at_forward = None
+
+    def _handoff(self, w) -> dict[str, Any]:
+        """What a joiner receives from its donor: the model (parameters and buffers), the step
+        count, the outer state and the registered optimizer's state (the peers per round it
+        learned with every member when the epoch began)."""
+        optimizer = w._optimizer
+        return {
+            "module": w.module.state_dict(),
+            "steps": w._steps,
+            "outer": w._outer.state_dict(),
+            "optimizer": None if optimizer is None else optimizer.state_dict(),
+        }
+
+    def _take_handoff(self, w, state: Mapping[str, Any]) -> None:
+        w.module.load_state_dict(state["module"])
+        w._steps = int(state["steps"])
+        # The donor's error-feedback residuals are what it still owes the others: not this
+        # worker's to send again.
+        outer_state = {k: v for k, v in state["outer"].items() if k != "outer_residuals"}
+        if outer_state.get("streaming") is not None:
+            # A fragment in flight is sent again by the joiner too, with the donor's
+            # pseudo-gradient: its own would be the same, as its model is the donor's.
+            outer_state["streaming"] = streaming.without_residuals(outer_state["streaming"])
+        w._outer.load_state_dict(outer_state)
+        self._handed_optimizer_state = state["optimizer"]
+        optimizer = w._optimizer
+        if optimizer is not None and state["optimizer"] is not None:
+            optimizer.load_state_dict(state["optimizer"])
+            self._handed_optimizer_state = None
+
+
+def _abandon_rounds_of(model: weakref.ref) -> Callable[[str], None]:
+    """What an elastic worker's watch calls, from its thread, when a member's heartbeat stopped:
+    the wrapper's round in flight fails at once (a TimeoutError saying why), instead of waiting
+    out the timeout for that member. Holds the wrapper weakly: the watch must not keep it alive."""
+
+    def abandon(why: str) -> None:
+        wrapper = model()
+        mix = None if wrapper is None else wrapper._mix
+        if mix is not None:
+            mix.abandon(why)
+
+    return abandon
