@@ -6,11 +6,12 @@ epoch's members (:mod:`._epoch_group`).
 At every step boundary it compares the service's event counter, as its watch thread last read it,
 with its epoch's; when the membership changed (a worker registered, left, or was announced dead)
 it moves to the next epoch there. When a round or a collective fails because a peer died or
-stalled, the worker announces the peers the error names (unless a change is already pending,
-which explains the failure) and moves on the same way; a worker that is not a neighbour of the
-dead one learns it from the counter, without waiting for a timeout of its own. Forming an epoch
-is the only moment the members wait for each other: each checks in, and one that does not within
-the timeout is removed.
+stalled, the worker announces the peers the error is about (a
+:class:`~gossip_ext.PeerTimeoutError`'s ``peers``, never read out of its message) unless a change
+is already pending, which explains the failure, and moves on the same way; a worker that is not a
+neighbour of the dead one learns it from the counter, without waiting for a timeout of its own.
+Forming an epoch is the only moment the members wait for each other: each checks in, and one that
+does not within the timeout is removed.
 
 What moves with a worker from one epoch to the next is its own: its model, its optimizer, its
 step count and outer state. The push-sum weight restarts at 1 in every epoch (a dead worker's
@@ -25,7 +26,6 @@ import datetime
 import gc
 import io
 import logging
-import re
 import time
 import weakref
 from collections.abc import Callable
@@ -37,12 +37,9 @@ import torch.distributed as dist
 
 from gossip_ext import _epoch_group
 from gossip_ext.epochs import LEFT, Epoch, MembershipClient, RemovedError
+from gossip_ext.errors import PeerTimeoutError
 
 logger = logging.getLogger("gossip_ext.elastic")
-
-# Peer ranks named by a failed round's error (csrc/transport/process_group: "peer 3", "peers
-# [1, 3]"; gossip_ext/fragment_gossip.py: "rank 3").
-_NAMED_PEER = re.compile(r"\bpeers? \[?([\d, ]+)\]?|(?:from|to) rank (\d+)")
 
 
 # The first epoch forms once min_workers registered and no other registered for this long.
@@ -53,14 +50,23 @@ FIRST_EPOCH_SETTLE_S = 1.0
 _READY = "ready/{}"
 
 
-def named_peers(error: str) -> list[int]:
-    """The peer ranks a failed round's or exchange's error message names (empty if none)."""
-    peers: set[int] = set()
-    for listed, single in _NAMED_PEER.findall(error):
-        for text in listed.split(",") if listed else [single]:
-            if text.strip():
-                peers.add(int(text))
-    return sorted(peers)
+@dataclass(frozen=True)
+class Failure:
+    """A peer failure that moves a worker to the next epoch, kept without the error: its
+    traceback's frames hold the failed engine, whose transport would keep the epoch's group, and
+    its connections, open. ``text`` is for the log; ``peers`` are the ranks of the epoch's group
+    the error is about (a :class:`PeerTimeoutError`'s ``peers``; none for c10d's errors)."""
+
+    text: str
+    peers: tuple[int, ...] = ()
+
+    @classmethod
+    def of(cls, error: BaseException) -> Failure:
+        peers = error.peers if isinstance(error, PeerTimeoutError) else ()
+        return cls(f"{type(error).__name__}: {error}", tuple(peers))
+
+    def __str__(self) -> str:
+        return self.text
 
 
 def is_peer_failure(error: BaseException) -> bool:
@@ -179,10 +185,10 @@ class ElasticWorker:
         the service saw it (every HEARTBEAT_S): no step waits on a request of its own."""
         return self.client.watch.events > self.epoch.events
 
-    def next_epoch(self, failure: str | None) -> Change:
-        """Moves to the next epoch: announces the peers the ``failure`` message names (unless a
-        change is already pending, which explains it), forms the epoch over the live members,
-        builds its group. Raises RemovedError if this worker was removed, TimeoutError (naming who
+    def next_epoch(self, failure: Failure | None) -> Change:
+        """Moves to the next epoch: announces the peers of the ``failure`` (unless a change is
+        already pending, which explains it), forms the epoch over the live members, builds its
+        group. Raises RemovedError if this worker was removed, TimeoutError (naming who
         is gone) below ``min_workers``."""
         start = time.monotonic()
         client = self.client
@@ -219,15 +225,15 @@ class ElasticWorker:
                 return change
             number, current = number + 1, epoch.members
 
-    def _accuse(self, failure: str, epoch: Epoch) -> None:
-        """Announces the peers ``failure`` names as gone once their heartbeat is found silent
+    def _accuse(self, failure: Failure, epoch: Epoch) -> None:
+        """Announces the peers of ``failure`` as gone once their heartbeat is found silent
         too: a peer that timed out because it was itself waiting on a stalled one is alive, and
         so is one whose connection closed because gloo gave up on another of its peers (gloo
         closes a timed-out worker's connections before it can say anything). Where nobody is
         accused, the failure still starts a new epoch for every member, whose check-in finds who
         is missing."""
         client = self.client
-        named = [epoch.members[r] for r in named_peers(failure) if r < len(epoch.members)]
+        named = [epoch.members[r] for r in failure.peers if 0 <= r < len(epoch.members)]
         # A peer that said it is leaving the epoch closed its side on purpose: it is alive.
         named = [w for w in named if w != self.worker and not client.leaving(epoch, w)]
         if named:

@@ -10,6 +10,7 @@ import torch
 
 import gossip_ext
 from gossip_ext import _C
+from gossip_ext.elastic import Failure
 
 pytestmark = pytest.mark.extension  # the CUDA rehearsal runs these too (pyproject.toml)
 
@@ -98,3 +99,11 @@ def test_the_errors_keep_their_attributes_through_pickle_and_name_each_peer_once
     nonfinite = pickle.loads(pickle.dumps(gossip_ext.NonFiniteError("m", peers=[2], round=0)))
     assert (nonfinite.peers, nonfinite.round) == ((2,), 0)
 
+
+def test_an_elastic_worker_takes_the_peers_from_the_attributes_not_the_text():
+    typed = gossip_ext.PeerTimeoutError("no peer named in this text", peers=[2, 0], round=4)
+    assert Failure.of(typed).peers == (2, 0)
+    assert str(Failure.of(typed)) == "PeerTimeoutError: no peer named in this text"
+    # An untyped error names no peer, whatever its text says (c10d's "peer [127.0.0.1]:...").
+    untyped = RuntimeError("Connection closed by peer [127.0.0.1]:29500; peers [1, 3]")
+    assert Failure.of(untyped).peers == ()
