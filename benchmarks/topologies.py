@@ -14,7 +14,7 @@ is <= --tol. Push-sum (SGP) runs on every graph; push-pull averaging (D-PSGD, ``
 also runs on the graphs that pair nodes symmetrically at that n. Rounds are capped at 4n + 64
 (">cap" in the table).
 
-The peer: a plain-PyTorch mixing-matrix simulator, with phone books built here from DESIGN.md
+The peer: a plain-PyTorch mixing-matrix simulator, with phone books built here from docs/design.md
 section 2 (not from the library's schedule), runs the same rounds for n <= --ref-max-n; the table
 says whether it reaches the tolerance at the same round and the largest difference between its
 trajectory and the engine's.
@@ -71,11 +71,11 @@ def cap_for(n: int) -> int:
 
 
 # ---------------------------------------------------------------------------------------------
-# The peer: phone books from DESIGN.md section 2 and a dense mixing-matrix simulator.
+# The peer: phone books from docs/design.md section 2 and a dense mixing-matrix simulator.
 
 
 def reference_phone_books(kind: str, n: int, p: int) -> list[list[int]]:
-    """Ordered distinct out-peers of every node, written from DESIGN.md section 2."""
+    """Ordered distinct out-peers of every node, written from docs/design.md section 2."""
     if kind == "hypercube":
         return [[r ^ (1 << i) for i in range(n.bit_length() - 1)] for r in range(n)]
     offsets: list[int] = []
@@ -340,7 +340,7 @@ def main(argv=None) -> int:
                         notes.append("ok")
                     diff = float((z - zr).abs().max())
                     ref_diff[(label, push_sum)] = max(ref_diff.get((label, push_sum), 0.0), diff)
-                # DESIGN.md: exact after log2(n) rounds (n a power of two).
+                # docs/design.md: exact after log2(n) rounds (n a power of two).
                 exact = (label == "NPeerExp p=1" and push_sum) or (
                     label == "Hypercube" and not push_sum
                 )
@@ -352,7 +352,7 @@ def main(argv=None) -> int:
                         mode = "push-sum" if push_sum else "push-pull"
                         exact_notes.append(
                             f"{label} {mode} n={n}: distance {d:.2e} after log2(n)={k} rounds "
-                            "(DESIGN.md says exact)"
+                            "(docs/design.md says exact)"
                         )
     elapsed = time.perf_counter() - start
 
@@ -407,8 +407,9 @@ def main(argv=None) -> int:
         "parentheses); '>cap' = not reached within 4n+64 rounds. Uniform mixing, fp64 values "
         f"U[1,2)^{DIM}, seed {SEED}+n. push-pull runs only where the graph pairs nodes "
         "symmetrically.",
-        "Reference: plain-PyTorch mixing-matrix simulator over phone books built from DESIGN.md "
-        "section 2; 'same rounds' = it reaches the tolerance at the same round as the engine.",
+        "Reference: plain-PyTorch mixing-matrix simulator over phone books built from "
+        "docs/design.md section 2; 'same rounds' = it reaches the tolerance at the same round as "
+        "the engine.",
     ]
     if refused:
         footer.append("Refused: " + "; ".join(f"{g} n={n}: {m}" for (g, n), m in refused.items()))
@@ -416,14 +417,14 @@ def main(argv=None) -> int:
         footer.append("Refused: none (every graph accepts every size here).")
     if book_mismatch:
         footer.append(
-            "Phone books differ from DESIGN.md section 2 for: " + ", ".join(book_mismatch)
+            "Phone books differ from docs/design.md section 2 for: " + ", ".join(book_mismatch)
         )
     if exact_notes:
         footer.append("NOT EXACT: " + "; ".join(exact_notes))
     else:
         footer.append(
-            "Exactness (DESIGN.md): NPeerExp p=1 push-sum and Hypercube push-pull reach distance "
-            "<= 1e-12 after log2(n) rounds at every power-of-two n."
+            "Exactness (docs/design.md): NPeerExp p=1 push-sum and Hypercube push-pull reach "
+            "distance <= 1e-12 after log2(n) rounds at every power-of-two n."
         )
     same = all(results[(g, True, n)] == r for (g, ps, n), r in results.items() if not ps)
     footer.append(

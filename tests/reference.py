@@ -1,9 +1,9 @@
-"""The test oracle: push-sum gossip in plain Python and PyTorch, from DESIGN.md sections 1-2.
+"""The test oracle: push-sum gossip in plain Python and PyTorch, from docs/design.md sections 1-2.
 
 Nothing here imports gossip_ext or follows its code. Graphs are built from their definitions in
-DESIGN.md section 2 with integer arithmetic only; a round is the column-stochastic mixing matrix
-of section 1 applied to the stacked fp64 numerators ``x`` and weights ``w`` of all nodes, and the
-de-biased value is ``z = x / w``. The tests compare the library against these functions.
+docs/design.md section 2 with integer arithmetic only; a round is the column-stochastic mixing
+matrix of section 1 applied to the stacked fp64 numerators ``x`` and weights ``w`` of all nodes,
+and the de-biased value is ``z = x / w``. The tests compare the library against these functions.
 
 Graph kinds are plain strings (see ``GRAPH_KINDS``); a custom graph is just its phone books, so
 ``reference_gossip`` takes phone books, not a graph object.
@@ -79,7 +79,7 @@ def _offsets(kind: str, n: int, p: int) -> list[int]:
 
 
 def graph_phone_books(kind: str, n: int, peers_per_itr: int = 1) -> list[list[int]]:
-    """``phone_books[r]``: the ordered, distinct out-peers of node ``r`` (DESIGN.md section 2).
+    """``phone_books[r]``: the ordered, distinct out-peers of node ``r`` (docs/design.md section 2).
 
     Raises ValueError where the graph does not exist at this world size: peers_per_itr < 1, or
     >= n (n > 1), odd n for a bipartite graph, a ring with more than 2 peers, a hypercube whose n
@@ -123,7 +123,7 @@ def graph_phone_books(kind: str, n: int, peers_per_itr: int = 1) -> list[list[in
 
 
 def validate_phone_books(phone_books: Sequence[Sequence[int]], peers_per_itr: int) -> None:
-    """Raises ValueError unless the phone books form a valid graph (DESIGN.md section 2)."""
+    """Raises ValueError unless the phone books form a valid graph (docs/design.md section 2)."""
     n = len(phone_books)
     if n == 0:
         raise ValueError("no phone books")

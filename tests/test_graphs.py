@@ -1,4 +1,5 @@
-"""The graph and mixing API against the reference of DESIGN.md section 2 (tests/reference.py)."""
+"""The graph and mixing API against the reference of docs/design.md section 2
+(tests/reference.py)."""
 
 import math
 import random
@@ -393,7 +394,7 @@ def test_custom_graph_invalid_books_raise(books, p, pattern):
 @pytest.mark.parametrize("books", [[[0]], [[3]], [[-1]]], ids=str)
 def test_custom_graph_single_node_with_peers_raises(books):
     # One node can have no peer: [[0]] is a self edge, [[3]] and [[-1]] are out of range.
-    # DESIGN.md section 2: a user-supplied phone book is validated (no self edges).
+    # docs/design.md section 2: a user-supplied phone book is validated (no self edges).
     with pytest.raises(ValueError, match=r"CustomGraph"):
         CustomGraph(books)
 

@@ -1,6 +1,6 @@
 """The peers schedule: set_peers_per_itr() between steps, on real processes over gloo.
 
-The oracle is the mixing matrix of tests/reference.py, built from DESIGN.md's definition of the
+The oracle is the mixing matrix of tests/reference.py, built from docs/design.md's definition of the
 graphs, applied round after round with the peers per round in force at that round.
 """
 

@@ -1,7 +1,7 @@
 """A plain-PyTorch, single-process simulator of gossip training: the oracle of the multi-process
 tests of GossipDataParallel.
 
-Written from DESIGN.md section 1, independently of the engine. Every node holds push-sum
+Written from docs/design.md section 1, independently of the engine. Every node holds push-sum
 numerators x and a weight w; the model computes with z = x / w and the optimizer (plain SGD)
 updates z, so after a step x = w * z. Rounds are replayed from per-node event logs, so the same
 code covers synchronous SGP, overlap SGP and bounded asynchrony, where which forward absorbs which

@@ -1,4 +1,4 @@
-// GossipEngine: one rank's side of push-sum gossip over a Transport (DESIGN.md section 1).
+// GossipEngine: one rank's side of push-sum gossip over a Transport (docs/design.md section 1).
 //
 // The engine owns the flat parameter buffers (the model's parameters become views of them) and
 // runs the round state machine:

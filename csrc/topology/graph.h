@@ -2,7 +2,7 @@
 //
 // The graphs of SGP (Assran et al., ICML 2019) with its bugs fixed (exact integer logarithms,
 // bipartite graphs that really pair nodes symmetrically), a hypercube pairing and a user-supplied
-// phone book. DESIGN.md section 2 is the specification.
+// phone book. docs/design.md section 2 is the specification.
 //
 // A graph is a phone book per node (its ordered, distinct out-peers, never itself) of one common
 // length L. Round t uses the slots (g + t * peers_per_itr) mod L for g = 0..peers_per_itr-1.

@@ -1,6 +1,6 @@
 // The gossip engine over the in-process transport, one std::thread per rank, checked against a
 // reference written here: the round's column-stochastic mixing matrix, built from the schedule and
-// DESIGN.md's weights, applied to the stacked numerators and push-sum weights.
+// docs/design.md's weights, applied to the stacked numerators and push-sum weights.
 #include <algorithm>
 #include <chrono>
 #include <cmath>
@@ -123,7 +123,7 @@ std::vector<std::vector<RankState>> run_rounds(World& world, int rounds) {
   return trace;
 }
 
-// W[j][i]: the share of node i's value that node j holds after round t. DESIGN.md section 1: a
+// W[j][i]: the share of node i's value that node j holds after round t. docs/design.md section 1: a
 // node keeps `self` and gives `peer` to each out-peer; uniform mixing gives everyone 1/(k+1).
 Matrix mixing_matrix(const Graph& graph, const MixingOptions& mixing, int64_t t) {
   const int n = graph.world_size();

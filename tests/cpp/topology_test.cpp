@@ -1,4 +1,4 @@
-// Schedules and mixing weights against DESIGN.md section 2, recomputed here with plain integer
+// Schedules and mixing weights against docs/design.md section 2, recomputed here with plain integer
 // loops: phone books, per-round out/in-peers, regularity, symmetric pairing and every error path.
 #include <algorithm>
 #include <cstdint>
@@ -33,7 +33,7 @@ bool is_bipartite_kind(GraphKind kind) {
          kind == GraphKind::kDynamicBipartiteLinear;
 }
 
-// Signed offsets of the offset-based graphs, spelled out from DESIGN.md section 2.
+// Signed offsets of the offset-based graphs, spelled out from docs/design.md section 2.
 std::vector<int64_t> design_offsets(GraphKind kind, int p, int64_t n) {
   std::vector<int64_t> offsets;
   switch (kind) {
@@ -66,8 +66,8 @@ std::vector<int64_t> design_offsets(GraphKind kind, int p, int64_t n) {
   return offsets;
 }
 
-// Node r's expected phone book. For bipartite graphs DESIGN.md fixes the peer set, not the order,
-// so callers compare those as sets.
+// Node r's expected phone book. For bipartite graphs docs/design.md fixes the peer set, not the
+// order, so callers compare those as sets.
 std::vector<int> expected_book(GraphKind kind, int p, int n, int r) {
   std::vector<int> book;
   if (kind == GraphKind::kHypercube) {
