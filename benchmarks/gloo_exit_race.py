@@ -7,7 +7,7 @@ model for a few steps, destroy the process group and return normally.
 
 The abort is torch's: gloo's worker threads may drop the last reference to a Python-owned tensor
 while the interpreter finalizes (see tests/multiprocess.py, exit_without_finalizing). This script
-measures it so that the README's troubleshooting line states a measured rate.
+measures it so that the troubleshooting guide (docs/troubleshooting.md) states a measured rate.
 """
 
 import argparse

@@ -66,7 +66,7 @@ def choose(
     if args.mode != "ddp" and not cuda_build:
         raise ValueError(
             "--device cuda: this build of gossip_ext has no CUDA kernels; rebuild it with "
-            "GOSSIP_EXT_CUDA=1 (README, Install)"
+            'GOSSIP_EXT_CUDA=1 (docs/gpus.md, "The CUDA build")'
         )
     if args.comm_device == "cpu":
         return torch.device("cuda", local_rank % gpus), "gloo"

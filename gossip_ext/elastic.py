@@ -15,7 +15,7 @@ does not within the timeout is removed.
 
 What moves with a worker from one epoch to the next is its own: its model, its optimizer, its
 step count and outer state. The push-sum weight restarts at 1 in every epoch (a dead worker's
-share of the mass is dropped; see the README). A worker that joins a running job receives the
+share of the mass is dropped; see docs/elastic.md). A worker that joins a running job receives the
 state of one member that was already training (the donor: the oldest such member) before its
 first forward, and never seeds anyone with its own initialisation.
 """

@@ -32,7 +32,7 @@ def _entry(rank: int, world_size: int, init_file: str, out_dir: str, config) -> 
     with open(os.path.join(out_dir, f"rank{rank}.pkl"), "wb") as f:
         pickle.dump(result, f)
     # Leave without interpreter finalization: torch's gloo threads can abort a finalizing process
-    # (README, "An abort at the very end of a run"), and the result is already written.
+    # (docs/troubleshooting.md, "An abort at the very end of a run"), and the result is written.
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(0)
