@@ -8,7 +8,8 @@
 - DistributedDataParallel, and fairscale with LocalSGD: the wrapper's ``module.*`` keys only.
 
 This wrapper's own checkpoints carry ``_extra_state`` (the gossip round, the push-sum weight,
-the averaging schedule); those are left to ``nn.Module.load_state_dict``.
+the step count that schedules the outer steps, the outer state: :func:`extra_state`), which
+``nn.Module.load_state_dict`` hands back to :func:`restore_extra_state`.
 """
 
 from __future__ import annotations
@@ -18,6 +19,8 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+
+from gossip_ext import _validation, inner
 
 _PREFIX = "module."
 _EXTRA = "_extra_state"
@@ -72,3 +75,54 @@ def _weight(value: Any) -> float:
     if not weight > 0.0:
         raise ValueError(f"load_state_dict: the checkpoint's ps_weight must be > 0, got {weight}")
     return weight
+
+
+# ----------------------------------------------------------------------------- the wrapper's own
+
+
+def extra_state(model) -> dict[str, Any]:
+    """What resuming a GossipDataParallel needs beside its module's state, after its gossip in
+    flight was absorbed: the push-sum state, what the checkpoint must match (the world, the
+    graph as constructed, the mixing), the step count and the outer state."""
+    return {
+        "gossip_round": model.gossip_round,
+        "ps_weight": model.ps_weight,
+        "gossip_world_size": model.gossip_world_size,
+        "graph": repr(model._constructed_graph),
+        "peers_per_itr": model.graph.peers_per_itr,
+        "mixing": repr(model.mixing),
+        "steps": model._steps,
+        **model._outer.state_dict(),
+    }
+
+
+def restore_extra_state(model, state: Mapping[str, Any]) -> None:
+    mine = {
+        "gossip_world_size": model.gossip_world_size,
+        "graph": repr(model._constructed_graph),
+        "mixing": repr(model.mixing),
+    }
+    _validation.check_checkpoint(state, mine)
+    model._outer.load_state_dict(state)
+    # The outer schedule goes on where it stopped (0: a checkpoint from before it).
+    model._steps = int(state.get("steps", 0))
+    model._mix.restore(int(state["gossip_round"]), float(state["ps_weight"]))
+    peers = int(state.get("peers_per_itr", model._constructed_graph.peers_per_itr))
+    if peers != model.graph.peers_per_itr:
+        model._mix.set_graph(inner.with_peers(model.graph, peers))
+
+
+def load_foreign(model, foreign: ForeignCheckpoint, *, strict: bool, assign: bool):
+    """Another wrapper's checkpoint into a GossipDataParallel: it carries no gossip round, so the
+    schedule restarts at round 0 on every rank, with the saved push-sum weight (1 under lazy
+    mixing); parameters saved as push-sum numerators are de-biased."""
+    result = model.module.load_state_dict(foreign.module_state, strict=strict, assign=assign)
+    model._watch.check(model.module)
+    weight = foreign.ps_weight
+    if foreign.is_numerator and weight != 1.0:
+        with torch.no_grad():
+            for p in model.module.parameters():
+                p.div_(weight)
+    model._mix.restore(0, 1.0 if model._mix.lazy_mixing else weight)
+    model._versions_at_forward = None
+    return result

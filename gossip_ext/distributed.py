@@ -30,7 +30,6 @@ from gossip_ext import (
     inner,
     membership_runtime,
     outer,
-    outer_rules,
 )
 from gossip_ext import flat_keywords as _flat
 from gossip_ext.graphs import GraphBase, NPeerDynamicDirectedExponentialGraph
@@ -57,47 +56,26 @@ class GossipDataParallel(nn.Module):
     (Stochastic Gradient Push, Assran et al., ICML 2019). The compiled engine holds the
     parameters in one flat buffer per dtype, so a round needs no copies.
 
-    .. note::
-        Call :meth:`transfer_params` after every ``optimizer.step()``, or let
-        :meth:`register_optimizer` do it through the optimizer's step hook. The round is then
-        absorbed by the next forward (synchronous SGP), by the next :meth:`transfer_params`
-        (``overlap=True``), or by the first forward that finds it finished (``synch_freq > 0``).
+    What users may rely on (docs/design.md has the why):
 
-    .. note::
-        The parameters always hold the de-biased values ``z = x / w`` that forward and the
-        optimizer use. Do not replace a parameter's storage (``param.data = t``) after wrapping:
-        gossip would no longer reach it, and the next round raises. Copy into it instead.
-        Likewise, parameters added to the module after wrapping make the next forward or
-        :meth:`transfer_params` raise.
-
-    .. note::
-        The parameters are always a valid model: whenever you read them between steps
-        (``model.module``, its ``state_dict()``, after ``eval()``, after catching an error), they
-        hold the last absorbed model or the latest optimizer step's, never a share in flight.
-        Synchronous modes send them in place, which saves a model copy, so do not write them
-        yourself between :meth:`transfer_params` and the next forward. ``eval()``,
-        :meth:`sync_comms` and ``state_dict()`` absorb the round in flight first (with
-        ``message_dtype`` under ``overlap`` or ``synch_freq``, the parameters also carry the
-        message's rounding feedback until then, within one message rounding of the model).
-
-    .. note::
-        A round that fails (a peer timed out or died: :class:`TimeoutError`; a non-finite
-        message: :class:`FloatingPointError`) stays raised: every later forward,
-        :meth:`transfer_params`, :meth:`sync_comms`, ``state_dict()``, ``eval()``,
-        :meth:`average_parameters` and :meth:`consensus_distance` raises the same error, naming
-        the peer and the round. A round that timed out or lost a peer changes nothing: the
-        parameters stay the last valid model, so ``model.module.state_dict()`` can still be
-        saved. (A non-finite round has already been absorbed when it is detected.) An exact
-        average whose all-reduce fails likewise writes nothing and stays raised.
-
-    .. note::
-        With ``nprocs_per_node > 1``, :meth:`sync_comms`, ``eval()`` and ``state_dict()`` bring
-        the machine's other processes the gossiping process's parameters, so, like the forward,
-        they are collective over the processes of one machine.
-
-    .. note::
-        Construction broadcasts the parameters of rank 0 to every rank (as DDP does), so that all
-        workers start from the same point.
+    - Call :meth:`transfer_params` after every ``optimizer.step()``, or let
+      :meth:`register_optimizer` do it; the round is absorbed by the next forward (synchronous),
+      the next :meth:`transfer_params` (``overlap``), or the first forward that finds it done
+      (``synch_freq``).
+    - The parameters are always a valid model: whenever you read them between steps
+      (``model.module``, its ``state_dict()``, after ``eval()``, after catching an error) they
+      hold the last absorbed model or the latest optimizer step's, never a share in flight;
+      ``eval()``, :meth:`sync_comms` and ``state_dict()`` absorb the round in flight first. Copy
+      into a parameter, never replace its storage, and do not write it between
+      :meth:`transfer_params` and the next forward (synchronous modes send it in place).
+    - A failed round (a peer timed out or died: :class:`gossip_ext.PeerTimeoutError`, a
+      TimeoutError; a non-finite message: :class:`gossip_ext.NonFiniteError`) stays raised by
+      every later call, naming the peers and the round; one that timed out or lost a peer
+      changed nothing (a non-finite one was absorbed when detected). A failed exact average
+      writes nothing.
+    - Construction broadcasts rank 0's parameters (as DDP does). With ``nprocs_per_node > 1``,
+      :meth:`sync_comms`, ``eval()`` and ``state_dict()`` are collective over a machine's
+      processes, as the forward is.
 
     Args:
         module (nn.Module): the model; its parameters must be floating point, on one device.
@@ -626,10 +604,7 @@ class GossipDataParallel(nn.Module):
     def outer_optimizers(self) -> list[torch.optim.Optimizer]:
         """The outer optimizers, one per fragment (``fragments``; one without), in module order;
         empty without ``outer_optimizer``."""
-        rule = self._outer.rule
-        if isinstance(rule, outer_rules.OuterOptimizer):
-            return [rule.optimizer]
-        return rule.optimizers if self._outer.streaming else []
+        return [] if self._outer.rule is None else self._outer.rule.optimizers
 
     @property
     def outer_state_started(self) -> bool:
@@ -767,31 +742,10 @@ class GossipDataParallel(nn.Module):
 
     def get_extra_state(self) -> dict[str, Any]:
         self.sync_comms()
-        return {
-            "gossip_round": self.gossip_round,
-            "ps_weight": self.ps_weight,
-            "gossip_world_size": self.gossip_world_size,
-            "graph": repr(self._constructed_graph),
-            "peers_per_itr": self.graph.peers_per_itr,
-            "mixing": repr(self.mixing),
-            "steps": self._steps,
-            **self._outer.state_dict(),
-        }
+        return _checkpoint.extra_state(self)
 
     def set_extra_state(self, state: Mapping[str, Any]) -> None:
-        mine = {
-            "gossip_world_size": self.gossip_world_size,
-            "graph": repr(self._constructed_graph),
-            "mixing": repr(self.mixing),
-        }
-        _validation.check_checkpoint(state, mine)
-        self._outer.load_state_dict(state)
-        # The outer schedule goes on where it stopped (0: a checkpoint from before it).
-        self._steps = int(state.get("steps", 0))
-        self._mix.restore(int(state["gossip_round"]), float(state["ps_weight"]))
-        peers = int(state.get("peers_per_itr", self._constructed_graph.peers_per_itr))
-        if peers != self.graph.peers_per_itr:
-            self._mix.set_graph(inner.with_peers(self.graph, peers))
+        _checkpoint.restore_extra_state(self, state)
 
     def state_dict(self, *args, **kwargs):
         """The module's state under ``module.`` after finishing gossip in flight, plus what
@@ -829,16 +783,7 @@ class GossipDataParallel(nn.Module):
         own, foreign = _checkpoint.parse(state_dict)
         if foreign is None:
             return super().load_state_dict(own, strict=strict, assign=assign)
-        result = self.module.load_state_dict(foreign.module_state, strict=strict, assign=assign)
-        self._watch.check(self.module)
-        weight = foreign.ps_weight
-        if foreign.is_numerator and weight != 1.0:
-            with torch.no_grad():
-                for p in self.module.parameters():
-                    p.div_(weight)
-        self._mix.restore(0, 1.0 if self._mix.lazy_mixing else weight)
-        self._versions_at_forward = None
-        return result
+        return _checkpoint.load_foreign(self, foreign, strict=strict, assign=assign)
 
 
 def _algorithms_of(gossip, outer, membership, flat: dict[str, Any]) -> tuple:

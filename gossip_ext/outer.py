@@ -105,7 +105,7 @@ class OuterSteps:
         self.buckets = ParameterBuckets(params)
         # DiLoCo's pseudo-gradients in compressed messages (the rule is an OuterOptimizer).
         self.compressed = None
-        self.streaming = isinstance(rule, StreamingOuter)
+        self.streaming = rule is not None and rule.own_schedule
         if outer_dtype is not None and not self.streaming:  # fragments keep their own
             self.compressed = CompressedMean(
                 self.buckets.layout(), self.buckets.device(0), outer_dtype, group
@@ -224,7 +224,7 @@ class OuterSteps:
         """An elastic epoch begins at optimizer step ``step``: Streaming DiLoCo's fragments in
         flight become those its schedule has in flight there (``StreamingOuter.align_in_flight``).
         Nothing else of the outer steps is ever in flight between steps."""
-        if isinstance(self.rule, StreamingOuter):
+        if self.rule is not None:
             self.rule.align_in_flight(step)
 
     def run_on_mixed(self) -> None:
@@ -255,11 +255,7 @@ class OuterSteps:
         if self.rule is None:
             return
         saved = state.get(self.rule.state_key)
-        if isinstance(self.rule, StreamingOuter):
-            # Its fragments hold compressed means of their own.
-            self.rule.load_state_dict(saved, self.buckets, members_changed)
-        else:
-            self.rule.load_state_dict(saved, self.buckets)
+        self.rule.load_state_dict(saved, self.buckets, members_changed)
         self._start_at_forward = saved is None
         if self.compressed is not None:
             self.compressed.load_state_dict(

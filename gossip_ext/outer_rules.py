@@ -26,6 +26,39 @@ import torch.distributed as dist
 from gossip_ext.averaging import ParameterBuckets
 
 
+class OuterRule:
+    """What every outer step's rule is, to ``outer.OuterSteps`` and the wrapper: Streaming
+    DiLoCo's (``streaming.StreamingOuter``) like SlowMo's and DiLoCo's below. A new outer update
+    is a subclass; nothing outside its module asks which one it is.
+
+    - ``state_key``: its entry in the checkpoint; ``state_dict()`` / ``load_state_dict(state,
+      buckets, members_changed)`` (None: saved before it started; ``members_changed``: the state
+      comes from this worker's previous elastic epoch);
+    - ``eager``: whether it starts at construction as well as at the first forward (``start``);
+      ``started``, ``describe()`` (what every rank must agree on);
+    - ``needs_inner_lr``: whether it reads the inner optimizer's learning rates (``update``'s
+      ``optimizer``);
+    - ``own_schedule``: False for a step every ``sync_every`` steps, with the average
+      (``update(buckets, averages, optimizer)``); True for a rule that runs its own prepares and
+      applies (``has_action(step)``, ``run(step, weight)``), whose work may be in flight between
+      steps (``align_in_flight``);
+    - ``optimizers``: the torch optimizers a user may schedule (an outer learning rate).
+    """
+
+    state_key: str
+    eager = False
+    needs_inner_lr = False
+    own_schedule = False
+
+    @property
+    def optimizers(self) -> list[torch.optim.Optimizer]:
+        return []
+
+    def align_in_flight(self, step: int) -> None:
+        """An elastic epoch begins at optimizer step ``step``. Only a rule of its own schedule
+        has anything in flight between steps."""
+
+
 def learning_rates(
     optimizer: torch.optim.Optimizer, buckets: ParameterBuckets
 ) -> list[list[float | None]]:
@@ -59,7 +92,7 @@ def shard_ranges(numel: int, shards: int, index: int | None) -> tuple[int, int]:
     return min(index * length, numel), min((index + 1) * length, numel)
 
 
-class SlowMomentum:
+class SlowMomentum(OuterRule):
     """SlowMo's outer update (Wang et al., ICLR 2020, Algorithm 1; fairscale's
     SlowMoDistributedDataParallel), identical on every rank.
 
@@ -189,7 +222,12 @@ class SlowMomentum:
             "shard": self.shard,
         }
 
-    def load_state_dict(self, state: Mapping[str, Any] | None, buckets: ParameterBuckets) -> None:
+    def load_state_dict(
+        self,
+        state: Mapping[str, Any] | None,
+        buckets: ParameterBuckets,
+        members_changed: bool = False,
+    ) -> None:
         """A checkpoint without SlowMo state (saved before it started) starts it again at the
         next forward."""
         if state is None:
@@ -238,7 +276,7 @@ def _build(factory: OuterOptimizerFactory, tensors: list[torch.Tensor]) -> torch
     return optimizer
 
 
-class OuterOptimizer:
+class OuterOptimizer(OuterRule):
     """DiLoCo's outer step: ``theta_global`` and a torch optimizer over it, stepped with
     ``theta_global - average`` as its gradient (the mean of the workers' pseudo-gradients, since
     ``theta_global`` is the same on every rank under exact averaging); the parameters become
@@ -259,6 +297,10 @@ class OuterOptimizer:
     state_key = "outer"
     eager = True
     needs_inner_lr = False
+
+    @property
+    def optimizers(self) -> list[torch.optim.Optimizer]:
+        return [self.optimizer]
 
     def __init__(
         self,
@@ -349,7 +391,12 @@ class OuterOptimizer:
         }
 
     @torch.no_grad()
-    def load_state_dict(self, state: Mapping[str, Any] | None, buckets: ParameterBuckets) -> None:
+    def load_state_dict(
+        self,
+        state: Mapping[str, Any] | None,
+        buckets: ParameterBuckets,
+        members_changed: bool = False,
+    ) -> None:
         """A checkpoint without this state (saved by a run without an outer optimizer) leaves
         ``theta_global`` to start again at the next forward."""
         if state is None:

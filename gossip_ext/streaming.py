@@ -40,7 +40,7 @@ import torch.distributed as dist
 from gossip_ext.averaging import ParameterBuckets
 from gossip_ext.compressed_average import CompressedMean
 from gossip_ext.fragment_gossip import GossipMean
-from gossip_ext.outer_rules import OuterOptimizer, OuterOptimizerFactory
+from gossip_ext.outer_rules import OuterOptimizer, OuterOptimizerFactory, OuterRule
 
 
 def fragment_bounds(sizes: Sequence[int], fragments: int) -> list[tuple[int, int]]:
@@ -207,7 +207,7 @@ class Fragment:
         }
 
 
-class StreamingOuter:
+class StreamingOuter(OuterRule):
     """The outer rule of Streaming DiLoCo (see the module's docstring): ``k`` fragments, each with
     its own outer optimizer built by ``factory`` over its global parameters, on ``schedule``;
     averaged by gossip over ``gossip`` = (graph, mixing, timeout) where given."""
@@ -215,6 +215,7 @@ class StreamingOuter:
     state_key = "streaming"
     eager = True
     needs_inner_lr = False
+    own_schedule = True
 
     def __init__(
         self,
