@@ -15,7 +15,7 @@ def _outer_sgd(params):
     return torch.optim.SGD(params, lr=0.7, momentum=0.5, nesterov=True)
 
 
-# Every flat spelling the README and the compat layers use, and the objects it stands for.
+# Every flat spelling the guides (docs/) and the compat layers use, and the objects it stands for.
 TRANSLATIONS = [
     ({}, (A.SGP(), None, None)),
     ({"overlap": True}, (A.SGP(overlap=True), None, None)),

@@ -1,5 +1,6 @@
-"""The training scripts of examples/, launched as the README launches them, so that they cannot
-rot: under torchrun, and an elastic job's workers each on its own."""
+"""The training scripts of examples/, launched as the guides launch them (docs/algorithms.md,
+docs/elastic.md), so that they cannot rot: under torchrun, and an elastic job's workers each on
+its own."""
 
 from __future__ import annotations
 

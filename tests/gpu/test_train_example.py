@@ -1,4 +1,4 @@
-"""examples/train.py on GPUs, launched as the README launches it: CUDA parameters over NCCL, one
+"""examples/train.py on GPUs, launched as docs/gpus.md launches it: CUDA parameters over NCCL, one
 process per GPU, and several processes sharing one GPU over gloo through host buffers
 (--comm-device cpu). Skipped, visibly, without a CUDA build and a GPU; the run over several
 GPUs skips below two. Its argument handling is tested without a GPU: tests/test_train_devices.py.
