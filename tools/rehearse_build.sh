@@ -19,8 +19,6 @@
 # The test command runs two rehearsals:
 #   - a GPU user's CUDA build, without a GPU (the defaults): torch 2.11.0 on Python 3.12, CUDA 13.0,
 #     NCCL 2.28.9, GOSSIP_REHEARSAL_CUDA=1. Needs nvcc (the CUDA toolkit) and prints SKIPPED without.
-#     Measured in a fresh clone on 2 cores (2026-11-26): 68 s and 4.7 GB of disk for the
-#     environment, 89 s for a first build (objects kept in build/temp), 33 s for the tests.
 #   - the newest torch, 2.15.0 on Python 3.12, built for the CPU (GOSSIP_REHEARSAL_CUDA=0). Its
 #     registry build is CUDA 13.2's and the nvcc here is 13.0's: torch only warns of that minor
 #     mismatch, but it is not what a GPU user of torch 2.15 builds with, and a second CUDA build
@@ -28,6 +26,10 @@
 #     CUDA sources against torch's CUDA). Built for the CPU it checks what changes with torch's
 #     release: the sources compile against its headers, and the extension's tests pass with its
 #     ABI.
+# Measured on 2 cores (2026-11-26, other work holding a load of about 1.5), nothing cached: the two
+# environments installed side by side in 52 s (4.6 and 5.3 GB of disk); torch 2.11's CUDA build
+# took 97 s and its tests 70 s, torch 2.15's CPU build 70 s and its tests 84 s (first builds;
+# their objects are kept in build/temp).
 #
 #   bash tools/rehearse_build.sh [pytest arguments]
 #   bash tools/rehearse_build.sh --environment    # only installs the environment
@@ -36,7 +38,7 @@
 # GOSSIP_REHEARSAL_CUDA (1, the default: a CUDA build; 0: a CPU build) choose what is rehearsed;
 # TORCH_CUDA_ARCH_LIST (default 9.0: H100, H200) the GPU architectures a CUDA build compiles.
 # Everything goes under build/rehearsal: one environment per Python and torch
-# (venv-py3.12-torch2.11.0, 4.7 GB), one folder of logs per rehearsal (py3.12-torch2.11.0-cuda).
+# (venv-py3.12-torch2.11.0), one folder of logs per rehearsal (py3.12-torch2.11.0-cuda).
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 REPO=$PWD
