@@ -1,0 +1,114 @@
+"""Assembling a GossipDataParallel's runtime from its configuration, over a process group.
+
+What runs over the group is built here, in the order the ranks need it: the transport's kind,
+the outer steps and their rule (before the ranks compare configurations, which include the
+rule's hyperparameters), the check that every rank was configured alike, the machine hierarchy,
+the broadcast of rank 0's parameters at a job's start, then the inner mix and its engine. A
+static job builds once; an elastic one at every membership epoch (membership_runtime).
+"""
+
+from __future__ import annotations
+
+import warnings
+
+import torch
+import torch.distributed as dist
+
+from gossip_ext import _hierarchy, _validation, inner, outer
+
+
+def build(model, initial: bool, peers_per_itr: int | None = None) -> None:
+    """Everything of ``model`` (a GossipDataParallel) that runs over ``model.process_group``:
+    the outer steps, the inner mix and its engine, after the ranks agreed on the configuration.
+    ``initial``: every rank then starts from rank 0's parameters (a job's start); else each
+    keeps its own (an elastic epoch's). ``peers_per_itr``: the peers per round, where an elastic
+    epoch goes on with another number than the graph was constructed with."""
+    arguments, named = model._arguments, model._named
+    if peers_per_itr is not None and peers_per_itr != arguments["graph"].peers_per_itr:
+        arguments = dict(arguments, graph=inner.with_peers(arguments["graph"], peers_per_itr))
+    a = arguments
+    params = [p for _, p in named]
+    transport_kind = _validation.choose_transport(
+        model._device, a["comm_device"], dist.get_backend(model.process_group)
+    )
+    world_size = dist.get_world_size(model.process_group)
+    rank = model.process_group.rank()
+    model.gossip_world_size = _validation.gossip_world_size(
+        a["graph"], a["push_sum"], world_size, a["nprocs_per_node"]
+    )
+    global_avg_freq = a["global_avg_freq"] or 0
+    if a["sync_every"] and a["outer_optimizer"] is None:
+        global_avg_freq = a["sync_every"]  # the outer step without an optimizer: LocalSGD's
+    slowmo_freq = a["slowmo_freq"] or 0
+    _validation.check_localsgd(
+        a["base_algorithm"],
+        global_avg_freq,
+        slowmo_freq,
+        a["sync_every"],
+        model.gossip_world_size,
+    )
+    # The outer rule is built before the ranks compare configurations, which include its
+    # optimizer's hyperparameters; it starts from the parameters after the broadcast below.
+    model._outer = outer.OuterSteps(
+        params,
+        [b for _, b in model._buffer_policy.floating],
+        model.process_group,
+        average_every=global_avg_freq,
+        rule=outer.make_rule(params, model.process_group, arguments),
+        sync_every=slowmo_freq or a["sync_every"] or 0,
+        by_gossip=a["outer_average"] == "gossip",
+        outer_dtype=a["outer_dtype"],
+    )
+    config = _validation.configuration(
+        arguments,
+        global_avg_freq=global_avg_freq,
+        parameters=named,
+        buffers=model._buffer_policy.layout(),
+        outer=None if model._outer.rule is None else model._outer.rule.describe(),
+    )
+    _validation.check_ranks_agree(config, model.process_group, rank)
+
+    gossip_group = model.process_group
+    model.is_gossip_leader = True
+    if a["nprocs_per_node"] > 1:
+        model._hierarchy = _hierarchy.NodeHierarchy(
+            model.module, model.process_group, a["nprocs_per_node"]
+        )
+        gossip_group = model._hierarchy.leaders
+        model.is_gossip_leader = model._hierarchy.is_leader
+
+    if initial:
+        with torch.no_grad():
+            for p in params:
+                dist.broadcast(
+                    p, dist.get_global_rank(model.process_group, 0), group=model.process_group
+                )
+        model._buffer_policy.broadcast_initial(model.process_group)
+    model._outer.start_eagerly()
+
+    gossips = a["base_algorithm"] == "sgp" or a["outer_average"] == "gossip"
+    if model.is_gossip_leader and gossips:
+        model._mix = inner.InnerMix.build(
+            model._gossiped,
+            arguments,
+            transport_kind=transport_kind,
+            group=gossip_group,
+            device=model._device,
+            every_step=a["base_algorithm"] == "sgp",
+            rendezvous=model._members.nccl_rendezvous(),
+        )
+    else:
+        model._mix = inner.InnerMix(
+            None,
+            a["graph"],
+            overlap=model.overlap,
+            synch_freq=model.synch_freq,
+            every_step=False,
+        )
+    if model.gossip_world_size == 1 and a["base_algorithm"] == "sgp" and not model.elastic:
+        warnings.warn(
+            "GossipDataParallel: there is one gossiping process, so gossip does nothing "
+            "and this trains like a single process",
+            stacklevel=5,
+        )
+    model._watch = _validation.ParameterWatch(named, model._gossiped[len(named) :])
