@@ -256,13 +256,16 @@ class SlowMo:
     ``momentum`` in [0, 1) (default 0.5); ``lr`` > 0 (default 1.0). ``memory_efficient``: the slow
     state (two model copies) sharded over ``num_shards`` ranks (None: every rank), each updating
     its slice and sending it to the others, ``2 / num_shards`` copies a rank for one
-    all-gather's traffic per step."""
+    all-gather's traffic per step. ``average_every``: also a plain exact average every that
+    many steps in between (fairscale's ``localsgd_frequency``; None: none).
+    """
 
     every: int
     momentum: float = 0.5
     lr: float = 1.0
     memory_efficient: bool = False
     num_shards: int | None = None
+    average_every: int | None = None
 
     def __post_init__(self) -> None:
         _check_every(self, self.every)
@@ -274,6 +277,13 @@ class SlowMo:
             raise ValueError(f"{_where(self, 'momentum')}: must be in [0, 1), got {self.momentum}")
         if not 0.0 < self.lr < math.inf:
             raise ValueError(f"{_where(self, 'lr')}: must be positive and finite, got {self.lr}")
+        if self.average_every is not None:
+            _check_type(self, "average_every", self.average_every, int, "an int or None")
+            if self.average_every < 1:
+                raise ValueError(
+                    f"{_where(self, 'average_every')}: must be >= 1 (None: no plain averages), "
+                    f"got {self.average_every}"
+                )
         if self.num_shards is not None:
             _check_type(self, "num_shards", self.num_shards, int, "an int or None")
             if self.num_shards < 1:
@@ -284,6 +294,7 @@ class SlowMo:
 
     def flat(self, gossips: bool) -> dict[str, Any]:
         return {
+            "global_avg_freq": self.average_every,
             "slowmo_freq": self.every,
             "slowmo_momentum": self.momentum,
             "slowmo_lr": self.lr,

@@ -10,7 +10,6 @@ the inner mix of gossip rounds (``inner``), the outer steps and their rules (``o
 from __future__ import annotations
 
 import contextlib
-import warnings
 import weakref
 from collections.abc import Iterator, Mapping
 from datetime import timedelta
@@ -23,9 +22,9 @@ from torch import nn
 from gossip_ext import (
     _buffers,
     _checkpoint,
-    _hierarchy,
     _validation,
     algorithms,
+    assembly,
     consensus,
     inner,
     membership_runtime,
@@ -246,100 +245,9 @@ class GossipDataParallel(nn.Module):
             self._hierarchy.hook_gradients([p for _, p in named])
 
     def _build(self, initial: bool, peers_per_itr: int | None = None) -> None:
-        """Everything that runs over ``self.process_group``: the outer steps, the inner mix and
-        its engine, after the ranks agreed on the configuration. ``initial``: every rank then
-        starts from rank 0's parameters (a job's start); else each keeps its own (an elastic
-        epoch's). ``peers_per_itr``: the peers per round, where an elastic epoch goes on with
-        another number than the graph was constructed with."""
-        arguments, named = self._arguments, self._named
-        if peers_per_itr is not None and peers_per_itr != arguments["graph"].peers_per_itr:
-            arguments = dict(arguments, graph=inner.with_peers(arguments["graph"], peers_per_itr))
-        a = arguments
-        params = [p for _, p in named]
-        transport_kind = _validation.choose_transport(
-            self._device, a["comm_device"], dist.get_backend(self.process_group)
-        )
-        world_size = dist.get_world_size(self.process_group)
-        rank = self.process_group.rank()
-        self.gossip_world_size = _validation.gossip_world_size(
-            a["graph"], a["push_sum"], world_size, a["nprocs_per_node"]
-        )
-        global_avg_freq = a["global_avg_freq"] or 0
-        if a["sync_every"] and a["outer_optimizer"] is None:
-            global_avg_freq = a["sync_every"]  # the outer step without an optimizer: LocalSGD's
-        slowmo_freq = a["slowmo_freq"] or 0
-        _validation.check_localsgd(
-            a["base_algorithm"],
-            global_avg_freq,
-            slowmo_freq,
-            a["sync_every"],
-            self.gossip_world_size,
-        )
-        # The outer rule is built before the ranks compare configurations, which include its
-        # optimizer's hyperparameters; it starts from the parameters after the broadcast below.
-        self._outer = outer.OuterSteps(
-            params,
-            [b for _, b in self._buffer_policy.floating],
-            self.process_group,
-            average_every=global_avg_freq,
-            rule=outer.make_rule(params, self.process_group, arguments),
-            sync_every=slowmo_freq or a["sync_every"] or 0,
-            by_gossip=a["outer_average"] == "gossip",
-            outer_dtype=a["outer_dtype"],
-        )
-        config = _validation.configuration(
-            arguments,
-            global_avg_freq=global_avg_freq,
-            parameters=named,
-            buffers=self._buffer_policy.layout(),
-            outer=None if self._outer.rule is None else self._outer.rule.describe(),
-        )
-        _validation.check_ranks_agree(config, self.process_group, rank)
-
-        gossip_group = self.process_group
-        self.is_gossip_leader = True
-        if a["nprocs_per_node"] > 1:
-            self._hierarchy = _hierarchy.NodeHierarchy(
-                self.module, self.process_group, a["nprocs_per_node"]
-            )
-            gossip_group = self._hierarchy.leaders
-            self.is_gossip_leader = self._hierarchy.is_leader
-
-        if initial:
-            with torch.no_grad():
-                for p in params:
-                    dist.broadcast(
-                        p, dist.get_global_rank(self.process_group, 0), group=self.process_group
-                    )
-            self._buffer_policy.broadcast_initial(self.process_group)
-        self._outer.start_eagerly()
-
-        gossips = a["base_algorithm"] == "sgp" or a["outer_average"] == "gossip"
-        if self.is_gossip_leader and gossips:
-            self._mix = inner.InnerMix.build(
-                self._gossiped,
-                arguments,
-                transport_kind=transport_kind,
-                group=gossip_group,
-                device=self._device,
-                every_step=a["base_algorithm"] == "sgp",
-                rendezvous=self._members.nccl_rendezvous(),
-            )
-        else:
-            self._mix = inner.InnerMix(
-                None,
-                a["graph"],
-                overlap=self.overlap,
-                synch_freq=self.synch_freq,
-                every_step=False,
-            )
-        if self.gossip_world_size == 1 and a["base_algorithm"] == "sgp" and not self.elastic:
-            warnings.warn(
-                "GossipDataParallel: there is one gossiping process, so gossip does nothing "
-                "and this trains like a single process",
-                stacklevel=3,
-            )
-        self._watch = _validation.ParameterWatch(named, self._gossiped[len(named) :])
+        """Everything that runs over ``self.process_group`` (:func:`assembly.build`): at the
+        start of a job, and again at every elastic epoch."""
+        assembly.build(self, initial, peers_per_itr)
 
     # ----------------------------------------------------------------------------- training
 

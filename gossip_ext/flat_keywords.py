@@ -124,6 +124,7 @@ def from_flat(flat: Mapping[str, Any]) -> tuple[Gossip, Outer, Elastic | None]:
             lr=f["slowmo_lr"],
             memory_efficient=f["slowmo_memory_efficient"],
             num_shards=f["slowmo_num_shards"],
+            average_every=f["global_avg_freq"] or None,
         )
     elif f["outer_optimizer"] is not None:
         if f["outer_average"] == "gossip":

@@ -44,6 +44,10 @@ TRANSLATIONS = [
         },
         (None, A.SlowMo(6, memory_efficient=True, num_shards=2), None),
     ),
+    (  # fairscale's LocalSGD with SlowMo: plain averages between the SlowMo steps
+        {"base_algorithm": "localsgd", "global_avg_freq": 1, "slowmo_freq": 2},
+        (None, A.SlowMo(2, average_every=1), None),
+    ),
     (
         {"base_algorithm": "localsgd", "sync_every": 64, "outer_optimizer": _outer_sgd},
         (None, A.DiLoCo(_outer_sgd, every=64), None),
@@ -140,6 +144,7 @@ def test_localsgd_averaged_by_gossip_keeps_its_own_graph():
         (lambda: A.SlowMo(4, momentum=1.0), ValueError, r"SlowMo\(momentum=...\): must be in"),
         (lambda: A.SlowMo(4, lr=0.0), ValueError, r"SlowMo\(lr=...\): must be positive"),
         (lambda: A.SlowMo(4, num_shards=0), ValueError, r"num_shards=...\): must be >= 1"),
+        (lambda: A.SlowMo(4, average_every=0), ValueError, r"average_every=...\): must be >= 1"),
         (lambda: A.DiLoCo("sgd", every=4), TypeError, r"DiLoCo\(optimizer=...\): optimizer must"),
         (lambda: A.DiLoCo(_outer_sgd, every=4, fragments=5), ValueError, r"fragments=...\)"),
         (lambda: A.DiLoCo(_outer_sgd, every=8, fragments=4, delay=2), ValueError, "delay"),
