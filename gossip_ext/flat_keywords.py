@@ -12,6 +12,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
+from gossip_ext import _validation
 from gossip_ext.algorithms import (
     SGP,
     Average,
@@ -22,6 +23,8 @@ from gossip_ext.algorithms import (
     PushPull,
     SlowMo,
 )
+from gossip_ext.graphs import NPeerDynamicDirectedExponentialGraph
+from gossip_ext.mixing import UniformMixing
 
 # The flat keywords an object can stand for, with the wrapper's defaults: to_flat() starts here.
 FLAT_DEFAULTS: dict[str, Any] = {
@@ -151,3 +154,55 @@ def from_flat(flat: Mapping[str, Any]) -> tuple[Gossip, Outer, Elastic | None]:
     if f["membership"] is not None:
         membership = Elastic(f["membership"], min_workers=f["min_workers"])
     return gossip, outer, membership
+
+
+# What GossipDataParallel's gossip= defaults to when not given: SGP(), unless flat keywords say
+# otherwise.
+DEFAULT_GOSSIP = object()
+
+
+def settings(gossip, outer, membership, flat: dict[str, Any], **common: Any) -> tuple:
+    """GossipDataParallel's (objects, settings): the (gossip, outer, membership) objects, given
+    as objects or as flat keywords, and every setting by name (their flat settings with the
+    default graph and mixing, and the ``common`` arguments), checked on their own and together
+    (``_validation.check_arguments``)."""
+    objects = _objects_of(gossip, outer, membership, flat)
+    every = dict(to_flat(*objects), **common)
+    if every["graph"] is None:
+        every["graph"] = NPeerDynamicDirectedExponentialGraph()
+    if every["mixing"] is None:
+        every["mixing"] = UniformMixing()
+    _validation.check_arguments(**every)
+    return objects, every
+
+
+def _objects_of(gossip, outer, membership, flat: dict[str, Any]) -> tuple:
+    """The (gossip, outer, membership) objects, from the objects given or from the flat keywords
+    of earlier releases (translated by from_flat after the flat checks, so that their
+    errors read as before); not from both."""
+    if membership is not None and not isinstance(membership, Elastic):
+        # The flat spelling, "HOST:PORT" (whose check names anything else given there).
+        flat = dict(flat, membership=membership)
+        membership = None
+    unknown = sorted(set(flat) - set(FLAT_DEFAULTS))
+    if unknown:
+        raise TypeError(f"GossipDataParallel got unexpected keyword arguments {unknown}")
+    if not flat:
+        return (SGP() if gossip is DEFAULT_GOSSIP else gossip), outer, membership
+    given = [
+        name
+        for name, value in (("gossip", gossip), ("outer", outer), ("membership", membership))
+        if value is not None and value is not DEFAULT_GOSSIP
+    ]
+    if given:
+        raise TypeError(
+            f"GossipDataParallel: {', '.join(given)} given as objects beside the flat keywords "
+            f"{sorted(flat)}: give the algorithm one way (see gossip_ext.algorithms)"
+        )
+    settings = dict(FLAT_DEFAULTS, **flat)
+    if settings["graph"] is None:
+        settings["graph"] = NPeerDynamicDirectedExponentialGraph()
+    if settings["mixing"] is None:
+        settings["mixing"] = UniformMixing()
+    _validation.check_flat(settings)
+    return from_flat(flat)

@@ -1,0 +1,119 @@
+"""What GossipDataParallel tells of its gossip, and SGP's peers schedule: the push-sum state
+(``ps_weight``, ``gossip_round``, ``bytes_sent``, ``round_in_flight``, ``ps_numerator()``), the
+consensus distance, the graph and the groups gossip runs over. SGP's scripts read these names.
+
+A mixin of the wrapper, reading its inner mix (``_mix``), its process group and hierarchy.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from gossip_ext import _validation, consensus, inner
+from gossip_ext.graphs import GraphBase
+
+
+class GossipView:
+    """The wrapper's gossip, as SGP's scripts read it (see the module docstring)."""
+
+    @property
+    def graph(self) -> GraphBase:
+        """The gossip graph, with the number of peers per round now."""
+        return self._mix.graph
+
+    @property
+    def peers_per_itr(self) -> int:
+        """Out-peers per gossip round now (see :meth:`set_peers_per_itr`)."""
+        return self.graph.peers_per_itr
+
+    def set_peers_per_itr(self, peers_per_itr: int) -> None:
+        """Gossips with ``peers_per_itr`` out-peers per round from the next round on: SGP's peers
+        schedule (more peers late in training tightens consensus as the learning rate falls).
+
+        Collective over the process group: every rank must call it between the same two steps
+        with the same value, which is checked (one all-gather). It first absorbs the round in
+        flight (as :meth:`sync_comms`). The checkpoint keeps the value, and loading it restores
+        it. Raises ValueError if the graph does not admit the value at this world size.
+        """
+        _validation.check_type("peers_per_itr", peers_per_itr, int, "an int")
+        graph = inner.with_peers(self.graph, peers_per_itr)
+        _validation.gossip_world_size(
+            graph, self.push_sum, dist.get_world_size(self.process_group), self.nprocs_per_node
+        )
+        self.sync_comms()
+        _validation.check_ranks_agree(
+            {"peers_per_itr": peers_per_itr, "steps": self._steps},
+            self.process_group,
+            self.process_group.rank(),
+        )
+        self._mix.set_graph(graph)
+
+    @property
+    def gossip_group(self) -> dist.ProcessGroup:
+        """The process group gossip runs over: the process group, or with ``nprocs_per_node >
+        1`` one process per machine."""
+        return self.process_group if self._hierarchy is None else self._hierarchy.leaders
+
+    @property
+    def node_group(self) -> dist.ProcessGroup | None:
+        """The processes of this machine (``nprocs_per_node > 1``), else None."""
+        return None if self._hierarchy is None else self._hierarchy.node_group
+
+    # ----------------------------------------------------------------------------- consensus
+
+    def consensus_distance(self, *, relative: bool = False) -> float:
+        """How far apart the workers' models are: ``sqrt(mean_i ||z_i - z_mean||^2)`` over the
+        gossiping workers, with ``z_i`` all de-biased parameters as one vector and ``z_mean``
+        their plain mean; over ``||z_mean||`` if ``relative``. 0: every worker has the same model.
+        Right after an outer step averaged by gossip, it is how far the workers' ``theta_global``
+        are apart.
+
+        Exact and collective (two all-reduces, in float64): every rank must call it, and all get
+        the same value. It leaves the training unchanged: messages in flight are not counted.
+        ``log_every`` gives a free estimate.
+        """
+        _validation.check_type("relative", relative, bool, "a bool")
+        self._mix.raise_if_failed()
+        return consensus.consensus_distance(
+            list(self.module.parameters()),
+            self.process_group,
+            self.is_gossip_leader,
+            self.gossip_world_size,
+            relative,
+        )
+
+    @property
+    def consensus_estimate(self) -> float | None:
+        """The running estimate of :meth:`consensus_distance` taken by this worker's last measured
+        round (``log_every > 0``; see :class:`gossip_ext.consensus.MeasuredEngine`); None before
+        the first one, without ``log_every`` and on processes that do not gossip."""
+        return self._mix.estimate
+
+    # ----------------------------------------------------------------------------- push-sum state
+
+    @property
+    def ps_weight(self) -> float:
+        """This worker's push-sum weight ``w``: the weight of the model its parameters hold (always
+        1 under lazy mixing)."""
+        return self._mix.ps_weight
+
+    @property
+    def round_in_flight(self) -> bool:
+        """Whether a gossip round has been started and not yet absorbed."""
+        return self._mix.in_flight
+
+    @property
+    def bytes_sent(self) -> int:
+        """Bytes of gossip messages this worker has sent so far (0 on a non-gossiping process)."""
+        return self._mix.bytes_sent
+
+    @property
+    def gossip_round(self) -> int:
+        """Gossip rounds completed by this worker."""
+        return self._mix.round
+
+    def ps_numerator(self) -> dict[str, torch.Tensor]:
+        """The push-sum numerators ``x = w * z``, one new tensor per parameter name."""
+        weight = self.ps_weight
+        return {name: p.detach() * weight for name, p in self.module.named_parameters()}

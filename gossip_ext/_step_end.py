@@ -1,0 +1,161 @@
+"""What ends an optimizer step of GossipDataParallel: this step's gossip round, or the outer step
+that takes its place (an exact average, SlowMo's or DiLoCo's step, by all-reduce or by one gossip
+round, or Streaming DiLoCo's prepares and applies); and what the outer steps show a user
+(``average_parameters()``, the outer optimizers, ``step_count``).
+
+A mixin of the wrapper, reading its inner mix (``_mix``) and its outer steps (``_outer``).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from gossip_ext import _validation, outer
+
+
+def parameter_versions(module) -> int:
+    """The sum of the parameters' version counters: it changes when anything writes them in
+    place, as every optimizer step does."""
+    return sum(p._version for p in module.parameters())
+
+
+class StepEnd:
+    """The end of every optimizer step, and the outer steps' public face (see the module)."""
+
+    def _check_rounds_started(self) -> None:
+        """Raises if an optimizer step changed the parameters since the last training forward
+        while transfer_params() was never called: such a loop would train every worker alone
+        with no gossip at all. Checked only until the first transfer_params(), on every rank
+        alike (every rank steps its optimizer)."""
+        if self._steps or self._versions_at_forward is None or self.start_in_forward:
+            return
+        if parameter_versions(self.module) != self._versions_at_forward:
+            self._versions_at_forward = None  # raise once
+            overlap = (
+                "; with overlap=True, start_in_forward=True starts every round from the forward "
+                "instead, as the reference SGP does"
+                if self.overlap
+                else ""
+            )
+            raise RuntimeError(
+                "GossipDataParallel: the parameters changed since the last forward (an optimizer "
+                "step) but transfer_params() was never called, so no gossip round ran and every "
+                "worker trains alone. Call model.transfer_params() after every optimizer.step(), "
+                f"or model.register_optimizer(optimizer) once{overlap}"
+            )
+
+    def _end_step(self) -> None:
+        """The gossip round or outer step that ends optimizer step ``self._steps``."""
+        self._mix.arm(self._steps)
+        kind = self._outer.kind(self._steps)
+        if kind == outer.STREAM:
+            self._stream_fragments()
+            self._mix.after_step()
+        elif kind == outer.OUTER and self._outer.by_gossip:
+            self._outer_step_by_gossip()
+        elif kind is not None:
+            # The exact average takes the place of this step's gossip round.
+            self._average_exactly(kind)
+        else:
+            self._mix.after_step()
+
+    def average_parameters(self) -> None:
+        """Sets every rank's parameters to the exact average of the workers' de-biased
+        parameters (one all-reduce per dtype): one model for evaluation or a checkpoint.
+
+        Collective: every rank must call it. It first absorbs the gossip in flight (as
+        :meth:`sync_comms`), so that every message sent counts; the push-sum weights then restart
+        at 1. The average is push-sum's consensus value ``sum_i w_i z_i / sum_i w_i``, which
+        gossip converges to: the plain mean of the ``z_i`` whenever the weights are 1 (uniform
+        mixing). Floating-point buffers (BatchNorm's running statistics) are averaged too. With
+        ``nprocs_per_node > 1`` it averages the gossiping processes, one per machine, and every
+        process receives the result.
+
+        It holds one transient copy of the parameters and writes them only once every
+        all-reduce has succeeded, so a peer that fails in the middle leaves them as they were;
+        the error then stays raised by every later call, as a failed round's
+        (``tests/test_faults.py``).
+        """
+        self.sync_comms()
+        self._average_exactly(outer.AVERAGE)
+
+    def _average_exactly(self, kind: str) -> None:
+        self._mix.restart()
+        # Only gossiping processes hold push-sum state; the others join the all-reduce with zeros
+        # and receive the average with everyone, so no broadcast inside the machine is needed.
+        weight = self._mix.ps_weight if self.is_gossip_leader else None
+        try:
+            self._outer.run(kind, weight, self._buffer_policy.weight(weight), self._optimizer)
+        except Exception as error:
+            # Left as they were here, but perhaps written on ranks whose collectives succeeded.
+            self._mix.fail(error)
+            raise
+        # Every worker holds the consensus value now, with x = z: push-sum restarts at 1.
+        self._mix.reset_weight()
+
+    def _stream_fragments(self) -> None:
+        """Streaming DiLoCo's prepares and applies of this step (:mod:`gossip_ext.streaming`).
+        A failed collective raises at the apply, before anything changes, and stays raised."""
+        weight = self._mix.ps_weight if self.is_gossip_leader else None
+        try:
+            self._outer.run_streaming(self._steps, weight)
+        except Exception as error:
+            self._mix.fail(error)
+            raise
+
+    def _outer_step_by_gossip(self) -> None:
+        """The outer step with ``outer_average="gossip"``: this step's gossip round (under
+        LocalSGD, the only one of the period) runs to its end at once, and the rule steps with
+        the mixed parameters. No collective over every worker: the round's peers are all it
+        waits for. A failed round raises from ``run_round`` and changes nothing (the engine's
+        promise), before the outer state is touched."""
+        self._mix.run_round()
+        self._outer.run_on_mixed()
+
+    @property
+    def outer_optimizer(self) -> torch.optim.Optimizer | None:
+        """The optimizer that ``outer_optimizer`` built over the global parameters (None without
+        one): give it an outer learning-rate scheduler, and step that after every outer step.
+        With ``fragments > 1`` each fragment has its own: see :attr:`outer_optimizers`."""
+        optimizers = self.outer_optimizers
+        if len(optimizers) > 1:
+            raise ValueError(
+                f"fragments={len(optimizers)}: each fragment has an outer optimizer of its own; "
+                "use model.outer_optimizers (a list, one per fragment in module order)"
+            )
+        return optimizers[0] if optimizers else None
+
+    @property
+    def outer_optimizers(self) -> list[torch.optim.Optimizer]:
+        """The outer optimizers, one per fragment (``fragments``; one without), in module order;
+        empty without ``outer_optimizer``."""
+        return [] if self._outer.rule is None else self._outer.rule.optimizers
+
+    @property
+    def outer_state_started(self) -> bool:
+        """Whether SlowMo's slow parameters or DiLoCo's ``theta_global`` exist: SlowMo's start at
+        the first forward, DiLoCo's at construction (and again at the first forward)."""
+        return self._outer.started
+
+    def start_outer_state(self) -> None:
+        """Starts SlowMo's slow parameters (momentum at 0) or DiLoCo's ``theta_global`` (the
+        outer optimizer's state is kept) at the current parameters, which must be equal on every
+        rank. The first forward does it; call it to start them elsewhere."""
+        self._outer.start()
+
+    @property
+    def step_count(self) -> int:
+        """Optimizer steps taken (:meth:`transfer_params` calls): the clock of the outer steps.
+        Saved in the checkpoint; set it to move the schedule (every rank alike)."""
+        return self._steps
+
+    @step_count.setter
+    def step_count(self, value: int) -> None:
+        _validation.check_type("step_count", value, int, "an int")
+        if value < 0:
+            raise ValueError(f"step_count must be >= 0, got {value}")
+        self._steps = value
+
+    @property
+    def _optimizer(self) -> torch.optim.Optimizer | None:
+        return None if self._optimizer_ref is None else self._optimizer_ref()
