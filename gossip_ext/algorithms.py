@@ -26,9 +26,13 @@ The flat keywords of earlier releases, and SGP's and fairscale's through gossip_
 translated into these objects by :func:`gossip_ext.flat_keywords.from_flat`; ``to_flat`` is its
 inverse, the configuration the runtime parts are built from.
 
-Adding an algorithm: a new frozen class here with its checks and its ``flat()`` (the settings it
-stands for), and the runtime part it selects in ``inner`` (a way to mix) or ``outer`` /
-``outer_rules`` (an outer step); translate its flat spelling, if one exists, in
+An outer step builds its own runtime part (``rule(params, group, ...)``: SlowMo's heavy ball,
+DiLoCo's outer optimizer or Streaming DiLoCo's fragments, none for a plain average), which
+``outer.OuterSteps`` runs on its schedule.
+
+Adding an algorithm: a new frozen class here with its checks, its ``flat()`` (the settings it
+stands for) and its runtime part: for an outer step a ``rule`` (an ``outer_rules.OuterRule``);
+for a way to mix, what it selects in ``inner``. Translate its flat spelling, if one exists, in
 ``flat_keywords``.
 """
 
@@ -40,11 +44,15 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
+import torch.distributed as dist
 
+from gossip_ext import outer_rules
 from gossip_ext._validation import MESSAGE_DTYPES
+from gossip_ext.averaging import ParameterBuckets
 from gossip_ext.epochs import parse_address
 from gossip_ext.graphs import GraphBase
 from gossip_ext.mixing import MixingBase
+from gossip_ext.streaming import StreamingOuter
 
 
 def _where(obj: Any, name: str) -> str:
@@ -245,6 +253,10 @@ class Average:
     def flat(self, gossips: bool) -> dict[str, Any]:
         return {"global_avg_freq": self.every} if gossips else {"sync_every": self.every}
 
+    def rule(self, params, group, **_) -> None:
+        """A plain average has no rule and no state."""
+        return None
+
 
 @dataclasses.dataclass(frozen=True)
 class SlowMo:
@@ -291,6 +303,14 @@ class SlowMo:
                     f"{_where(self, 'num_shards')}: must be >= 1 (None: every rank), got "
                     f"{self.num_shards}"
                 )
+
+    def rule(self, params, group: dist.ProcessGroup, **_) -> outer_rules.SlowMomentum:
+        """Its runtime part over ``group``: the heavy-ball rule, its state on ``num_shards``
+        ranks when memory-efficient (this rank's shard, or None where it keeps none)."""
+        world_size, rank = dist.get_world_size(group), group.rank()
+        shards = min(world_size, self.num_shards or world_size) if self.memory_efficient else 1
+        shard = 0 if shards == 1 else (rank if rank < shards else None)
+        return outer_rules.SlowMomentum(self.momentum, self.lr, group, shards, shard)
 
     def flat(self, gossips: bool) -> dict[str, Any]:
         return {
@@ -361,6 +381,27 @@ class DiLoCo:
             )
         if not 0.0 <= self.alpha <= 1.0:
             raise ValueError(f"{_where(self, 'alpha')}: must be in [0, 1], got {self.alpha}")
+
+    def rule(self, params, group: dist.ProcessGroup, *, graph, mixing, timeout):
+        """Its runtime part over ``group``: the outer optimizer over ``theta_global``, or
+        Streaming DiLoCo's fragments; averaged by gossip over ``graph`` and ``mixing`` (the inner
+        mix's, or ByGossip's own) with ``timeout``, where ``average`` is ByGossip."""
+        exact = isinstance(self.average, Exact)
+        device = self.average.device if exact else None
+        if (self.fragments, self.delay, self.alpha) != (1, 0, 0.0):
+            return StreamingOuter(
+                params,
+                self.optimizer,
+                device,
+                self.average.dtype if exact else None,
+                group,
+                sync_every=self.every,
+                fragments=self.fragments,
+                delay=self.delay,
+                alpha=self.alpha,
+                gossip=None if exact else (graph, mixing, timeout),
+            )
+        return outer_rules.OuterOptimizer(params, ParameterBuckets(params), self.optimizer, device)
 
     def flat(self, gossips: bool) -> dict[str, Any]:
         settings = {

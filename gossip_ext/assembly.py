@@ -24,6 +24,7 @@ def build(model, initial: bool, peers_per_itr: int | None = None) -> None:
     keeps its own (an elastic epoch's). ``peers_per_itr``: the peers per round, where an elastic
     epoch goes on with another number than the graph was constructed with."""
     arguments, named = model._arguments, model._named
+    outer_step = model.algorithms[1]  # it builds its rule (None: no outer step)
     if peers_per_itr is not None and peers_per_itr != arguments["graph"].peers_per_itr:
         arguments = dict(arguments, graph=inner.with_peers(arguments["graph"], peers_per_itr))
     a = arguments
@@ -54,7 +55,15 @@ def build(model, initial: bool, peers_per_itr: int | None = None) -> None:
         [b for _, b in model._buffer_policy.floating],
         model.process_group,
         average_every=global_avg_freq,
-        rule=outer.make_rule(params, model.process_group, arguments),
+        rule=None
+        if outer_step is None
+        else outer_step.rule(
+            params,
+            model.process_group,
+            graph=a["graph"],
+            mixing=a["mixing"],
+            timeout=a["timeout"],
+        ),
         sync_every=slowmo_freq or a["sync_every"] or 0,
         by_gossip=a["outer_average"] == "gossip",
         outer_dtype=a["outer_dtype"],

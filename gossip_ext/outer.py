@@ -28,56 +28,14 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from gossip_ext import outer_rules
 from gossip_ext.averaging import ParameterBuckets, exact_average
 from gossip_ext.compressed_average import CompressedMean
-from gossip_ext.streaming import StreamingOuter
 
 # What a training step ends with (OuterSteps.kind); None: the inner mix's round, as usual.
 AVERAGE = "average"
 OUTER = "outer"
 # Streaming DiLoCo's prepares and applies (gossip_ext.streaming), followed by the round as usual.
 STREAM = "stream"
-
-
-def make_rule(
-    params: Sequence[torch.Tensor], group: dist.ProcessGroup, arguments: Mapping[str, Any]
-) -> Any:
-    """The rule the wrapper's ``arguments`` ask for: DiLoCo's outer optimizer, SlowMo's heavy
-    ball (a preset of the same outer step), or None (plain averages only, or none)."""
-    a = arguments
-    if a["outer_optimizer"] is not None and streaming_asked(a):
-        by_gossip = a["outer_average"] == "gossip"
-        return StreamingOuter(
-            params,
-            a["outer_optimizer"],
-            a["outer_device"],
-            a["outer_dtype"],
-            group,
-            sync_every=a["sync_every"],
-            fragments=a["fragments"],
-            delay=a["fragment_delay"],
-            alpha=a["fragment_alpha"],
-            gossip=(a["graph"], a["mixing"], a["timeout"]) if by_gossip else None,
-        )
-    if a["outer_optimizer"] is not None:
-        return outer_rules.OuterOptimizer(
-            params, ParameterBuckets(params), a["outer_optimizer"], a["outer_device"]
-        )
-    if not a["slowmo_freq"]:
-        return None
-    world_size, rank = dist.get_world_size(group), group.rank()
-    shards = 1
-    if a["slowmo_memory_efficient"]:
-        shards = min(world_size, a["slowmo_num_shards"] or world_size)
-    shard = 0 if shards == 1 else (rank if rank < shards else None)
-    return outer_rules.SlowMomentum(a["slowmo_momentum"], a["slowmo_lr"], group, shards, shard)
-
-
-def streaming_asked(arguments: Mapping[str, Any]) -> bool:
-    """Whether the arguments ask for Streaming DiLoCo rather than DiLoCo's whole-model step."""
-    a = arguments
-    return a["fragments"] != 1 or a["fragment_delay"] != 0 or a["fragment_alpha"] != 0.0
 
 
 class OuterSteps:

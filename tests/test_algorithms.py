@@ -1,6 +1,8 @@
 """gossip_ext.algorithms: the algorithm objects check their own arguments, the flat keywords of
 earlier releases translate into the same objects, and both spellings train alike."""
 
+from datetime import timedelta
+
 import pytest
 import torch
 from multiprocess import run_ranks
@@ -219,3 +221,41 @@ def test_both_spellings_train_the_same_model():
     assert not torch.equal(by_objects[0]["params"][0], by_objects[1]["params"][0]), (
         "the ranks trained alike: the test would not see a difference in gossip"
     )
+
+
+def _rules(rank: int, world_size: int) -> dict:
+    import torch.distributed as dist
+
+    params = [torch.zeros(3, 2), torch.zeros(5), torch.zeros(4)]
+    group = dist.group.WORLD
+    ring = gossip_ext.RingGraph()
+    built = {}
+    for name, outer in {
+        "average": A.Average(4),
+        "slowmo": A.SlowMo(4, momentum=0.3, lr=0.9),
+        "slowmo_sharded": A.SlowMo(4, memory_efficient=True, num_shards=1),
+        "diloco": A.DiLoCo(_outer_sgd, every=8),
+        "streaming": A.DiLoCo(_outer_sgd, every=8, fragments=2, delay=1),
+        "streaming_by_gossip": A.DiLoCo(_outer_sgd, every=8, fragments=2, average=A.ByGossip()),
+    }.items():
+        rule = outer.rule(
+            params,
+            group,
+            graph=ring,
+            mixing=gossip_ext.UniformMixing(),
+            timeout=timedelta(seconds=30),
+        )
+        built[name] = None if rule is None else (type(rule).__name__, rule.describe())
+    return built
+
+
+def test_each_outer_step_builds_its_own_rule():
+    built = run_ranks(2, _rules)[0]
+    assert built["average"] is None
+    assert built["slowmo"] == ("SlowMomentum", ("SlowMo", 0.3, 0.9, 1))
+    assert built["slowmo_sharded"][0] == "SlowMomentum"
+    assert built["diloco"][0] == "OuterOptimizer"
+    kind, description = built["streaming"]
+    assert kind == "StreamingOuter" and description[0] == "StreamingDiLoCo"
+    assert len(description[1]) == 2 and description[2] == 1  # two fragments, delay 1
+    assert built["streaming_by_gossip"][0] == "StreamingOuter"
