@@ -81,6 +81,22 @@ bool fails_within(const RoundWatchdog& watchdog, std::chrono::milliseconds limit
   return true;
 }
 
+// Whether `round` itself has failed within `limit`. The watchdog records its failure, then fails
+// its rounds with the lock released (fail_locked): a round may still be unfailed for a moment
+// after watchdog.failed() says true.
+bool round_fails_within(const WatchedRound& round, std::chrono::milliseconds limit) {
+  const auto end = std::chrono::steady_clock::now() + limit;
+  while (true) {
+    try {
+      round.throw_if_failed();
+    } catch (const std::exception&) {
+      return true;
+    }
+    if (std::chrono::steady_clock::now() > end) return false;
+    std::this_thread::sleep_for(5ms);
+  }
+}
+
 std::string error_of(const WatchedRound& round) {
   try {
     round.throw_if_failed();
@@ -130,6 +146,7 @@ TEST(RoundWatchdogTest, APeerThatOwesSeveralMessagesIsNamedOnce) {
   EXPECT_EQ(round->recv_peers(), std::vector<int>{1});
   watchdog.watch(round);
   EXPECT_TRUE(fails_within(watchdog, 5s));
+  ASSERT_TRUE(round_fails_within(*round, 5s));
   const std::string error = error_of(*round);
   EXPECT_NE(error.find("gossip round 7 waiting for messages from peers [1] ("), std::string::npos)
       << error;
@@ -145,6 +162,7 @@ TEST(RoundWatchdogTest, TheTimeoutCarriesThePeersTheRoundAndTheTimeoutAsData) {
   auto round = std::make_shared<InProcRound>(work, 9, std::vector<int>{1, 1});
   watchdog.watch(round);
   ASSERT_TRUE(fails_within(watchdog, 5s));
+  ASSERT_TRUE(round_fails_within(*round, 5s));
   for (const std::function<void()>& raise : std::vector<std::function<void()>>{
            [&] { round->throw_if_failed(); }, [&] { watchdog.throw_if_failed(); }}) {
     try {
