@@ -47,7 +47,7 @@ import torch
 import torch.distributed as dist
 
 from gossip_ext import outer_rules
-from gossip_ext._validation import MESSAGE_DTYPES
+from gossip_ext._argument_checks import check_message_dtype
 from gossip_ext.averaging import ParameterBuckets
 from gossip_ext.epochs import parse_address
 from gossip_ext.graphs import GraphBase
@@ -77,14 +77,10 @@ def _check_every(obj: Any, value: Any) -> None:
 
 
 def _check_message_dtype(obj: Any, name: str, value: Any) -> None:
-    if value is None or (
-        isinstance(value, (str, torch.dtype)) and any(value == d for d in MESSAGE_DTYPES)
-    ):
-        return
-    raise ValueError(
-        f"{_where(obj, name)}: {name} must be torch.bfloat16, torch.float16, "
-        f"torch.float8_e4m3fn, 'int8', 'int4' or None (full precision), got {value!r}"
-    )
+    try:
+        check_message_dtype(name, value)
+    except ValueError as error:
+        raise ValueError(f"{_where(obj, name)}: {error}") from None
 
 
 # ----------------------------------------------------------------------------- the inner mix

@@ -167,11 +167,7 @@ def settings(gossip, outer, membership, flat: dict[str, Any], **common: Any) -> 
     default graph and mixing, and the ``common`` arguments), checked on their own and together
     (``_validation.check_arguments``)."""
     objects = _objects_of(gossip, outer, membership, flat)
-    every = dict(to_flat(*objects), **common)
-    if every["graph"] is None:
-        every["graph"] = NPeerDynamicDirectedExponentialGraph()
-    if every["mixing"] is None:
-        every["mixing"] = UniformMixing()
+    every = _with_default_graph(dict(to_flat(*objects), **common))
     _validation.check_arguments(**every)
     return objects, every
 
@@ -199,10 +195,15 @@ def _objects_of(gossip, outer, membership, flat: dict[str, Any]) -> tuple:
             f"GossipDataParallel: {', '.join(given)} given as objects beside the flat keywords "
             f"{sorted(flat)}: give the algorithm one way (see gossip_ext.algorithms)"
         )
-    settings = dict(FLAT_DEFAULTS, **flat)
+    _validation.check_flat(_with_default_graph(dict(FLAT_DEFAULTS, **flat)))
+    return from_flat(flat)
+
+
+def _with_default_graph(settings: dict[str, Any]) -> dict[str, Any]:
+    """``settings`` with the graph and mixing a gossip object leaves unsaid: the 1-peer
+    exponential graph and uniform mixing."""
     if settings["graph"] is None:
         settings["graph"] = NPeerDynamicDirectedExponentialGraph()
     if settings["mixing"] is None:
         settings["mixing"] = UniformMixing()
-    _validation.check_flat(settings)
-    return from_flat(flat)
+    return settings
