@@ -360,42 +360,40 @@ def check_slowmo_optimizer(slowmo_freq: int, optimizer) -> None:
 
 
 def configuration(
-    arguments: Mapping[str, Any],
+    gossip: Any,
+    outer: Any,
     *,
-    global_avg_freq: int,
+    rule: Any,
+    common: Mapping[str, Any],
     parameters: list[tuple[str, torch.Tensor]],
     buffers: list[tuple[str, tuple[int, ...], str]],
-    outer: Any,
 ) -> dict[str, Any]:
-    """What every rank of a GossipDataParallel must agree on (``check_ranks_agree``): the
-    schedule of rounds and outer steps, and the layout of what they exchange."""
-    a = arguments
+    """What every rank of a GossipDataParallel must agree on (``check_ranks_agree``): how it
+    gossips and takes outer steps (the objects' descriptions, and the outer ``rule``'s: its
+    optimizer's hyperparameters), the ``common`` settings that shape the rounds, and the layout
+    of what they exchange."""
     return {
-        "graph": repr(a["graph"]),
-        # The mixing's kind must agree, its weights need not: push-sum allows every node its
-        # own column-stochastic share.
-        "mixing": type(a["mixing"]).__name__,
-        **{k: a[k] for k in ("push_sum", "overlap", "synch_freq", "nprocs_per_node")},
-        # A 16-bit message read as 32 bits would be garbage.
-        "message_dtype": str(a["message_dtype"]),
-        **{k: a[k] for k in ("base_algorithm", "start_in_forward")},
-        **{k: a[k] for k in ("broadcast_buffers", "gossip_buffers")},
+        # A 16-bit message read as 32 bits would be garbage; rounds on other graphs never meet.
+        "gossip": None if gossip is None else gossip.describe(),
         # Outer steps are collectives: ranks on different schedules would hang.
-        "global_avg_freq": global_avg_freq,
-        "outer": None
-        if outer is None
-        else (
-            a["slowmo_freq"] or a["sync_every"],
-            a["outer_average"],
-            outer,
-            str(a["outer_device"]),
-            str(a["outer_dtype"]),
-            (a["fragments"], a["fragment_delay"], float(a["fragment_alpha"])),
-        ),
+        "outer": None if outer is None else dict(outer.describe(), rule=rule),
+        **common,
         "parameters": [(n, tuple(p.shape), str(p.dtype)) for n, p in parameters],
         # Averaged or gossiped with the parameters: their layout must agree too.
         "buffers": buffers,
     }
+
+
+def _leaves(config: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:
+    """``config`` with its nested descriptions flattened to dotted names (``outer.every``), so
+    that a disagreement names the one setting."""
+    leaves = {}
+    for key, value in config.items():
+        if isinstance(value, Mapping):
+            leaves.update(_leaves(value, f"{prefix}{key}."))
+        else:
+            leaves[f"{prefix}{key}"] = value
+    return leaves
 
 
 def check_ranks_agree(config: dict[str, Any], group: dist.ProcessGroup, rank: int) -> None:
@@ -403,11 +401,13 @@ def check_ranks_agree(config: dict[str, Any], group: dist.ProcessGroup, rank: in
     otherwise exchange mismatched messages or wait for rounds that never come."""
     configs = [None] * dist.get_world_size(group)
     dist.all_gather_object(configs, config, group=group)
+    first = _leaves(configs[0])
     for other, theirs in enumerate(configs):
-        diff = sorted(k for k in config if theirs[k] != configs[0][k])
+        theirs = _leaves(theirs)
+        diff = sorted(k for k in first.keys() | theirs.keys() if theirs.get(k) != first.get(k))
         if diff:
             details = "; ".join(
-                f"{k}: rank 0 has {configs[0][k]!r}, rank {other} has {theirs[k]!r}"
+                f"{k}: rank 0 has {first.get(k)!r}, rank {other} has {theirs.get(k)!r}"
                 for k in diff
                 if k != "parameters"
             )

@@ -30,10 +30,14 @@ An outer step builds its own runtime part (``rule(params, group, ...)``: SlowMo'
 DiLoCo's outer optimizer or Streaming DiLoCo's fragments, none for a plain average), which
 ``outer.OuterSteps`` runs on its schedule.
 
-Adding an algorithm: a new frozen class here with its checks, its ``flat()`` (the settings it
-stands for) and its runtime part: for an outer step a ``rule`` (an ``outer_rules.OuterRule``);
-for a way to mix, what it selects in ``inner``. Translate its flat spelling, if one exists, in
-``flat_keywords``.
+A gossip object builds its runtime part too (``mix(named, link, graph)``: the engine and its
+schedule, an ``inner.InnerMix``), and every object describes itself (``describe()``) for the
+check that every rank was configured alike.
+
+Adding an algorithm: a new frozen class here (an ``_algorithm_base.Algorithm``) with its checks,
+its ``flat()`` (the settings it stands for) and its runtime part: for an outer step a ``rule``
+(an ``outer_rules.OuterRule``); for a way to mix, its ``mix``. Translate its flat spelling, if
+one exists, in ``flat_keywords``.
 """
 
 from __future__ import annotations
@@ -46,48 +50,41 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from gossip_ext import outer_rules
-from gossip_ext._argument_checks import check_message_dtype
+from gossip_ext import inner, outer_rules
+from gossip_ext._algorithm_base import (
+    Algorithm,
+    check_argument,
+    check_dtype_argument,
+    check_every,
+    plain,
+    where,
+)
 from gossip_ext.averaging import ParameterBuckets
 from gossip_ext.epochs import parse_address
-from gossip_ext.graphs import GraphBase
-from gossip_ext.mixing import MixingBase
+from gossip_ext.graphs import GraphBase, NPeerDynamicDirectedExponentialGraph
+from gossip_ext.mixing import MixingBase, UniformMixing
 from gossip_ext.streaming import StreamingOuter
 
 
-def _where(obj: Any, name: str) -> str:
-    return f"{type(obj).__name__}({name}=...)"
+def default_graph() -> GraphBase:
+    """The graph a gossip object leaves unsaid: the 1-peer exponential graph."""
+    return NPeerDynamicDirectedExponentialGraph()
 
 
-def _check_type(obj: Any, name: str, value: Any, expected, what: str) -> None:
-    # bool is an int to isinstance, never to these arguments.
-    allowed = expected if isinstance(expected, tuple) else (expected,)
-    if isinstance(value, bool) and bool not in allowed:
-        raise TypeError(f"{_where(obj, name)}: {name} must be {what}, got {value!r}")
-    if not isinstance(value, expected):
-        raise TypeError(
-            f"{_where(obj, name)}: {name} must be {what}, got {type(value).__name__} {value!r}"
-        )
-
-
-def _check_every(obj: Any, value: Any) -> None:
-    _check_type(obj, "every", value, int, "an int")
-    if value < 1:
-        raise ValueError(f"{_where(obj, 'every')}: every must be >= 1 (steps), got {value}")
-
-
-def _check_message_dtype(obj: Any, name: str, value: Any) -> None:
-    try:
-        check_message_dtype(name, value)
-    except ValueError as error:
-        raise ValueError(f"{_where(obj, name)}: {error}") from None
+def engine_owner(gossip: SGP | None, outer: Any) -> SGP | ByGossip | None:
+    """Which object builds the engine (its ``mix``): the gossip object, else the ByGossip of an
+    outer step averaged by gossip, else none (no round ever runs)."""
+    if gossip is not None:
+        return gossip
+    average = getattr(outer, "average", None)
+    return average if isinstance(average, ByGossip) else None
 
 
 # ----------------------------------------------------------------------------- the inner mix
 
 
 @dataclasses.dataclass(frozen=True)
-class SGP:
+class SGP(Algorithm):
     """Stochastic Gradient Push (Assran et al., ICML 2019): after every optimizer step, a
     push-sum round over a rotating graph.
 
@@ -128,14 +125,14 @@ class SGP:
 
     def __post_init__(self) -> None:
         if self.graph is not None:
-            _check_type(self, "graph", self.graph, GraphBase, "a gossip_ext graph (a GraphBase)")
+            check_argument(self, "graph", self.graph, GraphBase, "a gossip_ext graph (a GraphBase)")
         if self.mixing is not None:
-            _check_type(self, "mixing", self.mixing, MixingBase, "a gossip_ext mixing")
+            check_argument(self, "mixing", self.mixing, MixingBase, "a gossip_ext mixing")
         for name in ("overlap", "check_finite", "start_in_forward"):
-            _check_type(self, name, getattr(self, name), bool, "a bool")
-        _check_type(self, "synch_freq", self.synch_freq, int, "an int")
+            check_argument(self, name, getattr(self, name), bool, "a bool")
+        check_argument(self, "synch_freq", self.synch_freq, int, "an int")
         if self.synch_freq < 0:
-            raise ValueError(f"{_where(self, 'synch_freq')}: must be >= 0, got {self.synch_freq}")
+            raise ValueError(f"{where(self, 'synch_freq')}: must be >= 0, got {self.synch_freq}")
         if self.overlap and self.synch_freq > 0:
             raise ValueError(
                 f"{type(self).__name__}: overlap=True and synch_freq={self.synch_freq} are two "
@@ -146,7 +143,34 @@ class SGP:
                 f"{type(self).__name__}: start_in_forward=True needs overlap=True: a "
                 "synchronous round is absorbed by the same forward that would start it"
             )
-        _check_message_dtype(self, "message_dtype", self.message_dtype)
+        check_dtype_argument(self, "message_dtype", self.message_dtype)
+
+    def describe(self) -> dict[str, Any]:
+        # check_finite is each rank's own: a rank that checks raises, the others go on.
+        described = super().describe()
+        del described["check_finite"]
+        return dict(
+            described,
+            graph=plain(self.graph or default_graph()),
+            mixing=plain(self.mixing or UniformMixing()),
+        )
+
+    def mix(self, named, link: inner.Link, graph: GraphBase) -> inner.InnerMix:
+        """Its runtime part: an engine over ``named`` (the parameters, then any gossiped
+        buffers), its rounds on ``graph`` (this object's, or the elastic epoch's copy with
+        another number of peers) over ``link``, one after every optimizer step."""
+        return inner.InnerMix.build(
+            named,
+            link,
+            graph=graph,
+            mixing=self.mixing or UniformMixing(),
+            push_sum=self.push_sum,
+            overlap=self.overlap,
+            synch_freq=self.synch_freq,
+            message_dtype=self.message_dtype,
+            check_finite=self.check_finite,
+            every_step=True,
+        )
 
     def flat(self) -> dict[str, Any]:
         return {
@@ -176,7 +200,7 @@ class PushPull(SGP):
 
 
 @dataclasses.dataclass(frozen=True)
-class Exact:
+class Exact(Algorithm):
     """An outer step's average over every worker, exactly.
 
     Args:
@@ -196,19 +220,21 @@ class Exact:
     device: torch.device | str | None = None
 
     def __post_init__(self) -> None:
-        _check_message_dtype(self, "dtype", self.dtype)
+        check_dtype_argument(self, "dtype", self.dtype)
         if self.device is not None:
-            _check_type(self, "device", self.device, (str, torch.device), "a torch.device or str")
+            check_argument(
+                self, "device", self.device, (str, torch.device), "a torch.device or str"
+            )
             try:
                 torch.device(self.device)
             except RuntimeError as error:
                 raise ValueError(
-                    f"{_where(self, 'device')}: {self.device!r} is not a device ({error})"
+                    f"{where(self, 'device')}: {self.device!r} is not a device ({error})"
                 ) from None
 
 
 @dataclasses.dataclass(frozen=True)
-class ByGossip:
+class ByGossip(Algorithm):
     """An outer step's average by one gossip round, with no collective over every worker: each
     worker mixes its parameters with the round's peers and steps its own global parameters with
     ``theta_global - z``. Push-sum keeps the mean over workers, so their mean moves as under an
@@ -224,10 +250,26 @@ class ByGossip:
 
     def __post_init__(self) -> None:
         if self.graph is not None:
-            _check_type(self, "graph", self.graph, GraphBase, "a gossip_ext graph (a GraphBase)")
+            check_argument(self, "graph", self.graph, GraphBase, "a gossip_ext graph (a GraphBase)")
         if self.mixing is not None:
-            _check_type(self, "mixing", self.mixing, MixingBase, "a gossip_ext mixing")
-        _check_message_dtype(self, "message_dtype", self.message_dtype)
+            check_argument(self, "mixing", self.mixing, MixingBase, "a gossip_ext mixing")
+        check_dtype_argument(self, "message_dtype", self.message_dtype)
+
+    def mix(self, named, link: inner.Link, graph: GraphBase) -> inner.InnerMix:
+        """Its runtime part where ``gossip=None``: an engine of its own (as :meth:`SGP.mix`'s,
+        synchronous) whose round only the outer step asks for."""
+        return inner.InnerMix.build(
+            named,
+            link,
+            graph=graph,
+            mixing=self.mixing or UniformMixing(),
+            push_sum=True,
+            overlap=False,
+            synch_freq=0,
+            message_dtype=self.message_dtype,
+            check_finite=True,
+            every_step=False,
+        )
 
     @property
     def own_engine(self) -> bool:
@@ -235,7 +277,7 @@ class ByGossip:
 
 
 @dataclasses.dataclass(frozen=True)
-class Average:
+class Average(Algorithm):
     """Every ``every`` optimizer steps (counted by ``transfer_params()`` calls), the parameters'
     exact average (push-sum's consensus value, one all-reduce per dtype) in place of that step's
     gossip round, the push-sum weights reset to 1. With gossip: SGP's global averaging; with
@@ -244,7 +286,7 @@ class Average:
     every: int
 
     def __post_init__(self) -> None:
-        _check_every(self, self.every)
+        check_every(self, self.every)
 
     def flat(self, gossips: bool) -> dict[str, Any]:
         return {"global_avg_freq": self.every} if gossips else {"sync_every": self.every}
@@ -255,7 +297,7 @@ class Average:
 
 
 @dataclasses.dataclass(frozen=True)
-class SlowMo:
+class SlowMo(Algorithm):
     """SlowMo (Wang et al., ICLR 2020): every ``every`` steps, the exact average ``x_avg``, then
     the slow momentum step ``u <- momentum * u + (x_slow - x_avg) / lr_inner``, ``x_slow <-
     x_slow - lr * lr_inner * u``, and every rank's parameters become ``x_slow``; ``lr_inner`` is
@@ -276,27 +318,27 @@ class SlowMo:
     average_every: int | None = None
 
     def __post_init__(self) -> None:
-        _check_every(self, self.every)
-        _check_type(self, "momentum", self.momentum, (int, float), "a float")
-        _check_type(self, "lr", self.lr, (int, float), "a float")
-        _check_type(self, "memory_efficient", self.memory_efficient, bool, "a bool")
+        check_every(self, self.every)
+        check_argument(self, "momentum", self.momentum, (int, float), "a float")
+        check_argument(self, "lr", self.lr, (int, float), "a float")
+        check_argument(self, "memory_efficient", self.memory_efficient, bool, "a bool")
         # beta = 1 never forgets a slow step and diverges; NaN fails both comparisons.
         if not 0.0 <= self.momentum < 1.0:
-            raise ValueError(f"{_where(self, 'momentum')}: must be in [0, 1), got {self.momentum}")
+            raise ValueError(f"{where(self, 'momentum')}: must be in [0, 1), got {self.momentum}")
         if not 0.0 < self.lr < math.inf:
-            raise ValueError(f"{_where(self, 'lr')}: must be positive and finite, got {self.lr}")
+            raise ValueError(f"{where(self, 'lr')}: must be positive and finite, got {self.lr}")
         if self.average_every is not None:
-            _check_type(self, "average_every", self.average_every, int, "an int or None")
+            check_argument(self, "average_every", self.average_every, int, "an int or None")
             if self.average_every < 1:
                 raise ValueError(
-                    f"{_where(self, 'average_every')}: must be >= 1 (None: no plain averages), "
+                    f"{where(self, 'average_every')}: must be >= 1 (None: no plain averages), "
                     f"got {self.average_every}"
                 )
         if self.num_shards is not None:
-            _check_type(self, "num_shards", self.num_shards, int, "an int or None")
+            check_argument(self, "num_shards", self.num_shards, int, "an int or None")
             if self.num_shards < 1:
                 raise ValueError(
-                    f"{_where(self, 'num_shards')}: must be >= 1 (None: every rank), got "
+                    f"{where(self, 'num_shards')}: must be >= 1 (None: every rank), got "
                     f"{self.num_shards}"
                 )
 
@@ -320,7 +362,7 @@ class SlowMo:
 
 
 @dataclasses.dataclass(frozen=True)
-class DiLoCo:
+class DiLoCo(Algorithm):
     """DiLoCo (Douillard et al., 2023): every ``every`` inner steps (its H) the workers average
     their pseudo-gradients ``theta_global - theta_i``, an outer optimizer steps ``theta_global``
     with that average as its gradient, and every worker goes on from ``theta_global``, which
@@ -354,29 +396,31 @@ class DiLoCo:
     def __post_init__(self) -> None:
         if not callable(self.optimizer):
             raise TypeError(
-                f"{_where(self, 'optimizer')}: optimizer must be a callable that builds a "
+                f"{where(self, 'optimizer')}: optimizer must be a callable that builds a "
                 "torch.optim.Optimizer from a list of tensors (e.g. `lambda params: "
                 "torch.optim.SGD(params, lr=0.7, momentum=0.9, nesterov=True)`), got "
                 f"{type(self.optimizer).__name__} {self.optimizer!r}"
             )
-        _check_every(self, self.every)
-        _check_type(self, "average", self.average, (Exact, ByGossip), "Exact(...) or ByGossip(...)")
+        check_every(self, self.every)
+        check_argument(
+            self, "average", self.average, (Exact, ByGossip), "Exact(...) or ByGossip(...)"
+        )
         for name in ("fragments", "delay"):
-            _check_type(self, name, getattr(self, name), int, "an int")
-        _check_type(self, "alpha", self.alpha, (int, float), "a float")
+            check_argument(self, name, getattr(self, name), int, "an int")
+        check_argument(self, "alpha", self.alpha, (int, float), "a float")
         if self.fragments < 1 or self.fragments > self.every:
             raise ValueError(
-                f"{_where(self, 'fragments')}: must be in [1, every={self.every}] (a step per "
+                f"{where(self, 'fragments')}: must be in [1, every={self.every}] (a step per "
                 f"fragment), got {self.fragments}"
             )
         if not 0 <= self.delay < self.every // self.fragments:
             raise ValueError(
-                f"{_where(self, 'delay')}: must be in [0, every // fragments = "
+                f"{where(self, 'delay')}: must be in [0, every // fragments = "
                 f"{self.every // self.fragments}) (a fragment's average must end before the next "
                 f"one starts), got {self.delay}"
             )
         if not 0.0 <= self.alpha <= 1.0:
-            raise ValueError(f"{_where(self, 'alpha')}: must be in [0, 1], got {self.alpha}")
+            raise ValueError(f"{where(self, 'alpha')}: must be in [0, 1], got {self.alpha}")
 
     def rule(self, params, group: dist.ProcessGroup, *, graph, mixing, timeout):
         """Its runtime part over ``group``: the outer optimizer over ``theta_global``, or
@@ -418,7 +462,7 @@ class DiLoCo:
 
 
 @dataclasses.dataclass(frozen=True)
-class Elastic:
+class Elastic(Algorithm):
     """An elastic job (:mod:`gossip_ext.elastic`): workers join and leave through the membership
     service at ``address`` (``"HOST:PORT"``, ``python -m gossip_ext.membership --port PORT``).
     The first epoch forms once ``min_workers`` workers registered, and the job stops with a
@@ -428,8 +472,8 @@ class Elastic:
     min_workers: int = 1
 
     def __post_init__(self) -> None:
-        _check_type(self, "address", self.address, str, "a str 'HOST:PORT'")
+        check_argument(self, "address", self.address, str, "a str 'HOST:PORT'")
         parse_address(self.address)
-        _check_type(self, "min_workers", self.min_workers, int, "an int")
+        check_argument(self, "min_workers", self.min_workers, int, "an int")
         if self.min_workers < 1:
-            raise ValueError(f"{_where(self, 'min_workers')}: must be >= 1, got {self.min_workers}")
+            raise ValueError(f"{where(self, 'min_workers')}: must be >= 1, got {self.min_workers}")

@@ -14,7 +14,7 @@ import warnings
 import torch
 import torch.distributed as dist
 
-from gossip_ext import _hierarchy, _validation, inner, outer
+from gossip_ext import _hierarchy, _validation, algorithms, inner, outer
 
 
 def build(model, initial: bool, peers_per_itr: int | None = None) -> None:
@@ -68,12 +68,14 @@ def build(model, initial: bool, peers_per_itr: int | None = None) -> None:
         by_gossip=a["outer_average"] == "gossip",
         outer_dtype=a["outer_dtype"],
     )
+    gossip = model.algorithms[0]
     config = _validation.configuration(
-        arguments,
-        global_avg_freq=global_avg_freq,
+        gossip,
+        outer_step,
+        rule=None if model._outer.rule is None else model._outer.rule.describe(),
+        common={k: a[k] for k in ("nprocs_per_node", "broadcast_buffers", "gossip_buffers")},
         parameters=named,
         buffers=model._buffer_policy.layout(),
-        outer=None if model._outer.rule is None else model._outer.rule.describe(),
     )
     _validation.check_ranks_agree(config, model.process_group, rank)
 
@@ -95,17 +97,19 @@ def build(model, initial: bool, peers_per_itr: int | None = None) -> None:
         model._buffer_policy.broadcast_initial(model.process_group)
     model._outer.start_eagerly()
 
-    gossips = a["base_algorithm"] == "sgp" or a["outer_average"] == "gossip"
-    if model.is_gossip_leader and gossips:
-        model._mix = inner.InnerMix.build(
-            model._gossiped,
-            arguments,
-            transport_kind=transport_kind,
-            group=gossip_group,
-            device=model._device,
-            every_step=a["base_algorithm"] == "sgp",
-            rendezvous=model._members.nccl_rendezvous(),
+    # The gossip object, or an outer step's ByGossip where there is none, builds the engine.
+    builder = algorithms.engine_owner(gossip, outer_step)
+    if model.is_gossip_leader and builder is not None:
+        link = inner.Link(
+            transport_kind,
+            gossip_group,
+            model._device,
+            a["timeout"],
+            model._members.nccl_rendezvous(),
+            log_every=a["log_every"],
+            verbose=a["verbose"],
         )
+        model._mix = builder.mix(model._gossiped, link, a["graph"])
     else:
         model._mix = inner.InnerMix(
             None,

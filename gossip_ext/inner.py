@@ -14,8 +14,10 @@ for its round itself (:meth:`run_round`), which is all the gossip that DiLoCo ov
 from __future__ import annotations
 
 import copy
+import dataclasses
 import logging
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
+from datetime import timedelta
 from typing import Any
 
 import torch
@@ -23,6 +25,7 @@ import torch.distributed as dist
 
 from gossip_ext import _C, _schedule, _transport, consensus
 from gossip_ext.graphs import GraphBase
+from gossip_ext.mixing import MixingBase
 
 logger = logging.getLogger("gossip_ext.distributed")
 
@@ -33,6 +36,23 @@ def with_peers(graph: GraphBase, peers_per_itr: int) -> GraphBase:
     graph = copy.copy(graph)
     graph.peers_per_itr = peers_per_itr
     return graph
+
+
+@dataclasses.dataclass(frozen=True)
+class Link:
+    """Where an engine's rounds travel and how they are reported, the same for whichever
+    object builds the engine: the transport's kind (``_validation.choose_transport``) over
+    ``group`` from ``device``, each round given up after ``timeout``; ``rendezvous``, where an
+    NCCL transport's ranks meet (``_transport.make_transport``); ``log_every`` and ``verbose``,
+    the wrapper's."""
+
+    transport_kind: str
+    group: dist.ProcessGroup
+    device: torch.device
+    timeout: timedelta
+    rendezvous: tuple[dist.Store, str] | None = None
+    log_every: int = 0
+    verbose: bool = False
 
 
 class InnerMix:
@@ -60,45 +80,46 @@ class InnerMix:
     def build(
         cls,
         named: Sequence[tuple[str, torch.Tensor]],
-        arguments: Mapping[str, Any],
+        link: Link,
         *,
-        transport_kind: str,
-        group: dist.ProcessGroup,
-        device: torch.device,
+        graph: GraphBase,
+        mixing: MixingBase,
+        push_sum: bool,
+        overlap: bool,
+        synch_freq: int,
+        message_dtype: torch.dtype | str | None,
+        check_finite: bool,
         every_step: bool,
-        rendezvous: tuple[dist.Store, str] | None = None,
     ) -> InnerMix:
         """An engine over the ``named`` tensors (the parameters, then any gossiped buffers),
-        whose storage it takes over, talking over ``group``; configured by the wrapper's
-        ``arguments`` (graph, mixing, push_sum, overlap, synch_freq, timeout, check_finite,
-        message_dtype, log_every, verbose). ``rendezvous``: where an NCCL transport's ranks meet
-        (see ``_transport.make_transport``)."""
-        a = arguments
-        synchronous = not a["overlap"] and a["synch_freq"] == 0
+        whose storage it takes over, its rounds travelling over ``link``; the rest as
+        ``algorithms.SGP``'s arguments of the same names (built by ``SGP.mix`` and
+        ``ByGossip.mix``)."""
+        synchronous = not overlap and synch_freq == 0
         # Synchronous modes leave the parameters alone while a round is in flight, so the engine
         # may send them in place (no send buffer; Note [Sending in place]).
         options = _C.EngineOptions(
-            a["graph"]._options(),
-            a["mixing"]._options(),
-            push_sum=a["push_sum"],
+            graph._options(),
+            mixing._options(),
+            push_sum=push_sum,
             synchronous=synchronous,
-            timeout=a["timeout"],
-            check_finite=a["check_finite"],
-            message_dtype=a["message_dtype"],
+            timeout=link.timeout,
+            check_finite=check_finite,
+            message_dtype=message_dtype,
         )
         transport = _transport.make_transport(
-            transport_kind, group, device, a["timeout"], rendezvous
+            link.transport_kind, link.group, link.device, link.timeout, link.rendezvous
         )
         engine = _C.GossipEngine([t for _, t in named], [n for n, _ in named], transport, options)
-        if a["log_every"] > 0:
-            engine = consensus.MeasuredEngine(engine, a["graph"], a["log_every"])
+        if link.log_every > 0:
+            engine = consensus.MeasuredEngine(engine, graph, link.log_every)
         return cls(
             engine,
-            a["graph"],
-            overlap=a["overlap"],
-            synch_freq=a["synch_freq"],
+            graph,
+            overlap=overlap,
+            synch_freq=synch_freq,
             every_step=every_step,
-            verbose=a["verbose"],
+            verbose=link.verbose,
         )
 
     # ----------------------------------------------------------------------------- rounds

@@ -259,3 +259,46 @@ def test_each_outer_step_builds_its_own_rule():
     assert kind == "StreamingOuter" and description[0] == "StreamingDiLoCo"
     assert len(description[1]) == 2 and description[2] == 1  # two fragments, delay 1
     assert built["streaming_by_gossip"][0] == "StreamingOuter"
+
+
+# ----------------------------------------------------------------------------- descriptions
+
+
+def test_each_object_describes_itself_in_plain_values_for_the_ranks_comparison():
+    # The default graph and mixing described as the ones they stand for: SGP() and SGP with
+    # them spelled out configure the same rounds.
+    spelled = A.SGP(
+        graph=gossip_ext.NPeerDynamicDirectedExponentialGraph(), mixing=gossip_ext.UniformMixing()
+    )
+    assert A.SGP().describe() == spelled.describe()
+    assert A.SGP(message_dtype=torch.bfloat16).describe()["message_dtype"] == "torch.bfloat16"
+    assert A.SGP().describe()["kind"] == "SGP" and A.PushPull().describe()["kind"] == "PushPull"
+    # check_finite is each rank's own choice, not the rounds'.
+    assert "check_finite" not in A.SGP().describe()
+    assert A.SGP(check_finite=False).describe() == A.SGP().describe()
+    diloco = A.DiLoCo(lambda ps: torch.optim.SGD(ps, lr=0.7), every=8, average=A.Exact("int4"))
+    assert diloco.describe() == {
+        "kind": "DiLoCo",
+        "every": 8,
+        "average": {"kind": "Exact", "dtype": "int4", "device": None},
+        "fragments": 1,
+        "delay": 0,
+        "alpha": 0.0,
+    }  # the optimizer is described by the rule it builds
+    assert A.Average(every=3).describe() == {"kind": "Average", "every": 3}
+    assert A.Average(every=3).describe() != A.Average(every=4).describe()
+    ring = A.ByGossip(graph=gossip_ext.RingGraph()).describe()
+    assert ring["graph"] == "RingGraph(peers_per_itr=1)" and ring["mixing"] is None
+
+
+def test_the_engine_is_built_by_the_gossip_object_else_by_an_outer_steps_bygossip():
+    def optimizer(ps):
+        return torch.optim.SGD(ps, lr=0.7)
+
+    sgp, by_gossip = A.SGP(overlap=True), A.ByGossip(graph=gossip_ext.RingGraph())
+    assert A.engine_owner(sgp, None) is sgp
+    assert A.engine_owner(sgp, A.DiLoCo(optimizer, every=4, average=A.ByGossip())) is sgp
+    assert A.engine_owner(None, A.DiLoCo(optimizer, every=4, average=by_gossip)) is by_gossip
+    assert A.engine_owner(None, A.DiLoCo(optimizer, every=4)) is None
+    assert A.engine_owner(None, A.Average(every=4)) is None
+    assert A.engine_owner(None, A.SlowMo(every=4)) is None

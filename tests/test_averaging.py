@@ -564,7 +564,7 @@ def test_ranks_on_different_averaging_schedules_all_raise(slowmo_every_step):
     for r in slowmo_every_step:
         error = r["misuse"]["disagree"]
         assert error is not None and error[0] is ValueError
-        assert "global_avg_freq: rank 0 has 1, rank 1 has 2" in error[1], error[1]
+        assert "outer.every: rank 0 has 1, rank 1 has 2" in error[1], error[1]
 
 
 def _slowmo_sharded(rank: int, world_size: int) -> dict:

@@ -350,7 +350,7 @@ def _ranks_with_other_outer_optimizers(rank: int, world_size: int):
 def test_ranks_with_different_outer_optimizers_raise():
     for error in run_ranks(2, _ranks_with_other_outer_optimizers):
         assert error is not None and error[0] is ValueError
-        assert "outer: rank 0 has" in error[1] and "'lr': 0.5" in error[1], error
+        assert "outer.rule: rank 0 has" in error[1] and "'lr': 0.5" in error[1], error
 
 
 # ----------------------------------------------------------------------------- over SGP
