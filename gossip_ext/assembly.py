@@ -14,7 +14,7 @@ import warnings
 import torch
 import torch.distributed as dist
 
-from gossip_ext import _hierarchy, _validation, algorithms, inner, outer
+from gossip_ext import _hierarchy, _validation, algorithms, inner
 
 
 def build(model, initial: bool, peers_per_itr: int | None = None) -> None:
@@ -37,36 +37,23 @@ def build(model, initial: bool, peers_per_itr: int | None = None) -> None:
     model.gossip_world_size = _validation.gossip_world_size(
         a["graph"], a["push_sum"], world_size, a["nprocs_per_node"]
     )
-    global_avg_freq = a["global_avg_freq"] or 0
-    if a["sync_every"] and a["outer_optimizer"] is None:
-        global_avg_freq = a["sync_every"]  # the outer step without an optimizer: LocalSGD's
-    slowmo_freq = a["slowmo_freq"] or 0
     _validation.check_localsgd(
         a["base_algorithm"],
-        global_avg_freq,
-        slowmo_freq,
+        a["global_avg_freq"] or 0,
+        a["slowmo_freq"] or 0,
         a["sync_every"],
         model.gossip_world_size,
     )
-    # The outer rule is built before the ranks compare configurations, which include its
-    # optimizer's hyperparameters; it starts from the parameters after the broadcast below.
-    model._outer = outer.OuterSteps(
+    # The outer step builds its rule before the ranks compare configurations, which include its
+    # optimizer's hyperparameters; the rule starts from the parameters after the broadcast below.
+    model._outer = algorithms.outer_steps(
+        outer_step,
         params,
         [b for _, b in model._buffer_policy.floating],
         model.process_group,
-        average_every=global_avg_freq,
-        rule=None
-        if outer_step is None
-        else outer_step.rule(
-            params,
-            model.process_group,
-            graph=a["graph"],
-            mixing=a["mixing"],
-            timeout=a["timeout"],
-        ),
-        sync_every=slowmo_freq or a["sync_every"] or 0,
-        by_gossip=a["outer_average"] == "gossip",
-        outer_dtype=a["outer_dtype"],
+        graph=a["graph"],
+        mixing=a["mixing"],
+        timeout=a["timeout"],
     )
     gossip = model.algorithms[0]
     config = _validation.configuration(

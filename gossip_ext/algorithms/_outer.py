@@ -1,44 +1,5 @@
-"""What GossipDataParallel does, as objects: the inner mix, the outer step, the membership.
-
-    model = GossipDataParallel(
-        net,
-        gossip=SGP(graph=RingGraph(), overlap=True, message_dtype="int8"),  # or PushPull(), None
-        outer=DiLoCo(lambda ps: torch.optim.SGD(ps, lr=0.7, momentum=0.9, nesterov=True),
-                     every=64, average=Exact(dtype="int4"), fragments=4, delay=1),
-        membership=Elastic("10.0.0.1:29600", min_workers=3),  # or None: a static job
-    )
-
-- ``gossip``: what happens between steps. :class:`SGP` (push-sum over a directed graph, the
-  default), :class:`PushPull` (D-PSGD: symmetric pairs, no weights), or ``None``: no gossip, the
-  workers train alone between outer steps (LocalSGD, DiLoCo).
-- ``outer``: what happens every few steps. :class:`Average` (an exact average), :class:`SlowMo`
-  (SlowMo's heavy ball on the average), :class:`DiLoCo` (an outer optimizer on the averaged
-  pseudo-gradient, streamed in fragments when ``fragments > 1``), or ``None``.
-  :class:`Exact` and :class:`ByGossip` say how an outer step averages.
-- ``membership``: :class:`Elastic` (workers come and go; gossip_ext.membership) or ``None``.
-
-Each object checks its own arguments when it is made, naming the argument and the value it got;
-what no single object can check (a combination of them, the module, the process group) is checked
-by the wrapper. Objects are frozen values: equal objects configure the same training, and every
-rank must be given equal ones (the wrapper compares them across ranks).
-
-The flat keywords of earlier releases, and SGP's and fairscale's through gossip_ext.compat, are
-translated into these objects by :func:`gossip_ext.flat_keywords.from_flat`; ``to_flat`` is its
-inverse, the configuration the runtime parts are built from.
-
-An outer step builds its own runtime part (``rule(params, group, ...)``: SlowMo's heavy ball,
-DiLoCo's outer optimizer or Streaming DiLoCo's fragments, none for a plain average), which
-``outer.OuterSteps`` runs on its schedule.
-
-A gossip object builds its runtime part too (``mix(named, link, graph)``: the engine and its
-schedule, an ``inner.InnerMix``), and every object describes itself (``describe()``) for the
-check that every rank was configured alike.
-
-Adding an algorithm: a new frozen class here (an ``_algorithm_base.Algorithm``) with its checks,
-its ``flat()`` (the settings it stands for) and its runtime part: for an outer step a ``rule``
-(an ``outer_rules.OuterRule``); for a way to mix, its ``mix``. Translate its flat spelling, if
-one exists, in ``flat_keywords``.
-"""
+"""What happens every few optimizer steps: an exact average, SlowMo, DiLoCo (streamed or not),
+and how an outer step averages (Exact, ByGossip); each outer step building its rule (``rule``)."""
 
 from __future__ import annotations
 
@@ -50,153 +11,18 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from gossip_ext import inner, outer_rules
-from gossip_ext._algorithm_base import (
+from gossip_ext import inner, outer, outer_rules
+from gossip_ext.algorithms._base import (
     Algorithm,
     check_argument,
     check_dtype_argument,
     check_every,
-    plain,
     where,
 )
 from gossip_ext.averaging import ParameterBuckets
-from gossip_ext.epochs import parse_address
-from gossip_ext.graphs import GraphBase, NPeerDynamicDirectedExponentialGraph
+from gossip_ext.graphs import GraphBase
 from gossip_ext.mixing import MixingBase, UniformMixing
 from gossip_ext.streaming import StreamingOuter
-
-
-def default_graph() -> GraphBase:
-    """The graph a gossip object leaves unsaid: the 1-peer exponential graph."""
-    return NPeerDynamicDirectedExponentialGraph()
-
-
-def engine_owner(gossip: SGP | None, outer: Any) -> SGP | ByGossip | None:
-    """Which object builds the engine (its ``mix``): the gossip object, else the ByGossip of an
-    outer step averaged by gossip, else none (no round ever runs)."""
-    if gossip is not None:
-        return gossip
-    average = getattr(outer, "average", None)
-    return average if isinstance(average, ByGossip) else None
-
-
-# ----------------------------------------------------------------------------- the inner mix
-
-
-@dataclasses.dataclass(frozen=True)
-class SGP(Algorithm):
-    """Stochastic Gradient Push (Assran et al., ICML 2019): after every optimizer step, a
-    push-sum round over a rotating graph.
-
-    Args:
-        graph (GraphBase, optional): who sends to whom in each round (default:
-            ``NPeerDynamicDirectedExponentialGraph(peers_per_itr=1)``).
-        mixing (MixingBase, optional): the weights of a round (default: ``UniformMixing()``).
-        overlap (bool): absorb each round one step later, so that it runs during the next
-            forward, backward and step (default: False).
-        synch_freq (int): bounded asynchrony: a forward absorbs a finished round without waiting
-            and blocks only after ``synch_freq`` consecutive forwards found it unfinished; 0 is
-            synchronous (default: 0).
-        message_dtype (torch.dtype or str, optional): ``torch.bfloat16`` or ``torch.float16``
-            send float32/float64 parameters in 16 bits; ``"int8"``, ``"int4"`` or
-            ``torch.float8_e4m3fn`` send them block-quantized, a float32 scale per block of 128
-            values: 0.258 (int8, float8) or 0.133 (int4) of float32's bytes. The parameters, the
-            absorb and the push-sum weight stay in full precision and each message's rounding
-            error stays in the sender's state (error feedback), so the mean over workers is
-            conserved to float32 rounding. None: full precision (default).
-        check_finite (bool): raise naming the sender when an absorbed message holds NaN or Inf,
-            and naming this rank when its own parameters do, before push-sum spreads them. The
-            check rides on the absorb's single pass; on a GPU it is read one step later, to
-            avoid a host sync (default: True).
-        start_in_forward (bool): under ``overlap=True``, every training forward absorbs the round
-            in flight and starts the next, as the reference SGP's loop does; the script then
-            calls neither ``transfer_params()`` nor ``register_optimizer()`` (default: False).
-    """
-
-    graph: GraphBase | None = None
-    mixing: MixingBase | None = None
-    overlap: bool = False
-    synch_freq: int = 0
-    message_dtype: torch.dtype | str | None = None
-    check_finite: bool = True
-    start_in_forward: bool = False
-
-    push_sum = True  # what sets PushPull apart
-
-    def __post_init__(self) -> None:
-        if self.graph is not None:
-            check_argument(self, "graph", self.graph, GraphBase, "a gossip_ext graph (a GraphBase)")
-        if self.mixing is not None:
-            check_argument(self, "mixing", self.mixing, MixingBase, "a gossip_ext mixing")
-        for name in ("overlap", "check_finite", "start_in_forward"):
-            check_argument(self, name, getattr(self, name), bool, "a bool")
-        check_argument(self, "synch_freq", self.synch_freq, int, "an int")
-        if self.synch_freq < 0:
-            raise ValueError(f"{where(self, 'synch_freq')}: must be >= 0, got {self.synch_freq}")
-        if self.overlap and self.synch_freq > 0:
-            raise ValueError(
-                f"{type(self).__name__}: overlap=True and synch_freq={self.synch_freq} are two "
-                "different schedules for absorbing rounds; choose one"
-            )
-        if self.start_in_forward and not self.overlap:
-            raise ValueError(
-                f"{type(self).__name__}: start_in_forward=True needs overlap=True: a "
-                "synchronous round is absorbed by the same forward that would start it"
-            )
-        check_dtype_argument(self, "message_dtype", self.message_dtype)
-
-    def describe(self) -> dict[str, Any]:
-        # check_finite is each rank's own: a rank that checks raises, the others go on.
-        described = super().describe()
-        del described["check_finite"]
-        return dict(
-            described,
-            graph=plain(self.graph or default_graph()),
-            mixing=plain(self.mixing or UniformMixing()),
-        )
-
-    def mix(self, named, link: inner.Link, graph: GraphBase) -> inner.InnerMix:
-        """Its runtime part: an engine over ``named`` (the parameters, then any gossiped
-        buffers), its rounds on ``graph`` (this object's, or the elastic epoch's copy with
-        another number of peers) over ``link``, one after every optimizer step."""
-        return inner.InnerMix.build(
-            named,
-            link,
-            graph=graph,
-            mixing=self.mixing or UniformMixing(),
-            push_sum=self.push_sum,
-            overlap=self.overlap,
-            synch_freq=self.synch_freq,
-            message_dtype=self.message_dtype,
-            check_finite=self.check_finite,
-            every_step=True,
-        )
-
-    def flat(self) -> dict[str, Any]:
-        return {
-            "graph": self.graph,
-            "mixing": self.mixing,
-            "push_sum": self.push_sum,
-            "overlap": self.overlap,
-            "synch_freq": self.synch_freq,
-            "message_dtype": self.message_dtype,
-            "check_finite": self.check_finite,
-            "start_in_forward": self.start_in_forward,
-            "base_algorithm": "sgp",
-        }
-
-
-@dataclasses.dataclass(frozen=True)
-class PushPull(SGP):
-    """D-PSGD: every round averages with peers that send back (a graph whose rounds pair ranks
-    symmetrically: DynamicBipartiteExponentialGraph, DynamicBipartiteLinearGraph,
-    HypercubeGraph, RingGraph(peers_per_itr=2)), with no push-sum weights. Same arguments as
-    :class:`SGP`."""
-
-    push_sum = False
-
-
-# ----------------------------------------------------------------------------- outer steps
 
 
 @dataclasses.dataclass(frozen=True)
@@ -295,6 +121,11 @@ class Average(Algorithm):
         """A plain average has no rule and no state."""
         return None
 
+    def steps(self, params, buffers, group: dist.ProcessGroup, **_) -> outer.OuterSteps:
+        """Its runtime part: an exact average of ``params`` and the floating-point ``buffers``
+        over ``group`` every ``every`` steps."""
+        return outer.OuterSteps(params, buffers, group, average_every=self.every)
+
 
 @dataclasses.dataclass(frozen=True)
 class SlowMo(Algorithm):
@@ -349,6 +180,18 @@ class SlowMo(Algorithm):
         shards = min(world_size, self.num_shards or world_size) if self.memory_efficient else 1
         shard = 0 if shards == 1 else (rank if rank < shards else None)
         return outer_rules.SlowMomentum(self.momentum, self.lr, group, shards, shard)
+
+    def steps(self, params, buffers, group: dist.ProcessGroup, **_) -> outer.OuterSteps:
+        """Its runtime part: the heavy-ball rule every ``every`` steps, a plain average every
+        ``average_every`` steps in between (see :class:`Average`)."""
+        return outer.OuterSteps(
+            params,
+            buffers,
+            group,
+            average_every=self.average_every or 0,
+            rule=self.rule(params, group),
+            sync_every=self.every,
+        )
 
     def flat(self, gossips: bool) -> dict[str, Any]:
         return {
@@ -443,6 +286,22 @@ class DiLoCo(Algorithm):
             )
         return outer_rules.OuterOptimizer(params, ParameterBuckets(params), self.optimizer, device)
 
+    def steps(
+        self, params, buffers, group: dist.ProcessGroup, *, graph, mixing, timeout
+    ) -> outer.OuterSteps:
+        """Its runtime part: :meth:`rule` every ``every`` steps (or on the fragments' own
+        schedule), its pseudo-gradients averaged as ``average`` says."""
+        exact = isinstance(self.average, Exact)
+        return outer.OuterSteps(
+            params,
+            buffers,
+            group,
+            rule=self.rule(params, group, graph=graph, mixing=mixing, timeout=timeout),
+            sync_every=self.every,
+            by_gossip=not exact,
+            outer_dtype=self.average.dtype if exact else None,
+        )
+
     def flat(self, gossips: bool) -> dict[str, Any]:
         settings = {
             "outer_optimizer": self.optimizer,
@@ -456,24 +315,3 @@ class DiLoCo(Algorithm):
         else:
             settings.update(outer_dtype=self.average.dtype, outer_device=self.average.device)
         return settings
-
-
-# ----------------------------------------------------------------------------- membership
-
-
-@dataclasses.dataclass(frozen=True)
-class Elastic(Algorithm):
-    """An elastic job (:mod:`gossip_ext.elastic`): workers join and leave through the membership
-    service at ``address`` (``"HOST:PORT"``, ``python -m gossip_ext.membership --port PORT``).
-    The first epoch forms once ``min_workers`` workers registered, and the job stops with a
-    TimeoutError naming who is gone when fewer are left (default: 1)."""
-
-    address: str
-    min_workers: int = 1
-
-    def __post_init__(self) -> None:
-        check_argument(self, "address", self.address, str, "a str 'HOST:PORT'")
-        parse_address(self.address)
-        check_argument(self, "min_workers", self.min_workers, int, "an int")
-        if self.min_workers < 1:
-            raise ValueError(f"{where(self, 'min_workers')}: must be >= 1, got {self.min_workers}")
