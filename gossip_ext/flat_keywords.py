@@ -83,17 +83,6 @@ def to_flat(gossip: Gossip, outer: Outer, membership: Elastic | None) -> dict[st
         flat.update(gossip.flat())
     if outer is not None:
         flat.update(outer.flat(gossips=gossip is not None))
-        average = getattr(outer, "average", None)
-        if isinstance(average, ByGossip) and average.own_engine:
-            if gossip is not None:
-                raise ValueError(
-                    "ByGossip(graph=..., mixing=..., message_dtype=...) gives the outer round an "
-                    "engine of its own, but gossip is set: the outer round then runs on the "
-                    "inner mix's engine; give those settings to the gossip object"
-                )
-            flat.update(
-                graph=average.graph, mixing=average.mixing, message_dtype=average.message_dtype
-            )
     if membership is not None:
         flat.update(membership=membership.address, min_workers=membership.min_workers)
     return flat

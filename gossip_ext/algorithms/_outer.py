@@ -310,8 +310,17 @@ class DiLoCo(Algorithm):
             "fragment_delay": self.delay,
             "fragment_alpha": self.alpha,
         }
-        if isinstance(self.average, ByGossip):
-            settings["outer_average"] = "gossip"
-        else:
+        if isinstance(self.average, Exact):
             settings.update(outer_dtype=self.average.dtype, outer_device=self.average.device)
+            return settings
+        settings["outer_average"] = "gossip"
+        if self.average.own_engine:
+            if gossips:
+                raise ValueError(
+                    "ByGossip(graph=..., mixing=..., message_dtype=...) gives the outer round an "
+                    "engine of its own, but gossip is set: the outer round then runs on the "
+                    "inner mix's engine; give those settings to the gossip object"
+                )
+            a = self.average
+            settings.update(graph=a.graph, mixing=a.mixing, message_dtype=a.message_dtype)
         return settings
