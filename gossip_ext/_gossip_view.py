@@ -76,11 +76,12 @@ class GossipView:
         _validation.check_type("relative", relative, bool, "a bool")
         self._mix.raise_if_failed()
         return consensus.consensus_distance(
-            list(self.module.parameters()),
+            [t for _, t in self._named],  # the parameters, or a sharded module's local shards
             self.process_group,
             self.is_gossip_leader,
             self.gossip_world_size,
             relative,
+            shard_group=self._shard_group,
         )
 
     @property

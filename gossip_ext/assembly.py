@@ -54,6 +54,7 @@ def build(model, initial: bool, peers_per_itr: int | None = None) -> None:
         graph=a["graph"],
         mixing=a["mixing"],
         timeout=a["timeout"],
+        sizes=[p.numel() * p.element_size() for p in model.module.parameters()],
     )
     gossip = model.algorithms[0]
     config = _validation.configuration(
@@ -95,6 +96,7 @@ def build(model, initial: bool, peers_per_itr: int | None = None) -> None:
             model._members.nccl_rendezvous(),
             log_every=a["log_every"],
             verbose=a["verbose"],
+            in_place=model._shard_group is None,
         )
         model._mix = builder.mix(model._gossiped, link, a["graph"])
     else:
@@ -111,4 +113,6 @@ def build(model, initial: bool, peers_per_itr: int | None = None) -> None:
             "and this trains like a single process",
             stacklevel=5,
         )
-    model._watch = _validation.ParameterWatch(named, model._gossiped[len(named) :])
+    model._watch = _validation.ParameterWatch(
+        list(model.module.named_parameters()), model._gossiped[len(named) :]
+    )

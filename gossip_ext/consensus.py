@@ -33,10 +33,13 @@ def consensus_distance(
     contributes: bool,
     count: int,
     relative: bool = False,
+    shard_group: dist.ProcessGroup | None = None,
 ) -> float:
     """``sqrt(mean_i ||z_i - z_mean||^2)`` over the ``count`` ranks of ``group`` that contribute
     (the others, non-leaders of ``nprocs_per_node > 1``, take part in the collectives with zeros);
     divided by ``||z_mean||`` if ``relative``. Collective; every rank gets the same value.
+    ``shard_group``: ``params`` are shards of a model held by that group's processes (sharded
+    replicas), whose squared norms add up to the whole model's.
 
     Two passes (the mean, then the distances to it) rather than ``mean ||z||^2 - ||z_mean||^2``,
     whose cancellation would drown the small distances that matter most. Computed in float64, so
@@ -51,12 +54,15 @@ def consensus_distance(
     dist.all_reduce(mean, group=group)
     mean.div_(count)
     squared = (z - mean).square().sum() if contributes else torch.zeros((), dtype=torch.float64)
-    squared = squared.reshape(1).to(mean.device)
-    dist.all_reduce(squared, group=group)
-    distance = math.sqrt(squared.item() / count)
+    # The squared distance, and the mean's squared norm, summed over the shards.
+    sums = torch.stack([squared.to(mean.device), mean.square().sum()])
+    dist.all_reduce(sums[:1], group=group)
+    if shard_group is not None:
+        dist.all_reduce(sums, group=shard_group)
+    distance = math.sqrt(sums[0].item() / count)
     if not relative:
         return distance
-    norm = torch.linalg.vector_norm(mean).item()
+    norm = math.sqrt(sums[1].item())
     return distance / norm if norm > 0 else math.inf if distance > 0 else 0.0
 
 

@@ -26,6 +26,7 @@ from gossip_ext import (
     algorithms,
     assembly,
     membership_runtime,
+    sharded,
 )
 from gossip_ext import flat_keywords as _flat
 from gossip_ext._gossip_view import GossipView
@@ -145,7 +146,18 @@ class GossipDataParallel(nn.Module, GossipView, StepEnd):
         self.start_in_forward, self.nprocs_per_node = a["start_in_forward"], nprocs_per_node
         self.broadcast_buffers, self.gossip_buffers = broadcast_buffers, gossip_buffers
         self.verbose = verbose
-        named = list(module.named_parameters())
+        # A module sharded by FSDP2 in its replica gossips its local shards (gossip_ext.sharded).
+        self._shard_group = None
+        if sharded.is_sharded(module):
+            sharded.check_layout(
+                module,
+                process_group,
+                nprocs_per_node=nprocs_per_node,
+                membership=a["membership"],
+                gossip_buffers=gossip_buffers,
+            )
+            self._shard_group = sharded.shard_group(module)
+        named = sharded.local_shards(module)
         device = _validation.check_parameters(module, named)
         self._buffer_policy = _buffers.BufferPolicy(
             module, device, broadcast_buffers=broadcast_buffers, gossip_buffers=gossip_buffers
@@ -194,6 +206,8 @@ class GossipDataParallel(nn.Module, GossipView, StepEnd):
 
     def forward(self, *inputs: Any, **kwargs: Any) -> Any:
         self._members.check_member()
+        if self._shard_group is not None:
+            sharded.reshard(self.module)
         self._watch.check(self.module)
         if self.training:
             self._check_rounds_started()

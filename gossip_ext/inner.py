@@ -23,7 +23,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from gossip_ext import _C, _schedule, _transport, consensus
+from gossip_ext import _C, _schedule, _transport, consensus, sharded
 from gossip_ext.graphs import GraphBase
 from gossip_ext.mixing import MixingBase
 
@@ -53,6 +53,9 @@ class Link:
     rendezvous: tuple[dist.Store, str] | None = None
     log_every: int = 0
     verbose: bool = False
+    # False: the tensors' storage is another owner's (FSDP2's shards), and the engine gossips
+    # copies of them (sharded.MirroredEngine).
+    in_place: bool = True
 
 
 class InnerMix:
@@ -110,7 +113,13 @@ class InnerMix:
         transport = _transport.make_transport(
             link.transport_kind, link.group, link.device, link.timeout, link.rendezvous
         )
-        engine = _C.GossipEngine([t for _, t in named], [n for n, _ in named], transport, options)
+        tensors = [t for _, t in named]
+        if link.in_place:
+            engine = _C.GossipEngine(tensors, [n for n, _ in named], transport, options)
+        else:
+            mirrors = [t.detach().clone() for t in tensors]
+            engine = _C.GossipEngine(mirrors, [n for n, _ in named], transport, options)
+            engine = sharded.MirroredEngine(engine, tensors, mirrors, synchronous)
         if link.log_every > 0:
             engine = consensus.MeasuredEngine(engine, graph, link.log_every)
         return cls(

@@ -230,8 +230,12 @@ class StreamingOuter(OuterRule):
         delay: int,
         alpha: float,
         gossip: tuple[Any, Any, datetime.timedelta] | None = None,
+        sizes: Sequence[int] | None = None,
     ):
-        sizes = [p.numel() * p.element_size() for p in params]
+        # A sharded module's shards are cut where its whole parameters are (``sizes``: their
+        # bytes), so that every process of a replica streams the same parameters at once.
+        if sizes is None:
+            sizes = [p.numel() * p.element_size() for p in params]
         self.bounds = fragment_bounds(sizes, fragments)
         self.fragments = [
             Fragment(params[lo:hi], factory, device, outer_dtype, group, gossip)

@@ -74,11 +74,14 @@ def engine_owner(gossip: SGP | None, outer: Any) -> SGP | ByGossip | None:
     return average if isinstance(average, ByGossip) else None
 
 
-def outer_steps(outer: Any, params, buffers, group, *, graph, mixing, timeout):
+def outer_steps(outer: Any, params, buffers, group, *, graph, mixing, timeout, sizes=None):
     """The runtime part of ``outer`` (an outer step's object, or None: no outer step, though
     ``average_parameters()`` may still ask for an exact average), an ``outer.OuterSteps`` over
     ``params`` and the floating-point ``buffers`` on ``group``; an outer step averaged by gossip
-    rounds on ``graph`` with ``mixing``, each given up after ``timeout``."""
+    rounds on ``graph`` with ``mixing``, each given up after ``timeout``. ``sizes``: each whole
+    parameter's bytes, where ``params`` are a sharded module's local shards."""
     if outer is None:
         return _outer_steps.OuterSteps(params, buffers, group)
-    return outer.steps(params, buffers, group, graph=graph, mixing=mixing, timeout=timeout)
+    return outer.steps(
+        params, buffers, group, graph=graph, mixing=mixing, timeout=timeout, sizes=sizes
+    )

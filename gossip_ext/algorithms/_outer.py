@@ -265,7 +265,7 @@ class DiLoCo(Algorithm):
         if not 0.0 <= self.alpha <= 1.0:
             raise ValueError(f"{where(self, 'alpha')}: must be in [0, 1], got {self.alpha}")
 
-    def rule(self, params, group: dist.ProcessGroup, *, graph, mixing, timeout):
+    def rule(self, params, group: dist.ProcessGroup, *, graph, mixing, timeout, sizes=None):
         """Its runtime part over ``group``: the outer optimizer over ``theta_global``, or
         Streaming DiLoCo's fragments; averaged by gossip over ``graph`` and ``mixing`` (the inner
         mix's, or ByGossip's own) with ``timeout``, where ``average`` is ByGossip."""
@@ -283,11 +283,12 @@ class DiLoCo(Algorithm):
                 delay=self.delay,
                 alpha=self.alpha,
                 gossip=None if exact else (graph, mixing, timeout),
+                sizes=sizes,
             )
         return outer_rules.OuterOptimizer(params, ParameterBuckets(params), self.optimizer, device)
 
     def steps(
-        self, params, buffers, group: dist.ProcessGroup, *, graph, mixing, timeout
+        self, params, buffers, group: dist.ProcessGroup, *, graph, mixing, timeout, sizes=None
     ) -> outer.OuterSteps:
         """Its runtime part: :meth:`rule` every ``every`` steps (or on the fragments' own
         schedule), its pseudo-gradients averaged as ``average`` says."""
@@ -296,7 +297,7 @@ class DiLoCo(Algorithm):
             params,
             buffers,
             group,
-            rule=self.rule(params, group, graph=graph, mixing=mixing, timeout=timeout),
+            rule=self.rule(params, group, graph=graph, mixing=mixing, timeout=timeout, sizes=sizes),
             sync_every=self.every,
             by_gossip=not exact,
             outer_dtype=self.average.dtype if exact else None,

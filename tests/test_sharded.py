@@ -1,0 +1,205 @@
+"""Sharded replicas (gossip_ext.sharded): 2 replicas x 2 shards, each replica's module sharded by
+FSDP2 over its shard mesh, gossip or outer steps between the replicas' processes of the same
+shard; real processes over gloo.
+
+Two references, each in float64:
+- the simulator of tests/training_reference.py (written from docs/design.md, independently of
+  the engine), replaying synchronous and overlap SGP on two nodes whose gradient is a replica's:
+  FSDP2 averages its processes' gradients, so a replica steps with the mean of its two batches'
+  gradients;
+- the same algorithm through gossip_ext on 2 unsharded replicas x 1 process, each on both of its
+  shards' batches (one batch of twice the size, whose mean loss has that mean gradient), for
+  every algorithm: SGP, overlap SGP, DiLoCo averaged exactly and by gossip, Streaming DiLoCo.
+Equal to float64 rounding: sharding changes where each value is computed, not the algorithm.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+from multiprocess import error_of, run_ranks
+from torch import nn
+from training_reference import overlap_events, replay, synchronous_events
+
+import gossip_ext
+
+REPLICAS, SHARDS = 2, 2
+STEPS = 7
+LR = 0.05
+BATCH = 3
+# Float64 on both sides: what differs is the order of a few sums (FSDP2's reduce-scatter).
+TOLERANCE = {"rtol": 1e-11, "atol": 1e-12}
+
+
+def _net() -> nn.Module:
+    torch.manual_seed(0)
+    # The first layer's 1 x 6 weight and its bias are sharded unevenly: the second shard holds
+    # nothing of them. Its shards' bytes are then in other proportions than the whole
+    # parameters': Streaming DiLoCo must still cut its fragments where the whole model's are.
+    return nn.Sequential(nn.Linear(6, 1), nn.Tanh(), nn.Linear(1, 6)).double()
+
+
+def _batch(replica: int, shard: int, step: int) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(10_000 * step + 100 * replica + shard)
+    x = torch.randn(BATCH, 6, generator=g, dtype=torch.float64)
+    return x, torch.randn(BATCH, 6, generator=g, dtype=torch.float64)
+
+
+def _replica_batch(replica: int, step: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Both shards' batches: one batch whose mean loss has the replica's gradient."""
+    xs, ys = zip(*(_batch(replica, s, step) for s in range(SHARDS)))
+    return torch.cat(xs), torch.cat(ys)
+
+
+def _outer_sgd(params):
+    return torch.optim.SGD(params, lr=0.7, momentum=0.9, nesterov=True)
+
+
+ALGORITHMS = {
+    "sgp": lambda: {"gossip": gossip_ext.SGP()},
+    "overlap_sgp": lambda: {"gossip": gossip_ext.SGP(overlap=True)},
+    "diloco": lambda: {"gossip": None, "outer": gossip_ext.DiLoCo(_outer_sgd, every=3)},
+    "diloco_by_gossip": lambda: {
+        "gossip": None,
+        "outer": gossip_ext.DiLoCo(_outer_sgd, every=3, average=gossip_ext.ByGossip()),
+    },
+    "streaming_diloco": lambda: {
+        "gossip": None,
+        "outer": gossip_ext.DiLoCo(_outer_sgd, every=4, fragments=2, delay=1),
+    },
+}
+
+
+def _train(model: gossip_ext.GossipDataParallel, batch_of) -> None:
+    opt = torch.optim.SGD(model.parameters(), lr=LR)
+    model.register_optimizer(opt)
+    for step in range(STEPS):
+        x, y = batch_of(step)
+        loss = nn.functional.mse_loss(model(x), y)
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    model.eval()  # a forward outside training sees every round: absorb the last one
+    model(torch.zeros(1, 6, dtype=torch.float64))
+
+
+def _sharded(rank: int, world_size: int, algorithm: str) -> dict:
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    mesh = init_device_mesh("cpu", (REPLICAS, SHARDS), mesh_dim_names=("replicate", "shard"))
+    replica, shard = divmod(rank, SHARDS)
+    net = _net()
+    init = [p.detach().clone() for p in net.parameters()]
+    fully_shard(net, mesh=mesh["shard"])
+    model = gossip_ext.GossipDataParallel(
+        net, process_group=mesh["replicate"].get_group(), **ALGORITHMS[algorithm]()
+    )
+    _train(model, lambda step: _batch(replica, shard, step))
+    net.reshard()
+    return {
+        "distance": model.consensus_distance(),
+        "relative": model.consensus_distance(relative=True),
+        "init": init,
+        "final": [p.full_tensor().detach().clone() for p in net.parameters()],
+        "round": model.gossip_round,
+    }
+
+
+def _unsharded(rank: int, world_size: int, algorithm: str) -> dict:
+    model = gossip_ext.GossipDataParallel(_net(), **ALGORITHMS[algorithm]())
+    _train(model, lambda step: _replica_batch(rank, step))
+    return {
+        "distance": model.consensus_distance(),
+        "relative": model.consensus_distance(relative=True),
+        "final": [p.detach().clone() for p in model.module.parameters()],
+    }
+
+
+@pytest.fixture(scope="module")
+def unsharded():
+    return {a: run_ranks(REPLICAS, _unsharded, a) for a in ALGORITHMS}
+
+
+def _assert_equal(got, want, what: str) -> None:
+    for g, w in zip(got, want, strict=True):
+        torch.testing.assert_close(g, w, **TOLERANCE, msg=lambda m: f"{what}: {m}")
+
+
+@pytest.mark.parametrize("algorithm", list(ALGORITHMS))
+def test_sharded_replicas_train_as_unsharded_ones(algorithm, unsharded):
+    per_rank = run_ranks(REPLICAS * SHARDS, _sharded, algorithm)
+    for rank, result in enumerate(per_rank):
+        replica = rank // SHARDS
+        want = unsharded[algorithm][replica]
+        _assert_equal(result["final"], want["final"], f"{algorithm}, rank {rank}")
+        # The whole model's distance between replicas, from the shards' parts (DiLoCo's
+        # replicas are a step past their outer step, apart).
+        assert "diloco" not in algorithm or want["distance"] > 1e-6
+        for kind in ("distance", "relative"):
+            assert result[kind] == pytest.approx(want[kind], rel=1e-9, abs=1e-15), kind
+
+
+@pytest.mark.parametrize(
+    "algorithm, events", [("sgp", synchronous_events), ("overlap_sgp", overlap_events)]
+)
+def test_sharded_sgp_matches_the_simulator(algorithm, events):
+    per_rank = run_ranks(REPLICAS * SHARDS, _sharded, algorithm)
+
+    def grad_fn(replica, z):
+        net = _net()
+        with torch.no_grad():
+            for p, t in zip(net.parameters(), z):
+                p.copy_(t)
+        x, y = _replica_batch(replica, step_of[replica])
+        step_of[replica] += 1
+        nn.functional.mse_loss(net(x), y).backward()
+        return [p.grad for p in net.parameters()]
+
+    step_of = [0] * REPLICAS
+    expected = replay(
+        init=[per_rank[0]["init"]] * REPLICAS,
+        grad_fn=grad_fn,
+        lr=LR,
+        events=[events(STEPS)] * REPLICAS,
+        out_peers=lambda i, r: [1 - i],
+    )
+    for rank, result in enumerate(per_rank):
+        assert result["round"] == STEPS
+        _assert_equal(result["final"], expected[rank // SHARDS], f"{algorithm}, rank {rank}")
+
+
+# ----------------------------------------------------------------------------- bad layouts
+
+
+def _misuse(rank: int, world_size: int) -> dict:
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    mesh = init_device_mesh("cpu", (REPLICAS, SHARDS), mesh_dim_names=("replicate", "shard"))
+    net = _net()
+    fully_shard(net, mesh=mesh["shard"])
+    replicas = mesh["replicate"].get_group()
+    wrap = gossip_ext.GossipDataParallel
+    return {
+        "no_group": error_of(lambda: wrap(net)),
+        "shard_group": error_of(lambda: wrap(net, process_group=mesh["shard"].get_group())),
+        "world": error_of(lambda: wrap(net, process_group=dist.group.WORLD)),
+        "elastic": error_of(lambda: wrap(net, membership="127.0.0.1:1")),
+        "hierarchy": error_of(lambda: wrap(net, nprocs_per_node=2, process_group=replicas)),
+    }
+
+
+def test_a_sharded_module_with_a_wrong_layout_raises_naming_it():
+    for errors in run_ranks(REPLICAS * SHARDS, _misuse):
+        assert errors["no_group"][0] is ValueError
+        assert 'mesh["replicate"].get_group()' in errors["no_group"][1]
+        for case in ("shard_group", "world"):
+            assert errors[case][0] is ValueError, errors[case]
+            assert "must hold one process per replica" in errors[case][1], errors[case]
+        assert errors["elastic"][0] is NotImplementedError
+        assert "elastic job of sharded replicas" in errors["elastic"][1]
+        assert (
+            errors["hierarchy"][0] is ValueError and "nprocs_per_node=2" in errors["hierarchy"][1]
+        )
