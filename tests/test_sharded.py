@@ -203,3 +203,59 @@ def test_a_sharded_module_with_a_wrong_layout_raises_naming_it():
         assert (
             errors["hierarchy"][0] is ValueError and "nprocs_per_node=2" in errors["hierarchy"][1]
         )
+
+
+# ----------------------------------------------------------------------------- failures
+
+
+def _failed_round(rank: int, world_size: int) -> dict:
+    """Replica 1's second process (rank 3) poisons its shard and sends it: replica 0's second
+    process (rank 1) refuses the message. Its shards must stay what they were, the error raised
+    again on every call; the sender learns that its own parameters diverged."""
+    from datetime import timedelta
+
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    mesh = init_device_mesh("cpu", (REPLICAS, SHARDS), mesh_dim_names=("replicate", "shard"))
+    replica, shard = divmod(rank, SHARDS)
+    net = _net()
+    fully_shard(net, mesh=mesh["shard"])
+    model = gossip_ext.GossipDataParallel(
+        net, process_group=mesh["replicate"].get_group(), timeout=timedelta(seconds=2)
+    )
+    opt = torch.optim.SGD(model.parameters(), lr=LR)
+    model.register_optimizer(opt)
+    shards = [t for _, t in gossip_ext.sharded.local_shards(net)]
+    result = {}
+    for step in range(2):
+        x, y = _batch(replica, shard, step)
+        loss = nn.functional.mse_loss(model(x), y)
+        opt.zero_grad()
+        loss.backward()
+        if step == 1 and rank == 3:
+            with torch.no_grad():
+                shards[2].fill_(float("nan"))  # the last weight: half of it on every shard
+            opt.step()
+            result["poisoned"] = error_of(model.sync_comms)
+            return result
+        opt.step()
+    if rank == 1:
+        before = [t.clone() for t in shards]
+        x, _ = _batch(replica, shard, 2)
+        result["absorb"] = error_of(model.sync_comms)
+        result["unchanged"] = all(torch.equal(a, b) for a, b in zip(before, shards))
+        result["again"] = error_of(lambda: model(x))  # raised before FSDP2 gathers anything
+        result["again_unchanged"] = all(torch.equal(a, b) for a, b in zip(before, shards))
+    return result
+
+
+def test_a_failed_round_leaves_the_shards_as_they_were_and_stays_raised():
+    per_rank = run_ranks(REPLICAS * SHARDS, _failed_round)
+    kind, message = per_rank[3]["poisoned"]
+    assert kind is gossip_ext.NonFiniteError, message
+    # Named by its rank in the replica group: replica 1's.
+    kind, message = per_rank[1]["absorb"]
+    assert kind is gossip_ext.NonFiniteError and "from peers [1]" in message, message
+    assert per_rank[1]["unchanged"] and per_rank[1]["again_unchanged"]
+    assert per_rank[1]["again"][0] is kind
