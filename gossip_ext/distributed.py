@@ -146,17 +146,11 @@ class GossipDataParallel(nn.Module, GossipView, StepEnd):
         self.start_in_forward, self.nprocs_per_node = a["start_in_forward"], nprocs_per_node
         self.broadcast_buffers, self.gossip_buffers = broadcast_buffers, gossip_buffers
         self.verbose = verbose
-        # A module sharded by FSDP2 in its replica gossips its local shards (gossip_ext.sharded).
-        self._shard_group = None
-        if sharded.is_sharded(module):
-            sharded.check_layout(
-                module,
-                process_group,
-                nprocs_per_node=nprocs_per_node,
-                membership=a["membership"],
-                gossip_buffers=gossip_buffers,
-            )
-            self._shard_group = sharded.shard_group(module)
+        # A module sharded by FSDP2 in its replica gossips its local shards (gossip_ext.sharded);
+        # the group of the replica's processes, or None.
+        self._shard_group = sharded.replica_layout(
+            module, process_group, nprocs_per_node, a["membership"], gossip_buffers
+        )
         named = sharded.local_shards(module)
         device = _validation.check_parameters(module, named)
         self._buffer_policy = _buffers.BufferPolicy(

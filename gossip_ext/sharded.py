@@ -57,6 +57,27 @@ def local_shards(module: nn.Module) -> list[tuple[str, torch.Tensor]]:
         ]
 
 
+def replica_layout(
+    module: nn.Module,
+    process_group: dist.ProcessGroup | None,
+    nprocs_per_node: int,
+    membership: Any,
+    gossip_buffers: bool,
+) -> dist.ProcessGroup | None:
+    """The group of this replica's processes (its shard mesh) if ``module`` is sharded, after
+    :func:`check_layout`; None if it is not."""
+    if not is_sharded(module):
+        return None
+    check_layout(
+        module,
+        process_group,
+        nprocs_per_node=nprocs_per_node,
+        membership=membership,
+        gossip_buffers=gossip_buffers,
+    )
+    return shard_group(module)
+
+
 def check_layout(
     module: nn.Module,
     process_group: dist.ProcessGroup | None,
