@@ -12,6 +12,9 @@
 #   kernels     benchmarks/kernels.py on the GPU, alone: 25M and 100M elements, fp32 and bf16
 #   nccl_round  benchmarks/nccl_round.py: a gossip round through NCCL beside a bare NCCL
 #               send/receive of the same bytes, alone
+#   nccl_probe  tools/nccl_probe.py: a few rounds through NCCL alone, beside torch's NCCL group
+#               (lazy and eager) and in a forked process, each in its own process: which setup
+#               fails (logged in nccl_round.log)
 #   tests       pytest tests/gpu, a file at a time, each test under a limit: a file that crashes
 #               or hangs still leaves its failures, with their tracebacks, in the log
 #   memcheck    compute-sanitizer memcheck over tests/gpu/test_cuda_kernels.py (less the cases
@@ -137,7 +140,7 @@ stage found 30 build.log bash -c found
 cp "$RESULTS_DIR/build.log" "$RESULTS_DIR/found.txt"
 if [ "$failed" -ne 0 ]; then
   # No usable GPU or CUDA build of torch: nothing after this could run.
-  for name in build import kernels nccl_round tests memcheck; do
+  for name in build import kernels nccl_round nccl_probe tests memcheck; do
     rows+=("$(printf '| %-10s | %-22s | %4d |' "$name" "SKIPPED (found failed)" 0)")
   done
   deadline=$SECONDS
@@ -151,6 +154,7 @@ if [ "$failed" -eq 0 ]; then
     --min-run-time 0.2 --rounds 3
   GOSSIP_EXT_RESULTS=$RESULTS_DIR/nccl_round.md stage nccl_round 60 nccl_round.log \
     "$PYTHON" benchmarks/nccl_round.py --params 2.5e7 1e8
+  stage nccl_probe 90 nccl_round.log "$PYTHON" tools/nccl_probe.py
 
   # memcheck beside the tests: it runs each kernel far slower, so it leaves out the sizes that take
   # several grid-stride passes and the tests that time the host.
