@@ -23,6 +23,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from gossip_ext import sharded
 from gossip_ext.averaging import ParameterBuckets
 
 
@@ -63,9 +64,15 @@ def learning_rates(
     optimizer: torch.optim.Optimizer, buckets: ParameterBuckets
 ) -> list[list[float | None]]:
     """The current learning rate of every parameter's param group, None for a parameter the
-    optimizer does not update; read at every SlowMo step, so schedulers are followed."""
-    lr_of = {id(p): float(group["lr"]) for group in optimizer.param_groups for p in group["params"]}
-    return [[lr_of.get(id(p)) for p in ps] for ps in buckets.params]
+    optimizer does not update; read at every SlowMo step, so schedulers are followed. A
+    parameter is known by its storage: the optimizer of a sharded module holds DTensors, the
+    buckets their local shards."""
+    lr_of = {
+        sharded.storage_key(p): float(group["lr"])
+        for group in optimizer.param_groups
+        for p in group["params"]
+    }
+    return [[lr_of.get(sharded.storage_key(p)) for p in ps] for ps in buckets.params]
 
 
 def _segments(sizes: Sequence[int], lrs: Sequence[float | None]):

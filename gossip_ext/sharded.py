@@ -78,6 +78,15 @@ def replica_layout(
     return shard_group(module)
 
 
+def storage_key(tensor: torch.Tensor) -> tuple[int, int]:
+    """What a parameter and its local shard have in common: where the shard's values are, and
+    how many (a DTensor's ``to_local()`` is a new view each time; the storage is the same)."""
+    dtensor = _dtensor_type()
+    if dtensor is not None and isinstance(tensor, dtensor):
+        tensor = tensor.to_local()
+    return tensor.data_ptr(), tensor.numel()
+
+
 def check_layout(
     module: nn.Module,
     process_group: dist.ProcessGroup | None,
