@@ -206,6 +206,21 @@ class OuterSteps:
             state[self.compressed.state_key] = self.compressed.state_dict()
         return state
 
+    def per_parameter_state(self) -> dict[str, list[torch.Tensor]] | None:
+        """The rule's state as one tensor per parameter (``OuterRule.per_parameter_state``);
+        an empty dict without a rule (nothing to save), None where it cannot be put so."""
+        if self.rule is None:
+            return {}
+        if self.compressed is not None:
+            return None  # the residuals are cut by the compressed messages' shards
+        return self.rule.per_parameter_state()
+
+    def load_per_parameter_state(self, state: dict[str, list[torch.Tensor]]) -> None:
+        """Puts back :meth:`per_parameter_state` (the rule started: the next forward keeps it)."""
+        if self.rule is not None and state:
+            self.rule.load_per_parameter_state(state)
+            self._start_at_forward = False
+
     def load_state_dict(self, state: Mapping[str, Any], members_changed: bool = False) -> None:
         """A checkpoint without the rule's state (saved before it started, or by a run without
         it) leaves it to start again at the next forward. ``members_changed``: the state of this

@@ -43,7 +43,11 @@ class OuterRule:
       (``update(buckets, averages, optimizer)``); True for a rule that runs its own prepares and
       applies (``has_action(step)``, ``run(step, weight)``), whose work may be in flight between
       steps (``align_in_flight``);
-    - ``optimizers``: the torch optimizers a user may schedule (an outer learning rate).
+    - ``optimizers``: the torch optimizers a user may schedule (an outer learning rate);
+    - ``per_parameter_state()`` / ``load_per_parameter_state(state)``: its state as tensors
+      shaped like each parameter (a sharded replica's: like each local shard), which a checkpoint
+      may cut anew under another mesh (gossip_ext.sharded_checkpoint); None where its state is not
+      all per parameter.
     """
 
     state_key: str
@@ -58,6 +62,12 @@ class OuterRule:
     def align_in_flight(self, step: int) -> None:
         """An elastic epoch begins at optimizer step ``step``. Only a rule of its own schedule
         has anything in flight between steps."""
+
+    def per_parameter_state(self) -> dict[str, list[torch.Tensor]] | None:
+        return None
+
+    def load_per_parameter_state(self, state: dict[str, list[torch.Tensor]]) -> None:
+        raise NotImplementedError(f"{type(self).__name__} has no per-parameter state")
 
 
 def learning_rates(
@@ -332,6 +342,37 @@ class OuterOptimizer(OuterRule):
         self.global_params = [by_id[id(p)] for p in params]
         self.optimizer = _build(factory, self.global_params)
         self.started = False
+
+    def per_parameter_state(self) -> dict[str, list[torch.Tensor]] | None:
+        """``theta_global`` and the outer optimizer's tensors, one per parameter; None before
+        the rule started, or if the optimizer keeps state that is not one tensor per parameter
+        of its shape."""
+        if not self.started:
+            return None
+        state = {"global": list(self.global_params)}
+        for i, view in enumerate(self.global_params):
+            for key, value in self.optimizer.state.get(view, {}).items():
+                if isinstance(value, torch.Tensor) and value.shape == view.shape:
+                    state.setdefault(f"optimizer.{key}", [None] * len(self.global_params))[i] = (
+                        value
+                    )
+        if any(t is None for ts in state.values() for t in ts):
+            return None
+        return state
+
+    @torch.no_grad()
+    def load_per_parameter_state(self, state: dict[str, list[torch.Tensor]]) -> None:
+        """Puts back what :meth:`per_parameter_state` gave, under another cut of the parameters;
+        the optimizer's scalar state (Adam's ``step``) stays as it is."""
+        for view, saved in zip(self.global_params, state["global"]):
+            view.copy_(saved)
+        for name, tensors in state.items():
+            if name.startswith("optimizer."):
+                key = name[len("optimizer.") :]
+                for view, saved in zip(self.global_params, tensors):
+                    slot = self.optimizer.state.setdefault(view, {})
+                    slot[key] = saved.to(view.device, view.dtype).clone()
+        self.started = True
 
     def describe(self) -> str:
         """What every rank must agree on: the outer optimizer's kind and hyperparameters."""
