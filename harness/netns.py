@@ -2,9 +2,11 @@
 
 Every worker runs in its own network namespace behind a veth pair whose two ends are rate-capped
 with tbf (its upload inside the namespace, its download on the bridge side), so each worker has a
-full-duplex NIC of the chosen speed. The bridge joining them lives in a namespace of its own: the
-cluster adds nothing to the host's network, and its addresses (198.18.0.0/15, reserved for
-benchmarking) exist only inside namespaces it created. Needs root and ``ip netns``.
+full-duplex NIC of the chosen speed. A worker may be several processes, one machine
+(``EmulatedCluster.run(..., per_namespace=n)``): they share its namespace and its NIC. The
+bridge joining them lives in a namespace of its own: the cluster adds nothing to the host's
+network, and its addresses (198.18.0.0/15, reserved for benchmarking) exist only inside
+namespaces it created. Needs root and ``ip netns``.
 
 Every namespace is named ``gossipx-<pid>-<n>-...``; deleting the namespaces deletes the veths
 and the bridge in them. A crashed run's leftovers are found by their dead owner pid and removed
@@ -206,10 +208,26 @@ class EmulatedCluster:
         finally:
             self._signals.__exit__(*exc)
 
-    def run(self, target: str, payload, timeout: float, sys_path: str | None = None):
+    def run(
+        self,
+        target: str,
+        payload,
+        timeout: float,
+        sys_path: str | None = None,
+        per_namespace: int = 1,
+    ):
         """Runs `module:function`(rank, world_size, init_method, payload) on every worker, each
         in its namespace, and returns rank 0's result. Raises RuntimeError naming the rank and
-        showing its output when a worker fails, and TimeoutError after `timeout` seconds."""
+        showing its output when a worker fails, and TimeoutError after `timeout` seconds.
+
+        ``per_namespace`` > 1 starts that many processes in each namespace, with consecutive
+        ranks (namespace n holds ranks n * per_namespace onwards) and one rendezvous for all:
+        their traffic with each other stays inside the namespace (its own address is local,
+        routed over its loopback), only their traffic with other namespaces crosses the capped
+        NIC. A group of processes that holds one sharded model is one machine so."""
+        if per_namespace < 1:
+            raise ValueError(f"per_namespace must be >= 1, got {per_namespace}")
+        world_size = self.workers * per_namespace
         with tempfile.TemporaryDirectory(prefix="gossipx-") as tmp:
             spec = os.path.join(tmp, "spec.pkl")
             with open(spec, "wb") as f:
@@ -219,16 +237,17 @@ class EmulatedCluster:
             init = f"tcp://{self.address(0)}:{STORE_PORT}"
             procs, logs = [], []
             try:
-                for rank in range(self.workers):
+                for rank in range(world_size):
+                    machine = rank // per_namespace
                     log = open(os.path.join(tmp, f"rank{rank}.log"), "w+")
                     logs.append(log)
                     argv = [sys.executable, "-m", "harness.netns", spec, str(rank)]
-                    argv += [str(self.workers), init, os.path.join(tmp, "out.pkl")]
+                    argv += [str(world_size), init, os.path.join(tmp, "out.pkl")]
                     procs.append(
                         subprocess.Popen(
-                            ["ip", "netns", "exec", self.namespace(rank), *argv],
+                            ["ip", "netns", "exec", self.namespace(machine), *argv],
                             # The worker's own address, for servers it tells its peers about.
-                            env=dict(env, GOSSIP_EXT_HOST=self.address(rank)),
+                            env=dict(env, GOSSIP_EXT_HOST=self.address(machine)),
                             # Rank 0 shows its progress; the others' output is kept for errors.
                             stdout=None if rank == 0 else log,
                             stderr=log,
