@@ -55,8 +55,11 @@ def _bytes_sent() -> int | None:
         return int(f.read())
 
 
-def train(rank: int, world_size: int, init_method: str, config: RunConfig) -> dict:
-    """Runs ``config`` on this worker; returns its history and summary (rank 0's is reported)."""
+def train(rank: int, world_size: int, init_method: str, config: RunConfig, build=None) -> dict:
+    """Runs ``config`` on this worker; returns its history and summary (rank 0's is reported).
+    ``build(config, module)``, if given, returns the system and a function called with the
+    module after each evaluation (or None), in place of ``systems.make``'s (sharded replicas
+    build their system on a device mesh: harness.compare.sharded)."""
     torch.set_num_threads(config.threads)
     warnings.filterwarnings("ignore", message=".*one gossiping process.*")
     dist.init_process_group(
@@ -67,17 +70,21 @@ def train(rank: int, world_size: int, init_method: str, config: RunConfig) -> di
         timeout=timedelta(minutes=5),
     )
     try:
-        return _train(rank, world_size, config)
+        return _train(rank, world_size, config, build or _build)
     finally:
         dist.destroy_process_group()
 
 
-def _train(rank: int, world_size: int, config: RunConfig) -> dict:
+def _build(config: RunConfig, module: torch.nn.Module):
+    return systems.make(config.system, module, config.recipe, config.lighthouse), None
+
+
+def _train(rank: int, world_size: int, config: RunConfig, build) -> dict:
     data = StdlibText.load()
     windows = data.heldout_windows(config.model.context, config.eval_windows)
     torch.manual_seed(config.seed)
     module = ByteLM(config.model)
-    system = systems.make(config.system, module, config.recipe, config.lighthouse)
+    system, after_evaluation = build(config, module)
     history: dict[str, list] = {"step": [], "time": [], "train_loss": [], "heldout_bpb": []}
     losses: list[float] = []
     paused = 0.0
@@ -99,6 +106,8 @@ def _train(rank: int, world_size: int, config: RunConfig) -> dict:
                 history["time"].append(sampled - start - paused)
                 history["train_loss"].append(_mean_over_workers(sum(losses) / len(losses)))
                 bpb = byte_lm.heldout_bits_per_byte(system.module, windows)
+                if after_evaluation is not None:
+                    after_evaluation(system.module)
                 history["heldout_bpb"].append(_mean_over_workers(bpb))
                 losses.clear()
                 paused += time.perf_counter() - sampled
