@@ -59,6 +59,7 @@ from gossip_ext.graphs import (
 )
 from gossip_ext.mixing import MixingBase, MixingWeights, SelfWeightMixing, UniformMixing
 from gossip_ext.simulate import simulate
+from gossip_ext.sparse_average import TopK
 
 __version__ = "0.1.0"
 
@@ -91,6 +92,7 @@ __all__ = [
     "RingGraph",
     "SelfWeightMixing",
     "SlowMo",
+    "TopK",
     "UniformMixing",
     "simulate",
 ]

@@ -34,6 +34,19 @@ def check_message_dtype(name: str, value) -> None:
     )
 
 
+def check_outer_message_format(name: str, value) -> None:
+    """An outer step's exact average may send what a gossip message may (MESSAGE_DTYPES), or
+    sparse messages (a ``sparse_average.TopK``)."""
+    from gossip_ext.sparse_average import TopK
+
+    if isinstance(value, TopK):
+        return
+    try:
+        check_message_dtype(name, value)
+    except ValueError as error:
+        raise ValueError(f"{error}; or sparse messages, TopK(density=..., bits=...)") from None
+
+
 def check_type(name: str, value, expected, what: str) -> None:
     # bool is an int to isinstance: push_sum=1 or synch_freq=True are mistakes worth naming.
     if isinstance(value, bool) and expected is not bool:
@@ -197,7 +210,7 @@ def check_outer_average(outer_average, outer_optimizer, nprocs_per_node: int) ->
 
 
 def check_outer_dtype(outer_dtype, outer_optimizer, outer_average) -> None:
-    check_message_dtype("outer_dtype", outer_dtype)
+    check_outer_message_format("outer_dtype", outer_dtype)
     if outer_dtype is None:
         return
     if outer_optimizer is None:

@@ -44,10 +44,21 @@ def _ceil_div(a: int, b: int) -> int:
     return -(-a // b)
 
 
-def _all_gather(output: torch.Tensor, input: torch.Tensor, group: dist.ProcessGroup) -> None:
+def _all_gather(
+    output: torch.Tensor, input: torch.Tensor, group: dist.ProcessGroup, async_op: bool = False
+):
     # all_gather_single where torch has it (2.13 deprecates all_gather_into_tensor).
     gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-    gather(output, input, group=group)
+    return gather(output, input, group=group, async_op=async_op)
+
+
+def exact_mean(message_format, layout, device: torch.device, group: dist.ProcessGroup):
+    """The exact mean of an outer step that sends ``message_format``: a format object's own (a
+    ``sparse_average.TopK``'s ``mean_over``), else :class:`CompressedMean` for a dtype."""
+    own = getattr(message_format, "mean_over", None)
+    if own is not None:
+        return own(layout, device, group)
+    return CompressedMean(layout, device, message_format, group)
 
 
 def shard_values(numel: int, world_size: int) -> int:

@@ -29,7 +29,7 @@ import torch
 import torch.distributed as dist
 
 from gossip_ext.averaging import ParameterBuckets, exact_average
-from gossip_ext.compressed_average import CompressedMean
+from gossip_ext.compressed_average import exact_mean
 
 # What a training step ends with (OuterSteps.kind); None: the inner mix's round, as usual.
 AVERAGE = "average"
@@ -65,8 +65,8 @@ class OuterSteps:
         self.compressed = None
         self.streaming = rule is not None and rule.own_schedule
         if outer_dtype is not None and not self.streaming:  # fragments keep their own
-            self.compressed = CompressedMean(
-                self.buckets.layout(), self.buckets.device(0), outer_dtype, group
+            self.compressed = exact_mean(
+                outer_dtype, self.buckets.layout(), self.buckets.device(0), group
             )
         self.buffer_buckets = ParameterBuckets(buffers)
         self.group = group

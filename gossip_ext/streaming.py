@@ -38,7 +38,7 @@ import torch
 import torch.distributed as dist
 
 from gossip_ext.averaging import ParameterBuckets
-from gossip_ext.compressed_average import CompressedMean
+from gossip_ext.compressed_average import exact_mean
 from gossip_ext.fragment_gossip import GossipMean
 from gossip_ext.outer_rules import OuterOptimizer, OuterOptimizerFactory, OuterRule
 
@@ -125,8 +125,8 @@ class Fragment:
         self.group = group
         self.compressed = None
         if outer_dtype is not None:
-            self.compressed = CompressedMean(
-                self.buckets.layout(), self.buckets.device(0), outer_dtype, group
+            self.compressed = exact_mean(
+                outer_dtype, self.buckets.layout(), self.buckets.device(0), group
             )
         self.gossip = None
         if gossip is not None:

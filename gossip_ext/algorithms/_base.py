@@ -35,9 +35,9 @@ def check_every(obj: Any, value: Any) -> None:
         raise ValueError(f"{where(obj, 'every')}: every must be >= 1 (steps), got {value}")
 
 
-def check_dtype_argument(obj: Any, name: str, value: Any) -> None:
+def check_dtype_argument(obj: Any, name: str, value: Any, check=check_message_dtype) -> None:
     try:
-        check_message_dtype(name, value)
+        check(name, value)
     except ValueError as error:
         raise ValueError(f"{where(obj, name)}: {error}") from None
 

@@ -1,0 +1,258 @@
+"""The exact mean of the workers' pseudo-gradients in sparse messages: top-k of every chunk, its
+values in 2 or 4 bits, with error feedback (SparseLoCo's message; ``Exact(dtype=TopK(...))``).
+
+Every rank adds its residual ``e`` to its pseudo-gradient ``v``, cuts the sum into chunks of
+``chunk`` values and keeps the ``k = round(density * chunk)`` of largest magnitude in each: their
+positions in the chunk (int16) and their values quantized to ``bits`` bits against the chunk's
+largest kept magnitude (one float32 scale a chunk), ``2^bits`` levels evenly from ``-scale`` to
+``scale``. What the message does not carry, the values left out and the rounding of those kept,
+stays in ``e`` for the next outer step, so nothing is lost: over many outer steps the sum of the
+means applied is the sum of the true means, less what the residuals hold at the end.
+
+Sparse messages cannot be summed on their way (their positions differ), so every rank gathers
+every rank's message (an all-gather) and decodes them all, in rank order: every rank then holds
+the same mean, bit for bit, and so the same ``theta_global``. Bytes each rank sends per outer
+step: ``(n - 1)`` messages of ``chunks * (4 + 2 k + k bits / 8)`` bytes, where an all-reduce of
+float32 sends ``2 (n - 1) / n * 4`` bytes a value: at density 1/64 with 2-bit values (4096-value
+chunks) a message is 0.0090 of float32 (111x smaller; 0.0100 with 4-bit values), and the
+all-gather's ``(n - 1)`` copies leave the step at 0.0090 n / 2 of the all-reduce's (55x less
+traffic at 4 workers, 28x at 8).
+
+Like :class:`gossip_ext.compressed_average.CompressedMean`, :meth:`SparseMean.mean` keeps
+nothing: :meth:`SparseMean.commit` keeps the residuals once the outer step succeeded.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from gossip_ext.compressed_average import _all_gather
+
+
+@dataclasses.dataclass(frozen=True)
+class TopK:
+    """A sparse message format for an outer step's exact average: the ``density`` largest
+    magnitudes of every ``chunk`` values (at least one), their values in ``bits`` bits (2 or 4)
+    with one float32 scale a chunk, the rest kept by error feedback (SparseLoCo; see
+    :mod:`gossip_ext.sparse_average`). ``Exact(dtype=TopK(density=1/64, bits=2))``."""
+
+    density: float = 1 / 64
+    bits: int = 2
+    chunk: int = 4096
+
+    def __post_init__(self) -> None:
+        if isinstance(self.density, bool) or not isinstance(self.density, (int, float)):
+            raise TypeError(f"TopK(density=...): must be a float, got {self.density!r}")
+        if not 0.0 < self.density <= 1.0:
+            raise ValueError(f"TopK(density=...): must be in (0, 1], got {self.density}")
+        if self.bits not in (2, 4) or isinstance(self.bits, bool):
+            raise ValueError(f"TopK(bits=...): must be 2 or 4, got {self.bits!r}")
+        if isinstance(self.chunk, bool) or not isinstance(self.chunk, int):
+            raise TypeError(f"TopK(chunk=...): must be an int, got {self.chunk!r}")
+        if not 1 <= self.chunk <= 32768:
+            # Positions in a chunk travel as int16.
+            raise ValueError(f"TopK(chunk=...): must be in [1, 32768], got {self.chunk}")
+
+    @property
+    def k(self) -> int:
+        """Values kept per chunk."""
+        return max(1, round(self.density * self.chunk))
+
+    def message_bytes(self, numel: int) -> int:
+        """Bytes of one rank's message for a bucket of ``numel`` values."""
+        chunks = math.ceil(numel / self.chunk)
+        return chunks * (4 + 2 * self.k) + math.ceil(chunks * self.k * self.bits / 8)
+
+    def bytes_per_step(self, numels: Sequence[int], world_size: int) -> int:
+        """Bytes each rank sends per outer step: its message to every other rank."""
+        return (world_size - 1) * sum(self.message_bytes(n) for n in numels)
+
+    def mean_over(self, layout, device, group) -> SparseMean:
+        """The exact mean that sends this format (``outer.OuterSteps`` asks for it)."""
+        return SparseMean(layout, device, self, group)
+
+
+class _Codec:
+    """Encoding and decoding one bucket's message in a :class:`TopK` format."""
+
+    def __init__(self, format: TopK, numel: int):
+        self.format, self.numel = format, numel
+        self.chunks = math.ceil(numel / format.chunk)
+        self.levels = 2**format.bits - 1
+        self.per_byte = 8 // format.bits
+        self.codes = self.chunks * format.k
+        self.bytes = format.message_bytes(numel)
+
+    def encode(self, values: torch.Tensor) -> torch.Tensor:
+        """The message of ``values`` (one bucket)."""
+        f = self.format
+        padded = values.new_zeros(self.chunks * f.chunk)
+        padded[: self.numel] = values
+        chunks = padded.view(self.chunks, f.chunk)
+        positions = chunks.abs().topk(f.k, dim=1, sorted=False).indices
+        kept = chunks.gather(1, positions)
+        scale = kept.abs().amax(dim=1, keepdim=True).to(torch.float32)
+        safe = torch.where(scale > 0, scale, torch.ones_like(scale)).to(values.dtype)
+        codes = ((kept / safe + 1) * (self.levels / 2)).round_().clamp_(0, self.levels)
+        codes = codes.to(torch.uint8).reshape(-1)
+        return torch.cat(
+            [
+                scale.reshape(-1).view(torch.uint8),
+                positions.to(torch.int16).reshape(-1).view(torch.uint8),
+                self._pack(codes),
+            ]
+        )
+
+    def decode(self, message: torch.Tensor):
+        """(scale per chunk, positions, codes) of a message, each with a row per chunk."""
+        f = self.format
+        if message.storage_offset() % 4:
+            message = message.clone()  # another rank's message, at any byte of the gathered
+        scale_end = 4 * self.chunks
+        positions_end = scale_end + 2 * self.codes
+        scale = message[:scale_end].view(torch.float32).view(self.chunks, 1)
+        positions = message[scale_end:positions_end].view(torch.int16).view(self.chunks, f.k)
+        codes = self._unpack(message[positions_end:]).view(self.chunks, f.k)
+        return scale, positions.long(), codes
+
+    def add_into(self, total: torch.Tensor, message: torch.Tensor) -> None:
+        """``total`` (the bucket, padded to whole chunks, as chunks) += the message's values."""
+        scale, positions, codes = self.decode(message)
+        values = (codes.to(total.dtype) * (2 / self.levels) - 1) * scale.to(total.dtype)
+        total.scatter_add_(1, positions, values)
+
+    def _pack(self, codes: torch.Tensor) -> torch.Tensor:
+        padded = codes.new_zeros(math.ceil(self.codes / self.per_byte) * self.per_byte)
+        padded[: self.codes] = codes
+        lanes = padded.view(-1, self.per_byte)
+        packed = torch.zeros_like(lanes[:, 0])
+        for lane in range(self.per_byte):
+            packed |= lanes[:, lane] << (lane * self.format.bits)
+        return packed
+
+    def _unpack(self, packed: torch.Tensor) -> torch.Tensor:
+        mask = self.levels
+        lanes = [(packed >> (lane * self.format.bits)) & mask for lane in range(self.per_byte)]
+        return torch.stack(lanes, dim=1).reshape(-1)[: self.codes]
+
+
+@dataclasses.dataclass
+class _Pending:
+    """A mean between :meth:`SparseMean.start` and :meth:`SparseMean.finish`."""
+
+    works: list[Any]
+    total_weight: torch.Tensor
+    weight: float | None
+    contributions: list[torch.Tensor]  # per bucket: w (v + e)
+    messages: list[torch.Tensor]  # per bucket: this rank's message (kept alive while sent)
+    gathered: list[torch.Tensor]  # per bucket: every rank's message
+
+
+@dataclasses.dataclass
+class _Staged:
+    means: list[torch.Tensor]
+    residuals: list[torch.Tensor]
+
+
+class SparseMean:
+    """The exact weighted mean over ``group`` of per-bucket float vectors (pseudo-gradients),
+    sent in the sparse ``format`` (a :class:`TopK`) with an error-feedback residual per bucket.
+    The interface of ``compressed_average.CompressedMean``."""
+
+    state_key = "outer_residuals"
+
+    def __init__(self, layout, device: torch.device, format: TopK, group: dist.ProcessGroup):
+        self.format = format
+        self.group = group
+        self.world_size = dist.get_world_size(group)
+        self.layout = list(layout)
+        self.device = device
+        self.codecs = [_Codec(format, n) for n, _ in self.layout]
+        self.residuals = [torch.zeros(n, dtype=d, device=device) for n, d in self.layout]
+
+    def bytes_per_step(self) -> int:
+        return self.format.bytes_per_step([n for n, _ in self.layout], self.world_size)
+
+    def mean(self, values: Sequence[torch.Tensor], weight: float | None) -> _Staged:
+        """``sum_i w_i v_i / sum_i w_i`` over the group, per bucket, as every rank decodes it from
+        the same messages; and the residuals it would leave. ``weight``: this rank's push-sum
+        weight, or None on a rank that contributes nothing. Collective; keeps nothing."""
+        return self.finish(self.start(values, weight))
+
+    @torch.no_grad()
+    def start(self, values: Sequence[torch.Tensor], weight: float | None) -> _Pending:
+        """The first half of :meth:`mean`: encodes this rank's messages and starts gathering
+        every rank's (asynchronous collectives); :meth:`finish` waits and decodes them."""
+        n = self.world_size
+        total_weight = torch.tensor([0.0 if weight is None else float(weight)], dtype=torch.float64)
+        works = [dist.all_reduce(total_weight, group=self.group, async_op=True)]
+        pending = _Pending(works, total_weight, weight, [], [], [])
+        for b, ((numel, dtype), codec) in enumerate(zip(self.layout, self.codecs)):
+            contribution = torch.zeros(numel, dtype=dtype, device=self.device)
+            if weight is not None:
+                contribution.copy_(values[b]).add_(self.residuals[b]).mul_(weight)
+            message = codec.encode(contribution)
+            gathered = torch.empty(n * codec.bytes, dtype=torch.uint8, device=self.device)
+            works.append(_all_gather(gathered, message, self.group, async_op=True))
+            pending.contributions.append(contribution)
+            pending.messages.append(message)
+            pending.gathered.append(gathered)
+        return pending
+
+    @torch.no_grad()
+    def finish(self, pending: _Pending) -> _Staged:
+        """The second half of :meth:`mean`: waits for every rank's messages and decodes them, in
+        rank order, into the mean; this rank's residuals are what its messages left out."""
+        for work in pending.works:
+            work.wait()
+        total_weight, weight = pending.total_weight.item(), pending.weight
+        staged = _Staged([], [])
+        for b, ((numel, dtype), codec) in enumerate(zip(self.layout, self.codecs)):
+            chunks = (codec.chunks, self.format.chunk)
+            total = torch.zeros(chunks, dtype=dtype, device=self.device)
+            for other in pending.gathered[b].split(codec.bytes):  # the same sum on every rank
+                codec.add_into(total, other)
+            staged.means.append(total.view(-1)[:numel].div_(total_weight))
+            if weight is None:
+                staged.residuals.append(self.residuals[b])
+                continue
+            carried = torch.zeros(chunks, dtype=dtype, device=self.device)
+            codec.add_into(carried, pending.messages[b])
+            residual = pending.contributions[b].sub_(carried.view(-1)[:numel]).div_(weight)
+            staged.residuals.append(residual)
+        return staged
+
+    def commit(self, staged: _Staged) -> None:
+        """Keeps the residuals of a step whose every collective succeeded."""
+        self.residuals = staged.residuals
+
+    def state_dict(self) -> dict[str, Any]:
+        return {
+            "message_dtype": repr(self.format),
+            "world_size": self.world_size,
+            "residuals": [t.clone() for t in self.residuals],
+        }
+
+    def load_state_dict(self, state: dict[str, Any] | None, members_changed: bool = False) -> None:
+        """A checkpoint without residuals starts them at zero; an elastic epoch keeps this
+        worker's own (they are its, whoever its peers are)."""
+        if state is None:
+            for t in self.residuals:
+                t.zero_()
+            return
+        if not members_changed and (state["message_dtype"], state["world_size"]) != (
+            repr(self.format),
+            self.world_size,
+        ):
+            raise ValueError(
+                f"load_state_dict: the checkpoint's outer residuals are for "
+                f"{state['message_dtype']} over {state['world_size']} workers, but this run "
+                f"sends {self.format!r} over {self.world_size}"
+            )
+        self.residuals = [t.detach().to(self.device).clone() for t in state["residuals"]]
