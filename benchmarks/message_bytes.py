@@ -12,7 +12,9 @@ format (float32, bfloat16, float16, float8 e4m3fn, int8, int4):
   ``tx_bytes`` counter, so TCP/IP headers and every other packet count), and the round time;
 - DiLoCo's exact outer step (``sync_every=1``, so that every step is one): float32 by all-reduce
   (computed: a ring's 2 (n - 1) / n model copies), the others by outer_dtype's all-to-all and
-  all-gather of compressed shards (computed: ``CompressedMean.bytes_per_step``), and its time.
+  all-gather of compressed shards (computed: ``CompressedMean.bytes_per_step``), and its time;
+  and in sparse messages (``TopK``, outer steps only: every worker's message gathered by all,
+  computed: ``TopK.bytes_per_step``).
 
 Each figure is the mean over workers and over --reps repetitions. The compute is nothing but the
 messages' own kernels, so the NIC is what the times measure.
@@ -45,6 +47,11 @@ FORMATS = {
     "int8": "int8",
     "int4": "int4",
 }
+# Outer steps only: a gossip round sends dense messages.
+SPARSE = {
+    "topk 1/64 2-bit": gossip_ext.TopK(density=1 / 64, bits=2),
+    "topk 1/64 4-bit": gossip_ext.TopK(density=1 / 64, bits=4),
+}
 
 
 def _tx_bytes() -> int:
@@ -76,6 +83,19 @@ def _model(num_params: int) -> nn.Module:
     return nn.Linear(num_params, 1, bias=False)
 
 
+def _outer_step(num_params: int, message_format) -> gossip_ext.GossipDataParallel:
+    """DiLoCo whose every step is an outer step, averaged exactly in ``message_format``."""
+    return gossip_ext.GossipDataParallel(
+        _model(num_params),
+        gossip=None,
+        outer=gossip_ext.DiLoCo(
+            lambda p: torch.optim.SGD(p, lr=0.7),
+            every=1,
+            average=gossip_ext.Exact(dtype=message_format),
+        ),
+    )
+
+
 def measure(rank: int, world_size: int, init_method: str, payload: dict) -> dict:
     dist.init_process_group(
         "gloo", init_method=init_method, rank=rank, world_size=world_size,
@@ -96,13 +116,7 @@ def measure(rank: int, world_size: int, init_method: str, payload: dict) -> dict
         computed = (model.bytes_sent - sent_before) / max(model.gossip_round - rounds_before, 1)
         rows.append(("gossip round", name, _mean(computed), nic, seconds))
 
-        outer = gossip_ext.GossipDataParallel(
-            _model(num_params),
-            base_algorithm="localsgd",
-            sync_every=1,
-            outer_optimizer=lambda p: torch.optim.SGD(p, lr=0.7),
-            outer_dtype=message_dtype,
-        )
+        outer = _outer_step(num_params, message_dtype)
         if message_dtype is None:
             computed = 2 * (world_size - 1) / world_size * 4 * (num_params + 1)
         else:
@@ -110,6 +124,12 @@ def measure(rank: int, world_size: int, init_method: str, payload: dict) -> dict
         nic, seconds = _measure(outer.transfer_params, reps)
         rows.append(("outer step", name, computed, nic, seconds))
         del model, outer
+    for name, message_format in SPARSE.items():
+        outer = _outer_step(num_params, message_format)
+        nic, seconds = _measure(outer.transfer_params, reps)
+        computed = message_format.bytes_per_step([num_params], world_size)
+        rows.append(("outer step", name, computed, nic, seconds))
+        del outer
     dist.destroy_process_group()
     return {"rows": rows}
 
