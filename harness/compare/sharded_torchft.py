@@ -25,7 +25,6 @@ class TorchftHsdpDiloco(systems._OptimizerStep):
     def __init__(self, module: nn.Module, recipe: systems.Recipe, mesh, lighthouse: str) -> None:
         super().__init__(module, recipe, module)
         from torch.distributed import TCPStore
-        from torchft import Manager, ProcessGroupGloo
         from torchft.local_sgd import DiLoCo
 
         if lighthouse is None:
@@ -40,23 +39,16 @@ class TorchftHsdpDiloco(systems._OptimizerStep):
         port = [self._store.port if self._store is not None else None]
         group = mesh["shard"].get_group()
         dist.broadcast_object_list(port, src=dist.get_global_rank(group, 0), group=group)
-        self.manager = Manager(
-            pg=ProcessGroupGloo(timeout=recipe.timeout),
-            load_state_dict=lambda sd: self.module.load_state_dict(sd["model"]),
-            state_dict=lambda: {"model": self.module.state_dict()},
-            min_replica_size=replicas,
-            use_async_quorum=False,  # DiLoCo needs it
-            replica_id=f"replica_{replica}",
-            store_addr=host,
+        self.manager = systems.torchft_manager(
+            self,
+            recipe,
+            replicas=replicas,
+            replica=replica,
             store_port=port[0],
             rank=shard,
             world_size=shards,
-            lighthouse_addr=lighthouse,
-            hostname=host,
-            init_sync=False,  # every replica starts from the same seed: no healing at step 0
-            timeout=recipe.timeout,
-            quorum_timeout=recipe.timeout,
-            connect_timeout=recipe.timeout,
+            lighthouse=lighthouse,
+            host=host,
         )
         self.outer = recipe.outer_optimizer(module.parameters())
         self._stack = contextlib.ExitStack()

@@ -348,6 +348,35 @@ class _DecentDp(System):
         return loss.item()
 
 
+def torchft_manager(
+    system, recipe, *, replicas, replica, store_port, rank, world_size, lighthouse, host
+):
+    """torchft's Manager of replica ``replica`` (``rank`` of its ``world_size`` processes, its
+    store at ``host:store_port``), as both comparisons run it: a quorum of all ``replicas``,
+    synchronous (DiLoCo needs it), no healing at step 0 (every replica starts from the same
+    seed), every wait bounded by the recipe's timeout; ``system.module`` is what it checkpoints."""
+    from torchft import Manager, ProcessGroupGloo
+
+    return Manager(
+        pg=ProcessGroupGloo(timeout=recipe.timeout),
+        load_state_dict=lambda sd: system.module.load_state_dict(sd["model"]),
+        state_dict=lambda: {"model": system.module.state_dict()},
+        min_replica_size=replicas,
+        use_async_quorum=False,
+        replica_id=f"replica_{replica}",
+        store_addr=host,
+        store_port=store_port,
+        rank=rank,
+        world_size=world_size,
+        lighthouse_addr=lighthouse,
+        hostname=host,
+        init_sync=False,
+        timeout=recipe.timeout,
+        quorum_timeout=recipe.timeout,
+        connect_timeout=recipe.timeout,
+    )
+
+
 class _Torchft(_OptimizerStep):
     """One replica group of one worker per rank, coordinated by the lighthouse at
     ``lighthouse`` (started by the runner), over torchft's own gloo process group."""
@@ -355,7 +384,6 @@ class _Torchft(_OptimizerStep):
     def __init__(self, module: nn.Module, recipe: Recipe, system: str, lighthouse: str) -> None:
         super().__init__(module, recipe, module)
         from torch.distributed import TCPStore
-        from torchft import Manager, ProcessGroupGloo
         from torchft.local_sgd import DiLoCo, LocalSGD
 
         os.environ.setdefault("RUST_LOG", "warn")
@@ -364,23 +392,16 @@ class _Torchft(_OptimizerStep):
         # the worker's own address on the emulated cluster (GOSSIP_EXT_HOST), else loopback.
         host = os.environ.get("GOSSIP_EXT_HOST", "127.0.0.1")
         self._store = TCPStore(host, 0, is_master=True, wait_for_workers=False)
-        self.manager = Manager(
-            pg=ProcessGroupGloo(timeout=recipe.timeout),
-            load_state_dict=lambda sd: self.module.load_state_dict(sd["model"]),
-            state_dict=lambda: {"model": self.module.state_dict()},
-            min_replica_size=world_size,
-            use_async_quorum=False,  # DiLoCo needs it; LocalSGD's own tests use it too
-            replica_id=f"replica_{rank}",
-            store_addr=host,
+        self.manager = torchft_manager(
+            self,
+            recipe,
+            replicas=world_size,
+            replica=rank,
             store_port=self._store.port,
             rank=0,
             world_size=1,
-            lighthouse_addr=lighthouse,
-            hostname=host,
-            init_sync=False,  # every replica starts from the same seed: no healing at step 0
-            timeout=recipe.timeout,
-            quorum_timeout=recipe.timeout,
-            connect_timeout=recipe.timeout,
+            lighthouse=lighthouse,
+            host=host,
         )
         self._stack = contextlib.ExitStack()
         if system == "torchft_diloco":
