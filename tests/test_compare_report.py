@@ -54,16 +54,28 @@ def test_best_and_fastest_pick_the_earliest_to_the_loss():
 
 def test_the_table_gives_each_system_its_ratio_to_ddp_and_what_bounds_its_step():
     lines = report.table(ROWS, target=3.5).splitlines()
-    assert "to DDP's final 3.000 bpb" in lines[0] and "to 3.50 bpb" in lines[0]
+    # The bound: DDP's 20 steps at alone's 50 ms, 1.0 s.
+    assert "to DDP's final 3.000 bpb; communication-free bound 1.0 s" in lines[0]
+    assert "to 3.50 bpb" in lines[0]
     by_name = {line.split(" | ")[0].removeprefix("| "): line for line in lines[2:]}
-    assert "| 20.0 s (1.00x) |" in by_name["ddp"]
-    assert "| 9.0 s (0.45x) |" in by_name["sgp_bf16"]
-    assert "| 12.0 s (0.60x) |" in by_name["powersgd_r4"]
+    assert "| 20.0 s (1.00x DDP, 20.00x bound) |" in by_name["ddp"]
+    assert "| 9.0 s (0.45x DDP, 9.00x bound) |" in by_name["sgp_bf16"]
+    assert "| 12.0 s (0.60x DDP, 12.00x bound) |" in by_name["powersgd_r4"]
     assert "| not reached |" in by_name["torchft_diloco"]
     # 60 ms against 50 alone is within 1.3x: the cores, not the network, set the pace.
     assert "| 60 | CPU |" in by_name["sgp_bf16"]
     assert "| 250 | communication | 2.60 MB |" in by_name["ddp"]
     assert "| 0.008 |" not in by_name["ddp"] and "| 0.002 | 20 |" in by_name["ddp"]
+
+
+def test_the_bound_is_ddps_steps_at_the_step_of_the_workers_computing_alone():
+    assert report.bound(ROWS) == 20 * 50 / 1000
+    assert report.bound({k: v for k, v in ROWS.items() if k != "alone"}) is None
+    assert report.bound({k: v for k, v in ROWS.items() if k != "ddp"}) is None
+    # Without the bound the table gives the multiple of DDP's alone.
+    without = report.table({k: v for k, v in ROWS.items() if k != "alone"}).splitlines()
+    assert "bound" not in without[0].split("|")[7]
+    assert "| 9.0 s (0.45x DDP) |" in without[-2]
 
 
 @pytest.fixture
@@ -74,22 +86,95 @@ def lm_compare(monkeypatch):
     return lm_compare
 
 
-def test_the_goals_compare_the_best_gossip_mode_with_each_peer(lm_compare):
-    lines = lm_compare.goals({(8, 1e9): ROWS, (4, None): ROWS}).splitlines()
-    assert len(lines) == 3, "loopback settings have no goals"
-    cells = [c.strip() for c in lines[2].strip("|").split("|")]
-    assert cells[0] == "8 workers, 1 Gbit/s"
-    assert cells[2] == "sgp_bf16 9.0 s (0.45x)"
-    assert cells[3] == "20.0 s"
-    assert cells[4] == "powersgd_r4 12.0 s (0.60x)"
-    assert cells[5] == "decent_dp 18.0 s (0.90x)"
-    assert cells[6] == "not reached"
-    # 0.45x DDP misses the 0.3x goal, though it beats decent-dp (0.5x) and PowerSGD.
-    assert cells[7] == "no"
-    faster = dict(ROWS, sgp_bf16=_row("sgp_bf16", [3.0, 5.0], [3.2, 3.0], step_ms=60))
-    assert lm_compare.goals({(8, 1e9): faster}).splitlines()[2].endswith("| yes |")
-    without = {k: v for k, v in faster.items() if k != "decent_dp"}
-    assert "| not run |" in lm_compare.goals({(8, 1e9): without})
+def _setting_rows(ours_times, peer_times, alone_ms=100):
+    """A setting where DDP runs 100 steps at 500 ms (its final 3.0 at 50 s), alone steps in
+    ``alone_ms`` (the bound: 100 steps of it), decent-dp reaches 3.0 at ``peer_times[-1]`` and
+    gossip_ext's overlap SGP at ``ours_times[-1]``."""
+    return {
+        "alone": _row("alone", [10.0, 20.0], [3.6, 3.2], step_ms=alone_ms),
+        "ddp": dict(
+            _row("ddp", [25.0, 50.0], [3.4, 3.0], step_ms=500),
+            history={"step": [50, 100], "time": [25.0, 50.0], "heldout_bpb": [3.4, 3.0]},
+        ),
+        "decent_dp": _row("decent_dp", peer_times, [3.3, 2.95], step_ms=200),
+        "overlap_sgp_bf16": _row("overlap_sgp_bf16", ours_times, [3.3, 2.9], step_ms=110),
+        "sgp": _row("sgp", [20.0, 40.0], [3.3, 2.9], step_ms=110),
+    }
+
+
+def _goal_cells(lm_compare, all_rows):
+    lines = lm_compare.goals(all_rows).splitlines()
+    return [[c.strip() for c in line.strip("|").split("|")] for line in lines[2:]]
+
+
+def test_the_goals_hold_gossip_ext_to_the_bound_and_to_the_best_peer(lm_compare):
+    # The bound: 100 DDP steps at 100 ms, 10 s; 1.15x of it is 11.5 s. The best peer: decent-dp
+    # at 30 s, 0.6x of it 18 s.
+    rows = _setting_rows(ours_times=[5.0, 11.0], peer_times=[15.0, 30.0])
+    (cells,) = _goal_cells(lm_compare, {(4, 1e8): rows})
+    assert cells == [
+        "4 workers, 100 Mbit/s",
+        "<= 1.15x the bound, <= 0.6x the best peer",
+        "10.0 s",
+        "overlap_sgp_bf16 11.0 s (1.10x)",
+        "decent_dp 30.0 s (0.60x)",
+        "yes",
+        "not run",
+    ]
+    # 12 s is over 1.15x the bound, though under 0.6x the peer's time.
+    late = _setting_rows(ours_times=[6.0, 12.0], peer_times=[15.0, 30.0])
+    assert _goal_cells(lm_compare, {(4, 1e8): late})[0][3:6] == [
+        "overlap_sgp_bf16 12.0 s (1.20x)",
+        "decent_dp 30.0 s (0.60x)",
+        "no",
+    ]
+    # Within the bound, but decent-dp at 15 s makes 0.6x of it 9 s.
+    close = _setting_rows(ours_times=[5.0, 11.0], peer_times=[7.0, 15.0])
+    assert _goal_cells(lm_compare, {(4, 1e8): close})[0][4:6] == ["decent_dp 15.0 s (0.30x)", "no"]
+    # Where DDP itself is the best peer, its time is the one to beat: 0.6x 50 s.
+    alone_peer = {k: v for k, v in rows.items() if k != "decent_dp"}
+    assert _goal_cells(lm_compare, {(4, 1e8): alone_peer})[0][4:6] == [
+        "ddp 50.0 s (1.00x)",
+        "yes",
+    ]
+
+
+def test_the_goals_are_on_every_setting_loopback_included(lm_compare):
+    rows = _setting_rows(ours_times=[5.0, 11.0], peer_times=[15.0, 30.0])
+    without_alone = {k: v for k, v in rows.items() if k != "alone"}
+    ours_missing = {k: v for k, v in rows.items() if k not in ("overlap_sgp_bf16", "sgp")}
+    all_cells = _goal_cells(
+        lm_compare, {(2, None): rows, (8, 1e9): without_alone, (8, 1e8): ours_missing}
+    )
+    assert [cells[0] for cells in all_cells] == [
+        "2 workers, loopback",
+        "8 workers, 1 Gbit/s",
+        "8 workers, 100 Mbit/s",
+    ]
+    assert all_cells[0][5:] == ["yes", "-"], "the sparse DiLoCos are asked behind 100 Mbit/s"
+    assert all_cells[1][2:6] == [
+        "no `alone` row",
+        "overlap_sgp_bf16 11.0 s",
+        "decent_dp 30.0 s (0.60x)",
+        "-",
+    ]
+    assert all_cells[2][3] == "not run" and all_cells[2][5] == "no"
+    assert "torchft_diloco" not in systems.GOSSIP and "torchft_diloco" in systems.PEERS
+
+
+def test_the_goals_say_whether_a_sparse_diloco_was_first_behind_100_mbits(lm_compare):
+    rows = _setting_rows(ours_times=[5.0, 11.0], peer_times=[15.0, 30.0])
+    first = dict(rows, diloco_topk=_row("diloco_topk", [4.0, 8.0], [3.1, 2.98], step_ms=100))
+    assert lm_compare.sparse_first(first) == "yes: diloco_topk 8.0 s"
+    second = dict(rows, diloco_sparse=_row("diloco_sparse", [6.0, 12.0], [3.1, 2.98], step_ms=1))
+    assert lm_compare.sparse_first(second) == (
+        "no: diloco_sparse 12.0 s; overlap_sgp_bf16 first, 11.0 s"
+    )
+    short = dict(rows, diloco_topk=_row("diloco_topk", [6.0, 12.0], [3.1, 3.05], step_ms=100))
+    assert lm_compare.sparse_first(short) == "no: not reached; overlap_sgp_bf16 first, 11.0 s"
+    assert lm_compare.sparse_first(rows) == "not run"
+    (cells,) = _goal_cells(lm_compare, {(4, 1e8): first})
+    assert cells[-1] == "yes: diloco_topk 8.0 s"
 
 
 def test_the_benchmark_rejects_bad_flags(lm_compare, capsys):
@@ -134,7 +219,7 @@ def test_a_saved_run_is_reported_again_without_running(lm_compare, tmp_path, cap
     assert lm_compare.main(args) == {(8, 1e9): rows, (4, None): rows}
     out = capsys.readouterr().out
     assert "8 workers, 1 Gbit/s\n| system |" in out and "4 workers, loopback\n| system |" in out
-    assert "| 9.0 s (0.45x) |" in out, "the table is made from the saved histories"
+    assert "| 9.0 s (0.45x DDP, 9.00x bound) |" in out, "the table is made from the saved histories"
     assert plot.stat().st_size > 10_000
 
 
