@@ -89,6 +89,8 @@ SUMMARY = "Summary"
 _PEERS = ("ddp", "powersgd", "decent_dp", "hsdp", "torchft")  # what users run instead
 _TIME = re.compile(r"\d+(?:\.\d+)? s \(\d+(?:\.\d+)?x\)")
 _SETTING = re.compile(r"\d+ workers, ")
+_STEP_MS = re.compile(r"(\d+(?:\.\d+)?) ms")
+_DDP_STEPS = re.compile(r"DDP, which runs (\d+)")  # runner.Protocol.describe's words
 
 
 def _cells(line: str) -> list[str]:
@@ -104,6 +106,16 @@ def _first(times: dict[str, str], names) -> str:
     return f"{name}: {times[name]}"
 
 
+def _bound(cell: str | None, ddp_steps: int | None) -> str:
+    """The communication-free bound, DDP's steps at the time of a step of the workers computing
+    alone (``cell``: the `alone` row's cell, "...; 48 ms; ..."), or "-" without either."""
+    parts = [] if cell is None else [_STEP_MS.fullmatch(part) for part in cell.split("; ")]
+    step_ms = next((float(m.group(1)) for m in parts if m), None)
+    if step_ms is None or ddp_steps is None:
+        return "-"
+    return f"{ddp_steps * step_ms / 1000:.1f} s"
+
+
 def summary_rows(text: str) -> list[str]:
     """A markdown row per setting of every comparison section in ``text``."""
     rows = []
@@ -116,6 +128,8 @@ def summary_rows(text: str) -> list[str]:
         prose = [line for line in section.splitlines()[1:] if line and line[0].isalpha()]
         task = next((line.split(" (")[0] for line in prose if not line.startswith(
             ("Machine:", "Command:"))), "-")  # fmt: skip
+        steps = _DDP_STEPS.search(section)
+        ddp_steps = int(steps.group(1)) if steps else None
         lines = section.splitlines()
         for i, line in enumerate(lines):
             header = _cells(line) if line.startswith("| system |") else None
@@ -132,8 +146,10 @@ def summary_rows(text: str) -> list[str]:
             for column, setting in enumerate(header):
                 if not _SETTING.match(setting):
                     continue
-                times = {}
+                times, alone = {}, None
                 for cells in body:
+                    if cells[0] == "alone" and column < len(cells):
+                        alone = cells[column]
                     found = _TIME.match(cells[column]) if column < len(cells) else None
                     times[cells[0]] = found.group(0) if found else None
                 candidates = [n for n in names if n != "alone"]
@@ -142,7 +158,8 @@ def summary_rows(text: str) -> list[str]:
                 ddp = times["ddp"].split(" (")[0] if times["ddp"] else "not reached"
                 rows.append(
                     f"| {setting} | {task} | {title} ({date.group(1) if date else 'no date'}) "
-                    f"| {ddp} | {_first(times, candidates)} | {_first(times, ours)} "
+                    f"| {ddp} | {_bound(alone, ddp_steps)} | {_first(times, candidates)} "
+                    f"| {_first(times, ours)} "
                     f"| {_first(times, peers)} |"
                 )
     return rows
@@ -159,11 +176,15 @@ def with_summary(text: str) -> str:
         "Who reaches DDP's final held-out loss first, per setting of the sections that compare "
         "systems on a real task: the wall-clock time to it and, in parentheses, its multiple of "
         "DDP's, read from each section's table of systems (the section gives the machine, the "
-        "command and the rest of the numbers). gossip_ext's fastest is the first of its modes; "
+        "command and the rest of the numbers). The communication-free bound is DDP's steps at "
+        "the time a step of the workers computing alone took (the section's `alone` row): DDP's "
+        "run with its communication free. gossip_ext's fastest is the first of its modes; "
         "the other peers are what users run instead of it (DDP + PowerSGD, decent-dp, torchft, "
         "HSDP: whichever the section ran).\n\n"
-        "| setting | task | section (run) | DDP | fastest | gossip_ext's fastest "
-        "| best other peer |\n|---|---|---|---|---|---|---|\n" + "\n".join(rows) + "\n"
+        "| setting | task | section (run) | DDP | communication-free bound | fastest "
+        "| gossip_ext's fastest | best other peer |\n|---|---|---|---|---|---|---|---|\n"
+        + "\n".join(rows)
+        + "\n"
     )
     lines = text.splitlines(keepends=True)
     start = next((i for i, line in enumerate(lines) if line.startswith("## ")), len(lines))

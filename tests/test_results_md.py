@@ -66,10 +66,11 @@ Machine: a CPU, 2 cores, Linux; torch 2.0.
 Command: `python benchmarks/lm_compare.py`
 
 Byte-level transformer of 1M parameters (2 layers), batch 8.
+Every system runs 960 steps but DDP, which runs 480.
 
 | system | lr | 4 workers, 1 Gbit/s | 8 workers, 1 Gbit/s |
 |---|---|---|---|
-| alone | 0.002 | not reached; 9 ms | not reached; 9 ms |
+| alone | 0.002 | not reached; 9 ms | not reached; 12 ms |
 | ddp | 0.002 | 20.0 s (1.00x); 90 ms | 40.0 s (1.00x); 90 ms |
 | powersgd_r4 | 0.002 | 12.0 s (0.60x); 50 ms | not reached; 50 ms |
 | torchft_diloco H=16 | 0.004 | 30.0 s (1.50x); 40 ms | not reached; 40 ms |
@@ -82,11 +83,23 @@ def test_the_summary_reads_each_setting_of_a_table_of_systems(results):
     rows = results.summary_rows("# Benchmark results\n\n" + SECTION)
     assert rows == [
         "| 4 workers, 1 Gbit/s | Byte-level transformer of 1M parameters | Time to it (2026-01-02) "
-        "| 20.0 s | sgp_bf16: 9.0 s (0.45x) | sgp_bf16: 9.0 s (0.45x) "
+        "| 20.0 s | 4.3 s | sgp_bf16: 9.0 s (0.45x) | sgp_bf16: 9.0 s (0.45x) "
         "| powersgd_r4: 12.0 s (0.60x) |",
         "| 8 workers, 1 Gbit/s | Byte-level transformer of 1M parameters | Time to it (2026-01-02) "
-        "| 40.0 s | ddp: 40.0 s (1.00x) | none of them reached it | none of them reached it |",
+        "| 40.0 s | 5.8 s | ddp: 40.0 s (1.00x) | none of them reached it "
+        "| none of them reached it |",
     ]
+
+
+def test_the_summary_gives_the_bound_only_where_the_section_has_alone_and_ddps_steps(results):
+    # The bound is DDP's 480 steps at alone's 9 ms (4.3 s): without the row, or without the
+    # words that give DDP's steps, there is none.
+    without_alone = "\n".join(line for line in SECTION.splitlines() if "| alone |" not in line)
+    rows = results.summary_rows(without_alone)
+    assert [row.split(" | ")[4] for row in rows] == ["-", "-"]
+    without_steps = SECTION.replace("Every system runs 960 steps but DDP, which runs 480.\n", "")
+    assert [row.split(" | ")[4] for row in results.summary_rows(without_steps)] == ["-", "-"]
+    assert [row.split(" | ")[4] for row in results.summary_rows(SECTION)] == ["4.3 s", "5.8 s"]
 
 
 def test_the_summary_goes_first_and_is_replaced_in_place(results):
@@ -160,7 +173,7 @@ def test_the_comparisons_write_sections_within_the_limit(recorded, tmp_path, mon
     protocol = runner.Protocol(steps=960, ddp_steps=480)
     plot = ["--plot", str(tmp_path / "plot.png")]
     args = lm_compare.parse_args(plot)
-    assert len(args.systems) == 14, "the default: every system but the other comparisons' DiLoCos"
+    assert len(args.systems) == 18, "the default: every system but the other comparisons' DiLoCos"
     settings = [(4, 1e8), (4, 1e9), (8, 1e8), (8, 1e9)]
     rows = _rows(args.systems)
     lm_compare.report_all(args, protocol, dict.fromkeys(settings, rows), echo=False)
