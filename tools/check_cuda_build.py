@@ -17,7 +17,15 @@ import torch
 import gossip_ext
 from gossip_ext import _C
 
-CUDA_OPS = ("scale_into", "compress_into_", "absorb_", "quantize_into_", "absorb_quantized_")
+CUDA_OPS = (
+    "scale_into",
+    "compress_into_",
+    "absorb_",
+    "quantize_into_",
+    "absorb_quantized_",
+    "topk_encode",
+    "topk_add_into",
+)
 
 
 def main() -> int:
