@@ -2,12 +2,15 @@
 values in 2 or 4 bits, with error feedback (SparseLoCo's message; ``Exact(dtype=TopK(...))``).
 
 Every rank adds its residual ``e`` to its pseudo-gradient ``v``, cuts the sum into chunks of
-``chunk`` values and keeps the ``k = round(density * chunk)`` of largest magnitude in each: their
-positions in the chunk (int16) and their values quantized to ``bits`` bits against the chunk's
-largest kept magnitude (one float32 scale a chunk), ``2^bits`` levels evenly from ``-scale`` to
-``scale``. What the message does not carry, the values left out and the rounding of those kept,
-stays in ``e`` for the next outer step, so nothing is lost: over many outer steps the sum of the
-means applied is the sum of the true means, less what the residuals hold at the end.
+``chunk`` values and keeps the ``k = round(density * chunk)`` of largest magnitude in each (the
+lower position first among equal magnitudes): their positions in the chunk (int16, ascending)
+and their values quantized to ``bits`` bits against the chunk's largest kept magnitude (one
+float32 scale a chunk), ``2^bits`` levels evenly from ``-scale`` to ``scale``. What the message
+does not carry, the values left out and the rounding of those kept, stays in ``e`` for the next
+outer step, so nothing is lost: over many outer steps the sum of the means applied is the sum of
+the true means, less what the residuals hold at the end. Compiled kernels encode and decode the
+messages, on the CPU or the GPU where the buckets are (the byte layout: Note [Sparse top-k
+messages] in csrc/kernels/sparse_topk.h).
 
 Sparse messages cannot be summed on their way (their positions differ), so every rank gathers
 every rank's message (an all-gather) and decodes them all, in rank order: every rank then holds
@@ -32,6 +35,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from gossip_ext import _C  # noqa: F401  (registers torch.ops.gossip_ext)
 from gossip_ext.compressed_average import _all_gather
 
 
@@ -79,67 +83,24 @@ class TopK:
 
 
 class _Codec:
-    """Encoding and decoding one bucket's message in a :class:`TopK` format."""
+    """Encoding and decoding one bucket's message in a :class:`TopK` format, by the compiled
+    kernels of the values' device (``torch.ops.gossip_ext.topk_encode`` and ``topk_add_into``;
+    the byte layout is Note [Sparse top-k messages] in csrc/kernels/sparse_topk.h)."""
 
     def __init__(self, format: TopK, numel: int):
         self.format, self.numel = format, numel
         self.chunks = math.ceil(numel / format.chunk)
-        self.levels = 2**format.bits - 1
-        self.per_byte = 8 // format.bits
-        self.codes = self.chunks * format.k
         self.bytes = format.message_bytes(numel)
 
     def encode(self, values: torch.Tensor) -> torch.Tensor:
         """The message of ``values`` (one bucket)."""
         f = self.format
-        padded = values.new_zeros(self.chunks * f.chunk)
-        padded[: self.numel] = values
-        chunks = padded.view(self.chunks, f.chunk)
-        positions = chunks.abs().topk(f.k, dim=1, sorted=False).indices
-        kept = chunks.gather(1, positions)
-        scale = kept.abs().amax(dim=1, keepdim=True).to(torch.float32)
-        safe = torch.where(scale > 0, scale, torch.ones_like(scale)).to(values.dtype)
-        codes = ((kept / safe + 1) * (self.levels / 2)).round_().clamp_(0, self.levels)
-        codes = codes.to(torch.uint8).reshape(-1)
-        return torch.cat(
-            [
-                scale.reshape(-1).view(torch.uint8),
-                positions.to(torch.int16).reshape(-1).view(torch.uint8),
-                self._pack(codes),
-            ]
-        )
-
-    def decode(self, message: torch.Tensor):
-        """(scale per chunk, positions, codes) of a message, each with a row per chunk."""
-        f = self.format
-        if message.storage_offset() % 4:
-            message = message.clone()  # another rank's message, at any byte of the gathered
-        scale_end = 4 * self.chunks
-        positions_end = scale_end + 2 * self.codes
-        scale = message[:scale_end].view(torch.float32).view(self.chunks, 1)
-        positions = message[scale_end:positions_end].view(torch.int16).view(self.chunks, f.k)
-        codes = self._unpack(message[positions_end:]).view(self.chunks, f.k)
-        return scale, positions.long(), codes
+        return torch.ops.gossip_ext.topk_encode(values, f.k, f.bits, f.chunk)
 
     def add_into(self, total: torch.Tensor, message: torch.Tensor) -> None:
         """``total`` (the bucket, padded to whole chunks, as chunks) += the message's values."""
-        scale, positions, codes = self.decode(message)
-        values = (codes.to(total.dtype) * (2 / self.levels) - 1) * scale.to(total.dtype)
-        total.scatter_add_(1, positions, values)
-
-    def _pack(self, codes: torch.Tensor) -> torch.Tensor:
-        padded = codes.new_zeros(math.ceil(self.codes / self.per_byte) * self.per_byte)
-        padded[: self.codes] = codes
-        lanes = padded.view(-1, self.per_byte)
-        packed = torch.zeros_like(lanes[:, 0])
-        for lane in range(self.per_byte):
-            packed |= lanes[:, lane] << (lane * self.format.bits)
-        return packed
-
-    def _unpack(self, packed: torch.Tensor) -> torch.Tensor:
-        mask = self.levels
-        lanes = [(packed >> (lane * self.format.bits)) & mask for lane in range(self.per_byte)]
-        return torch.stack(lanes, dim=1).reshape(-1)[: self.codes]
+        f = self.format
+        torch.ops.gossip_ext.topk_add_into(total, message, f.k, f.bits, f.chunk)
 
 
 @dataclasses.dataclass
