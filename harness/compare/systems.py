@@ -14,13 +14,19 @@ decent_dp           decent-dp 0.2.3: D-PSGD on the one-peer exponential graph, i
 torchft_localsgd    torchft 0.2.0 LocalSGD: parameters averaged every ``local_steps`` steps
 torchft_diloco      torchft 0.2.0 DiLoCo: every ``local_steps`` steps, an outer Nesterov SGD
                     step (``Recipe.outer_lr``, momentum 0.9) on the averaged pseudo-gradient
-sgp, overlap_sgp    gossip_ext SGP, synchronous or one step stale; ``_bf16``: bfloat16 messages
+sgp, overlap_sgp    gossip_ext SGP, synchronous or one step stale; ``_bf16``: bfloat16 messages;
+                    ``_int8``, ``_fp8``: int8 or float8 (e4m3) blocks of 128 values with a
+                    float32 scale each (GOSSIP_MESSAGES)
 dpsgd               gossip_ext D-PSGD (push-pull on the bipartite exponential graph)
 localsgd, slowmo    gossip_ext LocalSGD and SlowMo, exact average every ``local_steps`` steps
 diloco              gossip_ext DiLoCo: torchft_diloco's outer step (the same outer SGD), no
                     communication between outer steps; ``_gossip``: the outer average by one
                     gossip round, no all-reduce (``_gossip_bf16``: in bfloat16 messages);
-                    ``_int8``: the exact outer average in int8 messages (outer_dtype)
+                    ``_int8``: the exact outer average in int8 messages (outer_dtype);
+                    ``_topk2``, ``_topk4``: SparseLoCo's step, the exact outer average in
+                    sparse messages (``gossip_ext.TopK``: 1/64 of every 4096 values, in 2 or 4
+                    bits, error feedback) and plain outer SGD (``Recipe.sparse_outer_lr``, no
+                    momentum: the error feedback takes its place)
 streaming_diloco_   gossip_ext Streaming DiLoCo: STREAMING_FRAGMENTS fragments, one synced every
  t<tau>_<dtype>     ``local_steps / fragments`` steps, its averaging started ``tau`` steps
                     earlier, the pseudo-gradients in ``dtype`` (fp32, int8 or int4)
@@ -56,6 +62,10 @@ GOSSIP = (
     "overlap_sgp",
     "sgp_bf16",
     "overlap_sgp_bf16",
+    "sgp_int8",
+    "overlap_sgp_int8",
+    "sgp_fp8",
+    "overlap_sgp_fp8",
     "dpsgd",
     "localsgd",
     "slowmo",
@@ -63,6 +73,8 @@ GOSSIP = (
     "diloco_gossip",
     "diloco_gossip_bf16",
     "diloco_int8",
+    "diloco_topk2",
+    "diloco_topk4",
     "streaming_diloco_t1_fp32",
     "streaming_diloco_t1_int8",
     "streaming_diloco_t2_int8",
@@ -95,6 +107,10 @@ ALL = ("alone",) + PEERS + GOSSIP
 #                     outer 0.1: 2e-3 (3.589), 4e-3 (3.542)
 #   sgp_bf16          2e-3 (3.166)  4e-3 (3.053)  8e-3 (3.029)  1.2e-2 (3.202)
 #   overlap_sgp_bf16  4e-3 (3.175)  8e-3 (3.104)
+#   sgp_int8          4e-3 (3.052)  8e-3 (3.083)
+#   overlap_sgp_int8  4e-3 (3.166)  8e-3 (3.096)
+#   sgp_fp8           4e-3 (3.050)  8e-3 (3.075)
+#   overlap_sgp_fp8   4e-3 (3.175)  8e-3 (3.084)
 #   dpsgd             8e-3 (3.088)
 #   localsgd          4e-3 (3.121)  8e-3 (3.239)
 #   slowmo            4e-3 (3.737)  8e-3 (3.782)  at slow momentum 0.5 (fairscale's default);
@@ -121,6 +137,10 @@ PEAK_LR = {
     "overlap_sgp": 8e-3,
     "sgp_bf16": 8e-3,
     "overlap_sgp_bf16": 8e-3,
+    "sgp_int8": 4e-3,
+    "overlap_sgp_int8": 8e-3,
+    "sgp_fp8": 4e-3,
+    "overlap_sgp_fp8": 8e-3,
     "dpsgd": 8e-3,
     "localsgd": 4e-3,
     "slowmo": 4e-3,
@@ -129,6 +149,8 @@ PEAK_LR = {
     "diloco_gossip": 4e-3,
     "diloco_gossip_bf16": 4e-3,
     "diloco_int8": 4e-3,
+    "diloco_topk2": 4e-3,
+    "diloco_topk4": 4e-3,
     "torchft_streaming_diloco_t1": 4e-3,
     "torchft_streaming_diloco_t2": 4e-3,
     "streaming_diloco_t1_fp32": 4e-3,
@@ -137,6 +159,8 @@ PEAK_LR = {
     "streaming_diloco_t1_int4": 4e-3,
     "streaming_diloco_t2_int4": 4e-3,
 }
+# The gossip messages of the SGP modes, by the system's suffix (none: the parameters' float32).
+GOSSIP_MESSAGES = {"bf16": torch.bfloat16, "int8": "int8", "fp8": torch.float8_e4m3fn}
 OUTER_DTYPES = {"fp32": None, "int8": "int8", "int4": "int4"}
 SLOWMO_MOMENTUM = 0.2
 
@@ -154,7 +178,13 @@ class Recipe:
     # overshoots (see PEAK_LR), so the lowest of those tried.
     outer_lr: float = 0.1
     outer_momentum: float = 0.9
+    # SparseLoCo's outer step: plain SGD on the mean of the sparse messages.
+    sparse_outer_lr: float = 1.0
     timeout: timedelta = timedelta(minutes=2)
+
+    def sparse_outer_optimizer(self, params) -> torch.optim.Optimizer:
+        """SparseLoCo's outer step: SGD without momentum (error feedback stands in for it)."""
+        return torch.optim.SGD(params, lr=self.sparse_outer_lr)
 
     def outer_optimizer(self, params) -> torch.optim.Optimizer:
         """DiLoCo's outer step: Nesterov SGD, for torchft's DiLoCo and gossip_ext's alike."""
@@ -273,7 +303,10 @@ class _Gossip(_OptimizerStep):
     def __init__(self, module: nn.Module, recipe: Recipe, system: str) -> None:
         world_size = dist.get_world_size()
         options: dict[str, Any] = {"timeout": recipe.timeout}
-        if system.endswith("_bf16"):
+        suffix = system.rsplit("_", 1)[-1]
+        if system.startswith(("sgp_", "overlap_sgp_")):
+            options["message_dtype"] = GOSSIP_MESSAGES[suffix]
+        if system == "diloco_gossip_bf16":
             options["message_dtype"] = torch.bfloat16
         if system.startswith("overlap_sgp"):
             options["overlap"] = True
@@ -295,6 +328,12 @@ class _Gossip(_OptimizerStep):
             )
             if system == "diloco_int8":
                 options["outer_dtype"] = "int8"
+            if system.startswith("diloco_topk"):
+                bits = int(system.removeprefix("diloco_topk"))
+                options.update(
+                    outer_dtype=gossip_ext.TopK(density=1 / 64, bits=bits),
+                    outer_optimizer=recipe.sparse_outer_optimizer,
+                )
         if system.startswith("streaming_diloco"):
             dtype = system.rsplit("_", 1)[1]
             options.update(
