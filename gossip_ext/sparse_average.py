@@ -1,16 +1,18 @@
 """The exact mean of the workers' pseudo-gradients in sparse messages: top-k of every chunk, its
 values in 2 or 4 bits, with error feedback (SparseLoCo's message; ``Exact(dtype=TopK(...))``).
 
-Every rank adds its residual ``e`` to its pseudo-gradient ``v``, cuts the sum into chunks of
+Every rank adds its residual ``e`` (times ``feedback_decay``, SparseLoCo's ``beta``: 1 keeps every
+value left out until it is sent; below 1, old residuals fade, and the residual acts as a local
+momentum of the pseudo-gradients) to its pseudo-gradient ``v``, cuts the sum into chunks of
 ``chunk`` values and keeps the ``k = round(density * chunk)`` of largest magnitude in each (the
 lower position first among equal magnitudes): their positions in the chunk (int16, ascending)
 and their values quantized to ``bits`` bits against the chunk's largest kept magnitude (one
 float32 scale a chunk), ``2^bits`` levels evenly from ``-scale`` to ``scale``. What the message
 does not carry, the values left out and the rounding of those kept, stays in ``e`` for the next
-outer step, so nothing is lost: over many outer steps the sum of the means applied is the sum of
-the true means, less what the residuals hold at the end. Compiled kernels encode and decode the
-messages, on the CPU or the GPU where the buckets are (the byte layout: Note [Sparse top-k
-messages] in csrc/kernels/sparse_topk.h).
+outer step, so at ``feedback_decay=1`` nothing is lost: over many outer steps the sum of the
+means applied is the sum of the true means, less what the residuals hold at the end. Compiled
+kernels encode and decode the messages, on the CPU or the GPU where the buckets are (the byte
+layout: Note [Sparse top-k messages] in csrc/kernels/sparse_topk.h).
 
 Sparse messages cannot be summed on their way (their positions differ), so every rank gathers
 every rank's message (an all-gather) and decodes them all, in rank order: every rank then holds
@@ -43,12 +45,14 @@ from gossip_ext.compressed_average import _all_gather
 class TopK:
     """A sparse message format for an outer step's exact average: the ``density`` largest
     magnitudes of every ``chunk`` values (at least one), their values in ``bits`` bits (2 or 4)
-    with one float32 scale a chunk, the rest kept by error feedback (SparseLoCo; see
-    :mod:`gossip_ext.sparse_average`). ``Exact(dtype=TopK(density=1/64, bits=2))``."""
+    with one float32 scale a chunk, the rest kept by error feedback, whose residual is scaled by
+    ``feedback_decay`` at each outer step (SparseLoCo; see :mod:`gossip_ext.sparse_average`).
+    ``Exact(dtype=TopK(density=1/64, bits=2))``."""
 
     density: float = 1 / 64
     bits: int = 2
     chunk: int = 4096
+    feedback_decay: float = 1.0
 
     def __post_init__(self) -> None:
         if isinstance(self.density, bool) or not isinstance(self.density, (int, float)):
@@ -62,6 +66,11 @@ class TopK:
         if not 1 <= self.chunk <= 32768:
             # Positions in a chunk travel as int16.
             raise ValueError(f"TopK(chunk=...): must be in [1, 32768], got {self.chunk}")
+        decay = self.feedback_decay
+        if isinstance(decay, bool) or not isinstance(decay, (int, float)):
+            raise TypeError(f"TopK(feedback_decay=...): must be a float, got {decay!r}")
+        if not 0.0 <= decay <= 1.0:
+            raise ValueError(f"TopK(feedback_decay=...): must be in [0, 1], got {decay}")
 
     @property
     def k(self) -> int:
@@ -157,7 +166,9 @@ class SparseMean:
         for b, ((numel, dtype), codec) in enumerate(zip(self.layout, self.codecs)):
             contribution = torch.zeros(numel, dtype=dtype, device=self.device)
             if weight is not None:
-                contribution.copy_(values[b]).add_(self.residuals[b]).mul_(weight)
+                contribution.copy_(values[b])
+                contribution.add_(self.residuals[b], alpha=self.format.feedback_decay)
+                contribution.mul_(weight)
             message = codec.encode(contribution)
             gathered = torch.empty(n * codec.bytes, dtype=torch.uint8, device=self.device)
             works.append(_all_gather(gathered, message, self.group, async_op=True))

@@ -1,11 +1,12 @@
 """DiLoCo's exact outer average in sparse messages (gossip_ext.sparse_average.TopK): the message
 format against its definition, the bytes against the formula, and DiLoCo on real processes over
 gloo against a plain-PyTorch reference of the same algorithm, written here from the module's
-docstring: top-k of every chunk of ``v + e``, the kept values in ``bits`` bits against the
+docstring: top-k of every chunk of ``v + beta e``, the kept values in ``bits`` bits against the
 chunk's largest, ``e`` what the message left out, the mean of every rank's decoded message."""
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import pytest
@@ -17,6 +18,8 @@ import gossip_ext
 from gossip_ext.sparse_average import TopK, _Codec
 
 FORMAT = TopK(density=1 / 8, bits=2, chunk=16)
+# SparseLoCo's decayed error feedback: the residual fades by beta = feedback_decay a step.
+DECAYED = dataclasses.replace(FORMAT, feedback_decay=0.9)
 D, H, STEPS, INNER_LR = 6, 3, 3 * 3 + 1, 0.05
 OUTER = {"lr": 0.7, "momentum": 0.9, "nesterov": True}
 
@@ -52,6 +55,14 @@ def test_a_message_carries_the_top_k_of_every_chunk_in_its_bits(bits):
     torch.testing.assert_close(carried.view(-1)[:100], _reference_message(v, f), rtol=0, atol=1e-12)
 
 
+def test_a_bad_format_is_refused_naming_the_argument():
+    refused = r"TopK\(feedback_decay=...\): must be in \[0, 1\], got 1.5"
+    with pytest.raises(ValueError, match=refused):
+        TopK(feedback_decay=1.5)
+    with pytest.raises(TypeError, match=r"TopK\(feedback_decay=...\): must be a float, got '0.9'"):
+        TopK(feedback_decay="0.9")
+
+
 def test_the_bytes_per_outer_step_are_the_formula():
     numels, f = [1_000_000, 4096], TopK()  # density 1/64, 2 bits, 4096-value chunks
     per_message = [245 * (4 + 2 * 64) + math.ceil(245 * 64 * 2 / 8), 1 * (4 + 128) + 16]
@@ -74,7 +85,7 @@ def _batch(rank: int, step: int):
     )
 
 
-def _reference(world_size: int) -> list[torch.Tensor]:
+def _reference(world_size: int, f: TopK) -> list[torch.Tensor]:
     """theta_global after STEPS steps of DiLoCo in TopK messages, in one process."""
     nets = [_net() for _ in range(world_size)]
     inner = [torch.optim.SGD(n.parameters(), lr=INNER_LR) for n in nets]
@@ -92,8 +103,8 @@ def _reference(world_size: int) -> list[torch.Tensor]:
             decoded = []
             for rank, net in enumerate(nets):
                 v = flat_theta - torch.cat([p.detach().reshape(-1) for p in net.parameters()])
-                v = v + residual[rank]
-                decoded.append(_reference_message(v, FORMAT))
+                v = v + f.feedback_decay * residual[rank]
+                decoded.append(_reference_message(v, f))
                 residual[rank] = v - decoded[-1]
             mean = torch.stack(decoded).sum(0) / world_size
             offset = 0
@@ -108,14 +119,14 @@ def _reference(world_size: int) -> list[torch.Tensor]:
     return [t.detach() for t in theta]
 
 
-def _train(rank: int, world_size: int, fragments: int) -> dict:
+def _train(rank: int, world_size: int, fragments: int, f: TopK = FORMAT) -> dict:
     model = gossip_ext.GossipDataParallel(
         _net(),
         gossip=None,
         outer=gossip_ext.DiLoCo(
             lambda ps: torch.optim.SGD(ps, **OUTER),
             every=H if fragments == 1 else 4,
-            average=gossip_ext.Exact(dtype=FORMAT),
+            average=gossip_ext.Exact(dtype=f),
             fragments=fragments,
         ),
     )
@@ -135,14 +146,15 @@ def _train(rank: int, world_size: int, fragments: int) -> dict:
     }
 
 
-def test_diloco_in_sparse_messages_matches_the_reference():
-    results = run_ranks(3, _train, 1)
-    want = _reference(3)
+@pytest.mark.parametrize("f", [FORMAT, DECAYED], ids=["feedback", "decayed_feedback"])
+def test_diloco_in_sparse_messages_matches_the_reference(f):
+    results = run_ranks(3, _train, 1, f)
+    want = _reference(3, f)
     for rank, result in enumerate(results):
         for got, expected in zip(result["theta"], want, strict=True):
             torch.testing.assert_close(got, expected, rtol=0, atol=1e-12, msg=f"rank {rank}")
         numel = sum(t.numel() for t in want)
-        assert result["bytes"] == FORMAT.bytes_per_step([numel], 3)
+        assert result["bytes"] == f.bytes_per_step([numel], 3)
 
 
 def test_streaming_diloco_in_sparse_messages_keeps_every_rank_on_one_theta_global():
