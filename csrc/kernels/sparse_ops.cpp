@@ -49,8 +49,8 @@ void check_topk_add_into_args(const at::Tensor& total, const at::Tensor& message
   TORCH_CHECK_VALUE(message.is_contiguous(), "gossip_ext: message must be contiguous");
   const c10::SymInt bytes = message_bytes(numel, k, bits, chunk);
   TORCH_CHECK_VALUE(message.sym_numel() == bytes, "gossip_ext: message has ", message.sym_numel(),
-                    " bytes but a message of ", numel / chunk, " chunks of k=", k, " codes of bits=",
-                    bits, " has ", bytes);
+                    " bytes but a message of ", numel / chunk, " chunks of k=", k,
+                    " codes of bits=", bits, " has ", bytes);
   TORCH_CHECK_VALUE(message.device() == total.device(), "gossip_ext: message is on ",
                     message.device(), " but total is on ", total.device());
 }

@@ -1,15 +1,16 @@
 // CPU kernels of the sparse top-k ops (Note [Sparse top-k messages] in ../sparse_topk.h; schemas
 // in ../sparse_ops.cpp). They are the oracle of the CUDA twins.
 //
-// Encoding: chunks in parallel; in each, a quickselect (std::nth_element) of the k-th of the
-// chunk's (magnitude, position) keys in the message's order (larger magnitude first, then lower
-// position), then one scan of the chunk in position order keeps every key at or before it, so the
+// Encoding: chunks in parallel; in each, a quickselect (std::nth_element) of the k-th largest
+// magnitude t (as the bits of |v|), then one scan of the chunk in position order keeps every
+// magnitude above t and the first of those equal to t until k are kept (as the CUDA twin), so the
 // positions come out ascending with no sort. The codes go to a scratch row per chunk and are
 // packed afterwards, bytes in parallel (a byte may hold two chunks' codes).
 // Decoding: every position is checked first, then chunks in parallel, each its row of total.
 #include <algorithm>
 #include <cstdint>
 #include <cstring>
+#include <functional>
 #include <type_traits>
 #include <vector>
 
@@ -43,18 +44,6 @@ T value_of_magnitude(magnitude_t<T> bits) {
   return v;
 }
 
-template <typename T>
-struct Key {
-  magnitude_t<T> magnitude;
-  int32_t position;
-};
-
-// True where a comes before b in the message's order: larger magnitude, then lower position.
-template <typename T>
-bool before(const Key<T>& a, const Key<T>& b) {
-  return a.magnitude > b.magnitude || (a.magnitude == b.magnitude && a.position < b.position);
-}
-
 struct Layout {
   int64_t chunks, k, bits, chunk;
 
@@ -65,21 +54,28 @@ struct Layout {
 template <typename T>
 void encode_chunks(const T* values, int64_t numel, const Layout& l, int64_t first, int64_t last,
                    uint8_t* message, uint8_t* codes) {
+  using M = magnitude_t<T>;
   const T levels = static_cast<T>((1 << l.bits) - 1);
   const T half_levels = static_cast<T>(static_cast<double>((1 << l.bits) - 1) / 2);
-  std::vector<Key<T>> keys(l.chunk);
+  std::vector<M> magnitudes(l.chunk);
+  std::vector<M> order(l.chunk);
   for (int64_t c = first; c < last; ++c) {
     const T* row = values + c * l.chunk;
     const int64_t present = std::min(l.chunk, numel - c * l.chunk);  // the rest is padding: 0
-    magnitude_t<T> largest = 0;
+    M largest = 0;
     for (int64_t p = 0; p < l.chunk; ++p) {
-      const magnitude_t<T> m = p < present ? magnitude_of(row[p]) : 0;
-      keys[p] = {m, static_cast<int32_t>(p)};
+      const M m = p < present ? magnitude_of(row[p]) : 0;
+      magnitudes[p] = m;
       largest = std::max(largest, m);
     }
-    const auto kth = keys.begin() + (l.k - 1);
-    std::nth_element(keys.begin(), kth, keys.end(), before<T>);
-    const Key<T> threshold = *kth;
+    // The k-th largest magnitude, and how many of the magnitudes equal to it are kept: the
+    // lowest positions.
+    order = magnitudes;
+    const auto kth = order.begin() + (l.k - 1);
+    std::nth_element(order.begin(), kth, order.end(), std::greater<M>());
+    const M threshold = *kth;
+    int64_t ties = l.k;
+    for (int64_t p = 0; p < l.chunk; ++p) ties -= magnitudes[p] > threshold;
 
     const float scale = static_cast<float>(value_of_magnitude<T>(largest));
     std::memcpy(message + 4 * c, &scale, sizeof(scale));
@@ -88,11 +84,11 @@ void encode_chunks(const T* values, int64_t numel, const Layout& l, int64_t firs
     uint8_t* row_codes = codes + c * l.k;
     int64_t kept = 0;
     for (int64_t p = 0; p < l.chunk && kept < l.k; ++p) {
-      const T v = p < present ? row[p] : T(0);
-      if (before<T>(threshold, Key<T>{magnitude_of(v), static_cast<int32_t>(p)})) continue;
+      const M m = magnitudes[p];
+      if (m < threshold || (m == threshold && ties-- <= 0)) continue;
       const int16_t position = static_cast<int16_t>(p);
       std::memcpy(row_positions + 2 * kept, &position, sizeof(position));
-      row_codes[kept] = topk_code<T>(v, safe, half_levels, levels);
+      row_codes[kept] = topk_code<T>(p < present ? row[p] : T(0), safe, half_levels, levels);
       ++kept;
     }
     TORCH_INTERNAL_ASSERT(kept == l.k, "topk_encode kept ", kept, " of k=", l.k);
@@ -153,22 +149,22 @@ void topk_add_into_cpu(const at::Tensor& total, const at::Tensor& message, int64
   AT_DISPATCH_FLOATING_TYPES(total.scalar_type(), "topk_add_into", [&] {
     scalar_t* out = total.mutable_data_ptr<scalar_t>();
     const auto step = static_cast<scalar_t>(2.0 / static_cast<double>((1 << bits) - 1));
-    at::parallel_for(
-        0, l.chunks, std::max<int64_t>(1, kGrainValues / (4 * k)), [&](int64_t first, int64_t last) {
-          for (int64_t c = first; c < last; ++c) {
-            float scale;
-            std::memcpy(&scale, bytes + 4 * c, sizeof(scale));
-            const auto s = static_cast<scalar_t>(scale);
-            scalar_t* row = out + c * chunk;
-            for (int64_t j = 0; j < k; ++j) {
-              const int64_t i = c * k + j;
-              int16_t p;
-              std::memcpy(&p, positions + 2 * i, sizeof(p));
-              const uint32_t code = (packed[i / per_byte] >> ((i % per_byte) * bits)) & mask;
-              row[p] += topk_value<scalar_t>(code, step, s);
-            }
-          }
-        });
+    const int64_t grain = std::max<int64_t>(1, kGrainValues / (4 * k));
+    at::parallel_for(0, l.chunks, grain, [&](int64_t first, int64_t last) {
+      for (int64_t c = first; c < last; ++c) {
+        float scale;
+        std::memcpy(&scale, bytes + 4 * c, sizeof(scale));
+        const auto s = static_cast<scalar_t>(scale);
+        scalar_t* row = out + c * chunk;
+        for (int64_t j = 0; j < k; ++j) {
+          const int64_t i = c * k + j;
+          int16_t p;
+          std::memcpy(&p, positions + 2 * i, sizeof(p));
+          const uint32_t code = (packed[i / per_byte] >> ((i % per_byte) * bits)) & mask;
+          row[p] += topk_value<scalar_t>(code, step, s);
+        }
+      }
+    });
   });
 }
 

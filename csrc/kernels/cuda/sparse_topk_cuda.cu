@@ -218,7 +218,8 @@ __global__ void add_kernel(T* __restrict__ total, const uint8_t* __restrict__ me
        i += static_cast<int64_t>(gridDim.x) * blockDim.x) {
     const int64_t c = i / k;
     const uint8_t* s = message + 4 * c;
-    const uint32_t scale_bits = s[0] | (s[1] << 8) | (s[2] << 16) | (static_cast<uint32_t>(s[3]) << 24);
+    const uint32_t scale_bits =
+        s[0] | (s[1] << 8) | (s[2] << 16) | (static_cast<uint32_t>(s[3]) << 24);
     const int p = static_cast<int16_t>(positions[2 * i] | (positions[2 * i + 1] << 8));
     if (p < 0 || p >= chunk) continue;  // not a message topk_encode writes (Note [Sparse ...])
     const uint32_t code = (packed[i / per_byte] >> ((i % per_byte) * bits)) & mask;
