@@ -1,20 +1,24 @@
 """The main demo: gossip_ext beside the systems a user would pick instead, on a real task.
 
-    python -m harness.demo                          # loopback, 2 workers, a few minutes
-    python -m harness.demo --bandwidth 100mbit      # as root: each worker behind its own NIC
+    python -m harness.demo                          # as root: each worker behind a 100 Mbit/s NIC
+    python -m harness.demo --bandwidth loopback     # on loopback, where a message is a memory copy
+    python -m harness.demo --systems all            # every system, not the default few
 
-Every system (DDP, DDP + PowerSGD, decent-dp, torchft's LocalSGD and DiLoCo, and gossip_ext's
-modes; those whose package is missing are named and left out, and the Streaming DiLoCos join at
-a sync period that fits their fragments, ``--sync-every 16``) trains a small byte-level
-transformer on the standard library's sources with the same data, seed and schedule shape
-(harness.tasks), each at its own peak learning rate (harness.compare.systems.PEAK_LR). DDP
+Where an emulated cluster can be built (root, Linux, ``ip`` and ``tc``: harness.netns), every
+worker runs in its own network namespace behind a 100 Mbit/s NIC, and the first line printed says
+so; elsewhere the demo runs on loopback and its first line says why and how to get the network.
+The systems (DDP, DDP + PowerSGD, decent-dp, torchft's LocalSGD and DiLoCo, and gossip_ext's SGP in
+bfloat16 and int8 messages, LocalSGD and DiLoCo, with the workers computing alone; ``--systems``
+runs any of the others, those whose package is missing are named and left out) train a small
+byte-level transformer on the standard library's sources with the same data, seed and schedule
+shape (harness.tasks), each at its own peak learning rate (harness.compare.systems.PEAK_LR). DDP
 runs half the steps of the others: its final held-out loss is the target, which a system that
 steps faster but learns less per step can still reach. The demo prints one table (time per step
 beside the workers computing alone, bytes each worker sent per step on the emulated network, time
-to DDP's final held-out loss, final held-out bits per byte), names the system that reached DDP's
-final held-out loss first, and writes a plot of held-out bits per byte against wall-clock time. On
-loopback, communication is a memory copy: the network result (--bandwidth) is the one that tells
-the systems apart.
+to DDP's final held-out loss as a multiple of DDP's and of the communication-free bound, DDP's
+steps at the pace of the workers computing alone, final held-out bits per byte), names the system
+that reached DDP's final held-out loss first and gossip_ext's best against the bound and the best
+peer, and writes a plot of held-out bits per byte against wall-clock time.
 
 For the full measurement, at 4 and 8 workers and long enough for the order not to be noise:
 benchmarks/lm_compare.py. The quick MLP demo is python -m harness.demo_mlp.
@@ -30,6 +34,24 @@ import tempfile
 from harness import netns
 from harness.compare import report, runner, systems
 
+# What the demo runs unless --systems says otherwise: the workers computing alone (the floor), the
+# peers a user would pick instead, and gossip_ext's fastest modes at 100 Mbit/s, within a few
+# minutes on 2 cores; the rest run with --systems.
+SYSTEMS = (
+    "alone",
+    "ddp",
+    "powersgd_r4",
+    "decent_dp",
+    "torchft_localsgd",
+    "torchft_diloco",
+    "overlap_sgp_bf16",
+    "overlap_sgp_int8",
+    "sgp_int8",
+    "localsgd",
+    "diloco_int8",
+)
+DEFAULT_RATE = 1e8  # each worker's NIC where the emulated cluster can be built
+
 
 def parse_args(argv=None):
     parser = argparse.ArgumentParser(
@@ -41,10 +63,10 @@ def parse_args(argv=None):
     parser.add_argument(
         "--systems",
         nargs="+",
-        choices=systems.ALL,
+        choices=("all", *systems.ALL),
         metavar="SYSTEM",
-        help=f"a subset of: {' '.join(systems.ALL)} (default: every one that runs at the sync "
-        "period)",
+        help=f"any of: {' '.join(systems.ALL)}; or all, every one that runs at the sync period "
+        f"(default: {' '.join(SYSTEMS)})",
     )
     parser.add_argument(
         "--sync-every",
@@ -68,8 +90,9 @@ def parse_args(argv=None):
     parser.add_argument(
         "--bandwidth",
         metavar="RATE",
-        help="run on an emulated cluster (needs root): every worker in its own network namespace "
-        "behind a NIC of this rate, e.g. 1gbit or 100mbit (default: loopback)",
+        help="every worker in its own network namespace behind a NIC of this rate, e.g. 1gbit or "
+        "100mbit (an emulated cluster: needs root, Linux and iproute2), or loopback for none "
+        "(default: 100mbit where the emulated cluster can be built, else loopback)",
     )
     parser.add_argument(
         "--plot",
@@ -83,13 +106,46 @@ def parse_args(argv=None):
     if args.steps <= 20:
         parser.error(f"--steps must be > 20 (twice the warmup), got {args.steps}")
     if args.systems is None:
+        args.systems = list(SYSTEMS)
+    elif "all" in args.systems:
         args.systems = [s for s in systems.ALL if not systems.schedule_problem(s, args.sync_every)]
     for name in args.systems:
         problem = systems.schedule_problem(name, args.sync_every)
         if problem:
             parser.error(f"--sync-every: {problem}")
-    args.rate = netns.rate_option(parser, args.bandwidth, args.workers)
+    args.rate = None
+    if args.bandwidth not in (None, "loopback"):
+        args.rate = netns.rate_option(parser, args.bandwidth, args.workers)
     return args
+
+
+def network(args) -> tuple[float | None, str]:
+    """The NIC rate the demo runs at (None: loopback) and the line that says so, first: the
+    emulated 100 Mbit/s cluster by default where it can be built, else loopback and why."""
+    workers = f"{args.workers} worker{'s' if args.workers > 1 else ''}"
+    if args.rate is not None:
+        return args.rate, _on_network(workers, args.rate)
+    if args.bandwidth == "loopback":
+        return None, (
+            f"{workers} on loopback (--bandwidth loopback), where a message is a memory copy: "
+            "the systems differ little; without the flag, as root, each worker is behind its own "
+            f"{netns.format_rate(DEFAULT_RATE)} NIC"
+        )
+    why = netns.unavailable() if args.workers > 1 else "one worker has no network to cross"
+    if why is None:
+        return DEFAULT_RATE, _on_network(workers, DEFAULT_RATE)
+    return None, (
+        f"{workers} on loopback, where a message is a memory copy ({why}); to put each worker "
+        f"behind its own {netns.format_rate(DEFAULT_RATE)} NIC, where the systems differ, run "
+        "it as root on Linux with iproute2 (ip, tc)"
+    )
+
+
+def _on_network(workers: str, rate: float) -> str:
+    return (
+        f"{workers}, each behind its own {netns.format_rate(rate)} NIC (an emulated cluster: "
+        "network namespaces and tc); --bandwidth loopback to skip"
+    )
 
 
 def main(argv=None) -> dict:
@@ -97,7 +153,8 @@ def main(argv=None) -> dict:
     if args.rate is not None and (reason := netns.unavailable()):
         print(f"python -m harness.demo --bandwidth: {reason}", file=sys.stderr)
         sys.exit(2)
-    network = "loopback" if args.rate is None else f"{netns.format_rate(args.rate)} NICs"
+    rate, line = network(args)
+    print(line, flush=True)
     protocol = runner.Protocol(
         steps=args.steps,
         ddp_steps=args.steps // 2,
@@ -105,19 +162,43 @@ def main(argv=None) -> dict:
         local_steps=args.sync_every,
         eval_every=args.eval_every,
     )
-    rows = runner.run_systems(args.systems, protocol, args.workers, args.rate, timeout=3600)
-    setting = f"{args.workers} workers, {network}"
+    rows = runner.run_systems(args.systems, protocol, args.workers, rate, timeout=3600)
+    setting = f"{args.workers} workers, " + (
+        "loopback" if rate is None else f"{netns.format_rate(rate)} NICs"
+    )
     print(f"\n{setting}\n{report.table(rows)}\n")
-    if "ddp" in rows:
-        target = rows["ddp"]["final_bpb"]
-        first = report.fastest(rows, target)
-        if first:
-            print(
-                f"fastest to DDP's final held-out loss ({target:.3f} bits per byte): "
-                f"{first[0]}, in {first[1]:.1f} s of training"
-            )
+    for line in verdict(rows):
+        print(line)
     report.plot({setting: rows}, args.plot)
     return rows
+
+
+def verdict(rows: dict[str, dict]) -> list[str]:
+    """Who reached DDP's final held-out loss first; gossip_ext's best against the
+    communication-free bound and against the best peer (DDP's time included)."""
+    if "ddp" not in rows:
+        return []
+    target = rows["ddp"]["final_bpb"]
+    lines = []
+    first = report.fastest(rows, target)
+    if first:
+        lines.append(
+            f"fastest to DDP's final held-out loss ({target:.3f} bits per byte): "
+            f"{first[0]}, in {first[1]:.1f} s of training"
+        )
+    ours = report.best(rows, report.gossip_rows(rows), target)
+    peer = report.best(rows, report.peer_rows(rows), target)
+    floor = report.bound(rows)
+    if ours is None and report.gossip_rows(rows):
+        lines.append("gossip_ext's modes: none reached it")
+    if ours and peer:
+        against = [f"{ours[1] / peer[1]:.2f}x the best peer's ({peer[0]}, {peer[1]:.1f} s)"]
+        if floor:
+            against.insert(
+                0, f"{ours[1] / floor:.2f}x the communication-free bound ({floor:.1f} s)"
+            )
+        lines.append(f"gossip_ext's best, {ours[0]}: {ours[1]:.1f} s, " + " and ".join(against))
+    return lines
 
 
 if __name__ == "__main__":
