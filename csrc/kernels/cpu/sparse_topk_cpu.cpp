@@ -1,10 +1,11 @@
 // CPU kernels of the sparse top-k ops (Note [Sparse top-k messages] in ../sparse_topk.h; schemas
 // in ../sparse_ops.cpp). They are the oracle of the CUDA twins.
 //
-// Encoding: chunks in parallel; in each, a quickselect (std::nth_element) of the k-th largest
-// magnitude t (as the bits of |v|), then one scan of the chunk in position order keeps every
-// magnitude above t and the first of those equal to t until k are kept (as the CUDA twin), so the
-// positions come out ascending with no sort. The codes go to a scratch row per chunk and are
+// Encoding: chunks in parallel; in each, the k-th largest magnitude t (as the bits of |v|): a
+// histogram of the magnitudes' top bits finds its bin, a quickselect (std::nth_element) of that
+// bin's few finds t; then one scan of the chunk in position order keeps every magnitude above t
+// and the first of those equal to t until k are kept (as the CUDA twin), so the positions come
+// out ascending with no sort. The codes go to a scratch row per chunk and are
 // packed afterwards, bytes in parallel (a byte may hold two chunks' codes).
 // Decoding: every position is checked first, then chunks in parallel, each its row of total.
 #include <algorithm>
@@ -51,31 +52,47 @@ struct Layout {
   int64_t codes_offset() const { return positions_offset() + 2 * chunks * k; }
 };
 
+// Magnitudes are binned by their top kHistogramBits bits (float32: the exponent and 3 bits of
+// mantissa; float64: the exponent).
+constexpr int kHistogramBits = 11;
+
 template <typename T>
 void encode_chunks(const T* values, int64_t numel, const Layout& l, int64_t first, int64_t last,
                    uint8_t* message, uint8_t* codes) {
   using M = magnitude_t<T>;
+  constexpr int kShift = static_cast<int>(sizeof(M)) * 8 - 1 - kHistogramBits;
   const T levels = static_cast<T>((1 << l.bits) - 1);
   const T half_levels = static_cast<T>(static_cast<double>((1 << l.bits) - 1) / 2);
   std::vector<M> magnitudes(l.chunk);
-  std::vector<M> order(l.chunk);
+  std::vector<M> candidates;
+  candidates.reserve(l.chunk);
+  std::vector<int32_t> histogram(size_t{1} << kHistogramBits);
   for (int64_t c = first; c < last; ++c) {
     const T* row = values + c * l.chunk;
     const int64_t present = std::min(l.chunk, numel - c * l.chunk);  // the rest is padding: 0
+    std::fill(histogram.begin(), histogram.end(), 0);
     M largest = 0;
     for (int64_t p = 0; p < l.chunk; ++p) {
       const M m = p < present ? magnitude_of(row[p]) : 0;
       magnitudes[p] = m;
+      ++histogram[m >> kShift];
       largest = std::max(largest, m);
     }
-    // The k-th largest magnitude, and how many of the magnitudes equal to it are kept: the
+    // The bin of the k-th largest magnitude, then the k-th largest itself among that bin's
+    // (a quickselect over a few), and how many of the magnitudes equal to it are kept: the
     // lowest positions.
-    order = magnitudes;
-    const auto kth = order.begin() + (l.k - 1);
-    std::nth_element(order.begin(), kth, order.end(), std::greater<M>());
+    int64_t bin = static_cast<int64_t>(largest >> kShift);
+    int64_t rank = l.k;  // of the k-th largest, in its bin
+    while (histogram[bin] < rank) rank -= histogram[bin--];
+    candidates.clear();
+    for (int64_t p = 0; p < l.chunk; ++p) {
+      if (static_cast<int64_t>(magnitudes[p] >> kShift) == bin) candidates.push_back(magnitudes[p]);
+    }
+    const auto kth = candidates.begin() + (rank - 1);
+    std::nth_element(candidates.begin(), kth, candidates.end(), std::greater<M>());
     const M threshold = *kth;
-    int64_t ties = l.k;
-    for (int64_t p = 0; p < l.chunk; ++p) ties -= magnitudes[p] > threshold;
+    int64_t ties = rank;  // the magnitudes above the threshold in its bin come before it
+    for (const M m : candidates) ties -= m > threshold;
 
     const float scale = static_cast<float>(value_of_magnitude<T>(largest));
     std::memcpy(message + 4 * c, &scale, sizeof(scale));
