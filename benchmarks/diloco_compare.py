@@ -37,9 +37,17 @@ from harness import netns  # noqa: E402
 from harness.compare import report, runner  # noqa: E402
 
 TITLE = "DiLoCo at H = 16 and 64: gossip_ext beside torchft, DDP and PowerSGD"
-ONCE = ("alone", "ddp", "powersgd_r4")
-PER_H = ("torchft_diloco", "diloco", "diloco_gossip", "diloco_gossip_bf16", "localsgd")
-OURS = ("diloco", "diloco_gossip", "diloco_gossip_bf16")
+# overlap_sgp_int8: gossip_ext's fastest every-step mode, the bar beside its DiLoCos.
+ONCE = ("alone", "ddp", "powersgd_r4", "overlap_sgp_int8")
+PER_H = (
+    "torchft_diloco",
+    "diloco",
+    "diloco_gossip",
+    "diloco_gossip_bf16",
+    "diloco_topk2",
+    "localsgd",
+)
+OURS = ("diloco", "diloco_gossip", "diloco_gossip_bf16", "diloco_topk2")
 # The outer Nesterov SGD: the best tried for gossip_ext's exact DiLoCo at 4 workers on loopback,
 # 960 steps (final held-out bits per byte; DDP's in 480 steps: 2.925; LocalSGD, an outer SGD at
 # lr 1 without momentum, 2.831 at H = 16 and 2.970 at H = 64):
@@ -158,7 +166,9 @@ def describe(params: int, protocol: runner.Protocol, args) -> str:
         f"at lr {' and '.join(f'{lr:g}' for lr in args.outer_lr)}, momentum "
         f"{args.outer_momentum:g} (the best tried: benchmarks/diloco_compare.py); `diloco` "
         f"averages the pseudo-gradients exactly (all-reduce), `diloco_gossip` mixes them by "
-        f"push-sum with one peer per outer step, `_bf16` in bfloat16 messages; `localsgd` at "
+        f"push-sum with one peer per outer step, `_bf16` in bfloat16 messages; `diloco_topk2` "
+        f"is SparseLoCo's step (sparse 2-bit messages with decayed error feedback, outer SGD at "
+        f"lr 1 without momentum: harness.compare.systems); `localsgd` at "
         f"the same H is the outer SGD at lr 1 without momentum, the plain average. A step "
         f"within {report.CPU_BOUND}x of `alone`'s is bound by the CPU."
     )
