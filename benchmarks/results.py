@@ -116,6 +116,23 @@ def _bound(cell: str | None, ddp_steps: int | None) -> str:
     return f"{ddp_steps * step_ms / 1000:.1f} s"
 
 
+def _stated_bounds(lines: list[str]) -> dict[str, str]:
+    """The bound per setting where a section states it (its goals table's "communication-free
+    bound" column, from the unrounded step times), which the summary then repeats."""
+    bounds = {}
+    for i, line in enumerate(lines):
+        header = _cells(line) if line.startswith("| setting |") else []
+        if "communication-free bound" not in header:
+            continue
+        column = header.index("communication-free bound")
+        for row in lines[i + 2 :]:
+            if not row.startswith("|"):
+                break
+            cells = _cells(row)
+            bounds[cells[0]] = cells[column]
+    return bounds
+
+
 def summary_rows(text: str) -> list[str]:
     """A markdown row per setting of every comparison section in ``text``."""
     rows = []
@@ -131,6 +148,7 @@ def summary_rows(text: str) -> list[str]:
         steps = _DDP_STEPS.search(section)
         ddp_steps = int(steps.group(1)) if steps else None
         lines = section.splitlines()
+        stated = _stated_bounds(lines)
         for i, line in enumerate(lines):
             header = _cells(line) if line.startswith("| system |") else None
             if header is None:
@@ -156,9 +174,10 @@ def summary_rows(text: str) -> list[str]:
                 ours = [n for n in candidates if not n.startswith(_PEERS)]
                 peers = [n for n in candidates if n.startswith(_PEERS) and n != "ddp"]
                 ddp = times["ddp"].split(" (")[0] if times["ddp"] else "not reached"
+                bound = stated.get(setting) or _bound(alone, ddp_steps)
                 rows.append(
                     f"| {setting} | {task} | {title} ({date.group(1) if date else 'no date'}) "
-                    f"| {ddp} | {_bound(alone, ddp_steps)} | {_first(times, candidates)} "
+                    f"| {ddp} | {bound} | {_first(times, candidates)} "
                     f"| {_first(times, ours)} "
                     f"| {_first(times, peers)} |"
                 )

@@ -102,6 +102,17 @@ def test_the_summary_gives_the_bound_only_where_the_section_has_alone_and_ddps_s
     assert [row.split(" | ")[4] for row in results.summary_rows(SECTION)] == ["4.3 s", "5.8 s"]
 
 
+def test_the_summary_repeats_the_bound_a_goals_table_states(results):
+    # A goals table states the bound from the unrounded step times (4.4 s here, where the
+    # rounded 9 ms would give 4.3 s): the summary gives the section's own figure.
+    goals = (
+        "| setting | goal | communication-free bound | met |\n|---|---|---|---|\n"
+        "| 4 workers, 1 Gbit/s | <= 1.15x the bound | 4.4 s | no |\n\n"
+    )
+    stated = SECTION.replace("| system | lr |", goals + "| system | lr |", 1)
+    assert [row.split(" | ")[4] for row in results.summary_rows(stated)] == ["4.4 s", "5.8 s"]
+
+
 def test_the_summary_goes_first_and_is_replaced_in_place(results):
     other = "## Soak (2026-01-01)\n\nMachine: m.\nCommand: `python benchmarks/soak.py`\n"
     text = results.with_summary(f"# Benchmark results\n\nIntro.\n\n{other}\n{SECTION}")
