@@ -76,3 +76,16 @@ def unpack(packed: torch.Tensor, count: int, bits: int) -> torch.Tensor:
     mask = 2**bits - 1
     lanes = [(packed >> (lane * bits)) & mask for lane in range(8 // bits)]
     return torch.stack(lanes, dim=1).reshape(-1)[:count]
+
+
+def tricky(numel: int, dtype: torch.dtype, seed: int = 0) -> torch.Tensor:
+    """Random values, a third of them zero or negative zero, many repeated magnitudes (of either
+    sign), a few values a tie apart from the largest: what the kernels' selection must order the
+    same way as the reference (test_sparse_kernels.py, gpu/test_sparse_cuda_kernels.py)."""
+    g = torch.Generator().manual_seed(seed)
+    v = torch.randn(numel, generator=g, dtype=torch.float64)
+    pick = torch.randint(0, 6, (numel,), generator=g)
+    v[pick == 0] = 0.0
+    v[pick == 1] = -0.0
+    v[pick == 2] = torch.randint(-3, 4, (int((pick == 2).sum()),), generator=g).double() / 2
+    return v.to(dtype)

@@ -10,6 +10,7 @@ import math
 import pytest
 import sparse_reference as reference
 import torch
+from sparse_reference import tricky
 
 import gossip_ext  # noqa: F401  (registers torch.ops.gossip_ext)
 from gossip_ext.sparse_average import TopK, _Codec
@@ -17,18 +18,6 @@ from gossip_ext.sparse_average import TopK, _Codec
 pytestmark = pytest.mark.extension
 
 ops = torch.ops.gossip_ext
-
-
-def tricky(numel: int, dtype: torch.dtype, seed: int = 0) -> torch.Tensor:
-    """Random values, a third of them zero or negative zero, many repeated magnitudes (of either
-    sign), a few values a tie apart from the largest."""
-    g = torch.Generator().manual_seed(seed)
-    v = torch.randn(numel, generator=g, dtype=torch.float64)
-    pick = torch.randint(0, 6, (numel,), generator=g)
-    v[pick == 0] = 0.0
-    v[pick == 1] = -0.0
-    v[pick == 2] = torch.randint(-3, 4, (int((pick == 2).sum()),), generator=g).double() / 2
-    return v.to(dtype)
 
 
 # (numel, chunk, k): chunks of 1 and 7, a short last chunk, SparseLoCo's 4096 at 1/64 and at

@@ -7,6 +7,7 @@ import math
 
 import pytest
 import torch
+from sparse_reference import tricky
 
 import gossip_ext  # noqa: F401  (registers torch.ops.gossip_ext)
 
@@ -30,17 +31,6 @@ CASES = [
     (100_000, 32768, 512),
     (4_000_003, 4096, 64),
 ]
-
-
-def tricky(numel: int, dtype: torch.dtype, seed: int = 0) -> torch.Tensor:
-    """Random values, a third zero or negative zero, many repeated magnitudes (ties)."""
-    g = torch.Generator().manual_seed(seed)
-    v = torch.randn(numel, generator=g, dtype=torch.float64)
-    pick = torch.randint(0, 6, (numel,), generator=g)
-    v[pick == 0] = 0.0
-    v[pick == 1] = -0.0
-    v[pick == 2] = torch.randint(-3, 4, (int((pick == 2).sum()),), generator=g).double() / 2
-    return v.to(dtype)
 
 
 @pytest.mark.parametrize("numel,chunk,k", CASES)
