@@ -56,6 +56,12 @@ from torch import nn
 
 import gossip_ext
 from gossip_ext.streaming import fragment_bounds
+from harness.compare.tuning import (  # noqa: F401  (PEAK_LR: read as systems.PEAK_LR)
+    PEAK_LR,
+    SLOWMO_MOMENTUM,
+    SPARSE_DENSITY,
+    SPARSE_FEEDBACK_DECAY,
+)
 from harness.tasks import byte_lm
 
 GOSSIP = (
@@ -96,81 +102,9 @@ STREAMING_FRAGMENTS = 4
 ALL = ("alone",) + PEERS + GOSSIP
 
 
-# Each system's peak learning rate for AdamW: the lowest held-out loss of those tried, after 480
-# steps of 4 workers on loopback with the comparison's model and batch (2-layer, width 128,
-# context 64, batch 8 per worker, warmup 20, H = 4), final bits per byte in brackets:
-#   ddp               2e-3 (2.925)  4e-3 (2.929)
-#   powersgd_r1       2e-3 (3.626)  4e-3 (3.642)
-#   powersgd_r4       2e-3 (3.163)  4e-3 (3.164)
-#   decent_dp         4e-3 (3.074)  8e-3 (3.212)
-#   torchft_localsgd  4e-3 (3.122)  8e-3 (3.271)
-#   torchft_diloco    outer 0.7: 4e-3 (4.157); outer 0.3: 2e-3 (3.755), 4e-3 (3.770);
-#                     outer 0.1: 2e-3 (3.589), 4e-3 (3.542)
-#   sgp_bf16          2e-3 (3.166)  4e-3 (3.053)  8e-3 (3.029)  1.2e-2 (3.202)
-#   overlap_sgp_bf16  4e-3 (3.175)  8e-3 (3.104)
-#   sgp_int8          4e-3 (3.052)  8e-3 (3.083)
-#   overlap_sgp_int8  4e-3 (3.166)  8e-3 (3.096)
-#   sgp_fp8           4e-3 (3.050)  8e-3 (3.075)
-#   overlap_sgp_fp8   4e-3 (3.175)  8e-3 (3.084)
-#   dpsgd             8e-3 (3.088)
-#   localsgd          4e-3 (3.121)  8e-3 (3.239)
-#   slowmo            4e-3 (3.737)  8e-3 (3.782)  at slow momentum 0.5 (fairscale's default);
-#                     at 4e-3: momentum 0.2 (3.152), 0.0 (3.047, the SGP average alone);
-#                     2e-3 at 0.5 (3.755), slow lr 0.5 at 0.5 (3.384)
-# (each cell: benchmarks/lm_compare.py --workers 4 --steps 480 --ddp-steps 480 --lr LR
-# [--outer-lr OUTER] --systems SYSTEM --no-record). Systems whose workers each step AdamW on
-# their own batch and then average models (gossip, decent-dp, LocalSGD) want a larger rate than
-# DDP: the mean of n AdamW steps taken on noisy batches is shorter than one step on the mean
-# gradient, since AdamW normalizes each step by its own batch's noise. The full-precision SGP
-# modes take their bfloat16 twins' rate. ``alone`` is not tuned: its row is the compute floor.
-# SlowMo's slow momentum only hurts at H = 4 under AdamW (each inner step is already normalized;
-# momentum on 4-step pseudo-gradients overshoots), so it runs at the smallest momentum tried that
-# is still SlowMo, 0.2.
-PEAK_LR = {
-    "alone": 2e-3,
-    "ddp": 2e-3,
-    "powersgd_r1": 2e-3,
-    "powersgd_r4": 2e-3,
-    "decent_dp": 4e-3,
-    "torchft_localsgd": 4e-3,
-    "torchft_diloco": 4e-3,
-    "sgp": 8e-3,
-    "overlap_sgp": 8e-3,
-    "sgp_bf16": 8e-3,
-    "overlap_sgp_bf16": 8e-3,
-    "sgp_int8": 4e-3,
-    "overlap_sgp_int8": 8e-3,
-    "sgp_fp8": 4e-3,
-    "overlap_sgp_fp8": 8e-3,
-    "dpsgd": 8e-3,
-    "localsgd": 4e-3,
-    "slowmo": 4e-3,
-    # Not swept yet: torchft_diloco's inner rate, the same outer step.
-    "diloco": 4e-3,
-    "diloco_gossip": 4e-3,
-    "diloco_gossip_bf16": 4e-3,
-    "diloco_int8": 4e-3,
-    "diloco_topk2": 4e-3,
-    "diloco_topk4": 4e-3,
-    "torchft_streaming_diloco_t1": 4e-3,
-    "torchft_streaming_diloco_t2": 4e-3,
-    "streaming_diloco_t1_fp32": 4e-3,
-    "streaming_diloco_t1_int8": 4e-3,
-    "streaming_diloco_t2_int8": 4e-3,
-    "streaming_diloco_t1_int4": 4e-3,
-    "streaming_diloco_t2_int4": 4e-3,
-}
 # The gossip messages of the SGP modes, by the system's suffix (none: the parameters' float32).
 GOSSIP_MESSAGES = {"bf16": torch.bfloat16, "int8": "int8", "fp8": torch.float8_e4m3fn}
 OUTER_DTYPES = {"fp32": None, "int8": "int8", "int4": "int4"}
-SLOWMO_MOMENTUM = 0.2
-# SparseLoCo's message, from final bits per byte after 480 steps of diloco_topk2 (4 workers,
-# loopback, H = 4, inner lr 4e-3, outer SGD lr 1): at density 1/64, feedback decay 1 (3.311),
-# 0.95 (3.232), 0.8 (3.257); at decay 0.95, density 1/32 (3.169), 1/16 (3.155). 4 bits for 2:
-# 3.334 against 3.311 (1/64, decay 1); inner lr 8e-3: 3.320. 1/32 is within SparseLoCo's 1-3%,
-# and 1/16 buys little for twice the bytes.
-SPARSE_DENSITY = 1 / 32
-SPARSE_FEEDBACK_DECAY = 0.95
 
 
 @dataclasses.dataclass(frozen=True)
@@ -183,7 +117,7 @@ class Recipe:
     warmup: int = 20
     local_steps: int = 8
     # DiLoCo's outer Nesterov SGD. Its paper's lr 0.7 was tuned at H = 500; at H = 4 that step
-    # overshoots (see PEAK_LR), so the lowest of those tried.
+    # overshoots (see tuning.PEAK_LR), so the lowest of those tried.
     outer_lr: float = 0.1
     outer_momentum: float = 0.9
     # SparseLoCo's outer step: plain SGD on the mean of the sparse messages.
