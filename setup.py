@@ -13,6 +13,7 @@ from setuptools import find_packages, setup
 ROOT = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.join(ROOT, "tools"))
 
+import libstdcxx  # noqa: E402  (tools/libstdcxx.py)
 import nccl_paths  # noqa: E402  (tools/nccl_paths.py)
 import sources  # noqa: E402  (tools/sources.py)
 import torch  # noqa: E402
@@ -61,7 +62,9 @@ def _extension():
         "-ffp-contract=off",
         "-g" if debug else "-g0",
     ]
-    link_flags = ["-fopenmp"] + ([] if debug else ["-s"])
+    # The shared libstdc++ that torch runs with, named before the compiler's own -lstdc++: a
+    # compiler with only libstdc++.a would copy part of the library into _C (tools/libstdcxx.py).
+    link_flags = ["-fopenmp"] + ([] if debug else ["-s"]) + libstdcxx.link_args()
     include_dirs = [os.path.join(ROOT, "csrc")]
     # The torch compiled against, exactly as torch.__version__ says it (local suffix included: a
     # +cpu and a +cu130 build differ too), for _C.built_with_torch(): the package refuses to run

@@ -1,6 +1,7 @@
 """Checks that the gossip_ext this Python imports is a working CUDA build: NcclTransport is
 registered, every CUDA kernel is registered with the dispatcher, and the process holds one
-libnccl, torch's. Needs no GPU. Exits non-zero naming what is missing.
+libnccl, torch's, and the module carries no copy of libstdc++ (tools/libstdcxx.py). Needs no
+GPU. Exits non-zero naming what is missing.
 
     python tools/check_cuda_build.py [--not-under FOLDER]
 
@@ -13,6 +14,9 @@ import os
 import sys
 
 import torch
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import libstdcxx  # noqa: E402  (tools/libstdcxx.py)
 
 import gossip_ext
 from gossip_ext import _C
@@ -46,6 +50,13 @@ def main() -> int:
         nccl = sorted({line.split()[-1] for line in maps if "libnccl" in line})
     if len(nccl) != 1:
         problems.append(f"expected one libnccl in the process, found {nccl or 'none'}")
+
+    copied = libstdcxx.copied_symbols(where)
+    if copied:
+        problems.append(
+            f"{where} defines {len(copied)} symbols of libstdc++ itself ({copied[0]}, ...): the "
+            "compiler linked libstdc++.a into it; rebuild with setup.py, which links the shared one"
+        )
 
     print(f"gossip_ext {gossip_ext.__version__}: {where}")
     print(f"  built against torch {_C.built_with_torch()}, running torch {torch.__version__}")

@@ -12,13 +12,12 @@
 #   kernels     benchmarks/kernels.py on the GPU, alone: 25M and 100M elements, fp32 and bf16
 #   nccl_round  benchmarks/nccl_round.py: a gossip round through NCCL beside a bare NCCL
 #               send/receive of the same bytes, alone
-#   nccl_probe  tools/nccl_probe.py: a few rounds through NCCL alone, beside torch's NCCL group
-#               (lazy and eager) and in a forked process, each in its own process: which setup
-#               fails (logged in nccl_round.log)
 #   tests       pytest tests/gpu, a file at a time, each test under a limit: a file that crashes
-#               or hangs still leaves its failures, with their tracebacks, in the log
-#   memcheck    compute-sanitizer memcheck over tests/gpu/test_cuda_kernels.py (less the cases
-#               too large or timed for it), beside the tests: both check, neither times
+#               or hangs still leaves its failures, with their tracebacks, in the log. Of the
+#               kernel tests only the cases that memcheck leaves out: memcheck runs the others
+#   memcheck    the kernel tests (tests/gpu/test_cuda_kernels.py, less the cases too large or
+#               timed for it) under compute-sanitizer memcheck, beside the tests: a failed
+#               assertion fails it as a memory error does; neither stage times anything
 # The benchmarks run before the tests, so that a test that hangs cannot take their time, and a
 # crash anywhere prints the Python stack of every thread (PYTHONFAULTHANDLER).
 # It ends with one table (stage, result, seconds) and exits non-zero if any stage failed.
@@ -118,15 +117,24 @@ build() {
   GOSSIP_EXT_CUDA=1 TORCH_CUDA_ARCH_LIST=$arch MAX_JOBS=${MAX_JOBS:-$(nproc)} \
     "$PYTHON" setup.py build_ext --inplace
 }
+# The kernel tests that memcheck leaves out: too large for it to run in time (several grid-stride
+# passes, 2,097,155 elements), or timing the host. The tests stage runs these, memcheck the rest.
+NOT_UNDER_MEMCHECK="several_grid_stride or return_at_once or 2097155"
+export NOT_UNDER_MEMCHECK
+
 # tests/gpu a file at a time, each test under pytest-timeout's limit where it is installed; the
-# kernel tests first. Exits non-zero if any file failed.
+# kernel tests (their cases that memcheck does not run) last, after every file of the engine's.
+# Exits non-zero if any file failed.
 gpu_tests() {
   local status=0 file
-  for file in tests/gpu/test_cuda_kernels.py $(ls tests/gpu/test_*.py | grep -v test_cuda_kernels); do
+  for file in $(ls tests/gpu/test_*.py | grep -v test_cuda_kernels); do
     echo "-- $file"
     "$PYTHON" -m pytest "$file" -q -rfEs --tb=short -p no:cacheprovider $PYTEST_LIMIT ||
       status=1
   done
+  echo "-- tests/gpu/test_cuda_kernels.py -k '$NOT_UNDER_MEMCHECK' (memcheck runs the others)"
+  "$PYTHON" -m pytest tests/gpu/test_cuda_kernels.py -q -rfEs --tb=short -p no:cacheprovider \
+    $PYTEST_LIMIT -k "$NOT_UNDER_MEMCHECK" || status=1
   return $status
 }
 export -f found build gpu_tests
@@ -140,7 +148,7 @@ stage found 30 build.log bash -c found
 cp "$RESULTS_DIR/build.log" "$RESULTS_DIR/found.txt"
 if [ "$failed" -ne 0 ]; then
   # No usable GPU or CUDA build of torch: nothing after this could run.
-  for name in build import kernels nccl_round nccl_probe tests memcheck; do
+  for name in build import kernels nccl_round tests memcheck; do
     rows+=("$(printf '| %-10s | %-22s | %4d |' "$name" "SKIPPED (found failed)" 0)")
   done
   deadline=$SECONDS
@@ -154,10 +162,9 @@ if [ "$failed" -eq 0 ]; then
     --min-run-time 0.2 --rounds 3
   GOSSIP_EXT_RESULTS=$RESULTS_DIR/nccl_round.md stage nccl_round 60 nccl_round.log \
     "$PYTHON" benchmarks/nccl_round.py --params 2.5e7 1e8
-  stage nccl_probe 90 nccl_round.log "$PYTHON" tools/nccl_probe.py
 
   # memcheck beside the tests: it runs each kernel far slower, so it leaves out the sizes that take
-  # several grid-stride passes and the tests that time the host.
+  # several grid-stride passes and the tests that time the host (the tests stage runs those).
   memcheck_start=$SECONDS
   memcheck_limit=$(limit_for 200)
   sanitizer=$(command -v compute-sanitizer || echo "${CUDA_HOME:-}/bin/compute-sanitizer")
@@ -165,10 +172,10 @@ if [ "$failed" -eq 0 ]; then
     printf '\n== memcheck (limit %d s)\n' "$memcheck_limit"
     timeout --kill-after=10 "$memcheck_limit" "$sanitizer" --tool memcheck --error-exitcode 99 \
       "$PYTHON" -m pytest tests/gpu/test_cuda_kernels.py -q -p no:cacheprovider \
-      -k "not several_grid_stride and not return_at_once and not 2097155"
+      -k "not ($NOT_UNDER_MEMCHECK)"
   ) >"$RESULTS_DIR/memcheck.log" 2>&1 &
   memcheck_pid=$!
-  stage tests 240 tests.log bash -c gpu_tests
+  stage tests 250 tests.log bash -c gpu_tests
   wait "$memcheck_pid"
   memcheck_status=$?
   tail -n 5 "$RESULTS_DIR/memcheck.log"
