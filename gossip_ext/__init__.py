@@ -42,7 +42,17 @@ import torch  # noqa: F401  (loads libtorch before the extension)
 # gossip_ext._C (it registers torch.ops.gossip_ext), refused before anything runs in it if it was
 # built against another torch than the running one.
 from gossip_ext._torch_check import _C
-from gossip_ext.algorithms import SGP, Average, ByGossip, DiLoCo, Elastic, Exact, PushPull, SlowMo
+from gossip_ext.algorithms import (
+    SGP,
+    Average,
+    ByCompressedGossip,
+    ByGossip,
+    DiLoCo,
+    Elastic,
+    Exact,
+    PushPull,
+    SlowMo,
+)
 from gossip_ext.distributed import GossipDataParallel
 from gossip_ext.epochs import RemovedError
 from gossip_ext.errors import NonFiniteError, PeerTimeoutError
@@ -70,6 +80,7 @@ _C.cpu_kernels_isa()
 __all__ = [
     "SGP",
     "Average",
+    "ByCompressedGossip",
     "ByGossip",
     "CustomGraph",
     "DiLoCo",

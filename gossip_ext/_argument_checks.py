@@ -106,6 +106,12 @@ def check_flat(flat: Mapping[str, Any], *, nprocs_per_node: int = 1, process_gro
         f["slowmo_freq"],
     )
     check_outer_average(f["outer_average"], f["outer_optimizer"], nprocs_per_node)
+    own = (f["outer_consensus_step"], f["outer_graph"])
+    if f["outer_average"] != "compressed_gossip" and own != (0.5, None):
+        raise ValueError(
+            f"outer_consensus_step={own[0]!r} and outer_graph={own[1]!r} configure "
+            f"outer_average='compressed_gossip', but outer_average is {f['outer_average']!r}"
+        )
     check_outer_dtype(f["outer_dtype"], f["outer_optimizer"], f["outer_average"])
     check_fragments(
         f["fragments"],
@@ -194,23 +200,34 @@ def check_outer(outer_optimizer, sync_every, outer_device, global_avg_freq, slow
 
 
 def check_outer_average(outer_average, outer_optimizer, nprocs_per_node: int) -> None:
-    if outer_average not in ("allreduce", "gossip"):
-        raise ValueError(f"outer_average must be 'allreduce' or 'gossip', got {outer_average!r}")
-    if outer_average == "gossip" and outer_optimizer is None:
+    if outer_average not in ("allreduce", "gossip", "compressed_gossip"):
         raise ValueError(
-            "outer_average='gossip' mixes the pseudo-gradients of an outer step, but "
+            "outer_average must be 'allreduce', 'gossip' or 'compressed_gossip', got "
+            f"{outer_average!r}"
+        )
+    if outer_average != "allreduce" and outer_optimizer is None:
+        raise ValueError(
+            f"outer_average={outer_average!r} mixes the pseudo-gradients of an outer step, but "
             "outer_optimizer is None (without one, sync_every is LocalSGD's exact average)"
         )
-    if outer_average == "gossip" and nprocs_per_node > 1:
+    if outer_average != "allreduce" and nprocs_per_node > 1:
         raise ValueError(
-            f"outer_average='gossip' with nprocs_per_node={nprocs_per_node}: the outer step "
-            "over gossip keeps one theta_global per gossiping process, which the other processes "
-            "of its machine would not share; use outer_average='allreduce' with nprocs_per_node"
+            f"outer_average={outer_average!r} with nprocs_per_node={nprocs_per_node}: the outer "
+            "step over gossip keeps one theta_global per gossiping process, which the other "
+            "processes of its machine would not share; use outer_average='allreduce' with "
+            "nprocs_per_node"
         )
 
 
 def check_outer_dtype(outer_dtype, outer_optimizer, outer_average) -> None:
+    from gossip_ext.sparse_average import TopK
+
     check_outer_message_format("outer_dtype", outer_dtype)
+    if outer_average == "compressed_gossip" and not isinstance(outer_dtype, TopK):
+        raise ValueError(
+            "outer_average='compressed_gossip' sends sparse messages: outer_dtype must be a "
+            f"TopK(...), got {outer_dtype!r}"
+        )
     if outer_dtype is None:
         return
     if outer_optimizer is None:
@@ -218,6 +235,8 @@ def check_outer_dtype(outer_dtype, outer_optimizer, outer_average) -> None:
             f"outer_dtype={outer_dtype!r} compresses DiLoCo's pseudo-gradients, but "
             "outer_optimizer is None"
         )
+    if outer_average == "compressed_gossip":
+        return
     if outer_average != "allreduce":
         raise ValueError(
             f"outer_dtype={outer_dtype!r} compresses the exact outer average; with "

@@ -53,6 +53,8 @@ class StepEnd:
             self._mix.after_step()
         elif kind == outer.OUTER and self._outer.by_gossip:
             self._outer_step_by_gossip()
+        elif kind == outer.OUTER and self._outer.sparse_gossip is not None:
+            self._outer_step_by_sparse_gossip()
         elif kind is not None:
             # The exact average takes the place of this step's gossip round.
             self._average_exactly(kind)
@@ -111,6 +113,18 @@ class StepEnd:
         promise), before the outer state is touched."""
         self._mix.run_round()
         self._outer.run_on_mixed()
+
+    def _outer_step_by_sparse_gossip(self) -> None:
+        """The outer step with ``ByCompressedGossip``: the inner gossip in flight is absorbed
+        first (the parameters are then this worker's model), then the exchange with the fixed
+        neighbours and the rule's step. A failed exchange raises before anything is written, and
+        stays raised."""
+        self._mix.restart()
+        try:
+            self._outer.run_sparse_gossip()
+        except Exception as error:
+            self._mix.fail(error)
+            raise
 
     @property
     def outer_optimizer(self) -> torch.optim.Optimizer | None:

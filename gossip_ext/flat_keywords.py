@@ -16,6 +16,7 @@ from gossip_ext import _validation
 from gossip_ext.algorithms import (
     SGP,
     Average,
+    ByCompressedGossip,
     ByGossip,
     DiLoCo,
     Elastic,
@@ -48,6 +49,8 @@ FLAT_DEFAULTS: dict[str, Any] = {
     "outer_average": "allreduce",
     "outer_device": None,
     "outer_dtype": None,
+    "outer_consensus_step": 0.5,  # ByCompressedGossip's, with outer_average="compressed_gossip"
+    "outer_graph": None,
     "fragments": 1,
     "fragment_delay": 0,
     "fragment_alpha": 0.0,
@@ -119,7 +122,13 @@ def from_flat(flat: Mapping[str, Any]) -> tuple[Gossip, Outer, Elastic | None]:
             average_every=f["global_avg_freq"] or None,
         )
     elif f["outer_optimizer"] is not None:
-        if f["outer_average"] == "gossip":
+        if f["outer_average"] == "compressed_gossip":
+            average = ByCompressedGossip(
+                message=f["outer_dtype"],
+                consensus_step=f["outer_consensus_step"],
+                graph=f["outer_graph"],
+            )
+        elif f["outer_average"] == "gossip":
             average = (
                 ByGossip()
                 if gossips

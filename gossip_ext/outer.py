@@ -10,7 +10,9 @@ Three kinds, each taking the place of that step's gossip round:
   (``outer_rules.OuterOptimizer``). Averaged exactly (``outer_average="allreduce"``), or by that
   step's gossip round (``"gossip"``): each worker mixes its parameters with its peers' and steps
   its own ``theta_global`` with ``theta_global - z``; push-sum keeps the mean over workers, so
-  their mean moves as under exact averaging, with no collective over every worker.
+  their mean moves as under exact averaging, with no collective over every worker. Or by sparse
+  messages to fixed neighbours (``ByCompressedGossip``, ``compressed_gossip.SparseGossip``): the
+  same step with the parameters mixed by CHOCO-gossip instead of a push-sum round.
 
 The exact average is push-sum's consensus value ``sum_i w_i z_i / sum_i w_i``
 (``averaging.exact_average``), read straight from the parameters into the message. DiLoCo's
@@ -59,6 +61,7 @@ class OuterSteps:
         sync_every: int = 0,
         by_gossip: bool = False,
         outer_dtype: torch.dtype | str | None = None,
+        sparse_gossip: Any = None,
     ):
         self.buckets = ParameterBuckets(params)
         # DiLoCo's pseudo-gradients in compressed messages (the rule is an OuterOptimizer).
@@ -74,6 +77,8 @@ class OuterSteps:
         self.rule = rule
         self.sync_every = sync_every if rule is not None else 0
         self.by_gossip = by_gossip
+        # ByCompressedGossip's exchange (a compressed_gossip.SparseGossip), or None.
+        self.sparse_gossip = sparse_gossip
         # The rule starts (again) at the first forward, after any weights loaded by hand.
         self._start_at_forward = rule is not None
 
@@ -105,6 +110,7 @@ class OuterSteps:
         exist before any step (the outer optimizer's) start here, and again at the forward."""
         if self.rule is not None and self.rule.eager:
             self.rule.start(self.buckets)
+            self._start_public_copies()
 
     def before_forward(self) -> None:
         if self._start_at_forward:
@@ -115,7 +121,20 @@ class OuterSteps:
         optimizer's state is kept)."""
         if self.rule is not None:
             self.rule.start(self.buckets)
+            self._start_public_copies()
         self._start_at_forward = False
+
+    def _start_public_copies(self) -> None:
+        """ByCompressedGossip's public copies start with the rule, at the same parameters."""
+        if self.sparse_gossip is not None:
+            self.sparse_gossip.start(self._read_all())
+
+    def _read_all(self) -> list[torch.Tensor]:
+        """A copy of the parameters, a flat tensor per bucket."""
+        return [
+            self.buckets.read(b, torch.empty(n, dtype=dtype, device=self.buckets.device(b)))
+            for b, (n, dtype) in enumerate(self.buckets.layout())
+        ]
 
     # ----------------------------------------------------------------------------- steps
 
@@ -189,11 +208,20 @@ class OuterSteps:
         """The rule's step with this worker's own parameters in place of the exact average:
         ``outer_average="gossip"``, whose round has just mixed them with the round's peers.
         Local; one transient copy of the parameters."""
-        mixed = [
-            self.buckets.read(b, torch.empty(n, dtype=dtype, device=self.buckets.device(b)))
-            for b, (n, dtype) in enumerate(self.buckets.layout())
-        ]
-        for b, result in enumerate(self.rule.update(self.buckets, mixed)):
+        for b, result in enumerate(self.rule.update(self.buckets, self._read_all())):
+            self.buckets.write(b, result)
+
+    @torch.no_grad()
+    def run_sparse_gossip(self) -> None:
+        """The rule's step with the parameters mixed by ByCompressedGossip's exchange with the
+        neighbours; the public copies are kept once the exchange has succeeded, and nothing is
+        written before it has."""
+        if not self.rule.started:
+            self.start()  # no forward ran before this step: the copies start here
+        staged = self.sparse_gossip.mix(self._read_all())
+        results = self.rule.update(self.buckets, staged.mixed)
+        self.sparse_gossip.commit(staged)
+        for b, result in enumerate(results):
             self.buckets.write(b, result)
 
     # ----------------------------------------------------------------------------- checkpoint
@@ -202,8 +230,9 @@ class OuterSteps:
         if self.rule is None:
             return {}
         state = {self.rule.state_key: self.rule.state_dict() if self.rule.started else None}
-        if self.compressed is not None:
-            state[self.compressed.state_key] = self.compressed.state_dict()
+        for part in (self.compressed, self.sparse_gossip):
+            if part is not None:
+                state[part.state_key] = part.state_dict()
         return state
 
     def per_parameter_state(self) -> dict[str, list[torch.Tensor]] | None:
@@ -211,8 +240,8 @@ class OuterSteps:
         an empty dict without a rule (nothing to save), None where it cannot be put so."""
         if self.rule is None:
             return {}
-        if self.compressed is not None:
-            return None  # the residuals are cut by the compressed messages' shards
+        if self.compressed is not None or self.sparse_gossip is not None:
+            return None  # the residuals are cut by shards; the public copies are whole buckets
         return self.rule.per_parameter_state()
 
     def load_per_parameter_state(self, state: dict[str, list[torch.Tensor]]) -> None:
@@ -234,3 +263,5 @@ class OuterSteps:
             self.compressed.load_state_dict(
                 state.get(self.compressed.state_key), members_changed=members_changed
             )
+        if self.sparse_gossip is not None:
+            self.sparse_gossip.load_state_dict(state.get(self.sparse_gossip.state_key))

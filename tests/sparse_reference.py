@@ -89,3 +89,23 @@ def tricky(numel: int, dtype: torch.dtype, seed: int = 0) -> torch.Tensor:
     v[pick == 1] = -0.0
     v[pick == 2] = torch.randint(-3, 4, (int((pick == 2).sum()),), generator=g).double() / 2
     return v.to(dtype)
+
+
+def carried(v: torch.Tensor, f) -> torch.Tensor:
+    """What a TopK message of the flat vector ``v`` carries, decoded (``f``: a gossip_ext.TopK),
+    written from its definition: the ``k`` largest magnitudes of every chunk, each rounded to
+    the nearest of ``2^bits`` levels evenly from ``-scale`` to ``scale``, ``scale`` the chunk's
+    largest kept magnitude."""
+    chunks = math.ceil(v.numel() / f.chunk)
+    padded = torch.zeros(chunks * f.chunk, dtype=v.dtype)
+    padded[: v.numel()] = v
+    out = torch.zeros_like(padded)
+    levels = 2**f.bits - 1
+    for c in range(chunks):
+        piece = padded[c * f.chunk : (c + 1) * f.chunk]
+        kept = piece.abs().topk(f.k).indices
+        scale = float(piece[kept].abs().max().to(torch.float32))
+        for i in kept.tolist():
+            code = min(max(round((float(piece[i]) / scale + 1) * levels / 2), 0), levels)
+            out[c * f.chunk + i] = (code * 2 / levels - 1) * scale
+    return out[: v.numel()]

@@ -12,6 +12,7 @@ import math
 import pytest
 import torch
 from multiprocess import run_ranks
+from sparse_reference import carried
 from torch import nn
 
 import gossip_ext
@@ -24,23 +25,6 @@ D, H, STEPS, INNER_LR = 6, 3, 3 * 3 + 1, 0.05
 OUTER = {"lr": 0.7, "momentum": 0.9, "nesterov": True}
 
 
-def _reference_message(v: torch.Tensor, f: TopK) -> torch.Tensor:
-    """What a rank's message carries, decoded, for the flat vector ``v``."""
-    chunks = math.ceil(v.numel() / f.chunk)
-    padded = torch.zeros(chunks * f.chunk, dtype=v.dtype)
-    padded[: v.numel()] = v
-    out = torch.zeros_like(padded)
-    levels = 2**f.bits - 1
-    for c in range(chunks):
-        piece = padded[c * f.chunk : (c + 1) * f.chunk]
-        kept = piece.abs().topk(f.k).indices
-        scale = float(piece[kept].abs().max().to(torch.float32))
-        for i in kept.tolist():
-            code = min(max(round((float(piece[i]) / scale + 1) * levels / 2), 0), levels)
-            out[c * f.chunk + i] = (code * 2 / levels - 1) * scale
-    return out[: v.numel()]
-
-
 @pytest.mark.parametrize("bits", [2, 4])
 def test_a_message_carries_the_top_k_of_every_chunk_in_its_bits(bits):
     f = TopK(density=1 / 8, bits=bits, chunk=16)
@@ -50,9 +34,9 @@ def test_a_message_carries_the_top_k_of_every_chunk_in_its_bits(bits):
     assert (
         message.numel() == f.message_bytes(v.numel()) == 7 * (4 + 2 * 2) + math.ceil(14 * bits / 8)
     )
-    carried = torch.zeros(codec.chunks, f.chunk, dtype=torch.float64)
-    codec.add_into(carried, message)
-    torch.testing.assert_close(carried.view(-1)[:100], _reference_message(v, f), rtol=0, atol=1e-12)
+    decoded = torch.zeros(codec.chunks, f.chunk, dtype=torch.float64)
+    codec.add_into(decoded, message)
+    torch.testing.assert_close(decoded.view(-1)[:100], carried(v, f), rtol=0, atol=1e-12)
 
 
 def test_a_bad_format_is_refused_naming_the_argument():
@@ -104,7 +88,7 @@ def _reference(world_size: int, f: TopK) -> list[torch.Tensor]:
             for rank, net in enumerate(nets):
                 v = flat_theta - torch.cat([p.detach().reshape(-1) for p in net.parameters()])
                 v = v + f.feedback_decay * residual[rank]
-                decoded.append(_reference_message(v, f))
+                decoded.append(carried(v, f))
                 residual[rank] = v - decoded[-1]
             mean = torch.stack(decoded).sum(0) / world_size
             offset = 0

@@ -14,7 +14,8 @@
 - ``outer``: what happens every few steps. :class:`Average` (an exact average), :class:`SlowMo`
   (SlowMo's heavy ball on the average), :class:`DiLoCo` (an outer optimizer on the averaged
   pseudo-gradient, streamed in fragments when ``fragments > 1``), or ``None``.
-  :class:`Exact` and :class:`ByGossip` say how an outer step averages.
+  :class:`Exact`, :class:`ByGossip` and :class:`ByCompressedGossip` say how an outer step
+  averages.
 - ``membership``: :class:`Elastic` (workers come and go; gossip_ext.membership) or ``None``.
 
 Each object checks its own arguments when it is made, naming the argument and the value it got;
@@ -48,11 +49,19 @@ from typing import Any
 from gossip_ext import outer as _outer_steps
 from gossip_ext.algorithms._gossip import SGP, PushPull, default_graph
 from gossip_ext.algorithms._membership import Elastic
-from gossip_ext.algorithms._outer import Average, ByGossip, DiLoCo, Exact, SlowMo
+from gossip_ext.algorithms._outer import (
+    Average,
+    ByCompressedGossip,
+    ByGossip,
+    DiLoCo,
+    Exact,
+    SlowMo,
+)
 
 __all__ = [
     "SGP",
     "Average",
+    "ByCompressedGossip",
     "ByGossip",
     "DiLoCo",
     "Elastic",

@@ -1,5 +1,6 @@
 """What happens every few optimizer steps: an exact average, SlowMo, DiLoCo (streamed or not),
-and how an outer step averages (Exact, ByGossip); each outer step building its rule (``rule``)."""
+and how an outer step averages (Exact, ByGossip, ByCompressedGossip); each outer step building its
+rule (``rule``)."""
 
 from __future__ import annotations
 
@@ -21,7 +22,8 @@ from gossip_ext.algorithms._base import (
     where,
 )
 from gossip_ext.averaging import ParameterBuckets
-from gossip_ext.graphs import GraphBase
+from gossip_ext.compressed_gossip import SparseGossip, fixed_neighbours
+from gossip_ext.graphs import GraphBase, RingGraph
 from gossip_ext.mixing import MixingBase, UniformMixing
 from gossip_ext.sparse_average import TopK
 from gossip_ext.streaming import StreamingOuter
@@ -105,6 +107,59 @@ class ByGossip(Algorithm):
     @property
     def own_engine(self) -> bool:
         return (self.graph, self.mixing, self.message_dtype) != (None, None, None)
+
+
+@dataclasses.dataclass(frozen=True)
+class ByCompressedGossip(Algorithm):
+    """An outer step's average by gossip in sparse messages, on a fixed graph (CHOCO-gossip; see
+    :mod:`gossip_ext.compressed_gossip`): every worker keeps a public copy of its parameters that
+    its neighbours hold too, sends them the ``message`` of its parameters' difference from it,
+    moves its parameters ``consensus_step`` of the way towards its neighbourhood's copies, and
+    steps its own ``theta_global`` with ``theta_global - z``. The mean over workers is kept, as
+    under :class:`ByGossip`; each outer step sends one message to each neighbour, whatever the
+    number of workers.
+
+    Args:
+        message (TopK): the sparse message (default ``TopK(density=1/32, bits=2)``). Its
+            ``feedback_decay`` must be 1: what a message leaves out stays in the difference from
+            the public copy, which is the error feedback.
+        consensus_step (float): gamma, in (0, 1] (default 0.5).
+        graph (GraphBase, optional): fixed and symmetric, as ``RingGraph(peers_per_itr=2)``, the
+            default (the other worker, at two workers).
+    """
+
+    message: TopK = dataclasses.field(default_factory=lambda: TopK(density=1 / 32, bits=2))
+    consensus_step: float = 0.5
+    graph: GraphBase | None = None
+
+    def __post_init__(self) -> None:
+        check_argument(self, "message", self.message, TopK, "a gossip_ext.TopK")
+        if self.message.feedback_decay != 1.0:
+            raise ValueError(
+                f"{where(self, 'message')}: feedback_decay must be 1 (the public copy keeps what a "
+                f"message leaves out), got {self.message.feedback_decay}"
+            )
+        check_argument(self, "consensus_step", self.consensus_step, (int, float), "a float")
+        if not 0.0 < self.consensus_step <= 1.0:
+            raise ValueError(
+                f"{where(self, 'consensus_step')}: must be in (0, 1], got {self.consensus_step}"
+            )
+        if self.graph is not None:
+            check_argument(self, "graph", self.graph, GraphBase, "a gossip_ext graph (a GraphBase)")
+            if self.graph.is_dynamic:
+                raise ValueError(
+                    f"{where(self, 'graph')}: must be fixed (the neighbours hold each worker's "
+                    f"public copy), got {self.graph!r}; e.g. RingGraph(peers_per_itr=2)"
+                )
+
+    def exchange(self, layout, device, group: dist.ProcessGroup, timeout) -> SparseGossip:
+        """Its runtime part: the sparse gossip of this worker with its neighbours on ``group``."""
+        world_size, rank = dist.get_world_size(group), group.rank()
+        graph = self.graph or RingGraph(peers_per_itr=2 if world_size > 2 else 1)
+        neighbours = fixed_neighbours(graph, rank, world_size)
+        return SparseGossip(
+            layout, device, self.message, self.consensus_step, neighbours, group, timeout
+        )
 
 
 @dataclasses.dataclass(frozen=True)
@@ -222,7 +277,8 @@ class DiLoCo(Algorithm):
             ``lambda ps: torch.optim.SGD(ps, lr=0.7, momentum=0.9, nesterov=True)``; an outer
             scheduler goes on ``model.outer_optimizer``, stepped by you.
         every (int): inner steps between outer steps.
-        average (Exact or ByGossip): how the pseudo-gradients are averaged (default: ``Exact()``).
+        average (Exact, ByGossip or ByCompressedGossip): how the pseudo-gradients are averaged
+            (default: ``Exact()``).
         fragments (int): Streaming DiLoCo (Douillard et al., 2025) when > 1: the parameters, in
             module order, in ``fragments`` contiguous fragments of about equal bytes, fragment
             ``j`` synchronised at step ``floor(every (j + 1) / fragments)`` of every period with
@@ -236,7 +292,7 @@ class DiLoCo(Algorithm):
 
     optimizer: Callable[[list[torch.Tensor]], torch.optim.Optimizer]
     every: int
-    average: Exact | ByGossip = dataclasses.field(default_factory=Exact)
+    average: Exact | ByGossip | ByCompressedGossip = dataclasses.field(default_factory=Exact)
     fragments: int = 1
     delay: int = 0
     alpha: float = 0.0
@@ -251,7 +307,11 @@ class DiLoCo(Algorithm):
             )
         check_every(self, self.every)
         check_argument(
-            self, "average", self.average, (Exact, ByGossip), "Exact(...) or ByGossip(...)"
+            self,
+            "average",
+            self.average,
+            (Exact, ByGossip, ByCompressedGossip),
+            "Exact(...), ByGossip(...) or ByCompressedGossip(...)",
         )
         for name in ("fragments", "delay"):
             check_argument(self, name, getattr(self, name), int, "an int")
@@ -269,6 +329,14 @@ class DiLoCo(Algorithm):
             )
         if not 0.0 <= self.alpha <= 1.0:
             raise ValueError(f"{where(self, 'alpha')}: must be in [0, 1], got {self.alpha}")
+        streamed = (self.fragments, self.delay, self.alpha) != (1, 0, 0.0)
+        if isinstance(self.average, ByCompressedGossip) and streamed:
+            raise ValueError(
+                f"{where(self, 'average')}: ByCompressedGossip averages the whole model at each "
+                f"outer step (one public copy of it per worker); Streaming DiLoCo (fragments="
+                f"{self.fragments}, delay={self.delay}, alpha={self.alpha}) takes sparse messages "
+                f"through Exact(dtype=TopK(...))"
+            )
 
     def rule(self, params, group: dist.ProcessGroup, *, graph, mixing, timeout, sizes=None):
         """Its runtime part over ``group``: the outer optimizer over ``theta_global``, or
@@ -298,14 +366,19 @@ class DiLoCo(Algorithm):
         """Its runtime part: :meth:`rule` every ``every`` steps (or on the fragments' own
         schedule), its pseudo-gradients averaged as ``average`` says."""
         exact = isinstance(self.average, Exact)
+        sparse = None
+        if isinstance(self.average, ByCompressedGossip):
+            buckets = ParameterBuckets(params)
+            sparse = self.average.exchange(buckets.layout(), buckets.device(0), group, timeout)
         return outer.OuterSteps(
             params,
             buffers,
             group,
             rule=self.rule(params, group, graph=graph, mixing=mixing, timeout=timeout, sizes=sizes),
             sync_every=self.every,
-            by_gossip=not exact,
+            by_gossip=isinstance(self.average, ByGossip),
             outer_dtype=self.average.dtype if exact else None,
+            sparse_gossip=sparse,
         )
 
     def flat(self, gossips: bool) -> dict[str, Any]:
@@ -318,6 +391,15 @@ class DiLoCo(Algorithm):
         }
         if isinstance(self.average, Exact):
             settings.update(outer_dtype=self.average.dtype, outer_device=self.average.device)
+            return settings
+        if isinstance(self.average, ByCompressedGossip):
+            a = self.average
+            settings.update(
+                outer_average="compressed_gossip",
+                outer_dtype=a.message,
+                outer_consensus_step=a.consensus_step,
+                outer_graph=a.graph,
+            )
             return settings
         settings["outer_average"] = "gossip"
         if self.average.own_engine:

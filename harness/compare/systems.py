@@ -61,6 +61,7 @@ from harness.compare.tuning import (  # noqa: F401  (PEAK_LR: read as systems.PE
     SLOWMO_MOMENTUM,
     SPARSE_DENSITY,
     SPARSE_FEEDBACK_DECAY,
+    SPARSE_GOSSIP_STEP,
 )
 from harness.tasks import byte_lm
 
@@ -82,6 +83,7 @@ GOSSIP = (
     "diloco_int8",
     "diloco_topk2",
     "diloco_topk4",
+    "diloco_gossip_topk2",
     "streaming_diloco_t1_fp32",
     "streaming_diloco_t1_int8",
     "streaming_diloco_t2_int8",
@@ -268,6 +270,12 @@ class _Gossip(_OptimizerStep):
                 outer_optimizer=recipe.outer_optimizer,
                 outer_average="gossip" if "_gossip" in system else "allreduce",
             )
+            if system == "diloco_gossip_topk2":
+                options.update(
+                    outer_average="compressed_gossip",
+                    outer_dtype=gossip_ext.TopK(density=SPARSE_DENSITY, bits=2),
+                    outer_consensus_step=SPARSE_GOSSIP_STEP,
+                )
             if system == "diloco_int8":
                 options["outer_dtype"] = "int8"
             if system.startswith("diloco_topk"):

@@ -58,6 +58,7 @@ PEAK_LR = {
     "diloco_int8": 4e-3,
     "diloco_topk2": 4e-3,
     "diloco_topk4": 4e-3,
+    "diloco_gossip_topk2": 4e-3,
     "torchft_streaming_diloco_t1": 4e-3,
     "torchft_streaming_diloco_t2": 4e-3,
     "streaming_diloco_t1_fp32": 4e-3,
@@ -74,3 +75,4 @@ SLOWMO_MOMENTUM = 0.2
 # and 1/16 buys little for twice the bytes.
 SPARSE_DENSITY = 1 / 32
 SPARSE_FEEDBACK_DECAY = 0.95
+SPARSE_GOSSIP_STEP = 0.5

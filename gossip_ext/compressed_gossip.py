@@ -1,0 +1,210 @@
+"""An outer step's average by gossip in sparse messages, on a fixed graph
+(``DiLoCo(average=ByCompressedGossip(TopK(...)))``).
+
+A sparse message is a difference from a value that both ends hold. The exact sparse mean
+(:mod:`gossip_ext.sparse_average`) has one, ``theta_global``, the same bits on every worker; under
+gossip every worker's model is its own. So every worker keeps a *public copy* ``xhat_i`` of its
+parameters: the sum of every message it has sent, which each of its neighbours on a fixed,
+symmetric graph also holds, having received the same messages. Each worker also keeps the
+weighted sum of its neighbourhood's public copies, ``s_i = w (xhat_i + sum_{j in N(i)} xhat_j)``
+with ``w = 1 / (d + 1)`` for ``d`` neighbours (uniform mixing, doubly stochastic on a regular
+graph). An outer step, on worker ``i`` with parameters ``x_i`` (CHOCO-gossip, Koloskova et al.,
+ICML 2019):
+
+1. ``q_i = TopK(x_i - xhat_i)``: the largest differences of every chunk, in 2 or 4 bits. What the
+   message leaves out stays in ``x_i - xhat_i`` and goes out with a later step: error feedback
+   with no residual of its own.
+2. ``q_i`` goes to every neighbour; ``q_j`` comes from each.
+3. ``xhat_i += q_i``; ``s_i += w (q_i + sum_j q_j)``.
+4. The mixed parameters are ``z_i = x_i + gamma (s_i - xhat_i)`` (``gamma``: ``consensus_step``).
+
+Every worker adds the same decoded values to the copies it holds, so ``sum_i (s_i - xhat_i)``
+stays 0 and ``sum_i z_i = sum_i x_i``: the mean over the workers is kept, as push-sum keeps it,
+and the outer optimizer stepping each worker's own ``theta_global`` with ``theta_global - z_i``
+moves their mean as the exact average would (for SGD, exactly). Each worker's ``z_i`` differs
+from the mean by what the step did not mix; later steps go on pulling them together.
+
+The copies start at the parameters of the outer step's start, equal on every worker (the job's
+start broadcasts them), so the first message carries only what training changed. Each worker
+sends its one message to its ``d`` neighbours: ``d`` messages of
+``TopK.message_bytes(n)`` bytes per outer step, whatever the number of workers (the exact sparse
+mean gathers ``n - 1``). Two copies of the model per worker hold the state.
+
+Like the other means, :meth:`SparseGossip.mix` keeps nothing; :meth:`SparseGossip.commit` keeps
+the copies once the step has succeeded, so that a failed exchange changes nothing.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from gossip_ext.errors import PeerTimeoutError
+from gossip_ext.fragment_gossip import OUTER_TAG_BASE
+from gossip_ext.sparse_average import TopK, _Codec
+
+
+def fixed_neighbours(graph: Any, rank: int, world_size: int) -> list[int]:
+    """The neighbours of ``rank``: its out-peers on ``graph``, which must be static and pair
+    symmetrically (every neighbour of a worker has it as a neighbour), or ValueError."""
+    if world_size == 1:
+        return []
+    if graph.is_dynamic or not graph.pairs_symmetrically(world_size):
+        raise ValueError(
+            f"ByCompressedGossip(graph=...): the graph must be fixed and symmetric (each worker's "
+            f"neighbours hold its public copy, so they cannot change, and each must have it as a "
+            f"neighbour), got {graph!r} over {world_size} workers; e.g. RingGraph(peers_per_itr=2)"
+        )
+    return sorted(set(graph.phone_book(rank, world_size)))
+
+
+@dataclasses.dataclass
+class _Staged:
+    """A mix between :meth:`SparseGossip.mix` and :meth:`SparseGossip.commit`."""
+
+    mixed: list[torch.Tensor]  # per bucket: z_i
+    public: list[torch.Tensor]  # per bucket: xhat_i after the step
+    neighbourhood: list[torch.Tensor]  # per bucket: s_i after the step
+
+
+class SparseGossip:
+    """CHOCO-gossip of per-bucket parameter vectors (``layout``: (elements, dtype) per bucket)
+    with this worker's ``neighbours`` on ``group``, in ``format`` messages, each wait bounded by
+    ``timeout`` (see the module)."""
+
+    state_key = "outer_public_copies"
+
+    def __init__(
+        self,
+        layout: Sequence[tuple[int, torch.dtype]],
+        device: torch.device,
+        format: TopK,
+        consensus_step: float,
+        neighbours: Sequence[int],
+        group: dist.ProcessGroup,
+        timeout: datetime.timedelta,
+    ):
+        self.layout = list(layout)
+        self.device = device
+        self.format = format
+        self.consensus_step = consensus_step
+        self.neighbours = list(neighbours)
+        self.group = group
+        self.timeout = timeout
+        self.transport = f"process_group({dist.get_backend(group)})"  # named in errors
+        self.world_size = dist.get_world_size(group)
+        self.codecs = [_Codec(format, n) for n, _ in self.layout]
+        self.message_bytes = sum(codec.bytes for codec in self.codecs)
+        self.public = [torch.zeros(n, dtype=d, device=device) for n, d in self.layout]
+        self.neighbourhood = [torch.zeros(n, dtype=d, device=device) for n, d in self.layout]
+        self.steps = 0  # outer steps mixed: the round in errors and tags
+
+    def bytes_per_step(self) -> int:
+        """Bytes this worker sends per outer step: its message to each neighbour."""
+        return len(self.neighbours) * self.message_bytes
+
+    @torch.no_grad()
+    def start(self, values: Sequence[torch.Tensor]) -> None:
+        """The copies start at ``values`` (per bucket), which must be equal on every worker."""
+        for b, v in enumerate(values):
+            self.public[b].copy_(v)
+            self.neighbourhood[b].copy_(v)
+
+    @torch.no_grad()
+    def mix(self, values: Sequence[torch.Tensor]) -> _Staged:
+        """The mixed parameters ``z_i`` of ``values`` (``x_i``, per bucket), and the copies the
+        step would leave. Exchanges with every neighbour; keeps nothing."""
+        round_ = self.steps
+        own = [self.codecs[b].encode(v - self.public[b]) for b, v in enumerate(values)]
+        message = torch.cat(own) if own else torch.empty(0, dtype=torch.uint8)
+        inbox = self._exchange(message, round_)
+        weight = 1.0 / (len(self.neighbours) + 1)
+        staged = _Staged([], [], [])
+        offset = 0
+        for b, ((numel, dtype), codec) in enumerate(zip(self.layout, self.codecs)):
+            sent = self._decoded(codec, [own[b]], dtype)[:numel]
+            pieces = [m[offset : offset + codec.bytes] for m in inbox]
+            offset += codec.bytes
+            arrived = self._decoded(codec, [own[b], *pieces], dtype)[:numel]
+            public = self.public[b] + sent
+            neighbourhood = self.neighbourhood[b].add(arrived, alpha=weight)
+            mixed = values[b].add(neighbourhood - public, alpha=self.consensus_step)
+            staged.mixed.append(mixed)
+            staged.public.append(public)
+            staged.neighbourhood.append(neighbourhood)
+        return staged
+
+    def _decoded(self, codec: _Codec, messages: Sequence[torch.Tensor], dtype) -> torch.Tensor:
+        """The sum of ``messages``' values, as one flat vector of whole chunks."""
+        total = torch.zeros((codec.chunks, self.format.chunk), dtype=dtype, device=self.device)
+        for message in messages:
+            codec.add_into(total, message)
+        return total.view(-1)
+
+    def _exchange(self, message: torch.Tensor, round_: int) -> list[torch.Tensor]:
+        """Sends ``message`` to every neighbour and returns theirs, in neighbour order. Raises
+        PeerTimeoutError naming a neighbour whose message did not complete within the timeout."""
+        tag = OUTER_TAG_BASE + round_ % OUTER_TAG_BASE
+        works, inbox = [], []
+        for peer in self.neighbours:
+            buffer = torch.empty_like(message)
+            source = dist.get_global_rank(self.group, peer)
+            works.append(("from", peer, dist.irecv(buffer, source, self.group, tag=tag)))
+            inbox.append(buffer)
+        for peer in self.neighbours:
+            target = dist.get_global_rank(self.group, peer)
+            works.append(("to", peer, dist.isend(message, target, self.group, tag=tag)))
+        for direction, peer, work in works:
+            try:
+                work.wait(self.timeout)
+            except Exception as error:
+                raise PeerTimeoutError(
+                    f"gossip_ext: the outer step's sparse gossip exchange {round_} failed: the "
+                    f"message {direction} rank {peer} did not complete within "
+                    f"{self.timeout.total_seconds():g} s ({error})",
+                    peers=(peer,),
+                    round=round_,
+                    transport=self.transport,
+                    timeout=self.timeout,
+                ) from error
+        return inbox
+
+    def commit(self, staged: _Staged) -> None:
+        """Keeps the copies of a step whose exchange succeeded."""
+        self.public, self.neighbourhood = staged.public, staged.neighbourhood
+        self.steps += 1
+
+    def state_dict(self) -> dict[str, Any]:
+        return {
+            "message_dtype": repr(self.format),
+            "world_size": self.world_size,
+            "neighbours": list(self.neighbours),
+            "steps": self.steps,
+            "public": [t.clone() for t in self.public],
+            "neighbourhood": [t.clone() for t in self.neighbourhood],
+        }
+
+    def load_state_dict(self, state: dict[str, Any] | None) -> None:
+        """Puts back :meth:`state_dict`. A checkpoint without copies (saved by a run that averaged
+        otherwise) starts them at zero on every worker: consistent whatever the parameters, but
+        the first messages then carry the whole model, a chunk's top values at a time."""
+        if state is None:
+            for t in (*self.public, *self.neighbourhood):
+                t.zero_()
+            self.steps = 0
+            return
+        saved = (state["message_dtype"], state["world_size"], list(state["neighbours"]))
+        if saved != (repr(self.format), self.world_size, self.neighbours):
+            raise ValueError(
+                f"load_state_dict: the checkpoint's public copies are for {saved[0]} over "
+                f"{saved[1]} workers with neighbours {saved[2]}, but this run sends "
+                f"{self.format!r} over {self.world_size} with neighbours {self.neighbours}"
+            )
+        self.public = [t.detach().to(self.device).clone() for t in state["public"]]
+        self.neighbourhood = [t.detach().to(self.device).clone() for t in state["neighbourhood"]]
+        self.steps = int(state["steps"])
