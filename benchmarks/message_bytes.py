@@ -14,7 +14,10 @@ format (float32, bfloat16, float16, float8 e4m3fn, int8, int4):
   (computed: a ring's 2 (n - 1) / n model copies), the others by outer_dtype's all-to-all and
   all-gather of compressed shards (computed: ``CompressedMean.bytes_per_step``), and its time;
   and in sparse messages (``TopK``, outer steps only: every worker's message gathered by all,
-  computed: ``TopK.bytes_per_step``).
+  computed: ``TopK.bytes_per_step``);
+- DiLoCo's outer step by gossip in the same sparse messages (``ByCompressedGossip``, "ring
+  gossip": each worker's one message to its two neighbours on a ring, computed:
+  ``SparseGossip.bytes_per_step``).
 
 Each figure is the mean over workers and over --reps repetitions. The compute is nothing but the
 messages' own kernels, so the NIC is what the times measure.
@@ -83,15 +86,16 @@ def _model(num_params: int) -> nn.Module:
     return nn.Linear(num_params, 1, bias=False)
 
 
-def _outer_step(num_params: int, message_format) -> gossip_ext.GossipDataParallel:
-    """DiLoCo whose every step is an outer step, averaged exactly in ``message_format``."""
+def _outer_step(num_params: int, message_format, average=None) -> gossip_ext.GossipDataParallel:
+    """DiLoCo whose every step is an outer step, averaged exactly in ``message_format`` (or as
+    ``average`` says)."""
     return gossip_ext.GossipDataParallel(
         _model(num_params),
         gossip=None,
         outer=gossip_ext.DiLoCo(
             lambda p: torch.optim.SGD(p, lr=0.7),
             every=1,
-            average=gossip_ext.Exact(dtype=message_format),
+            average=average or gossip_ext.Exact(dtype=message_format),
         ),
     )
 
@@ -130,6 +134,11 @@ def measure(rank: int, world_size: int, init_method: str, payload: dict) -> dict
         computed = message_format.bytes_per_step([num_params], world_size)
         rows.append(("outer step", name, computed, nic, seconds))
         del outer
+        gossip = _outer_step(num_params, None, gossip_ext.ByCompressedGossip(message_format))
+        nic, seconds = _measure(gossip.transfer_params, reps)
+        computed = gossip._outer.sparse_gossip.bytes_per_step()
+        rows.append(("outer step", f"{name}, ring gossip", computed, nic, seconds))
+        del gossip
     dist.destroy_process_group()
     return {"rows": rows}
 

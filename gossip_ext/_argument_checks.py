@@ -106,8 +106,10 @@ def check_flat(flat: Mapping[str, Any], *, nprocs_per_node: int = 1, process_gro
         f["slowmo_freq"],
     )
     check_outer_average(f["outer_average"], f["outer_optimizer"], nprocs_per_node)
+    from gossip_ext.compressed_gossip import DEFAULT_CONSENSUS_STEP
+
     own = (f["outer_consensus_step"], f["outer_graph"])
-    if f["outer_average"] != "compressed_gossip" and own != (0.5, None):
+    if f["outer_average"] != "compressed_gossip" and own != (DEFAULT_CONSENSUS_STEP, None):
         raise ValueError(
             f"outer_consensus_step={own[0]!r} and outer_graph={own[1]!r} configure "
             f"outer_average='compressed_gossip', but outer_average is {f['outer_average']!r}"

@@ -24,6 +24,7 @@ from gossip_ext.algorithms import (
     PushPull,
     SlowMo,
 )
+from gossip_ext.compressed_gossip import DEFAULT_CONSENSUS_STEP
 from gossip_ext.graphs import NPeerDynamicDirectedExponentialGraph
 from gossip_ext.mixing import UniformMixing
 
@@ -49,7 +50,8 @@ FLAT_DEFAULTS: dict[str, Any] = {
     "outer_average": "allreduce",
     "outer_device": None,
     "outer_dtype": None,
-    "outer_consensus_step": 0.5,  # ByCompressedGossip's, with outer_average="compressed_gossip"
+    # ByCompressedGossip's, with outer_average="compressed_gossip"
+    "outer_consensus_step": DEFAULT_CONSENSUS_STEP,
     "outer_graph": None,
     "fragments": 1,
     "fragment_delay": 0,

@@ -275,6 +275,7 @@ class _Gossip(_OptimizerStep):
                     outer_average="compressed_gossip",
                     outer_dtype=gossip_ext.TopK(density=SPARSE_DENSITY, bits=2),
                     outer_consensus_step=SPARSE_GOSSIP_STEP,
+                    outer_optimizer=recipe.sparse_outer_optimizer,
                 )
             if system == "diloco_int8":
                 options["outer_dtype"] = "int8"
