@@ -134,6 +134,13 @@ def check_flat(flat: Mapping[str, Any], *, nprocs_per_node: int = 1, process_gro
             "hook would start a second round after every step"
         )
     check_membership(f["membership"], f["min_workers"], process_group, nprocs_per_node)
+    if f["membership"] is not None and f["outer_average"] == "compressed_gossip":
+        raise ValueError(
+            f"membership={f['membership']!r} with outer_average='compressed_gossip' "
+            "(ByCompressedGossip): a worker's public copy is held by its neighbours on a fixed "
+            "graph, which every membership epoch changes; an elastic job averages its outer steps "
+            "exactly (Exact, sparse messages included) or by ByGossip"
+        )
 
 
 def check_membership(membership, min_workers, process_group, nprocs_per_node) -> None:

@@ -264,6 +264,20 @@ def test_bad_arguments_are_refused_naming_them():
         )
 
 
+def test_an_elastic_job_is_refused_naming_why():
+    with pytest.raises(ValueError, match=r"membership='127.0.0.1:29999' with outer_average="):
+        gossip_ext.GossipDataParallel(
+            nn.Linear(3, 1),
+            gossip=None,
+            outer=gossip_ext.DiLoCo(
+                lambda ps: torch.optim.SGD(ps, lr=1.0),
+                every=2,
+                average=gossip_ext.ByCompressedGossip(),
+            ),
+            membership=gossip_ext.Elastic("127.0.0.1:29999"),
+        )
+
+
 def _directed_ring(rank: int, world_size: int) -> str:
     try:
         gossip_ext.GossipDataParallel(
