@@ -6,6 +6,7 @@ rounding of exact DiLoCo. Checkpoints and failures: test_diloco.py, parametrized
 
 from __future__ import annotations
 
+import block_reference as ref
 import pytest
 import torch
 import torch.distributed as dist
@@ -13,8 +14,6 @@ from multiprocess import run_ranks
 from test_diloco import _reference, _train_diloco
 
 from gossip_ext.compressed_average import CompressedMean, bytes_per_step
-
-import block_reference as ref
 
 OUTER_DTYPES = {
     "int8": "int8",
@@ -95,7 +94,9 @@ def test_bytes_per_outer_step_are_two_shards_per_peer():
 
 @pytest.mark.parametrize("world_size", [2, 4, 8])
 @pytest.mark.parametrize("name, at_most", [("int8", 0.30), ("int4", 0.17), ("bfloat16", 0.55)])
-def test_a_compressed_outer_step_sends_a_fraction_of_a_float32_all_reduce(world_size, name, at_most):
+def test_a_compressed_outer_step_sends_a_fraction_of_a_float32_all_reduce(
+    world_size, name, at_most
+):
     # A 25M-parameter model in two buckets: a ring all-reduce of float32 sends 2 (n - 1) / n of
     # it, at 4 bytes a value; the compressed step the same copies at the message's width.
     numels = [25_000_000, 1_000]

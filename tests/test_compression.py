@@ -36,8 +36,14 @@ FORMATS = {
     "float8_e4m3fn": torch.float8_e4m3fn,
 }
 # The parameters (7 float32 values, one block): bytes per message in each format.
-MESSAGE_BYTES = {"float32": 28, "bfloat16": 14, "float16": 14, "int8": 11, "int4": 8,
-                 "float8_e4m3fn": 11}
+MESSAGE_BYTES = {
+    "float32": 28,
+    "bfloat16": 14,
+    "float16": 14,
+    "int8": 11,
+    "int4": 8,
+    "float8_e4m3fn": 11,
+}
 
 
 def _data(rank: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -89,9 +95,7 @@ def test_16_bit_messages_train_like_full_precision_gossip(mode):
             # gossip's, and the parameters within PARAM_TOLERANCE.
             loss_tolerance = max(LOSS_TOLERANCE[mode], QUANTIZED_LOSS_TOLERANCE.get(name, 0.0))
             param_tolerance = max(PARAM_TOLERANCE[mode], QUANTIZED_PARAM_TOLERANCE.get(name, 0.0))
-            assert (
-                abs(r[name]["loss"] - full["loss"]) <= loss_tolerance * full["loss"] + 1e-3
-            ), (
+            assert abs(r[name]["loss"] - full["loss"]) <= loss_tolerance * full["loss"] + 1e-3, (
                 rank,
                 name,
                 r[name]["loss"],

@@ -3,13 +3,12 @@ torch.float8_e4m3fn; Note [Quantized messages]): the engine's rounds against a p
 written with tests/block_reference.py, and push-sum mass conserved over 1,000 rounds at every
 world size from 2 to 8. Training with them on real processes: test_compression.py."""
 
+import block_reference as ref
 import pytest
 import torch
 
 import gossip_ext
 from gossip_ext import NPeerDynamicDirectedExponentialGraph, RingGraph
-
-import block_reference as ref
 
 pytestmark = pytest.mark.extension  # the CUDA rehearsal runs these too (pyproject.toml)
 

@@ -5,13 +5,12 @@ against each other: tests/cpp/block_kernels_test.cpp."""
 
 import math
 
+import block_reference as ref
 import pytest
 import torch
 
 import gossip_ext  # noqa: F401  (registers the ops)
 from gossip_ext import _C
-
-import block_reference as ref
 
 pytestmark = pytest.mark.extension  # the CUDA rehearsal runs these too (pyproject.toml)
 
@@ -229,8 +228,9 @@ def test_without_feedback_the_state_is_only_read():
             r"format must be 'int8', 'int4' or 'float8_e4m3fn' .*got 'int3'",
         ),
         (
-            lambda: quantize_into_(torch.zeros(10, dtype=torch.half), _message(10, "int8"),
-                                   "int8", 1.0),
+            lambda: quantize_into_(
+                torch.zeros(10, dtype=torch.half), _message(10, "int8"), "int8", 1.0
+            ),
             TypeError,
             r"src must be float32 or float64 to travel in a quantized message, got Half",
         ),
@@ -250,8 +250,7 @@ def test_without_feedback_the_state_is_only_read():
             r"received\[0\] has 14 bytes but a int4 message of 10 values has 9",
         ),
         (
-            lambda: absorb_quantized_(torch.zeros(10), [], "int8", 1.0, None, None,
-                                      torch.zeros(1)),
+            lambda: absorb_quantized_(torch.zeros(10), [], "int8", 1.0, None, None, torch.zeros(1)),
             TypeError,
             r"nonfinite must be int32",
         ),

@@ -321,8 +321,9 @@ def test_absorb_quantized_matches_cpu_bit_for_bit(fmt, dtype, n, num_received, w
     def message_of(seed):
         m = _message(n, fmt)
         torch.manual_seed(seed)
-        torch.ops.gossip_ext.quantize_into_(_quantizable(max(n, 301), dtype)[:n].clone(), m, fmt,
-                                            1.0)
+        torch.ops.gossip_ext.quantize_into_(
+            _quantizable(max(n, 301), dtype)[:n].clone(), m, fmt, 1.0
+        )
         return m
 
     received = [message_of(k) for k in range(num_received)]
@@ -331,13 +332,22 @@ def test_absorb_quantized_matches_cpu_bit_for_bit(fmt, dtype, n, num_received, w
     self_weight, new_weight = _weight(0.4, torch.float32), _weight(1.9, torch.float64)
     want = x.clone()
     want_flag = torch.zeros(1, dtype=torch.int32)
-    torch.ops.gossip_ext.absorb_quantized_(want, received, fmt, 0.5, self_weight, new_weight,
-                                           want_flag, sent, -2.0)
+    torch.ops.gossip_ext.absorb_quantized_(
+        want, received, fmt, 0.5, self_weight, new_weight, want_flag, sent, -2.0
+    )
     cuda_x = _device_view(x, offset)
     flag = torch.zeros(1, dtype=torch.int32, device="cuda")
     torch.ops.gossip_ext.absorb_quantized_(
-        cuda_x, [_device_view(m, offset) for m in received], fmt, 0.5, self_weight.cuda(),
-        new_weight.cuda(), flag, None if sent is None else _device_view(sent, offset), -2.0)
+        cuda_x,
+        [_device_view(m, offset) for m in received],
+        fmt,
+        0.5,
+        self_weight.cuda(),
+        new_weight.cuda(),
+        flag,
+        None if sent is None else _device_view(sent, offset),
+        -2.0,
+    )
     assert torch.equal(cuda_x.cpu(), want)
     assert flag.item() == want_flag.item() == 0
 
