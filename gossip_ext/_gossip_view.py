@@ -1,6 +1,7 @@
 """What GossipDataParallel tells of its gossip, and SGP's peers schedule: the push-sum state
 (``ps_weight``, ``gossip_round``, ``bytes_sent``, ``round_in_flight``, ``ps_numerator()``), the
-consensus distance, the graph and the groups gossip runs over. SGP's scripts read these names.
+consensus distance, the graph and the groups gossip runs over, and SGP's ``block()`` and
+``unbias()``. SGP's scripts read these names.
 
 A mixin of the wrapper, reading its inner mix (``_mix``), its process group and hierarchy.
 """
@@ -16,6 +17,15 @@ from gossip_ext.graphs import GraphBase
 
 class GossipView:
     """The wrapper's gossip, as SGP's scripts read it (see the module docstring)."""
+
+    def block(self) -> None:
+        """Absorbs the round in flight and waits until every rank has done the same."""
+        self.sync_comms()
+        dist.barrier(group=self.process_group)
+
+    def unbias(self) -> None:
+        """Kept for SGP compatibility. The parameters here always hold de-biased values, so
+        there is nothing to do."""
 
     @property
     def graph(self) -> GraphBase:

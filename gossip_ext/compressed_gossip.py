@@ -133,24 +133,25 @@ class SparseGossip:
         staged = _Staged([], [], [])
         offset = 0
         for b, ((numel, dtype), codec) in enumerate(zip(self.layout, self.codecs)):
-            sent = self._decoded(codec, [own[b]], dtype)[:numel]
-            pieces = [m[offset : offset + codec.bytes] for m in inbox]
+            # Whole chunks: this worker's message, then, added into the same buffer once the public
+            # copy has read it, its neighbours' in order (every holder adds the same values).
+            arrived = self._decoded(codec, own[b], dtype)
+            public = self.public[b] + arrived.view(-1)[:numel]
+            for theirs in inbox:
+                codec.add_into(arrived, theirs[offset : offset + codec.bytes])
             offset += codec.bytes
-            arrived = self._decoded(codec, [own[b], *pieces], dtype)[:numel]
-            public = self.public[b] + sent
-            neighbourhood = self.neighbourhood[b].add(arrived, alpha=weight)
+            neighbourhood = self.neighbourhood[b].add(arrived.view(-1)[:numel], alpha=weight)
             mixed = values[b].add(neighbourhood - public, alpha=self.consensus_step)
             staged.mixed.append(mixed)
             staged.public.append(public)
             staged.neighbourhood.append(neighbourhood)
         return staged
 
-    def _decoded(self, codec: _Codec, messages: Sequence[torch.Tensor], dtype) -> torch.Tensor:
-        """The sum of ``messages``' values, as one flat vector of whole chunks."""
+    def _decoded(self, codec: _Codec, message: torch.Tensor, dtype) -> torch.Tensor:
+        """``message``'s values, as whole chunks (chunks x chunk)."""
         total = torch.zeros((codec.chunks, self.format.chunk), dtype=dtype, device=self.device)
-        for message in messages:
-            codec.add_into(total, message)
-        return total.view(-1)
+        codec.add_into(total, message)
+        return total
 
     def _exchange(self, message: torch.Tensor, round_: int) -> list[torch.Tensor]:
         """Sends ``message`` to every neighbour and returns theirs, in neighbour order. Raises

@@ -30,12 +30,13 @@ from gossip_ext import (
 )
 from gossip_ext import flat_keywords as _flat
 from gossip_ext._gossip_view import GossipView
+from gossip_ext._membership_view import MembershipView
 from gossip_ext._step_end import StepEnd, parameter_versions
 
 __all__ = ["GossipDataParallel"]
 
 
-class GossipDataParallel(nn.Module, GossipView, StepEnd):
+class GossipDataParallel(nn.Module, GossipView, MembershipView, StepEnd):
     """Data-parallel training where workers average parameters with a few peers per step.
 
     Instead of an all-reduce of gradients every step (DistributedDataParallel), every worker
@@ -307,40 +308,6 @@ class GossipDataParallel(nn.Module, GossipView, StepEnd):
         if not mode:
             self.sync_comms()
         return self
-
-    def block(self) -> None:
-        """Absorbs the round in flight and waits until every rank has done the same."""
-        self.sync_comms()
-        dist.barrier(group=self.process_group)
-
-    def unbias(self) -> None:
-        """Kept for SGP compatibility. The parameters here always hold de-biased values, so
-        there is nothing to do."""
-
-    # ----------------------------------------------------------------------------- elastic
-
-    @property
-    def elastic(self) -> bool:
-        """Whether this worker belongs to an elastic job (``membership=Elastic(...)``)."""
-        return isinstance(self._members, membership_runtime.ElasticMembership)
-
-    @property
-    def worker_id(self) -> int | None:
-        """This worker's id in an elastic job (ids are handed out in order of registration);
-        None without ``membership``."""
-        return self._members.worker_id
-
-    @property
-    def epoch(self) -> int | None:
-        """The membership epoch this worker trains in; None without ``membership``."""
-        return self._members.epoch
-
-    def leave(self) -> None:
-        """Leaves an elastic job cleanly: this worker's last round is delivered, and the others
-        drop it at their next step boundary, without waiting for a timeout. Runs by itself when
-        the process exits or the wrapper is collected; after it, the wrapper no longer trains (its
-        module keeps the model)."""
-        self._members.leave()
 
     # ----------------------------------------------------------------------------- checkpoint
 

@@ -177,10 +177,10 @@ class OuterSteps:
         """DiLoCo's exact step with ``outer_dtype``: the mean of the pseudo-gradients
         ``theta_global - theta_i`` in compressed messages, then the outer optimizer; the residuals
         are kept once every collective has succeeded."""
-        pseudo_gradients = []
-        for b, (n, dtype) in enumerate(self.buckets.layout()):
-            local = self.buckets.read(b, torch.empty(n, dtype=dtype, device=self.buckets.device(b)))
-            pseudo_gradients.append(local.neg_().add_(self.rule.flat[b].to(local.device)))
+        pseudo_gradients = [
+            local.neg_().add_(self.rule.flat[b].to(local.device))
+            for b, local in enumerate(self._read_all())
+        ]
         staged = self.compressed.mean(pseudo_gradients, weight)
         buffer_results = [
             exact_average(self.buffer_buckets, b, buffer_weight, self.group)

@@ -16,6 +16,7 @@ import torch
 from multiprocess import run_ranks, run_ranks_tolerating_deaths
 from sparse_reference import carried
 from test_faults import LATER_CALLS, _leave_with_the_survivors, _what_a_survivor_reads
+from test_sparse_outer import INNER_LR, OUTER, STEPS, H, _batch, _net
 from torch import nn
 
 import gossip_ext
@@ -23,19 +24,6 @@ from gossip_ext.sparse_average import TopK
 
 FORMAT = TopK(density=1 / 8, bits=2, chunk=16)
 GAMMA = 0.5
-D, H, STEPS, INNER_LR = 6, 3, 3 * 3 + 1, 0.05
-OUTER = {"lr": 0.7, "momentum": 0.9, "nesterov": True}
-
-
-def _net() -> nn.Module:
-    torch.manual_seed(0)
-    return nn.Sequential(nn.Linear(D, 4), nn.Tanh(), nn.Linear(4, 1)).double()
-
-
-def _batch(rank: int, step: int):
-    g = torch.Generator().manual_seed(1000 * step + rank)
-    x = torch.randn(4, D, generator=g, dtype=torch.float64)
-    return x, torch.randn(4, 1, generator=g, dtype=torch.float64)
 
 
 def _flat(tensors) -> torch.Tensor:
@@ -264,31 +252,25 @@ def test_bad_arguments_are_refused_naming_them():
         )
 
 
+def _every_two_steps(average, **settings) -> gossip_ext.GossipDataParallel:
+    return gossip_ext.GossipDataParallel(
+        nn.Linear(3, 1),
+        gossip=None,
+        outer=gossip_ext.DiLoCo(lambda ps: torch.optim.SGD(ps, lr=1.0), every=2, average=average),
+        **settings,
+    )
+
+
 def test_an_elastic_job_is_refused_naming_why():
     with pytest.raises(ValueError, match=r"membership='127.0.0.1:29999' with outer_average="):
-        gossip_ext.GossipDataParallel(
-            nn.Linear(3, 1),
-            gossip=None,
-            outer=gossip_ext.DiLoCo(
-                lambda ps: torch.optim.SGD(ps, lr=1.0),
-                every=2,
-                average=gossip_ext.ByCompressedGossip(),
-            ),
-            membership=gossip_ext.Elastic("127.0.0.1:29999"),
+        _every_two_steps(
+            gossip_ext.ByCompressedGossip(), membership=gossip_ext.Elastic("127.0.0.1:29999")
         )
 
 
 def _directed_ring(rank: int, world_size: int) -> str:
     try:
-        gossip_ext.GossipDataParallel(
-            nn.Linear(3, 1),
-            gossip=None,
-            outer=gossip_ext.DiLoCo(
-                lambda ps: torch.optim.SGD(ps, lr=1.0),
-                every=2,
-                average=gossip_ext.ByCompressedGossip(graph=gossip_ext.RingGraph()),
-            ),
-        )
+        _every_two_steps(gossip_ext.ByCompressedGossip(graph=gossip_ext.RingGraph()))
     except ValueError as error:
         return str(error)
     return ""
