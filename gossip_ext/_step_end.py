@@ -1,7 +1,7 @@
 """What ends an optimizer step of GossipDataParallel: this step's gossip round, or the outer step
-that takes its place (an exact average, SlowMo's or DiLoCo's step, by all-reduce or by one gossip
-round, or Streaming DiLoCo's prepares and applies); and what the outer steps show a user
-(``average_parameters()``, the outer optimizers, ``step_count``).
+that takes its place (``outer.OuterSteps.end_step``: a plain average, or the rule's step on its
+averaging's mean; or Streaming DiLoCo's prepares and applies); and what the outer steps show a
+user (``average_parameters()``, the outer optimizers, ``step_count``).
 
 A mixin of the wrapper, reading its inner mix (``_mix``) and its outer steps (``_outer``).
 """
@@ -47,19 +47,18 @@ class StepEnd:
     def _end_step(self) -> None:
         """The gossip round or outer step that ends optimizer step ``self._steps``."""
         self._mix.arm(self._steps)
-        kind = self._outer.kind(self._steps)
-        if kind == outer.STREAM:
-            self._stream_fragments()
+        if self._outer.end_step(self._steps, self._step_context()):
             self._mix.after_step()
-        elif kind == outer.OUTER and self._outer.by_gossip:
-            self._outer_step_by_gossip()
-        elif kind == outer.OUTER and self._outer.sparse_gossip is not None:
-            self._outer_step_by_sparse_gossip()
-        elif kind is not None:
-            # The exact average takes the place of this step's gossip round.
-            self._average_exactly(kind)
-        else:
-            self._mix.after_step()
+
+    def _step_context(self) -> outer.StepContext:
+        # Only gossiping processes hold push-sum state; the others contribute nothing and receive
+        # the mean with everyone, so no broadcast inside the machine is needed.
+        return outer.StepContext(
+            mix=self._mix,
+            weight=lambda: self._mix.ps_weight if self.is_gossip_leader else None,
+            buffer_weight=self._buffer_policy.weight,
+            optimizer=self._optimizer,
+        )
 
     def average_parameters(self) -> None:
         """Sets every rank's parameters to the exact average of the workers' de-biased
@@ -79,52 +78,7 @@ class StepEnd:
         (``tests/test_faults.py``).
         """
         self.sync_comms()
-        self._average_exactly(outer.AVERAGE)
-
-    def _average_exactly(self, kind: str) -> None:
-        self._mix.restart()
-        # Only gossiping processes hold push-sum state; the others join the all-reduce with zeros
-        # and receive the average with everyone, so no broadcast inside the machine is needed.
-        weight = self._mix.ps_weight if self.is_gossip_leader else None
-        try:
-            self._outer.run(kind, weight, self._buffer_policy.weight(weight), self._optimizer)
-        except Exception as error:
-            # Left as they were here, but perhaps written on ranks whose collectives succeeded.
-            self._mix.fail(error)
-            raise
-        # Every worker holds the consensus value now, with x = z: push-sum restarts at 1.
-        self._mix.reset_weight()
-
-    def _stream_fragments(self) -> None:
-        """Streaming DiLoCo's prepares and applies of this step (:mod:`gossip_ext.streaming`).
-        A failed collective raises at the apply, before anything changes, and stays raised."""
-        weight = self._mix.ps_weight if self.is_gossip_leader else None
-        try:
-            self._outer.run_streaming(self._steps, weight)
-        except Exception as error:
-            self._mix.fail(error)
-            raise
-
-    def _outer_step_by_gossip(self) -> None:
-        """The outer step with ``outer_average="gossip"``: this step's gossip round (under
-        LocalSGD, the only one of the period) runs to its end at once, and the rule steps with
-        the mixed parameters. No collective over every worker: the round's peers are all it
-        waits for. A failed round raises from ``run_round`` and changes nothing (the engine's
-        promise), before the outer state is touched."""
-        self._mix.run_round()
-        self._outer.run_on_mixed()
-
-    def _outer_step_by_sparse_gossip(self) -> None:
-        """The outer step with ``ByCompressedGossip``: the inner gossip in flight is absorbed
-        first (the parameters are then this worker's model), then the exchange with the fixed
-        neighbours and the rule's step. A failed exchange raises before anything is written, and
-        stays raised."""
-        self._mix.restart()
-        try:
-            self._outer.run_sparse_gossip()
-        except Exception as error:
-            self._mix.fail(error)
-            raise
+        self._outer.average_now(self._steps, self._step_context())
 
     @property
     def outer_optimizer(self) -> torch.optim.Optimizer | None:

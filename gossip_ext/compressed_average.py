@@ -26,6 +26,7 @@ outer step has succeeded (Note [The parameters are the model] in the engine).
 
 from __future__ import annotations
 
+import datetime
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -34,6 +35,8 @@ import torch
 import torch.distributed as dist
 
 from gossip_ext import _C
+from gossip_ext.averagings.failures import DEFAULT_TIMEOUT, SenderCheck, wait_for_every_worker
+from gossip_ext.averagings.interface import Averaging, Contribution, PseudoGradientMean
 
 BLOCK = 128  # kQuantBlock of csrc/kernels/block_format.h: shards are whole blocks
 SIXTEEN_BIT = (torch.bfloat16, torch.float16)
@@ -50,15 +53,6 @@ def _all_gather(
     # all_gather_single where torch has it (2.13 deprecates all_gather_into_tensor).
     gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
     return gather(output, input, group=group, async_op=async_op)
-
-
-def exact_mean(message_format, layout, device: torch.device, group: dist.ProcessGroup):
-    """The exact mean of an outer step that sends ``message_format``: a format object's own (a
-    ``sparse_average.TopK``'s ``mean_over``), else :class:`CompressedMean` for a dtype."""
-    own = getattr(message_format, "mean_over", None)
-    if own is not None:
-        return own(layout, device, group)
-    return CompressedMean(layout, device, message_format, group)
 
 
 def shard_values(numel: int, world_size: int) -> int:
@@ -114,21 +108,21 @@ class _Pending:
     """A mean between :meth:`CompressedMean.start` and :meth:`CompressedMean.finish`."""
 
     works: list[Any]
+    flags: torch.Tensor  # SenderCheck's: which workers sent NaN or Inf
     total_weight: torch.Tensor
     received: list[tuple[torch.Tensor, torch.Tensor]]  # per bucket: (receive, send) buffers
     residuals: list[torch.Tensor]
 
 
 @dataclass
-class _Staged:
-    """An outer step's result before it is kept: the mean per bucket and the residuals after."""
+class _Kept:
+    """What a mean leaves once it is committed: the residuals after the step."""
 
-    means: list[torch.Tensor]
     residuals: list[torch.Tensor]
     owner_residuals: list[torch.Tensor]
 
 
-class CompressedMean:
+class CompressedMean(Averaging):
     """The exact mean over ``group`` of per-bucket float vectors (pseudo-gradients), sent in
     ``message_dtype`` (torch.bfloat16, torch.float16, torch.float8_e4m3fn, "int8" or "int4") by
     the two-step scheme of this module, with its two error-feedback residuals per bucket.
@@ -137,6 +131,8 @@ class CompressedMean:
     compressed as well, and are summed in float64)."""
 
     state_key = "outer_residuals"
+    averages_buffers = True
+    what = "the outer step's compressed mean"
 
     def __init__(
         self,
@@ -144,7 +140,10 @@ class CompressedMean:
         device: torch.device,
         message_dtype: torch.dtype | str,
         group: dist.ProcessGroup,
+        timeout: datetime.timedelta = DEFAULT_TIMEOUT,
     ):
+        self.timeout = timeout
+        self.check = SenderCheck(group, device)
         self.codec = _Codec(message_dtype)
         self.message_dtype = message_dtype
         self.group = group
@@ -162,21 +161,24 @@ class CompressedMean:
         """Bytes this rank sends per outer step, message padding included."""
         return bytes_per_step([n for n, _ in self.layout], self.world_size, self.message_dtype)
 
-    def mean(self, values: Sequence[torch.Tensor], weight: float | None) -> _Staged:
+    def mean(self, values: Sequence[torch.Tensor], weight: float | None) -> PseudoGradientMean:
         """The weighted mean ``sum_i w_i v_i / sum_i w_i`` over the group of each bucket's
         ``values`` (read, not written), as every rank reads it from the same messages; the
         residuals it would leave. ``weight``: this rank's push-sum weight, or None on a rank that
         contributes nothing (it still receives the mean). Collective; keeps nothing."""
-        return self.finish(self.start(values, weight))
+        return self.finish(self.start(Contribution.of_pseudo_gradients(values, weight)))
 
     @torch.no_grad()
-    def start(self, values: Sequence[torch.Tensor], weight: float | None) -> _Pending:
-        """The first half of :meth:`mean`: compresses this rank's shards and starts sending them
-        (asynchronous collectives, run by the process group's own thread); :meth:`finish` waits
-        for them. Streaming DiLoCo trains on while they travel."""
+    def start(self, contribution: Contribution) -> _Pending:
+        """The first half of :meth:`mean`: compresses this rank's shards of its pseudo-gradient
+        and starts sending them (asynchronous collectives, run by the process group's own
+        thread); :meth:`finish` waits for them. Streaming DiLoCo trains on while they travel."""
         n = self.world_size
+        weight = contribution.weight
+        values = None if weight is None else contribution.pseudo_gradients()
+        flags, flags_work = self.check.post(values)
         total_weight = torch.tensor([0.0 if weight is None else float(weight)], dtype=torch.float64)
-        works = [dist.all_reduce(total_weight, group=self.group, async_op=True)]
+        works = [flags_work, dist.all_reduce(total_weight, group=self.group, async_op=True)]
         residuals, received = [], []
         for b, (numel, dtype) in enumerate(self.layout):
             shard = self.shard[b]
@@ -201,17 +203,17 @@ class CompressedMean:
                 residual.div_(weight)
             residuals.append(residual)
             received.append((receive, send))  # the send buffer lives until the work completes
-        return _Pending(works, total_weight, received, residuals)
+        return _Pending(works, flags, total_weight, received, residuals)
 
     @torch.no_grad()
-    def finish(self, pending: _Pending) -> _Staged:
+    def finish(self, pending: _Pending) -> PseudoGradientMean:
         """The second half of :meth:`mean`: waits for :meth:`start`'s messages, reduces this
         rank's shard, sends it to every rank and reads every shard's mean. Collective."""
-        for work in pending.works:
-            work.wait()
+        wait_for_every_worker(pending.works, self.what, self.group, self.timeout)
+        self.check.raise_if_flagged(pending.flags, self.what)
         n = self.world_size
         total_weight = pending.total_weight.item()
-        staged = _Staged([], pending.residuals, [])
+        staged = PseudoGradientMean([], _Kept(pending.residuals, []))
         for b, (numel, dtype) in enumerate(self.layout):
             shard = self.shard[b]
             size = self.codec.message_numel(shard)
@@ -223,18 +225,22 @@ class CompressedMean:
             mean_message = torch.empty(size, dtype=self.codec.dtype, device=self.device)
             self.codec.encode(mine, mean_message)
             gathered = torch.empty(n * size, dtype=self.codec.dtype, device=self.device)
-            _all_gather(gathered, mean_message, self.group)
+            work = _all_gather(gathered, mean_message, self.group, async_op=True)
+            wait_for_every_worker([work], self.what, self.group, self.timeout)
             mean = torch.zeros(shard * n, dtype=dtype, device=self.device)
             for j, message in enumerate(gathered.split(size)):
                 self.codec.accumulate(mean[j * shard : (j + 1) * shard], [message])
-            staged.means.append(mean[:numel])
-            staged.owner_residuals.append(mine)
+            staged.values.append(mean[:numel])
+            staged.kept.owner_residuals.append(mine)
         return staged
 
-    def commit(self, staged: _Staged) -> None:
+    def commit(self, mean: PseudoGradientMean) -> None:
         """Keeps the residuals of a step whose every collective succeeded."""
-        self.residuals = staged.residuals
-        self.owner_residuals = staged.owner_residuals
+        self.residuals = mean.kept.residuals
+        self.owner_residuals = mean.kept.owner_residuals
+
+    def describe(self) -> dict[str, Any]:
+        return {"kind": "CompressedMean", "message_dtype": str(self.message_dtype)}
 
     # ----------------------------------------------------------------------------- checkpoint
 

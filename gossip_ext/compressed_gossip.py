@@ -30,8 +30,8 @@ sends its one message to its ``d`` neighbours: ``d`` messages of
 ``TopK.message_bytes(n)`` bytes per outer step, whatever the number of workers (the exact sparse
 mean gathers ``n - 1``). Two copies of the model per worker hold the state.
 
-Like the other means, :meth:`SparseGossip.mix` keeps nothing; :meth:`SparseGossip.commit` keeps
-the copies once the step has succeeded, so that a failed exchange changes nothing.
+Like the other averagings, :meth:`SparseGossip.finish` keeps nothing; :meth:`SparseGossip.commit`
+keeps the copies once the step has succeeded, so that a failed exchange changes nothing.
 """
 
 from __future__ import annotations
@@ -44,7 +44,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from gossip_ext.errors import PeerTimeoutError
+from gossip_ext.averagings.failures import check_received, wait_for_peer
+from gossip_ext.averagings.interface import Averaging, Contribution, ParameterMean
 from gossip_ext.fragment_gossip import OUTER_TAG_BASE
 from gossip_ext.sparse_average import TopK, _Codec
 
@@ -70,20 +71,31 @@ def fixed_neighbours(graph: Any, rank: int, world_size: int) -> list[int]:
 
 
 @dataclasses.dataclass
-class _Staged:
-    """A mix between :meth:`SparseGossip.mix` and :meth:`SparseGossip.commit`."""
+class _Pending:
+    """An exchange between :meth:`SparseGossip.start` and :meth:`SparseGossip.finish`."""
 
-    mixed: list[torch.Tensor]  # per bucket: z_i
+    values: list[torch.Tensor]  # per bucket: x_i
+    own: list[torch.Tensor]  # per bucket: this worker's message
+    inbox: list[torch.Tensor]  # per neighbour: its message
+    works: list[tuple[str, int, Any]]  # ("from" or "to", peer, work)
+    round: int
+
+
+@dataclasses.dataclass
+class _Kept:
+    """The copies a step leaves once committed."""
+
     public: list[torch.Tensor]  # per bucket: xhat_i after the step
     neighbourhood: list[torch.Tensor]  # per bucket: s_i after the step
 
 
-class SparseGossip:
+class SparseGossip(Averaging):
     """CHOCO-gossip of per-bucket parameter vectors (``layout``: (elements, dtype) per bucket)
     with this worker's ``neighbours`` on ``group``, in ``format`` messages, each wait bounded by
     ``timeout`` (see the module)."""
 
     state_key = "outer_public_copies"
+    what = "the outer step's sparse gossip exchange"
 
     def __init__(
         self,
@@ -115,22 +127,35 @@ class SparseGossip:
         return len(self.neighbours) * self.message_bytes
 
     @torch.no_grad()
-    def start(self, values: Sequence[torch.Tensor]) -> None:
-        """The copies start at ``values`` (per bucket), which must be equal on every worker."""
-        for b, v in enumerate(values):
-            self.public[b].copy_(v)
-            self.neighbourhood[b].copy_(v)
+    def begin(self, buckets) -> None:
+        """The copies start with the rule, at the parameters of ``buckets``, equal on every
+        worker."""
+        for b in range(len(buckets)):
+            buckets.read(b, self.public[b])
+            self.neighbourhood[b].copy_(self.public[b])
+
+    def after_whole_step(self, mix) -> None:
+        """The workers are apart after one exchange: push-sum goes on with its weight."""
 
     @torch.no_grad()
-    def mix(self, values: Sequence[torch.Tensor]) -> _Staged:
-        """The mixed parameters ``z_i`` of ``values`` (``x_i``, per bucket), and the copies the
-        step would leave. Exchanges with every neighbour; keeps nothing."""
-        round_ = self.steps
+    def start(self, contribution: Contribution) -> _Pending:
+        """Encodes this worker's message, the difference of its parameters (``x_i``, per bucket)
+        from its public copy, and posts the exchange with every neighbour."""
+        values = contribution.parameters()
         own = [self.codecs[b].encode(v - self.public[b]) for b, v in enumerate(values)]
         message = torch.cat(own) if own else torch.empty(0, dtype=torch.uint8)
-        inbox = self._exchange(message, round_)
+        inbox, works = self._post(message, self.steps)
+        return _Pending(values, own, inbox, works, self.steps)
+
+    @torch.no_grad()
+    def finish(self, pending: _Pending) -> ParameterMean:
+        """The mixed parameters ``z_i`` and the copies the step would leave; keeps nothing."""
+        for direction, peer, work in pending.works:
+            wait_for_peer(work, direction, peer, self.what, pending.round, self.group, self.timeout)
+        self._check_finite(pending)
+        values, own, inbox = pending.values, pending.own, pending.inbox
         weight = 1.0 / (len(self.neighbours) + 1)
-        staged = _Staged([], [], [])
+        staged = ParameterMean([], _Kept([], []))
         offset = 0
         for b, ((numel, dtype), codec) in enumerate(zip(self.layout, self.codecs)):
             # Whole chunks: this worker's message, then, added into the same buffer once the public
@@ -142,10 +167,23 @@ class SparseGossip:
             offset += codec.bytes
             neighbourhood = self.neighbourhood[b].add(arrived.view(-1)[:numel], alpha=weight)
             mixed = values[b].add(neighbourhood - public, alpha=self.consensus_step)
-            staged.mixed.append(mixed)
-            staged.public.append(public)
-            staged.neighbourhood.append(neighbourhood)
+            staged.values.append(mixed)
+            staged.kept.public.append(public)
+            staged.kept.neighbourhood.append(neighbourhood)
         return staged
+
+    def _check_finite(self, pending: _Pending) -> None:
+        """Raises NonFiniteError naming the neighbours whose messages decode to NaN or Inf (a
+        diverged worker's message carries them: a NaN magnitude makes its chunk's scale NaN), or
+        this worker, if its own parameters hold them."""
+        decoded = []
+        for peer, theirs in zip(self.neighbours, pending.inbox):
+            offset, values = 0, []
+            for codec, (_, dtype) in zip(self.codecs, self.layout):
+                values.append(self._decoded(codec, theirs[offset : offset + codec.bytes], dtype))
+                offset += codec.bytes
+            decoded.append((peer, torch.cat([v.view(-1) for v in values])))
+        check_received(decoded, pending.values, self.group, self.what, pending.round)
 
     def _decoded(self, codec: _Codec, message: torch.Tensor, dtype) -> torch.Tensor:
         """``message``'s values, as whole chunks (chunks x chunk)."""
@@ -153,9 +191,9 @@ class SparseGossip:
         codec.add_into(total, message)
         return total
 
-    def _exchange(self, message: torch.Tensor, round_: int) -> list[torch.Tensor]:
-        """Sends ``message`` to every neighbour and returns theirs, in neighbour order. Raises
-        PeerTimeoutError naming a neighbour whose message did not complete within the timeout."""
+    def _post(self, message: torch.Tensor, round_: int):
+        """Posts the receives of every neighbour's message and the sends of ``message`` to each;
+        returns (their buffers in neighbour order, the works)."""
         tag = OUTER_TAG_BASE + round_ % OUTER_TAG_BASE
         works, inbox = [], []
         for peer in self.neighbours:
@@ -166,25 +204,20 @@ class SparseGossip:
         for peer in self.neighbours:
             target = dist.get_global_rank(self.group, peer)
             works.append(("to", peer, dist.isend(message, target, self.group, tag=tag)))
-        for direction, peer, work in works:
-            try:
-                work.wait(self.timeout)
-            except Exception as error:
-                raise PeerTimeoutError(
-                    f"gossip_ext: the outer step's sparse gossip exchange {round_} failed: the "
-                    f"message {direction} rank {peer} did not complete within "
-                    f"{self.timeout.total_seconds():g} s ({error})",
-                    peers=(peer,),
-                    round=round_,
-                    transport=self.transport,
-                    timeout=self.timeout,
-                ) from error
-        return inbox
+        return inbox, works
 
-    def commit(self, staged: _Staged) -> None:
+    def commit(self, mean: ParameterMean) -> None:
         """Keeps the copies of a step whose exchange succeeded."""
-        self.public, self.neighbourhood = staged.public, staged.neighbourhood
+        self.public, self.neighbourhood = mean.kept.public, mean.kept.neighbourhood
         self.steps += 1
+
+    def describe(self) -> dict[str, Any]:
+        return {
+            "kind": "SparseGossip",
+            "message_dtype": self.format.describe(),
+            "consensus_step": self.consensus_step,
+            "neighbours": list(self.neighbours),
+        }
 
     def state_dict(self) -> dict[str, Any]:
         return {
@@ -196,7 +229,7 @@ class SparseGossip:
             "neighbourhood": [t.clone() for t in self.neighbourhood],
         }
 
-    def load_state_dict(self, state: dict[str, Any] | None) -> None:
+    def load_state_dict(self, state: dict[str, Any] | None, members_changed: bool = False) -> None:
         """Puts back :meth:`state_dict`. A checkpoint without copies (saved by a run that averaged
         otherwise) starts them at zero on every worker: consistent whatever the parameters, but
         the first messages then carry the whole model, a chunk's top values at a time."""

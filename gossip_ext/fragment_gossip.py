@@ -29,7 +29,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from gossip_ext.errors import PeerTimeoutError
+from gossip_ext.averagings.failures import check_received, wait_for_peer
+from gossip_ext.averagings.interface import Averaging, Contribution, PseudoGradientMean
 
 # Tags of these messages: [OUTER_TAG_BASE, 2 OUTER_TAG_BASE). process_group_transport.cpp masks
 # the engine's round tags below it; c10d takes tags in [0, 2^31).
@@ -41,16 +42,19 @@ MAX_BUCKETS = 16  # tags per round: one per bucket (one bucket per parameter dty
 class _Exchange:
     """One fragment's exchange between its start and its finish."""
 
+    own: list[torch.Tensor]  # per bucket: this worker's pseudo-gradient
     kept: list[torch.Tensor]  # per bucket: self_weight * [w d | w]
     received: list[list[tuple[int, torch.Tensor]]]  # per bucket: (in-peer, its message)
     works: list[tuple[str, int, Any]]  # ("from" or "to", peer, work)
     round: int
 
 
-class GossipMean:
-    """The gossip estimate of the mean of per-bucket vectors (``layout``: (elements, dtype) per
-    bucket) over ``group``: one exchange with the peers of ``graph``'s round, weighted by
-    ``mixing``, each wait bounded by ``timeout``."""
+class GossipMean(Averaging):
+    """The gossip estimate of the mean of per-bucket pseudo-gradients (``layout``: (elements,
+    dtype) per bucket) over ``group``: one exchange with the peers of ``graph``'s round (the
+    contribution's), weighted by ``mixing``, each wait bounded by ``timeout``."""
+
+    what = "Streaming DiLoCo's gossip exchange"
 
     def __init__(
         self,
@@ -87,10 +91,13 @@ class GossipMean:
         return OUTER_TAG_BASE + (round * MAX_BUCKETS + bucket) % OUTER_TAG_BASE
 
     @torch.no_grad()
-    def start(
-        self, pseudo_gradients: Sequence[torch.Tensor], weight: float, round: int
-    ) -> _Exchange:
+    def start(self, contribution: Contribution) -> _Exchange:
         """Posts the receives from the round's in-peers and the sends to its out-peers."""
+        pseudo_gradients, weight, round = (
+            contribution.pseudo_gradients(),
+            contribution.weight,
+            contribution.round,
+        )
         out_peers, in_peers = self.peers(round)
         self_weight, peer_weight = self.mixing.weights(len(out_peers)) if out_peers else (1.0, 0.0)
         kept, received, works = [], [], []
@@ -112,28 +119,25 @@ class GossipMean:
                     works.append(("to", peer, dist.isend(share, target, self.group, tag=tag)))
             kept.append(message.mul_(self_weight))
             received.append(inbox)
-        return _Exchange(kept, received, works, round)
+        return _Exchange(list(pseudo_gradients), kept, received, works, round)
 
     @torch.no_grad()
-    def finish(self, exchange: _Exchange) -> list[torch.Tensor]:
+    def finish(self, exchange: _Exchange) -> PseudoGradientMean:
         """Waits for every message of the exchange; returns the mean estimate per bucket. Raises
-        PeerTimeoutError naming the peer whose message did not arrive (or could not be sent)."""
+        PeerTimeoutError naming the peer whose message did not arrive (or could not be sent),
+        NonFiniteError naming the peers whose messages hold NaN or Inf."""
         for direction, peer, work in exchange.works:
-            try:
-                work.wait(self.timeout)
-            except Exception as error:
-                raise PeerTimeoutError(
-                    f"gossip_ext: Streaming DiLoCo's gossip exchange of round {exchange.round} "
-                    f"failed: the message {direction} rank {peer} did not complete within "
-                    f"{self.timeout.total_seconds():g} s ({error})",
-                    peers=(peer,),
-                    round=exchange.round,
-                    transport=self.transport,
-                    timeout=self.timeout,
-                ) from error
+            wait_for_peer(
+                work, direction, peer, self.what, exchange.round, self.group, self.timeout
+            )
+        received = [pair for inbox in exchange.received for pair in inbox]
+        check_received(received, exchange.own, self.group, self.what, exchange.round)
         means = []
         for total, inbox in zip(exchange.kept, exchange.received):
             for _, message in inbox:
                 total.add_(message)
             means.append(total[:-1].div_(total[-1]))
-        return means
+        return PseudoGradientMean(means)
+
+    def describe(self) -> dict[str, Any]:
+        return {"kind": "GossipMean", "graph": repr(self.graph), "mixing": repr(self.mixing)}

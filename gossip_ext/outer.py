@@ -1,37 +1,33 @@
 """Outer steps: what happens every few optimizer steps, beyond the inner mix's gossip.
 
-Three kinds, each taking the place of that step's gossip round:
-- a plain exact average (LocalSGD's, ``global_avg_freq``; also ``sync_every`` without an outer
-  optimizer, and :meth:`GossipDataParallel.average_parameters` on demand);
-- SlowMo's step (``slowmo_freq``): the exact average, then the heavy-ball rule of
-  ``outer_rules.SlowMomentum``;
-- DiLoCo's step (``outer_optimizer`` with ``sync_every``): the average of the workers'
-  pseudo-gradients ``theta_global - theta_i``, then any torch optimizer on ``theta_global``
-  (``outer_rules.OuterOptimizer``). Averaged exactly (``outer_average="allreduce"``), or by that
-  step's gossip round (``"gossip"``): each worker mixes its parameters with its peers' and steps
-  its own ``theta_global`` with ``theta_global - z``; push-sum keeps the mean over workers, so
-  their mean moves as under exact averaging, with no collective over every worker. Or by sparse
-  messages to fixed neighbours (``ByCompressedGossip``, ``compressed_gossip.SparseGossip``): the
-  same step with the parameters mixed by CHOCO-gossip instead of a push-sum round.
+A whole-model step takes the place of that step's gossip round: a plain exact average
+(LocalSGD's, SlowMo's ``average_every``, and :meth:`GossipDataParallel.average_parameters` on
+demand), or the outer rule's step (SlowMo's heavy ball, DiLoCo's outer optimizer on
+``theta_global``) on the mean its averaging forms. Streaming DiLoCo's rule runs its fragments' own
+prepares and applies instead, and the step's gossip round follows as usual.
 
-The exact average is push-sum's consensus value ``sum_i w_i z_i / sum_i w_i``
-(``averaging.exact_average``), read straight from the parameters into the message. DiLoCo's
-exact step with ``outer_dtype`` averages the pseudo-gradients themselves, in compressed messages
-with error feedback (``compressed_average.CompressedMean``: an all-reduce cannot sum them). Every
-collective of a step runs before anything is written: one that fails leaves the parameters and
-the rule's state as they were (Note [The parameters are the model] in the engine).
+Every way to average is one :class:`gossip_ext.averagings.Averaging`, asked the same three
+things (start, finish, commit); every collective of a step runs before anything is written, so
+one that fails leaves the parameters and the rule's state as they were, and the inner mix keeps
+the error raised (Note [The parameters are the model] in the engine).
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+import dataclasses
+import datetime
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
-from gossip_ext.averaging import ParameterBuckets, exact_average
-from gossip_ext.compressed_average import exact_mean
+from gossip_ext.averaging import ParameterBuckets
+from gossip_ext.averagings import AllReduceMean, Averaging, Contribution
+from gossip_ext.averagings.failures import DEFAULT_TIMEOUT
+from gossip_ext.outer_rules import PlainAverage
+
+_PLAIN = PlainAverage()
 
 # What a training step ends with (OuterSteps.kind); None: the inner mix's round, as usual.
 AVERAGE = "average"
@@ -40,14 +36,26 @@ OUTER = "outer"
 STREAM = "stream"
 
 
+@dataclasses.dataclass
+class StepContext:
+    """What the wrapper lends an outer step: its inner mix (``inner.InnerMix``), this process's
+    push-sum weight (read once the mix is drained; None where it contributes nothing), the
+    floating buffers' weight given that, and the inner optimizer (SlowMo reads its rates)."""
+
+    mix: Any
+    weight: Callable[[], float | None]
+    buffer_weight: Callable[[float | None], float | None]
+    optimizer: torch.optim.Optimizer | None = None
+
+
 class OuterSteps:
-    """The outer steps of one GossipDataParallel: their schedule, their collectives, the rule's
+    """The outer steps of one GossipDataParallel: their schedule, their averaging, the rule's
     state in the checkpoint.
 
-    ``rule`` (an ``outer_rules.SlowMomentum`` or ``OuterOptimizer``, or None) runs every
-    ``sync_every`` steps; a plain average every ``average_every`` steps (0: never) where no rule
-    runs. Floating-point ``buffers`` (BatchNorm's running statistics) are averaged with the
-    parameters by every exact step.
+    ``rule`` (an ``outer_rules`` rule, or Streaming DiLoCo's, or None) runs every ``sync_every``
+    steps on the mean ``averaging`` forms (default: the exact all-reduce); a plain average every
+    ``average_every`` steps (0: never) where no rule runs. Floating-point ``buffers``
+    (BatchNorm's running statistics) are averaged exactly with every averaging over all workers.
     """
 
     def __init__(
@@ -59,39 +67,20 @@ class OuterSteps:
         average_every: int = 0,
         rule: Any = None,
         sync_every: int = 0,
-        by_gossip: bool = False,
-        outer_dtype: torch.dtype | str | None = None,
-        sparse_gossip: Any = None,
+        averaging: Averaging | None = None,
+        timeout: datetime.timedelta = DEFAULT_TIMEOUT,
     ):
         self.buckets = ParameterBuckets(params)
-        # DiLoCo's pseudo-gradients in compressed messages (the rule is an OuterOptimizer).
-        self.compressed = None
-        self.streaming = rule is not None and rule.own_schedule
-        if outer_dtype is not None and not self.streaming:  # fragments keep their own
-            self.compressed = exact_mean(
-                outer_dtype, self.buckets.layout(), self.buckets.device(0), group
-            )
         self.buffer_buckets = ParameterBuckets(buffers)
         self.group = group
+        self.exact = AllReduceMean(group, timeout)  # plain averages and the buffers
+        self.averaging = averaging if averaging is not None else self.exact
         self.average_every = average_every
         self.rule = rule
+        self.streaming = rule is not None and rule.own_schedule
         self.sync_every = sync_every if rule is not None else 0
-        self.by_gossip = by_gossip
-        # ByCompressedGossip's exchange (a compressed_gossip.SparseGossip), or None.
-        self.sparse_gossip = sparse_gossip
         # The rule starts (again) at the first forward, after any weights loaded by hand.
         self._start_at_forward = rule is not None
-
-    def kind(self, step: int) -> str | None:
-        """What the ``step``-th optimizer step (1-based) ends with: the rule's step takes
-        precedence over a plain AVERAGE."""
-        if self.streaming:
-            return STREAM if self.rule.has_action(step) else None
-        if self.sync_every and step % self.sync_every == 0:
-            return OUTER
-        if self.average_every and step % self.average_every == 0:
-            return AVERAGE
-        return None
 
     @property
     def needs_inner_lr(self) -> bool:
@@ -109,8 +98,8 @@ class OuterSteps:
         """At construction, once every rank holds the same parameters: rules whose state must
         exist before any step (the outer optimizer's) start here, and again at the forward."""
         if self.rule is not None and self.rule.eager:
-            self.rule.start(self.buckets)
-            self._start_public_copies()
+            self.start()
+            self._start_at_forward = True
 
     def before_forward(self) -> None:
         if self._start_at_forward:
@@ -118,84 +107,77 @@ class OuterSteps:
 
     def start(self) -> None:
         """The rule's state starts at the current parameters (SlowMo's momentum at 0; the outer
-        optimizer's state is kept)."""
+        optimizer's state is kept), and the averaging's with it."""
         if self.rule is not None:
             self.rule.start(self.buckets)
-            self._start_public_copies()
+            self.averaging.begin(self.buckets)
         self._start_at_forward = False
-
-    def _start_public_copies(self) -> None:
-        """ByCompressedGossip's public copies start with the rule, at the same parameters."""
-        if self.sparse_gossip is not None:
-            self.sparse_gossip.start(self._read_all())
-
-    def _read_all(self) -> list[torch.Tensor]:
-        """A copy of the parameters, a flat tensor per bucket."""
-        return [
-            self.buckets.read(b, torch.empty(n, dtype=dtype, device=self.buckets.device(b)))
-            for b, (n, dtype) in enumerate(self.buckets.layout())
-        ]
 
     # ----------------------------------------------------------------------------- steps
 
-    def run(
-        self,
-        kind: str,
-        weight: float | None,
-        buffer_weight: float | None,
-        optimizer: torch.optim.Optimizer | None = None,
-    ) -> None:
-        """An exact step of ``kind``: sets the parameters to the exact average (see
-        :func:`exact_average`; ``weight`` is this rank's push-sum weight, None where it gossips
-        not), or to what the rule makes of it for OUTER (SlowMo reads ``optimizer``'s learning
-        rates), and the floating buffers to their average (weighted by ``buffer_weight``).
-        Collective."""
-        if kind == OUTER and self.compressed is not None:
-            self._run_compressed(weight, buffer_weight)
-            return
-        # Every bucket is averaged before any is written: one failed collective changes nothing.
-        results = [
-            exact_average(self.buckets, b, weight, self.group) for b in range(len(self.buckets))
-        ]
-        buffer_results = [
-            exact_average(self.buffer_buckets, b, buffer_weight, self.group)
-            for b in range(len(self.buffer_buckets))
-        ]
-        if kind == OUTER:
-            if not self.rule.started:
-                # No forward ran before this step (a loop without one): the rule starts from the
-                # average, which makes this step a plain average.
-                self.rule.start(self.buckets, results)
-            results = self.rule.update(self.buckets, results, optimizer)
+    def kind(self, step: int) -> str | None:
+        """What the ``step``-th optimizer step (1-based) ends with: the rule's step takes
+        precedence over a plain AVERAGE."""
+        if self.streaming:
+            return STREAM if self.rule.has_action(step) else None
+        if self.sync_every and step % self.sync_every == 0:
+            return OUTER
+        if self.average_every and step % self.average_every == 0:
+            return AVERAGE
+        return None
+
+    def end_step(self, step: int, context: StepContext) -> bool:
+        """Runs what ends the ``step``-th optimizer step (1-based): the rule's step on its
+        averaging's mean, or a plain average, or Streaming DiLoCo's prepares and applies. Returns
+        whether the step's gossip round still runs. Collective where a step is due."""
+        kind = self.kind(step)
+        if kind == STREAM:
+            self._guarded(context.mix, lambda: self.rule.run(step, context.weight()))
+        elif kind == OUTER:
+            self._whole_step(self.averaging, self.rule, step, context)
+        elif kind == AVERAGE:
+            self._whole_step(self.exact, _PLAIN, step, context)
+        return kind in (None, STREAM)
+
+    def average_now(self, step: int, context: StepContext) -> None:
+        """A plain exact average now (``average_parameters()``). Collective."""
+        self._whole_step(self.exact, _PLAIN, step, context)
+
+    def _whole_step(self, averaging: Averaging, rule: Any, step: int, context: StepContext):
+        averaging.before_whole_step(context.mix)
+        weight = context.weight()
+
+        def collect():
+            contribution = Contribution(self.buckets, rule.theta_global, weight, step, context.mix)
+            mean = averaging.finish(averaging.start(contribution))
+            buffers = None
+            if averaging.averages_buffers and len(self.buffer_buckets):
+                of_buffers = Contribution(
+                    self.buffer_buckets, None, context.buffer_weight(weight), step
+                )
+                buffers = self.exact.finish(self.exact.start(of_buffers))
+            results = mean.step(rule, self.buckets, context.optimizer)
+            averaging.commit(mean)
+            return results, buffers
+
+        results, buffers = self._guarded(context.mix, collect)
         for b, result in enumerate(results):
             self.buckets.write(b, result)
-        for b, result in enumerate(buffer_results):
-            self.buffer_buckets.write(b, result)
+        if buffers is not None:
+            for b, result in enumerate(buffers.values):
+                self.buffer_buckets.write(b, result)
+        averaging.after_whole_step(context.mix)
 
-    @torch.no_grad()
-    def _run_compressed(self, weight: float | None, buffer_weight: float | None) -> None:
-        """DiLoCo's exact step with ``outer_dtype``: the mean of the pseudo-gradients
-        ``theta_global - theta_i`` in compressed messages, then the outer optimizer; the residuals
-        are kept once every collective has succeeded."""
-        pseudo_gradients = [
-            local.neg_().add_(self.rule.flat[b].to(local.device))
-            for b, local in enumerate(self._read_all())
-        ]
-        staged = self.compressed.mean(pseudo_gradients, weight)
-        buffer_results = [
-            exact_average(self.buffer_buckets, b, buffer_weight, self.group)
-            for b in range(len(self.buffer_buckets))
-        ]
-        results = self.rule.step_with(staged.means)
-        self.compressed.commit(staged)
-        for b, result in enumerate(results):
-            self.buckets.write(b, result)
-        for b, result in enumerate(buffer_results):
-            self.buffer_buckets.write(b, result)
-
-    def run_streaming(self, step: int, weight: float | None) -> None:
-        """Streaming DiLoCo's prepares and applies due after optimizer step ``step``."""
-        self.rule.run(step, weight)
+    @staticmethod
+    def _guarded(mix: Any, run: Callable[[], Any]) -> Any:
+        """``run()``; an error it raises stays raised by every later call of the wrapper (the
+        parameters were left as they were here, but perhaps written on ranks whose collectives
+        succeeded)."""
+        try:
+            return run()
+        except Exception as error:
+            mix.fail(error)
+            raise
 
     def align_in_flight(self, step: int) -> None:
         """An elastic epoch begins at optimizer step ``step``: Streaming DiLoCo's fragments in
@@ -204,35 +186,14 @@ class OuterSteps:
         if self.rule is not None:
             self.rule.align_in_flight(step)
 
-    def run_on_mixed(self) -> None:
-        """The rule's step with this worker's own parameters in place of the exact average:
-        ``outer_average="gossip"``, whose round has just mixed them with the round's peers.
-        Local; one transient copy of the parameters."""
-        for b, result in enumerate(self.rule.update(self.buckets, self._read_all())):
-            self.buckets.write(b, result)
-
-    @torch.no_grad()
-    def run_sparse_gossip(self) -> None:
-        """The rule's step with the parameters mixed by ByCompressedGossip's exchange with the
-        neighbours; the public copies are kept once the exchange has succeeded, and nothing is
-        written before it has."""
-        if not self.rule.started:
-            self.start()  # no forward ran before this step: the copies start here
-        staged = self.sparse_gossip.mix(self._read_all())
-        results = self.rule.update(self.buckets, staged.mixed)
-        self.sparse_gossip.commit(staged)
-        for b, result in enumerate(results):
-            self.buckets.write(b, result)
-
     # ----------------------------------------------------------------------------- checkpoint
 
     def state_dict(self) -> dict[str, Any]:
         if self.rule is None:
             return {}
         state = {self.rule.state_key: self.rule.state_dict() if self.rule.started else None}
-        for part in (self.compressed, self.sparse_gossip):
-            if part is not None:
-                state[part.state_key] = part.state_dict()
+        if self.averaging.state_key is not None:
+            state[self.averaging.state_key] = self.averaging.state_dict()
         return state
 
     def per_parameter_state(self) -> dict[str, list[torch.Tensor]] | None:
@@ -240,8 +201,8 @@ class OuterSteps:
         an empty dict without a rule (nothing to save), None where it cannot be put so."""
         if self.rule is None:
             return {}
-        if self.compressed is not None or self.sparse_gossip is not None:
-            return None  # the residuals are cut by shards; the public copies are whole buckets
+        if self.averaging.state_key is not None:
+            return None  # an averaging's state (residuals, public copies) is cut by buckets
         return self.rule.per_parameter_state()
 
     def load_per_parameter_state(self, state: dict[str, list[torch.Tensor]]) -> None:
@@ -259,9 +220,7 @@ class OuterSteps:
         saved = state.get(self.rule.state_key)
         self.rule.load_state_dict(saved, self.buckets, members_changed)
         self._start_at_forward = saved is None
-        if self.compressed is not None:
-            self.compressed.load_state_dict(
-                state.get(self.compressed.state_key), members_changed=members_changed
+        if self.averaging.state_key is not None:
+            self.averaging.load_state_dict(
+                state.get(self.averaging.state_key), members_changed=members_changed
             )
-        if self.sparse_gossip is not None:
-            self.sparse_gossip.load_state_dict(state.get(self.sparse_gossip.state_key))

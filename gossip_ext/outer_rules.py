@@ -54,6 +54,9 @@ class OuterRule:
     eager = False
     needs_inner_lr = False
     own_schedule = False
+    # The global parameters, one flat tensor per bucket, whose difference from a worker's
+    # parameters is its pseudo-gradient; None for a rule without them.
+    theta_global: list[torch.Tensor] | None = None
 
     @property
     def optimizers(self) -> list[torch.optim.Optimizer]:
@@ -68,6 +71,17 @@ class OuterRule:
 
     def load_per_parameter_state(self, state: dict[str, list[torch.Tensor]]) -> None:
         raise NotImplementedError(f"{type(self).__name__} has no per-parameter state")
+
+
+class PlainAverage(OuterRule):
+    """A plain average: the parameters become the mean, and nothing is kept (LocalSGD's step,
+    SlowMo's ``average_every`` steps in between, ``average_parameters()``)."""
+
+    state_key = "average"
+    started = True
+
+    def update(self, buckets, averages, optimizer=None) -> list[torch.Tensor]:
+        return list(averages)
 
 
 def learning_rates(
@@ -318,6 +332,10 @@ class OuterOptimizer(OuterRule):
     @property
     def optimizers(self) -> list[torch.optim.Optimizer]:
         return [self.optimizer]
+
+    @property
+    def theta_global(self) -> list[torch.Tensor]:
+        return self.flat
 
     def __init__(
         self,

@@ -30,6 +30,7 @@ nothing: :meth:`SparseMean.commit` keeps the residuals once the outer step succe
 from __future__ import annotations
 
 import dataclasses
+import datetime
 import math
 from collections.abc import Sequence
 from typing import Any
@@ -38,6 +39,8 @@ import torch
 import torch.distributed as dist
 
 from gossip_ext import _C  # noqa: F401  (registers torch.ops.gossip_ext)
+from gossip_ext.averagings.failures import DEFAULT_TIMEOUT, SenderCheck, wait_for_every_worker
+from gossip_ext.averagings.interface import Averaging, Contribution, PseudoGradientMean
 from gossip_ext.compressed_average import _all_gather
 
 
@@ -86,9 +89,13 @@ class TopK:
         """Bytes each rank sends per outer step: its message to every other rank."""
         return (world_size - 1) * sum(self.message_bytes(n) for n in numels)
 
-    def mean_over(self, layout, device, group) -> SparseMean:
+    def describe(self) -> dict[str, Any]:
+        """Plain values, for the cross-rank configuration check and ``json.dumps``."""
+        return {"kind": "TopK", **dataclasses.asdict(self)}
+
+    def mean_over(self, layout, device, group, timeout=DEFAULT_TIMEOUT) -> SparseMean:
         """The exact mean that sends this format (``outer.OuterSteps`` asks for it)."""
-        return SparseMean(layout, device, self, group)
+        return SparseMean(layout, device, self, group, timeout)
 
 
 class _Codec:
@@ -117,6 +124,7 @@ class _Pending:
     """A mean between :meth:`SparseMean.start` and :meth:`SparseMean.finish`."""
 
     works: list[Any]
+    flags: torch.Tensor  # SenderCheck's: which workers sent NaN or Inf
     total_weight: torch.Tensor
     weight: float | None
     contributions: list[torch.Tensor]  # per bucket: w (v + e)
@@ -124,20 +132,25 @@ class _Pending:
     gathered: list[torch.Tensor]  # per bucket: every rank's message
 
 
-@dataclasses.dataclass
-class _Staged:
-    means: list[torch.Tensor]
-    residuals: list[torch.Tensor]
-
-
-class SparseMean:
+class SparseMean(Averaging):
     """The exact weighted mean over ``group`` of per-bucket float vectors (pseudo-gradients),
-    sent in the sparse ``format`` (a :class:`TopK`) with an error-feedback residual per bucket.
-    The interface of ``compressed_average.CompressedMean``."""
+    sent in the sparse ``format`` (a :class:`TopK`) with an error-feedback residual per bucket,
+    each wait bounded by ``timeout``."""
 
     state_key = "outer_residuals"
+    averages_buffers = True
+    what = "the outer step's sparse mean"
 
-    def __init__(self, layout, device: torch.device, format: TopK, group: dist.ProcessGroup):
+    def __init__(
+        self,
+        layout,
+        device: torch.device,
+        format: TopK,
+        group: dist.ProcessGroup,
+        timeout: datetime.timedelta = DEFAULT_TIMEOUT,
+    ):
+        self.timeout = timeout
+        self.check = SenderCheck(group, device)
         self.format = format
         self.group = group
         self.world_size = dist.get_world_size(group)
@@ -149,20 +162,24 @@ class SparseMean:
     def bytes_per_step(self) -> int:
         return self.format.bytes_per_step([n for n, _ in self.layout], self.world_size)
 
-    def mean(self, values: Sequence[torch.Tensor], weight: float | None) -> _Staged:
+    def mean(self, values: Sequence[torch.Tensor], weight: float | None) -> PseudoGradientMean:
         """``sum_i w_i v_i / sum_i w_i`` over the group, per bucket, as every rank decodes it from
         the same messages; and the residuals it would leave. ``weight``: this rank's push-sum
         weight, or None on a rank that contributes nothing. Collective; keeps nothing."""
-        return self.finish(self.start(values, weight))
+        return self.finish(self.start(Contribution.of_pseudo_gradients(values, weight)))
 
     @torch.no_grad()
-    def start(self, values: Sequence[torch.Tensor], weight: float | None) -> _Pending:
-        """The first half of :meth:`mean`: encodes this rank's messages and starts gathering
-        every rank's (asynchronous collectives); :meth:`finish` waits and decodes them."""
+    def start(self, contribution: Contribution) -> _Pending:
+        """The first half of :meth:`mean`: encodes this rank's messages of its pseudo-gradient
+        and starts gathering every rank's (asynchronous collectives); :meth:`finish` waits and
+        decodes them."""
         n = self.world_size
+        weight = contribution.weight
+        values = None if weight is None else contribution.pseudo_gradients()
+        flags, flags_work = self.check.post(values)
         total_weight = torch.tensor([0.0 if weight is None else float(weight)], dtype=torch.float64)
-        works = [dist.all_reduce(total_weight, group=self.group, async_op=True)]
-        pending = _Pending(works, total_weight, weight, [], [], [])
+        works = [flags_work, dist.all_reduce(total_weight, group=self.group, async_op=True)]
+        pending = _Pending(works, flags, total_weight, weight, [], [], [])
         for b, ((numel, dtype), codec) in enumerate(zip(self.layout, self.codecs)):
             contribution = torch.zeros(numel, dtype=dtype, device=self.device)
             if weight is not None:
@@ -178,31 +195,34 @@ class SparseMean:
         return pending
 
     @torch.no_grad()
-    def finish(self, pending: _Pending) -> _Staged:
+    def finish(self, pending: _Pending) -> PseudoGradientMean:
         """The second half of :meth:`mean`: waits for every rank's messages and decodes them, in
         rank order, into the mean; this rank's residuals are what its messages left out."""
-        for work in pending.works:
-            work.wait()
+        wait_for_every_worker(pending.works, self.what, self.group, self.timeout)
+        self.check.raise_if_flagged(pending.flags, self.what)
         total_weight, weight = pending.total_weight.item(), pending.weight
-        staged = _Staged([], [])
+        staged = PseudoGradientMean([], [])
         for b, ((numel, dtype), codec) in enumerate(zip(self.layout, self.codecs)):
             chunks = (codec.chunks, self.format.chunk)
             total = torch.zeros(chunks, dtype=dtype, device=self.device)
             for other in pending.gathered[b].split(codec.bytes):  # the same sum on every rank
                 codec.add_into(total, other)
-            staged.means.append(total.view(-1)[:numel].div_(total_weight))
+            staged.values.append(total.view(-1)[:numel].div_(total_weight))
             if weight is None:
-                staged.residuals.append(self.residuals[b])
+                staged.kept.append(self.residuals[b])
                 continue
             carried = torch.zeros(chunks, dtype=dtype, device=self.device)
             codec.add_into(carried, pending.messages[b])
             residual = pending.contributions[b].sub_(carried.view(-1)[:numel]).div_(weight)
-            staged.residuals.append(residual)
+            staged.kept.append(residual)
         return staged
 
-    def commit(self, staged: _Staged) -> None:
+    def commit(self, mean: PseudoGradientMean) -> None:
         """Keeps the residuals of a step whose every collective succeeded."""
-        self.residuals = staged.residuals
+        self.residuals = mean.kept
+
+    def describe(self) -> dict[str, Any]:
+        return {"kind": "SparseMean", "message_dtype": self.format.describe()}
 
     def state_dict(self) -> dict[str, Any]:
         return {

@@ -14,12 +14,11 @@ step ``s_j = floor(H (j + 1) / k)``, as torchft schedules its fragments:
 
 The communication of a period is the same as DiLoCo's, spread over ``k`` moments instead of one,
 so a network that DiLoCo would saturate in bursts carries ``1 / k`` of a model at a time, hidden
-behind ``tau`` steps of training. The mean is exact (one all-reduce per dtype bucket of the
-fragment, with the push-sum weight riding as one more element), compressed (``outer_dtype``:
-``compressed_average.CompressedMean``, whose all-to-all travels during the ``tau`` steps and whose
-all-gather runs at the apply), or gossip's (``outer_average="gossip"``:
-``fragment_gossip.GossipMean``, one exchange with the peers of a round of the graph, each worker
-then stepping its own ``theta_global``).
+behind ``tau`` steps of training. A fragment's mean is formed by the same interface as the whole
+model's (``gossip_ext.averagings``): started at the prepare, finished and committed at the apply.
+The exact all-reduce, a compressed or sparse exact mean (whose all-to-all or all-gather travels
+during the ``tau`` steps), or one gossip exchange with the peers of a round of the graph
+(``fragment_gossip.GossipMean``, each worker then stepping its own ``theta_global``).
 
 The apply is the commit point (Note [The parameters are the model] in the engine): a collective
 that failed raises there, before the fragment's parameters, ``theta_global`` or its optimizer
@@ -29,18 +28,18 @@ a run resumed from it sends it again before its next step, so that the apply see
 
 from __future__ import annotations
 
-import datetime
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import torch
-import torch.distributed as dist
 
 from gossip_ext.averaging import ParameterBuckets
-from gossip_ext.compressed_average import exact_mean
-from gossip_ext.fragment_gossip import GossipMean
+from gossip_ext.averagings import Averaging, Contribution
 from gossip_ext.outer_rules import OuterOptimizer, OuterOptimizerFactory, OuterRule
+
+# Builds a fragment's averaging over its buckets.
+AveragingFactory = Callable[[ParameterBuckets], Averaging]
 
 
 def fragment_bounds(sizes: Sequence[int], fragments: int) -> list[tuple[int, int]]:
@@ -98,92 +97,52 @@ class Schedule:
 class _InFlight:
     """A fragment between its prepare and its apply."""
 
-    pseudo_gradients: list[torch.Tensor]  # what was sent: kept for a checkpoint
-    weight: float | None
-    round: int  # the optimizer step of the prepare: the graph's round of a gossip mean
-    works: list[Any]  # exact mean: the all-reduces
-    messages: list[torch.Tensor]  # exact mean: [w * d | w] per bucket, summed in place
-    pending: Any = None  # compressed or gossip mean: its start's handle
+    contribution: Contribution  # what was sent: its pseudo-gradients kept for a checkpoint
+    pending: Any  # the averaging's start's handle
 
 
 class Fragment:
-    """One fragment: its parameters, its ``theta_global`` and outer optimizer, its compressed
-    mean's residuals, and the synchronisation in flight. ``gossip`` (graph, mixing, timeout):
-    averaged by gossip, not exactly."""
+    """One fragment: its parameters, its ``theta_global`` and outer optimizer, its averaging
+    (built by ``averaging``; its state, as a compressed mean's residuals, with it), and the
+    synchronisation in flight."""
 
     def __init__(
         self,
         params: Sequence[torch.Tensor],
         factory: OuterOptimizerFactory,
         device: torch.device | str | None,
-        outer_dtype: torch.dtype | str | None,
-        group: dist.ProcessGroup,
-        gossip: tuple[Any, Any, datetime.timedelta] | None = None,
+        averaging: AveragingFactory,
     ):
         self.buckets = ParameterBuckets(params)
         self.rule = OuterOptimizer(params, self.buckets, factory, device)
-        self.group = group
-        self.compressed = None
-        if outer_dtype is not None:
-            self.compressed = exact_mean(
-                outer_dtype, self.buckets.layout(), self.buckets.device(0), group
-            )
-        self.gossip = None
-        if gossip is not None:
-            self.gossip = GossipMean(self.buckets.layout(), *gossip[:2], group, gossip[2])
+        self.averaging = averaging(self.buckets)
         self.in_flight: _InFlight | None = None
 
     @torch.no_grad()
     def prepare(self, weight: float | None, round: int) -> None:
         """Takes the pseudo-gradient ``theta_global - theta`` and starts averaging it (over the
         peers of the graph's ``round``, by gossip)."""
-        pseudo_gradients = []
-        for b, (n, dtype) in enumerate(self.buckets.layout()):
-            local = self.buckets.read(b, torch.empty(n, dtype=dtype, device=self.buckets.device(b)))
-            pseudo_gradients.append(local.neg_().add_(self.rule.flat[b].to(local.device)))
-        self.send(pseudo_gradients, weight, round)
+        contribution = Contribution(self.buckets, self.rule.theta_global, weight, round)
+        contribution.pseudo_gradients()  # taken now: the parameters move on while it travels
+        self._send(contribution)
 
     @torch.no_grad()
     def send(self, pseudo_gradients: list[torch.Tensor], weight: float | None, round: int) -> None:
-        if self.compressed is not None or self.gossip is not None:
-            if self.compressed is not None:
-                pending = self.compressed.start(pseudo_gradients, weight)
-            else:
-                pending = self.gossip.start(pseudo_gradients, weight, round)
-            self.in_flight = _InFlight(pseudo_gradients, weight, round, [], [], pending)
-            return
-        works, messages = [], []
-        for d in pseudo_gradients:
-            # The weight rides as one more element: its sum divides the mean.
-            message = torch.zeros(d.numel() + 1, dtype=d.dtype, device=d.device)
-            if weight is not None:
-                message[:-1].copy_(d)
-                message[-1] = 1.0
-                if weight != 1.0:
-                    message.mul_(weight)
-            works.append(dist.all_reduce(message, group=self.group, async_op=True))
-            messages.append(message)
-        self.in_flight = _InFlight(pseudo_gradients, weight, round, works, messages)
+        """Starts averaging ``pseudo_gradients`` taken earlier (a checkpoint's in flight)."""
+        self._send(Contribution.of_pseudo_gradients(pseudo_gradients, weight, round))
+
+    def _send(self, contribution: Contribution) -> None:
+        self.in_flight = _InFlight(contribution, self.averaging.start(contribution))
 
     @torch.no_grad()
     def apply(self, alpha: float) -> None:
         """Waits for the mean, steps ``theta_global`` with it and sets the fragment's parameters
         to ``alpha * local + (1 - alpha) * theta_global``. Raises, changing nothing, if a
         collective failed."""
-        flight = self.in_flight
-        if self.compressed is not None:
-            staged = self.compressed.finish(flight.pending)
-            means = staged.means
-        elif self.gossip is not None:
-            means = self.gossip.finish(flight.pending)
-        else:
-            for work in flight.works:
-                work.wait()
-            means = [m[:-1].div_(m[-1]) for m in flight.messages]
+        mean = self.averaging.finish(self.in_flight.pending)
         # Every collective has succeeded: from here on the step is kept.
-        theta = self.rule.step_with(means)
-        if self.compressed is not None:
-            self.compressed.commit(staged)
+        theta = mean.step(self.rule, self.buckets)
+        self.averaging.commit(mean)
         for b, (n, dtype) in enumerate(self.buckets.layout()):
             result = theta[b].to(self.buckets.device(b), copy=True)
             if alpha != 0.0:
@@ -196,13 +155,13 @@ class Fragment:
         flight = self.in_flight
         return {
             "outer": self.rule.state_dict(),
-            "residuals": None if self.compressed is None else self.compressed.state_dict(),
+            "residuals": self.averaging.state_dict(),
             "in_flight": None
             if flight is None
             else {
-                "pseudo_gradients": [d.clone() for d in flight.pseudo_gradients],
-                "weight": flight.weight,
-                "round": flight.round,
+                "pseudo_gradients": [d.clone() for d in flight.contribution.pseudo_gradients()],
+                "weight": flight.contribution.weight,
+                "round": flight.contribution.round,
             },
         }
 
@@ -210,7 +169,7 @@ class Fragment:
 class StreamingOuter(OuterRule):
     """The outer rule of Streaming DiLoCo (see the module's docstring): ``k`` fragments, each with
     its own outer optimizer built by ``factory`` over its global parameters, on ``schedule``;
-    averaged by gossip over ``gossip`` = (graph, mixing, timeout) where given."""
+    each averaged by the averaging that ``averaging`` builds over its buckets."""
 
     state_key = "streaming"
     eager = True
@@ -222,14 +181,12 @@ class StreamingOuter(OuterRule):
         params: Sequence[torch.Tensor],
         factory: OuterOptimizerFactory,
         device: torch.device | str | None,
-        outer_dtype: torch.dtype | str | None,
-        group: dist.ProcessGroup,
+        averaging: AveragingFactory,
         *,
         sync_every: int,
         fragments: int,
         delay: int,
         alpha: float,
-        gossip: tuple[Any, Any, datetime.timedelta] | None = None,
         sizes: Sequence[int] | None = None,
     ):
         # A sharded module's shards are cut where its whole parameters are (``sizes``: their
@@ -238,7 +195,7 @@ class StreamingOuter(OuterRule):
             sizes = [p.numel() * p.element_size() for p in params]
         self.bounds = fragment_bounds(sizes, fragments)
         self.fragments = [
-            Fragment(params[lo:hi], factory, device, outer_dtype, group, gossip)
+            Fragment(params[lo:hi], factory, device, averaging)
             for lo, hi in self.bounds
         ]
         self.schedule = Schedule(sync_every, fragments, delay)
@@ -340,8 +297,7 @@ class StreamingOuter(OuterRule):
         self._restored.clear()
         for j, (fragment, saved) in enumerate(zip(self.fragments, state["fragments"])):
             fragment.rule.load_state_dict(saved["outer"], fragment.buckets)
-            if fragment.compressed is not None:
-                fragment.compressed.load_state_dict(saved["residuals"], members_changed)
+            fragment.averaging.load_state_dict(saved["residuals"], members_changed)
             fragment.in_flight = None
             if saved["in_flight"] is not None:
                 flight = saved["in_flight"]

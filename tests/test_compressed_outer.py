@@ -42,10 +42,10 @@ def _means_over_syncs(rank: int, world_size: int, name: str) -> dict:
     for sync in range(SYNCS):
         staged = mean.mean(_values(rank, sync), weight=1.0)
         mean.commit(staged)
-        for total, m in zip(applied, staged.means):
+        for total, m in zip(applied, staged.values):
             total += m.double()
         if first is None:
-            first = [m.clone() for m in staged.means]
+            first = [m.clone() for m in staged.values]
     return {
         "applied": applied,
         "first": first,

@@ -229,7 +229,7 @@ def _survivor_of_a_failed_outer_step(
             if step == 3 and rank == dead:
                 os.kill(os.getpid(), signal.SIGKILL)
             model.transfer_params()
-    except RuntimeError as error:
+    except gossip_ext.PeerTimeoutError as error:  # the typed error, not gloo's own
         result = _what_a_survivor_reads(model, module, last_model, error)
         result["theta_unchanged"] = all(torch.equal(t, s) for t, s in zip(theta_tensors, theta))
         result["momentum_unchanged"] = len(momentum) == 2 and all(

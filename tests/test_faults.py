@@ -478,7 +478,7 @@ def _survivor_of_a_failed_average(
                 model.transfer_params()
             else:
                 model.perform_slowmo(opt)
-    except RuntimeError as error:
+    except gossip_ext.PeerTimeoutError as error:  # the typed error, not gloo's own
         result = _what_a_survivor_reads(model, module, last_model, error)
     _leave_with_the_survivors(sync_dir, rank, world_size, dead)
     return result

@@ -79,8 +79,8 @@ def engine_owner(gossip: SGP | None, outer: Any) -> SGP | ByGossip | None:
     outer step averaged by gossip, else none (no round ever runs)."""
     if gossip is not None:
         return gossip
-    average = getattr(outer, "average", None)
-    return average if isinstance(average, ByGossip) else None
+    average = getattr(outer, "average", None)  # DiLoCo's; a plain average or SlowMo has none
+    return average if average is not None and average.needs_engine else None
 
 
 def outer_steps(outer: Any, params, buffers, group, *, graph, mixing, timeout, sizes=None):

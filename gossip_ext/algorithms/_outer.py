@@ -14,6 +14,7 @@ import torch.distributed as dist
 
 from gossip_ext import inner, outer, outer_rules
 from gossip_ext._argument_checks import check_outer_message_format
+from gossip_ext.averagings import AllReduceMean, AllReducePseudoGradientMean, Averaging, RoundMean
 from gossip_ext.algorithms._base import (
     Algorithm,
     check_argument,
@@ -22,15 +23,51 @@ from gossip_ext.algorithms._base import (
     where,
 )
 from gossip_ext.averaging import ParameterBuckets
+from gossip_ext.compressed_average import CompressedMean
 from gossip_ext.compressed_gossip import DEFAULT_CONSENSUS_STEP, SparseGossip, fixed_neighbours
+from gossip_ext.fragment_gossip import GossipMean
 from gossip_ext.graphs import GraphBase, RingGraph
 from gossip_ext.mixing import MixingBase, UniformMixing
 from gossip_ext.sparse_average import TopK
 from gossip_ext.streaming import StreamingOuter
 
 
+class OuterAverage(Algorithm):
+    """How DiLoCo's outer step averages: the configuration of a way to average, which builds its
+    runtime part (a ``gossip_ext.averagings.Averaging``). Subclass it, as a frozen dataclass, to
+    average another way (see docs/design.md, "Adding a way to average")."""
+
+    # Whether it can average a Streaming DiLoCo fragment; False: say why in ``whole_only``.
+    streams = True
+    whole_only = ""
+
+    def averaging(
+        self, buckets: ParameterBuckets, group: dist.ProcessGroup, *, streamed: bool, graph,
+        mixing, timeout,
+    ) -> Averaging:
+        """Its runtime part over ``buckets`` (the whole model's, or a fragment's when
+        ``streamed``) on ``group``; a gossip averages over ``graph`` with ``mixing`` (the inner
+        mix's, or its own), every wait bounded by ``timeout``."""
+        raise NotImplementedError(f"{type(self).__name__} must build its averaging")
+
+    @property
+    def global_device(self) -> torch.device | str | None:
+        """Where ``theta_global`` lives (None: the parameters' device)."""
+        return None
+
+    @property
+    def needs_engine(self) -> bool:
+        """Whether it runs rounds of the inner gossip's engine (where there is no gossip, it
+        builds one: ``mix``)."""
+        return False
+
+    def flat(self, gossips: bool) -> dict[str, Any]:
+        """Its settings in the earlier releases' flat keywords."""
+        return {}
+
+
 @dataclasses.dataclass(frozen=True)
-class Exact(Algorithm):
+class Exact(OuterAverage):
     """An outer step's average over every worker, exactly.
 
     Args:
@@ -65,9 +102,27 @@ class Exact(Algorithm):
                     f"{where(self, 'device')}: {self.device!r} is not a device ({error})"
                 ) from None
 
+    def averaging(self, buckets, group, *, streamed, graph, mixing, timeout) -> Averaging:
+        """The exact all-reduce (of the parameters; of a fragment's pseudo-gradients), or the
+        exact mean of the pseudo-gradients in ``dtype``'s messages."""
+        if self.dtype is None:
+            return (AllReducePseudoGradientMean if streamed else AllReduceMean)(group, timeout)
+        layout, device = buckets.layout(), buckets.device(0)
+        own = getattr(self.dtype, "mean_over", None)  # a message format of its own (TopK)
+        if own is not None:
+            return own(layout, device, group, timeout)
+        return CompressedMean(layout, device, self.dtype, group, timeout)
+
+    @property
+    def global_device(self):
+        return self.device
+
+    def flat(self, gossips: bool) -> dict[str, Any]:
+        return {"outer_dtype": self.dtype, "outer_device": self.device}
+
 
 @dataclasses.dataclass(frozen=True)
-class ByGossip(Algorithm):
+class ByGossip(OuterAverage):
     """An outer step's average by one gossip round, with no collective over every worker: each
     worker mixes its parameters with the round's peers and steps its own global parameters with
     ``theta_global - z``. Push-sum keeps the mean over workers, so their mean moves as under an
@@ -108,9 +163,32 @@ class ByGossip(Algorithm):
     def own_engine(self) -> bool:
         return (self.graph, self.mixing, self.message_dtype) != (None, None, None)
 
+    @property
+    def needs_engine(self) -> bool:
+        return True
+
+    def averaging(self, buckets, group, *, streamed, graph, mixing, timeout) -> Averaging:
+        """The whole model: one round of the engine; a fragment: one exchange of its
+        pseudo-gradients with the peers of a round of ``graph``."""
+        if streamed:
+            return GossipMean(buckets.layout(), graph, mixing, group, timeout)
+        return RoundMean()
+
+    def flat(self, gossips: bool) -> dict[str, Any]:
+        settings: dict[str, Any] = {"outer_average": "gossip"}
+        if self.own_engine:
+            if gossips:
+                raise ValueError(
+                    "ByGossip(graph=..., mixing=..., message_dtype=...) gives the outer round an "
+                    "engine of its own, but gossip is set: the outer round then runs on the "
+                    "inner mix's engine; give those settings to the gossip object"
+                )
+            settings.update(graph=self.graph, mixing=self.mixing, message_dtype=self.message_dtype)
+        return settings
+
 
 @dataclasses.dataclass(frozen=True)
-class ByCompressedGossip(Algorithm):
+class ByCompressedGossip(OuterAverage):
     """An outer step's average by gossip in sparse messages, on a fixed graph (CHOCO-gossip; see
     :mod:`gossip_ext.compressed_gossip`): every worker keeps a public copy of its parameters that
     its neighbours hold too, sends them the ``message`` of its parameters' difference from it,
@@ -133,6 +211,12 @@ class ByCompressedGossip(Algorithm):
     consensus_step: float = DEFAULT_CONSENSUS_STEP
     graph: GraphBase | None = None
 
+    streams = False
+    whole_only = (
+        "ByCompressedGossip averages the whole model at each outer step (one public copy of it "
+        "per worker); Streaming DiLoCo takes sparse messages through Exact(dtype=TopK(...))"
+    )
+
     def __post_init__(self) -> None:
         check_argument(self, "message", self.message, TopK, "a gossip_ext.TopK")
         if self.message.feedback_decay != 1.0:
@@ -153,14 +237,28 @@ class ByCompressedGossip(Algorithm):
                     f"public copy), got {self.graph!r}; e.g. RingGraph(peers_per_itr=2)"
                 )
 
-    def exchange(self, layout, device, group: dist.ProcessGroup, timeout) -> SparseGossip:
-        """Its runtime part: the sparse gossip of this worker with its neighbours on ``group``."""
+    def averaging(self, buckets, group, *, streamed, graph, mixing, timeout) -> SparseGossip:
+        """The sparse gossip of this worker with its neighbours on ``group``."""
         world_size, rank = dist.get_world_size(group), group.rank()
-        graph = self.graph or RingGraph(peers_per_itr=2 if world_size > 2 else 1)
-        neighbours = fixed_neighbours(graph, rank, world_size)
+        ring = self.graph or RingGraph(peers_per_itr=2 if world_size > 2 else 1)
+        neighbours = fixed_neighbours(ring, rank, world_size)
         return SparseGossip(
-            layout, device, self.message, self.consensus_step, neighbours, group, timeout
+            buckets.layout(),
+            buckets.device(0),
+            self.message,
+            self.consensus_step,
+            neighbours,
+            group,
+            timeout,
         )
+
+    def flat(self, gossips: bool) -> dict[str, Any]:
+        return {
+            "outer_average": "compressed_gossip",
+            "outer_dtype": self.message,
+            "outer_consensus_step": self.consensus_step,
+            "outer_graph": self.graph,
+        }
 
 
 @dataclasses.dataclass(frozen=True)
@@ -182,10 +280,12 @@ class Average(Algorithm):
         """A plain average has no rule and no state."""
         return None
 
-    def steps(self, params, buffers, group: dist.ProcessGroup, **_) -> outer.OuterSteps:
+    def steps(self, params, buffers, group: dist.ProcessGroup, *, timeout, **_) -> outer.OuterSteps:
         """Its runtime part: an exact average of ``params`` and the floating-point ``buffers``
         over ``group`` every ``every`` steps."""
-        return outer.OuterSteps(params, buffers, group, average_every=self.every)
+        return outer.OuterSteps(
+            params, buffers, group, average_every=self.every, timeout=timeout
+        )
 
 
 @dataclasses.dataclass(frozen=True)
@@ -242,7 +342,7 @@ class SlowMo(Algorithm):
         shard = 0 if shards == 1 else (rank if rank < shards else None)
         return outer_rules.SlowMomentum(self.momentum, self.lr, group, shards, shard)
 
-    def steps(self, params, buffers, group: dist.ProcessGroup, **_) -> outer.OuterSteps:
+    def steps(self, params, buffers, group: dist.ProcessGroup, *, timeout, **_) -> outer.OuterSteps:
         """Its runtime part: the heavy-ball rule every ``every`` steps, a plain average every
         ``average_every`` steps in between (see :class:`Average`)."""
         return outer.OuterSteps(
@@ -252,6 +352,7 @@ class SlowMo(Algorithm):
             average_every=self.average_every or 0,
             rule=self.rule(params, group),
             sync_every=self.every,
+            timeout=timeout,
         )
 
     def flat(self, gossips: bool) -> dict[str, Any]:
@@ -293,7 +394,7 @@ class DiLoCo(Algorithm):
 
     optimizer: Callable[[list[torch.Tensor]], torch.optim.Optimizer]
     every: int
-    average: Exact | ByGossip | ByCompressedGossip = dataclasses.field(default_factory=Exact)
+    average: OuterAverage = dataclasses.field(default_factory=Exact)
     fragments: int = 1
     delay: int = 0
     alpha: float = 0.0
@@ -311,8 +412,8 @@ class DiLoCo(Algorithm):
             self,
             "average",
             self.average,
-            (Exact, ByGossip, ByCompressedGossip),
-            "Exact(...), ByGossip(...) or ByCompressedGossip(...)",
+            OuterAverage,
+            "Exact(...), ByGossip(...), ByCompressedGossip(...) or another OuterAverage",
         )
         for name in ("fragments", "delay"):
             check_argument(self, name, getattr(self, name), int, "an int")
@@ -330,33 +431,39 @@ class DiLoCo(Algorithm):
             )
         if not 0.0 <= self.alpha <= 1.0:
             raise ValueError(f"{where(self, 'alpha')}: must be in [0, 1], got {self.alpha}")
-        streamed = (self.fragments, self.delay, self.alpha) != (1, 0, 0.0)
-        if isinstance(self.average, ByCompressedGossip) and streamed:
+        if self.streamed and not self.average.streams:
             raise ValueError(
-                f"{where(self, 'average')}: ByCompressedGossip averages the whole model at each "
-                f"outer step (one public copy of it per worker); Streaming DiLoCo (fragments="
-                f"{self.fragments}, delay={self.delay}, alpha={self.alpha}) takes sparse messages "
-                f"through Exact(dtype=TopK(...))"
+                f"{where(self, 'average')}: {self.average.whole_only}; got Streaming DiLoCo "
+                f"(fragments={self.fragments}, delay={self.delay}, alpha={self.alpha})"
             )
+
+    @property
+    def streamed(self) -> bool:
+        """Streaming DiLoCo: the outer step in fragments, or overlapped with training."""
+        return (self.fragments, self.delay, self.alpha) != (1, 0, 0.0)
 
     def rule(self, params, group: dist.ProcessGroup, *, graph, mixing, timeout, sizes=None):
         """Its runtime part over ``group``: the outer optimizer over ``theta_global``, or
-        Streaming DiLoCo's fragments; averaged by gossip over ``graph`` and ``mixing`` (the inner
-        mix's, or ByGossip's own) with ``timeout``, where ``average`` is ByGossip."""
-        exact = isinstance(self.average, Exact)
-        device = self.average.device if exact else None
-        if (self.fragments, self.delay, self.alpha) != (1, 0, 0.0):
+        Streaming DiLoCo's fragments, each averaged as ``average`` says (over ``graph`` and
+        ``mixing``, the inner mix's or ByGossip's own, where it gossips; waits bounded by
+        ``timeout``)."""
+        device = self.average.global_device
+        if self.streamed:
+
+            def averaging(buckets: ParameterBuckets) -> Averaging:
+                return self.average.averaging(
+                    buckets, group, streamed=True, graph=graph, mixing=mixing, timeout=timeout
+                )
+
             return StreamingOuter(
                 params,
                 self.optimizer,
                 device,
-                self.average.dtype if exact else None,
-                group,
+                averaging,
                 sync_every=self.every,
                 fragments=self.fragments,
                 delay=self.delay,
                 alpha=self.alpha,
-                gossip=None if exact else (graph, mixing, timeout),
                 sizes=sizes,
             )
         return outer_rules.OuterOptimizer(params, ParameterBuckets(params), self.optimizer, device)
@@ -366,20 +473,24 @@ class DiLoCo(Algorithm):
     ) -> outer.OuterSteps:
         """Its runtime part: :meth:`rule` every ``every`` steps (or on the fragments' own
         schedule), its pseudo-gradients averaged as ``average`` says."""
-        exact = isinstance(self.average, Exact)
-        sparse = None
-        if isinstance(self.average, ByCompressedGossip):
-            buckets = ParameterBuckets(params)
-            sparse = self.average.exchange(buckets.layout(), buckets.device(0), group, timeout)
+        averaging = None
+        if not self.streamed:
+            averaging = self.average.averaging(
+                ParameterBuckets(params),
+                group,
+                streamed=False,
+                graph=graph,
+                mixing=mixing,
+                timeout=timeout,
+            )
         return outer.OuterSteps(
             params,
             buffers,
             group,
             rule=self.rule(params, group, graph=graph, mixing=mixing, timeout=timeout, sizes=sizes),
             sync_every=self.every,
-            by_gossip=isinstance(self.average, ByGossip),
-            outer_dtype=self.average.dtype if exact else None,
-            sparse_gossip=sparse,
+            averaging=averaging,
+            timeout=timeout,
         )
 
     def flat(self, gossips: bool) -> dict[str, Any]:
@@ -390,26 +501,5 @@ class DiLoCo(Algorithm):
             "fragment_delay": self.delay,
             "fragment_alpha": self.alpha,
         }
-        if isinstance(self.average, Exact):
-            settings.update(outer_dtype=self.average.dtype, outer_device=self.average.device)
-            return settings
-        if isinstance(self.average, ByCompressedGossip):
-            a = self.average
-            settings.update(
-                outer_average="compressed_gossip",
-                outer_dtype=a.message,
-                outer_consensus_step=a.consensus_step,
-                outer_graph=a.graph,
-            )
-            return settings
-        settings["outer_average"] = "gossip"
-        if self.average.own_engine:
-            if gossips:
-                raise ValueError(
-                    "ByGossip(graph=..., mixing=..., message_dtype=...) gives the outer round an "
-                    "engine of its own, but gossip is set: the outer round then runs on the "
-                    "inner mix's engine; give those settings to the gossip object"
-                )
-            a = self.average
-            settings.update(graph=a.graph, mixing=a.mixing, message_dtype=a.message_dtype)
+        settings.update(self.average.flat(gossips))
         return settings

@@ -1,0 +1,92 @@
+"""The exact mean over every worker in full precision: one all-reduce per dtype bucket.
+
+The mean is push-sum's consensus value ``sum_i w_i v_i / sum_i w_i``: what gossip converges to,
+and the only average that keeps the push-sum mass unchanged when every weight restarts at 1.
+Whenever the weights are 1 (uniform mixing on any built-in graph) it is the plain mean. The
+weight rides as one more element of each bucket's message, so its sum needs no collective of its
+own (and counts the contributing workers when every weight is 1); a process that contributes
+nothing (weight None: a non-leader of ``nprocs_per_node > 1``) sends zeros and receives the mean
+with everyone, so no broadcast inside the machine is needed.
+"""
+
+from __future__ import annotations
+
+import datetime
+
+import torch
+import torch.distributed as dist
+
+from gossip_ext.averagings.failures import DEFAULT_TIMEOUT, SenderCheck, wait_for_every_worker
+from gossip_ext.averagings.interface import (
+    Averaging,
+    Contribution,
+    Mean,
+    ParameterMean,
+    PseudoGradientMean,
+)
+
+
+class AllReduceMean(Averaging):
+    """The exact mean of the parameters over ``group`` (a plain average, SlowMo's, and DiLoCo's
+    whole-model step, whose ``theta_global - mean`` is the mean pseudo-gradient since
+    ``theta_global`` is the same bits on every worker); each wait bounded by ``timeout``."""
+
+    averages_buffers = True
+    what = "the outer step's all-reduce"
+
+    def __init__(
+        self, group: dist.ProcessGroup, timeout: datetime.timedelta = DEFAULT_TIMEOUT
+    ):
+        self.group = group
+        self.timeout = timeout
+
+    def _values(self, contribution: Contribution) -> list[torch.Tensor]:
+        return contribution.parameters()
+
+    def _mean(self, values: list[torch.Tensor]) -> Mean:
+        return ParameterMean(values)
+
+    @torch.no_grad()
+    def start(self, contribution: Contribution):
+        weight = contribution.weight
+        values = None if weight is None else self._values(contribution)
+        layout = (
+            [(v.numel(), v.dtype, v.device) for v in values]
+            if values is not None
+            else [(n, d, contribution.buckets.device(b))
+                  for b, (n, d) in enumerate(contribution.buckets.layout())]
+        )
+        check = SenderCheck(self.group, layout[0][2] if layout else torch.device("cpu"))
+        flags, flags_work = check.post(values)
+        works, messages = [flags_work], []
+        for b, (numel, dtype, device) in enumerate(layout):
+            message = torch.zeros(numel + 1, dtype=dtype, device=device)
+            if values is not None:
+                message[:numel].copy_(values[b])
+                message[numel] = 1.0
+                if weight != 1.0:
+                    message.mul_(weight)
+            works.append(dist.all_reduce(message, group=self.group, async_op=True))
+            messages.append(message)
+        return check, flags, works, messages
+
+    @torch.no_grad()
+    def finish(self, pending) -> Mean:
+        check, flags, works, messages = pending
+        wait_for_every_worker(works, self.what, self.group, self.timeout)
+        check.raise_if_flagged(flags, self.what)
+        return self._mean([m[:-1].div_(m[-1]) for m in messages])
+
+    def describe(self):
+        return {"kind": "AllReduceMean"}
+
+
+class AllReducePseudoGradientMean(AllReduceMean):
+    """The exact mean of the pseudo-gradients ``theta_global - theta_i`` over ``group``: a
+    Streaming DiLoCo fragment's, taken at its prepare and averaged while training goes on."""
+
+    def _values(self, contribution: Contribution) -> list[torch.Tensor]:
+        return contribution.pseudo_gradients()
+
+    def _mean(self, values: list[torch.Tensor]) -> Mean:
+        return PseudoGradientMean(values)

@@ -1,0 +1,138 @@
+"""The failure contract every averaging keeps, written once.
+
+- A wait is bounded by the wrapper's timeout. A collective over every worker (all-reduce,
+  all-to-all, all-gather) that fails or times out raises ``PeerTimeoutError`` with no peers: the
+  process group cannot tell which worker died or stalled, and the message says so. A message to
+  or from one peer names that peer.
+- A contribution holding NaN or Inf raises ``NonFiniteError`` on every worker, naming the sender:
+  over every worker, each adds one flag to a small all-reduce posted with the step's messages
+  (:class:`SenderCheck`); between peers, the receiver reads the message it got
+  (:func:`check_received`). The sender's own error names no peer ("this rank's contribution").
+- Either is raised by ``finish``, before anything is written; the wrapper keeps it raised.
+"""
+
+from __future__ import annotations
+
+import datetime
+from collections.abc import Iterable, Sequence
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from gossip_ext.errors import NonFiniteError, PeerTimeoutError
+
+DEFAULT_TIMEOUT = datetime.timedelta(minutes=5)  # the wrapper's default
+
+
+def transport_name(group: dist.ProcessGroup) -> str:
+    return f"process_group({dist.get_backend(group)})"
+
+
+def wait_for_every_worker(
+    works: Iterable[Any], what: str, group: dist.ProcessGroup, timeout: datetime.timedelta
+) -> None:
+    """Waits for the collectives ``works`` over every worker of ``group``, each at most
+    ``timeout``; raises PeerTimeoutError (no peers: a collective cannot tell which) for one that
+    failed or did not complete."""
+    for work in works:
+        try:
+            work.wait(timeout)
+        except Exception as error:
+            world_size = dist.get_world_size(group)
+            raise PeerTimeoutError(
+                f"gossip_ext: rank {group.rank()}: {what} over all {world_size} workers failed "
+                f"or did not complete within {timeout.total_seconds():g} s: a worker died, "
+                f"stalled or left (a collective over every worker cannot tell which; {error})",
+                peers=(),
+                transport=transport_name(group),
+                timeout=timeout,
+            ) from error
+
+
+def wait_for_peer(
+    work: Any,
+    direction: str,
+    peer: int,
+    what: str,
+    round: int,  # noqa: A002 - the step's round, as elsewhere in the package
+    group: dist.ProcessGroup,
+    timeout: datetime.timedelta,
+) -> None:
+    """Waits for one message ``direction`` ("from" or "to") ``peer``, at most ``timeout``;
+    raises PeerTimeoutError naming the peer."""
+    try:
+        work.wait(timeout)
+    except Exception as error:
+        raise PeerTimeoutError(
+            f"gossip_ext: rank {group.rank()}: {what} of round {round} failed: the message "
+            f"{direction} rank {peer} did not complete within {timeout.total_seconds():g} s "
+            f"({error})",
+            peers=(peer,),
+            round=round,
+            transport=transport_name(group),
+            timeout=timeout,
+        ) from error
+
+
+def holds_nonfinite(values: Iterable[torch.Tensor]) -> bool:
+    return any(not bool(torch.isfinite(v).all()) for v in values)
+
+
+class SenderCheck:
+    """Which workers' contributions hold NaN or Inf, over every worker of a group: one flag per
+    worker, all-reduced beside the step's own collectives (a few bytes; the contributions' own
+    messages are unchanged)."""
+
+    def __init__(self, group: dist.ProcessGroup, device: torch.device):
+        self.group = group
+        self.device = device
+
+    def post(self, values: Sequence[torch.Tensor] | None) -> tuple[torch.Tensor, Any]:
+        """Flags this worker if ``values`` (None: it contributes nothing) hold NaN or Inf and
+        starts the all-reduce of the flags; returns (flags, work)."""
+        flags = torch.zeros(dist.get_world_size(self.group), dtype=torch.float32, device=self.device)
+        if values is not None and holds_nonfinite(values):
+            flags[self.group.rank()] = 1.0
+        return flags, dist.all_reduce(flags, group=self.group, async_op=True)
+
+    def raise_if_flagged(self, flags: torch.Tensor, what: str) -> None:
+        """Raises NonFiniteError naming the flagged workers, after the all-reduce completed."""
+        senders = [int(r) for r in torch.nonzero(flags.cpu()).view(-1)]
+        if senders:
+            raise_nonfinite(senders, self.group, what)
+
+
+def check_received(
+    messages: Iterable[tuple[int, torch.Tensor]],
+    own: Sequence[torch.Tensor] | None,
+    group: dist.ProcessGroup,
+    what: str,
+    round: int | None = None,  # noqa: A002 - the step's round, as elsewhere in the package
+) -> None:
+    """Raises NonFiniteError naming the peers whose (decoded) message holds NaN or Inf, or this
+    rank if its own contribution ``own`` does."""
+    senders = [peer for peer, message in messages if not bool(torch.isfinite(message).all())]
+    if own is not None and holds_nonfinite(own):
+        senders.append(group.rank())
+    if senders:
+        raise_nonfinite(senders, group, what, round)
+
+
+def raise_nonfinite(
+    senders: Sequence[int], group: dist.ProcessGroup, what: str, round: int | None = None
+) -> None:
+    rank = group.rank()
+    peers = [s for s in senders if s != rank]
+    parts = []
+    if peers:
+        parts.append(f"the messages from peers {peers} hold NaN or Inf")
+    if rank in senders:
+        parts.append(f"the contribution of this rank (rank {rank}) holds NaN or Inf")
+    raise NonFiniteError(
+        f"gossip_ext: rank {rank}: {what}: {' and '.join(parts)}; nothing was changed (a "
+        f"diverged worker: lower its learning rate, or restart it from a checkpoint)",
+        peers=peers,
+        round=round,
+        transport=transport_name(group),
+    )

@@ -1,0 +1,30 @@
+"""A whole-model outer step averaged by one push-sum round of the inner gossip's engine.
+
+The round mixes each worker's parameters with the round's peers; push-sum keeps the mean over
+workers, so the rule stepping each worker's own ``theta_global`` with ``theta_global - z`` moves
+their mean as an exact average would, with no collective over every worker: the round's peers are
+all it waits for. The engine keeps the failure contract itself (a dead or stalled peer named
+within the timeout, a non-finite message named by its sender, a failed round changing nothing).
+"""
+
+from __future__ import annotations
+
+from gossip_ext.averagings.interface import Averaging, Contribution, Mean, ParameterMean
+
+
+class RoundMean(Averaging):
+    """One gossip round of the contribution's ``mix``, run to its end at the step (under
+    LocalSGD, the only round of the period); the mean is this worker's mixed parameters."""
+
+    def start(self, contribution: Contribution) -> Contribution:
+        return contribution
+
+    def finish(self, contribution: Contribution) -> Mean:
+        contribution.mix.run_round()
+        return ParameterMean(contribution.parameters())
+
+    def before_whole_step(self, mix) -> None:
+        """The round itself absorbs what is in flight."""
+
+    def after_whole_step(self, mix) -> None:
+        """The workers are apart after one round: push-sum goes on with its weight."""

@@ -1,0 +1,168 @@
+"""The failure contract through the outer steps, under every averaging, whole and streamed: a
+SIGKILLed peer and a SIGSTOPped peer give a PeerTimeoutError within the timeout, a NaN on one
+worker a NonFiniteError naming it on every worker; nothing is written, and the error stays
+raised. Three real processes over gloo; rank 1 is the faulty one.
+
+The fault comes at the start of step 3: DiLoCo's whole-model step runs at step 4 (``every=4``),
+and a fragment of Streaming DiLoCo (``fragments=2, delay=1``) is prepared at step 3 and applied at
+step 4, so the step that fails is the one that reads the faulty worker's contribution.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+from datetime import timedelta
+
+import pytest
+import torch
+from multiprocess import run_ranks_tolerating_deaths
+from test_faults import _complete_graph, _touch
+from torch import nn
+
+import gossip_ext
+
+TIMEOUT_S = 2.0
+SLACK_S = 8.0  # on top of the timeout: two cores shared by three ranks and other jobs
+FAULTY = 1
+FAULT_STEP = 3
+STEPS = 5
+
+
+def _outer_sgd(params):
+    return torch.optim.SGD(params, lr=0.7, momentum=0.9, nesterov=True)
+
+
+_TOPK = gossip_ext.TopK(density=1 / 8, bits=2, chunk=32)
+
+
+def _by_gossip() -> gossip_ext.ByGossip:
+    # Every worker exchanges with every other in every round, so every survivor depends on the
+    # faulty one in the failing round (on a sparser graph, those that do not raise later).
+    return gossip_ext.ByGossip(graph=_complete_graph(3))
+
+
+AVERAGINGS = {
+    "average": lambda: gossip_ext.Average(every=4),
+    "slowmo": lambda: gossip_ext.SlowMo(every=4),
+    "exact": lambda: gossip_ext.DiLoCo(_outer_sgd, every=4),
+    "int8": lambda: gossip_ext.DiLoCo(_outer_sgd, every=4, average=gossip_ext.Exact("int8")),
+    "topk": lambda: gossip_ext.DiLoCo(_outer_sgd, every=4, average=gossip_ext.Exact(_TOPK)),
+    "by_gossip": lambda: gossip_ext.DiLoCo(_outer_sgd, every=4, average=_by_gossip()),
+    "compressed_gossip": lambda: gossip_ext.DiLoCo(
+        _outer_sgd, every=4, average=gossip_ext.ByCompressedGossip(_TOPK)
+    ),
+}
+STREAMED = {
+    f"streamed_{name}": (
+        lambda average=average: gossip_ext.DiLoCo(
+            _outer_sgd, every=4, average=average(), fragments=2, delay=1
+        )
+    )
+    for name, average in {
+        "exact": gossip_ext.Exact,
+        "int8": lambda: gossip_ext.Exact("int8"),
+        "topk": lambda: gossip_ext.Exact(_TOPK),
+        "by_gossip": _by_gossip,
+    }.items()
+}
+ALL = {**AVERAGINGS, **STREAMED}
+
+
+def _a_worker_fails(rank: int, world_size: int, name: str, fault: str, sync_dir: str) -> dict:
+    torch.manual_seed(0)
+    module = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 1))
+    model = gossip_ext.GossipDataParallel(
+        module, gossip=None, outer=ALL[name](), timeout=timedelta(seconds=TIMEOUT_S)
+    )
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.05)
+    result = {"error": None}
+    for step in range(1, STEPS + 1):
+        if step == FAULT_STEP and rank == FAULTY:
+            _touch(os.path.join(sync_dir, "fault_at"), repr(time.time()))
+            if fault == "kill":
+                os.kill(os.getpid(), signal.SIGKILL)
+            if fault == "stop":
+                _touch(os.path.join(sync_dir, "stopped_pid"), str(os.getpid()))
+                os.kill(os.getpid(), signal.SIGSTOP)
+            if fault == "nan":
+                with torch.no_grad():
+                    module[0].weight[0, 0] = float("nan")  # a diverged step
+        x = torch.randn(8, 4, generator=torch.Generator().manual_seed(100 * step + rank))
+        optimizer.zero_grad()
+        model(x).pow(2).mean().backward()
+        optimizer.step()
+        last_model = [p.detach().clone() for p in module.parameters()]
+        try:
+            model.transfer_params(optimizer)
+        except (gossip_ext.PeerTimeoutError, gossip_ext.NonFiniteError) as error:
+            result = {
+                "error": str(error),
+                "type": type(error).__name__,
+                "peers": error.peers,
+                "raised_at": time.time(),
+                "step": step,
+                "unchanged": all(
+                    torch.allclose(p, q, rtol=0, atol=0, equal_nan=True)
+                    for p, q in zip(module.parameters(), last_model)
+                ),
+                "finite": all(bool(torch.isfinite(p).all()) for p in module.parameters()),
+            }
+            try:
+                model.transfer_params()
+                result["again"] = None
+            except Exception as again:  # noqa: BLE001 - the test compares what it was
+                result["again"] = type(again).__name__
+            break
+    _touch(os.path.join(sync_dir, f"done{rank}"))
+    if fault == "stop":  # the last survivor to finish ends the stopped worker
+        survivors = [r for r in range(world_size) if r != FAULTY]
+        if all(os.path.exists(os.path.join(sync_dir, f"done{r}")) for r in survivors):
+            with open(os.path.join(sync_dir, "stopped_pid")) as f:
+                pid = int(f.read())
+            os.kill(pid, signal.SIGKILL)
+    return result
+
+
+# The engine's round (ByGossip's whole-model step) detects a non-finite message as it absorbs it:
+# it names the sender and stays raised, but the receiver's parameters hold the NaN.
+_ABSORBED_FIRST = pytest.mark.xfail(
+    strict=True, reason="the engine's round absorbs a non-finite message before it detects it"
+)
+CASES = [
+    pytest.param(name, fault, marks=_ABSORBED_FIRST if (name, fault) == ("by_gossip", "nan") else ())
+    for name in ALL
+    for fault in ("kill", "stop", "nan")
+]
+
+
+@pytest.mark.parametrize("name,fault", CASES)
+def test_a_faulty_worker_gives_a_typed_error_within_the_timeout_and_changes_nothing(
+    tmp_path, name, fault
+):
+    outcomes = run_ranks_tolerating_deaths(
+        3, _a_worker_fails, name, fault, str(tmp_path), deadline_s=60.0
+    )
+    fault_at = float((tmp_path / "fault_at").read_text())
+    ranks = [0, 2] if fault != "nan" else [0, 1, 2]
+    for rank in ranks:
+        outcome = outcomes[rank]
+        assert outcome.exitcode == 0, (rank, outcome)  # None: it hung until the deadline
+        result = outcome.result
+        assert result["error"] is not None, f"rank {rank} never raised under {name}/{fault}"
+        if fault == "nan":
+            assert result["type"] == "NonFiniteError", (rank, result)
+            assert result["peers"] == (() if rank == FAULTY else (FAULTY,)), (rank, result)
+            if rank != FAULTY:
+                assert result["finite"], (rank, result)  # the NaN did not spread
+        else:
+            assert result["type"] == "PeerTimeoutError", (rank, result)
+            # A collective over every worker cannot name the peer; a message between peers names
+            # it (the engine's round also names the peers whose sends it could not confirm).
+            assert not result["peers"] or FAULTY in result["peers"], (rank, result)
+            elapsed = result["raised_at"] - fault_at
+            assert elapsed < TIMEOUT_S + SLACK_S, (rank, elapsed, result)
+        assert result["step"] == FAULT_STEP + 1, (rank, result)
+        assert result["unchanged"], (rank, result)  # nothing written
+        assert result["again"] == result["type"], (rank, result)  # and it stays raised
