@@ -45,11 +45,13 @@ from gossip_ext._torch_check import _C
 from gossip_ext.algorithms import (
     SGP,
     Average,
+    ByCollective,
     ByCompressedGossip,
     ByGossip,
     DiLoCo,
     Elastic,
     Exact,
+    OuterAverage,
     PushPull,
     SlowMo,
 )
@@ -80,6 +82,7 @@ _C.cpu_kernels_isa()
 __all__ = [
     "SGP",
     "Average",
+    "ByCollective",
     "ByCompressedGossip",
     "ByGossip",
     "CustomGraph",
@@ -90,6 +93,7 @@ __all__ = [
     "DynamicDirectedLinearGraph",
     "Elastic",
     "Exact",
+    "OuterAverage",
     "GossipDataParallel",
     "GraphBase",
     "HypercubeGraph",

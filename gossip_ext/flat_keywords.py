@@ -16,11 +16,11 @@ from gossip_ext import _validation
 from gossip_ext.algorithms import (
     SGP,
     Average,
+    ByCollective,
     ByCompressedGossip,
     ByGossip,
     DiLoCo,
     Elastic,
-    Exact,
     PushPull,
     SlowMo,
 )
@@ -139,7 +139,7 @@ def from_flat(flat: Mapping[str, Any]) -> tuple[Gossip, Outer, Elastic | None]:
                 )
             )
         else:
-            average = Exact(dtype=f["outer_dtype"], device=f["outer_device"])
+            average = ByCollective(dtype=f["outer_dtype"], device=f["outer_device"])
         outer = DiLoCo(
             optimizer=f["outer_optimizer"],
             every=f["sync_every"],

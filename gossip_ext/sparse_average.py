@@ -1,5 +1,5 @@
 """The exact mean of the workers' pseudo-gradients in sparse messages: top-k of every chunk, its
-values in 2 or 4 bits, with error feedback (SparseLoCo's message; ``Exact(dtype=TopK(...))``).
+values in 2 or 4 bits, with error feedback (SparseLoCo's message; ``ByCollective(dtype=TopK(...))``).
 
 Every rank adds its residual ``e`` (times ``feedback_decay``, SparseLoCo's ``beta``: 1 keeps every
 value left out until it is sent; below 1, old residuals fade, and the residual acts as a local
@@ -50,7 +50,7 @@ class TopK:
     magnitudes of every ``chunk`` values (at least one), their values in ``bits`` bits (2 or 4)
     with one float32 scale a chunk, the rest kept by error feedback, whose residual is scaled by
     ``feedback_decay`` at each outer step (SparseLoCo; see :mod:`gossip_ext.sparse_average`).
-    ``Exact(dtype=TopK(density=1/64, bits=2))``."""
+    ``ByCollective(dtype=TopK(density=1/64, bits=2))``."""
 
     density: float = 1 / 64
     bits: int = 2

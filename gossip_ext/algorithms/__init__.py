@@ -4,7 +4,7 @@
         net,
         gossip=SGP(graph=RingGraph(), overlap=True, message_dtype="int8"),  # or PushPull(), None
         outer=DiLoCo(lambda ps: torch.optim.SGD(ps, lr=0.7, momentum=0.9, nesterov=True),
-                     every=64, average=Exact(dtype="int4"), fragments=4, delay=1),
+                     every=64, average=ByCollective(dtype="int4"), fragments=4, delay=1),
         membership=Elastic("10.0.0.1:29600", min_workers=3),  # or None: a static job
     )
 
@@ -14,8 +14,9 @@
 - ``outer``: what happens every few steps. :class:`Average` (an exact average), :class:`SlowMo`
   (SlowMo's heavy ball on the average), :class:`DiLoCo` (an outer optimizer on the averaged
   pseudo-gradient, streamed in fragments when ``fragments > 1``), or ``None``.
-  :class:`Exact`, :class:`ByGossip` and :class:`ByCompressedGossip` say how an outer step
-  averages.
+  :class:`ByCollective` (``Exact``, its former name), :class:`ByGossip` and
+  :class:`ByCompressedGossip` say how an outer step averages; an :class:`OuterAverage` of one's
+  own can say it too.
 - ``membership``: :class:`Elastic` (workers come and go; gossip_ext.membership) or ``None``.
 
 Each object checks its own arguments when it is made, naming the argument and the value it got;
@@ -51,21 +52,25 @@ from gossip_ext.algorithms._gossip import SGP, PushPull, default_graph
 from gossip_ext.algorithms._membership import Elastic
 from gossip_ext.algorithms._outer import (
     Average,
+    ByCollective,
     ByCompressedGossip,
     ByGossip,
     DiLoCo,
     Exact,
+    OuterAverage,
     SlowMo,
 )
 
 __all__ = [
     "SGP",
     "Average",
+    "ByCollective",
     "ByCompressedGossip",
     "ByGossip",
     "DiLoCo",
     "Elastic",
     "Exact",
+    "OuterAverage",
     "PushPull",
     "SlowMo",
     "default_graph",

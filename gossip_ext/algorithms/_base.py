@@ -43,17 +43,19 @@ def check_dtype_argument(obj: Any, name: str, value: Any, check=check_message_dt
 
 
 def plain(value: Any) -> Any:
-    """``value`` as what ranks compare: a graph by its repr (its kind and peers), a mixing by its
-    kind alone (push-sum allows every node its own column-stochastic weights), a dtype or device
-    by name, an object by its description."""
+    """``value`` as what ranks compare, plain values all the way down (``json.dumps`` takes it): a
+    graph by its repr (its kind and peers), a mixing by its kind alone (push-sum allows every node
+    its own column-stochastic weights), a dtype or device by name, an object (an algorithm, a
+    message format) by its description."""
     if isinstance(value, GraphBase):
         return repr(value)
     if isinstance(value, MixingBase):
         return type(value).__name__
     if isinstance(value, (torch.dtype, torch.device)):
         return str(value)
-    if isinstance(value, Algorithm):
-        return value.describe()
+    describe = getattr(value, "describe", None)  # an Algorithm, or a message format (TopK)
+    if callable(describe) and not isinstance(value, type):
+        return describe()
     return value
 
 

@@ -1,5 +1,6 @@
 """What happens every few optimizer steps: an exact average, SlowMo, DiLoCo (streamed or not),
-and how an outer step averages (Exact, ByGossip, ByCompressedGossip); each outer step building its
+and how an outer step averages (ByCollective, ByGossip, ByCompressedGossip: OuterAverage objects,
+each building its runtime ``gossip_ext.averagings.Averaging``); each outer step building its
 rule (``rule``)."""
 
 from __future__ import annotations
@@ -67,8 +68,10 @@ class OuterAverage(Algorithm):
 
 
 @dataclasses.dataclass(frozen=True)
-class Exact(OuterAverage):
-    """An outer step's average over every worker, exactly.
+class ByCollective(OuterAverage):
+    """An outer step's mean over every worker, formed by a collective: every worker then holds
+    the same mean, bit for bit (exact in full precision; in compressed or sparse messages, with
+    error feedback keeping what they leave out).
 
     Args:
         dtype (torch.dtype or str, optional): DiLoCo's pseudo-gradients sent compressed
@@ -119,6 +122,11 @@ class Exact(OuterAverage):
 
     def flat(self, gossips: bool) -> dict[str, Any]:
         return {"outer_dtype": self.dtype, "outer_device": self.device}
+
+
+# The former name (it meant "over every worker", and is not exact in compressed messages), kept
+# for one release.
+Exact = ByCollective
 
 
 @dataclasses.dataclass(frozen=True)
@@ -214,7 +222,7 @@ class ByCompressedGossip(OuterAverage):
     streams = False
     whole_only = (
         "ByCompressedGossip averages the whole model at each outer step (one public copy of it "
-        "per worker); Streaming DiLoCo takes sparse messages through Exact(dtype=TopK(...))"
+        "per worker); Streaming DiLoCo takes sparse messages through ByCollective(dtype=TopK(...))"
     )
 
     def __post_init__(self) -> None:
@@ -379,8 +387,8 @@ class DiLoCo(Algorithm):
             ``lambda ps: torch.optim.SGD(ps, lr=0.7, momentum=0.9, nesterov=True)``; an outer
             scheduler goes on ``model.outer_optimizer``, stepped by you.
         every (int): inner steps between outer steps.
-        average (Exact, ByGossip or ByCompressedGossip): how the pseudo-gradients are averaged
-            (default: ``Exact()``).
+        average (OuterAverage): how the pseudo-gradients are averaged: ``ByCollective()`` (the
+            default), ``ByGossip()``, ``ByCompressedGossip()``, or one's own.
         fragments (int): Streaming DiLoCo (Douillard et al., 2025) when > 1: the parameters, in
             module order, in ``fragments`` contiguous fragments of about equal bytes, fragment
             ``j`` synchronised at step ``floor(every (j + 1) / fragments)`` of every period with
@@ -394,7 +402,7 @@ class DiLoCo(Algorithm):
 
     optimizer: Callable[[list[torch.Tensor]], torch.optim.Optimizer]
     every: int
-    average: OuterAverage = dataclasses.field(default_factory=Exact)
+    average: OuterAverage = dataclasses.field(default_factory=lambda: ByCollective())
     fragments: int = 1
     delay: int = 0
     alpha: float = 0.0
@@ -413,7 +421,7 @@ class DiLoCo(Algorithm):
             "average",
             self.average,
             OuterAverage,
-            "Exact(...), ByGossip(...), ByCompressedGossip(...) or another OuterAverage",
+            "ByCollective(...), ByGossip(...), ByCompressedGossip(...) or another OuterAverage",
         )
         for name in ("fragments", "delay"):
             check_argument(self, name, getattr(self, name), int, "an int")
