@@ -95,7 +95,7 @@ def _outer_step(num_params: int, message_format, average=None) -> gossip_ext.Gos
         outer=gossip_ext.DiLoCo(
             lambda p: torch.optim.SGD(p, lr=0.7),
             every=1,
-            average=average or gossip_ext.Exact(dtype=message_format),
+            average=average or gossip_ext.ByCollective(dtype=message_format),
         ),
     )
 

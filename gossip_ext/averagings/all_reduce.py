@@ -40,8 +40,13 @@ class AllReduceMean(Averaging):
         self.group = group
         self.timeout = timeout
 
-    def _values(self, contribution: Contribution) -> list[torch.Tensor]:
-        return contribution.parameters()
+    def _read(self, contribution: Contribution, bucket: int, out: torch.Tensor) -> None:
+        """This worker's values of ``bucket``, into ``out`` (the message: no copy of its own)."""
+        contribution.buckets.read(bucket, out)
+
+    def _layout(self, contribution: Contribution) -> list[tuple[int, torch.dtype, torch.device]]:
+        buckets = contribution.buckets
+        return [(n, d, buckets.device(b)) for b, (n, d) in enumerate(buckets.layout())]
 
     def _mean(self, values: list[torch.Tensor]) -> Mean:
         return ParameterMean(values)
@@ -49,25 +54,25 @@ class AllReduceMean(Averaging):
     @torch.no_grad()
     def start(self, contribution: Contribution):
         weight = contribution.weight
-        values = None if weight is None else self._values(contribution)
-        layout = (
-            [(v.numel(), v.dtype, v.device) for v in values]
-            if values is not None
-            else [(n, d, contribution.buckets.device(b))
-                  for b, (n, d) in enumerate(contribution.buckets.layout())]
-        )
-        check = SenderCheck(self.group, layout[0][2] if layout else torch.device("cpu"))
-        flags, flags_work = check.post(values)
-        works, messages = [flags_work], []
+        layout = self._layout(contribution)
+        messages = []
         for b, (numel, dtype, device) in enumerate(layout):
             message = torch.zeros(numel + 1, dtype=dtype, device=device)
-            if values is not None:
-                message[:numel].copy_(values[b])
+            if weight is not None:
+                self._read(contribution, b, message[:numel])
                 message[numel] = 1.0
-                if weight != 1.0:
-                    message.mul_(weight)
-            works.append(dist.all_reduce(message, group=self.group, async_op=True))
             messages.append(message)
+        # Flags posted first, from the values as they are sent (NaN and Inf survive the weight).
+        device = layout[0][2] if layout else torch.device("cpu")
+        check = SenderCheck(self.group, device)
+        flags, flags_work = check.post(
+            None if weight is None else [m[:-1] for m in messages]
+        )
+        works = [flags_work]
+        for message in messages:
+            if weight is not None and weight != 1.0:
+                message.mul_(weight)
+            works.append(dist.all_reduce(message, group=self.group, async_op=True))
         return check, flags, works, messages
 
     @torch.no_grad()
@@ -85,8 +90,11 @@ class AllReducePseudoGradientMean(AllReduceMean):
     """The exact mean of the pseudo-gradients ``theta_global - theta_i`` over ``group``: a
     Streaming DiLoCo fragment's, taken at its prepare and averaged while training goes on."""
 
-    def _values(self, contribution: Contribution) -> list[torch.Tensor]:
-        return contribution.pseudo_gradients()
+    def _read(self, contribution: Contribution, bucket: int, out: torch.Tensor) -> None:
+        out.copy_(contribution.pseudo_gradients()[bucket])
+
+    def _layout(self, contribution: Contribution) -> list[tuple[int, torch.dtype, torch.device]]:
+        return [(d.numel(), d.dtype, d.device) for d in contribution.pseudo_gradients()]
 
     def _mean(self, values: list[torch.Tensor]) -> Mean:
         return PseudoGradientMean(values)
