@@ -10,7 +10,8 @@ service (``python -m gossip_ext.membership``) or torchft's lighthouse (``torchft
   benchmarks/lm_compare.py at 8 workers), min_workers ``--min-workers``;
 - ``torchft``: torchft 0.2.0, its Manager (min_replica_size ``--min-workers``, synchronous quorum)
   and LocalSGD every 4 steps; its lighthouse's heartbeat timeout is set to ``--heartbeat-ms``,
-  gossip_ext's own silence threshold (gossip_ext.epochs.SILENT_S), for the same detection budget.
+  gossip_ext's own silence threshold (gossip_ext.membership.epochs.SILENT_S), for the same detection
+  budget.
 
 Each runs uninterrupted (``--repeats`` times, with different batches, for the run-to-run noise),
 and so do two more jobs of gossip_ext's: one without the victim's slot (the failure run's

@@ -27,7 +27,7 @@ import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
 import gossip_ext  # noqa: E402
-from gossip_ext.epochs import parse_address  # noqa: E402
+from gossip_ext.membership.epochs import parse_address  # noqa: E402
 
 sys.path.append(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the root: harness/
 from harness.tasks import byte_lm  # noqa: E402

@@ -37,7 +37,7 @@ from results import record
 from torch import nn
 
 import gossip_ext
-from gossip_ext.compressed_average import bytes_per_step
+from gossip_ext.averagings.compressed import bytes_per_step
 
 sys.path.append(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the root: harness/
 from harness import netns  # noqa: E402

@@ -34,7 +34,7 @@ import torch.distributed as dist
 from results import machine, record
 
 import gossip_ext
-from gossip_ext import _C
+from gossip_ext._torch_check import _C
 
 
 def time_ms(fn, reps: int) -> float:

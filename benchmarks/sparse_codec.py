@@ -29,7 +29,7 @@ import torch
 from torch.utils.benchmark import Timer
 
 import gossip_ext  # noqa: F401  (registers torch.ops.gossip_ext)
-from gossip_ext.sparse_average import TopK
+from gossip_ext.averagings.sparse import TopK
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path += [ROOT, os.path.join(ROOT, "tests")]  # harness/, and the reference in tests/

@@ -302,7 +302,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--log-every",
         type=int,
         default=0,
-        help="log a running consensus estimate every N steps (logger gossip_ext.consensus); "
+        help="log a running consensus estimate every N steps (logger gossip_ext.gossip.consensus); "
         "0: never (default: %(default)s)",
     )
     parser.add_argument(
@@ -338,7 +338,7 @@ def main(argv: list[str] | None = None) -> None:
         return  # torchrun starts every rank with the same arguments: one help text is enough
     args = parse_args(argv)
     if args.log_every:
-        # The running consensus estimate is logged at INFO (logger gossip_ext.consensus).
+        # The running consensus estimate is logged at INFO (logger gossip_ext.gossip.consensus).
         logging.basicConfig(level=logging.INFO, format="%(name)s: %(message)s")
     # Several ranks share few cores: one intra-op thread each avoids oversubscription, which
     # costs far more than it gains on a model this small.

@@ -12,29 +12,34 @@ The shape of a training step, and where each part lives::
                                  | yes
                       the outer step takes the round's place
 
+The package in layers, each importing only from those below it:
+
 - ``algorithms``: what the wrapper does, as objects (``gossip=SGP(...) | PushPull(...) | None``,
-  ``outer=Average(...) | SlowMo(...) | DiLoCo(...) | None``, ``membership=Elastic(...)``), each
-  checking its own arguments; ``flat_keywords``: the flat keywords of earlier releases (and of
-  SGP and fairscale, through ``compat``) translated into them.
+  ``outer=Average(...) | SlowMo(...) | DiLoCo(..., average=ByCollective(...) | ByGossip(...) |
+  ByCompressedGossip(...)) | None``, ``membership=Elastic(...)``), each checking its own
+  arguments and building its runtime part; ``flat_keywords``: the flat keywords of earlier
+  releases (and of SGP and fairscale, through ``compat``) translated into them.
 - ``distributed``: the wrapper, what faces the module (forward, the optimizer hook, train/eval,
-  the checkpoint); it composes the parts below and holds no algorithm.
-- ``inner``: the inner mix, the compiled engine's gossip rounds (push-sum or push-pull, on any
-  graph and mixing) and when they start and are absorbed (``_schedule``); or none (LocalSGD).
-- ``outer``: the outer steps, every few steps, exact (one all-reduce) or by one gossip round;
-  ``outer_rules``: what an outer step makes of the average (SlowMo's heavy ball, DiLoCo's outer
-  optimizer; a plain average needs no rule); ``streaming``: Streaming DiLoCo's fragments.
-- ``membership_runtime``: who trains with whom (a static process group, or an elastic job's
-  epochs); ``membership``, ``epochs``, ``elastic``: the elastic job's service, its epochs, a
-  worker's moves between them, the handoff of the state to a joining worker.
-- ``_buffers``: what happens to module buffers; ``_hierarchy``: several processes per machine.
+  the checkpoint); it composes the parts below (``assembly`` builds them) and holds no algorithm.
+- ``membership``: who trains with whom (a static process group, or an elastic job's epochs, its
+  service, its protocol and the handoff to a joining worker).
+- ``outer``: the outer steps, every few steps: the one place where a rule (``outer.rules``: a
+  plain average, SlowMo's heavy ball, DiLoCo's outer optimizer) meets an averaging, and
+  Streaming DiLoCo's fragments.
+- ``averagings``: how an outer step forms the mean over workers, one interface (start, finish,
+  commit) and its failure contract, implemented by every way there is; a user's own is a
+  subclass (``OuterAverage`` builds it).
+- ``gossip``: the inner mix, the compiled engine's rounds (push-sum or push-pull, on any graph
+  and mixing) and when they start and are absorbed; several processes per machine.
+- ``sharded``: a module sharded by FSDP2 inside each replica, and its checkpoints.
 - ``graphs``, ``mixing``: who talks to whom, with which weights; ``errors``: the typed failures;
-  ``csrc/``: the engine.
+  ``_torch_check``: loads the compiled engine (``csrc/``), ``gossip_ext._C``.
 
 Where a new algorithm goes: a new frozen class in ``algorithms`` that checks its arguments and
-says which settings it stands for, and the runtime part it selects: a graph, a mixing or an
-engine mode (``inner``) for a new way to mix between steps; a rule in ``outer_rules`` (``start``,
-``update``, its state) for a new outer update; a method of ``outer.OuterSteps`` for a new way to
-average at the outer step.
+builds the runtime part it selects: a graph, a mixing or an engine mode (``gossip``) for a new
+way to mix between steps; a rule in ``outer.rules`` (``start``, ``update``, its state) for a new
+outer update; an ``averagings.Averaging``, built by an ``OuterAverage``, for a new way to average
+at the outer step (no change in the package: docs/design.md, "Extending gossip_ext").
 """
 
 import torch  # noqa: F401  (loads libtorch before the extension)
@@ -55,8 +60,8 @@ from gossip_ext.algorithms import (
     PushPull,
     SlowMo,
 )
+from gossip_ext.averagings.sparse import TopK
 from gossip_ext.distributed import GossipDataParallel
-from gossip_ext.epochs import RemovedError
 from gossip_ext.errors import NonFiniteError, PeerTimeoutError
 from gossip_ext.graphs import (
     CustomGraph,
@@ -69,9 +74,9 @@ from gossip_ext.graphs import (
     NPeerDynamicDirectedExponentialGraph,
     RingGraph,
 )
+from gossip_ext.membership.epochs import RemovedError
 from gossip_ext.mixing import MixingBase, MixingWeights, SelfWeightMixing, UniformMixing
 from gossip_ext.simulate import simulate
-from gossip_ext.sparse_average import TopK
 
 __version__ = "0.1.0"
 

@@ -13,8 +13,8 @@ from typing import Any
 
 import torch
 
-from gossip_ext.epochs import parse_address
 from gossip_ext.graphs import GraphBase
+from gossip_ext.membership.epochs import parse_address
 from gossip_ext.mixing import MixingBase
 
 # What a message may be besides full precision: 16-bit floats, or block-quantized formats with a
@@ -37,7 +37,7 @@ def check_message_dtype(name: str, value) -> None:
 def check_outer_message_format(name: str, value) -> None:
     """An outer step's exact average may send what a gossip message may (MESSAGE_DTYPES), or
     sparse messages (a ``sparse_average.TopK``)."""
-    from gossip_ext.sparse_average import TopK
+    from gossip_ext.averagings.sparse import TopK
 
     if isinstance(value, TopK):
         return
@@ -106,7 +106,7 @@ def check_flat(flat: Mapping[str, Any], *, nprocs_per_node: int = 1, process_gro
         f["slowmo_freq"],
     )
     check_outer_average(f["outer_average"], f["outer_optimizer"], nprocs_per_node)
-    from gossip_ext.compressed_gossip import DEFAULT_CONSENSUS_STEP
+    from gossip_ext.averagings.sparse_gossip import DEFAULT_CONSENSUS_STEP
 
     own = (f["outer_consensus_step"], f["outer_graph"])
     if f["outer_average"] != "compressed_gossip" and own != (DEFAULT_CONSENSUS_STEP, None):
@@ -144,7 +144,8 @@ def check_flat(flat: Mapping[str, Any], *, nprocs_per_node: int = 1, process_gro
 
 
 def check_membership(membership, min_workers, process_group, nprocs_per_node) -> None:
-    """An elastic job (gossip_ext.elastic) builds its own process groups, one machine a worker."""
+    """An elastic job (gossip_ext.membership.elastic) builds its own process groups, one machine a
+    worker."""
     check_type("min_workers", min_workers, int, "an int")
     if min_workers < 1:
         raise ValueError(f"min_workers must be >= 1, got {min_workers}")
@@ -229,7 +230,7 @@ def check_outer_average(outer_average, outer_optimizer, nprocs_per_node: int) ->
 
 
 def check_outer_dtype(outer_dtype, outer_optimizer, outer_average) -> None:
-    from gossip_ext.sparse_average import TopK
+    from gossip_ext.averagings.sparse import TopK
 
     check_outer_message_format("outer_dtype", outer_dtype)
     if outer_average == "compressed_gossip" and not isinstance(outer_dtype, TopK):
@@ -255,7 +256,7 @@ def check_outer_dtype(outer_dtype, outer_optimizer, outer_average) -> None:
 
 
 def check_fragments(fragments, fragment_delay, fragment_alpha, outer_optimizer, sync_every) -> None:
-    """Streaming DiLoCo's arguments (gossip_ext.streaming)."""
+    """Streaming DiLoCo's arguments (gossip_ext.outer.streaming)."""
     check_type("fragments", fragments, int, "an int")
     check_type("fragment_delay", fragment_delay, int, "an int")
     check_type("fragment_alpha", fragment_alpha, (int, float), "a float")

@@ -20,7 +20,8 @@ from typing import Any
 
 import torch
 
-from gossip_ext import _validation, inner
+from gossip_ext import _validation
+from gossip_ext.gossip import inner
 
 _PREFIX = "module."
 _EXTRA = "_extra_state"
@@ -105,7 +106,7 @@ def restore_extra_state(model, state: Mapping[str, Any]) -> None:
     _validation.check_checkpoint(state, mine)
     model._outer.load_state_dict(state)
     # The outer schedule goes on where it stopped (0: a checkpoint from before it).
-    model._steps = int(state.get("steps", 0))
+    model.step_count = int(state.get("steps", 0))
     model._mix.restore(int(state["gossip_round"]), float(state["ps_weight"]))
     peers = int(state.get("peers_per_itr", model._constructed_graph.peers_per_itr))
     if peers != model.graph.peers_per_itr:
@@ -124,5 +125,5 @@ def load_foreign(model, foreign: ForeignCheckpoint, *, strict: bool, assign: boo
             for p in model.module.parameters():
                 p.div_(weight)
     model._mix.restore(0, 1.0 if model._mix.lazy_mixing else weight)
-    model._versions_at_forward = None
+    model._reset_rounds_check()
     return result

@@ -11,7 +11,8 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from gossip_ext import _validation, consensus, inner
+from gossip_ext import _validation
+from gossip_ext.gossip import consensus, inner
 from gossip_ext.graphs import GraphBase
 
 
@@ -97,8 +98,8 @@ class GossipView:
     @property
     def consensus_estimate(self) -> float | None:
         """The running estimate of :meth:`consensus_distance` taken by this worker's last measured
-        round (``log_every > 0``; see :class:`gossip_ext.consensus.MeasuredEngine`); None before
-        the first one, without ``log_every`` and on processes that do not gossip."""
+        round (``log_every > 0``; see :class:`gossip_ext.gossip.consensus.MeasuredEngine`); None
+        before the first one, without ``log_every`` and on processes that do not gossip."""
         return self._mix.estimate
 
     # ----------------------------------------------------------------------------- push-sum state

@@ -7,7 +7,7 @@ A mixin of the wrapper, reading its membership runtime (``_members``:
 
 from __future__ import annotations
 
-from gossip_ext import membership_runtime
+from gossip_ext.membership import runtime as membership_runtime
 
 
 class MembershipView:

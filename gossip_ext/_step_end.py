@@ -1,6 +1,6 @@
 """What ends an optimizer step of GossipDataParallel: this step's gossip round, or the outer step
-that takes its place (``outer.OuterSteps.end_step``: a plain average, or the rule's step on its
-averaging's mean; or Streaming DiLoCo's prepares and applies); and what the outer steps show a
+that takes its place (``outer_steps.OuterSteps.end_step``: a plain average, or the rule's step on
+its averaging's mean; or Streaming DiLoCo's prepares and applies); and what the outer steps show a
 user (``average_parameters()``, the outer optimizers, ``step_count``).
 
 A mixin of the wrapper, reading its inner mix (``_mix``) and its outer steps (``_outer``).
@@ -10,7 +10,8 @@ from __future__ import annotations
 
 import torch
 
-from gossip_ext import _validation, outer
+from gossip_ext import _validation
+from gossip_ext.outer import outer_steps
 
 
 def parameter_versions(module) -> int:
@@ -50,10 +51,10 @@ class StepEnd:
         if self._outer.end_step(self._steps, self._step_context()):
             self._mix.after_step()
 
-    def _step_context(self) -> outer.StepContext:
+    def _step_context(self) -> outer_steps.StepContext:
         # Only gossiping processes hold push-sum state; the others contribute nothing and receive
         # the mean with everyone, so no broadcast inside the machine is needed.
-        return outer.StepContext(
+        return outer_steps.StepContext(
             mix=self._mix,
             weight=lambda: self._mix.ps_weight if self.is_gossip_leader else None,
             buffer_weight=self._buffer_policy.weight,

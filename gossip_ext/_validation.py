@@ -15,7 +15,6 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from gossip_ext import _C
 from gossip_ext._argument_checks import (  # noqa: F401  (used through _validation too)
     MESSAGE_DTYPES,
     check_flat,
@@ -24,6 +23,7 @@ from gossip_ext._argument_checks import (  # noqa: F401  (used through _validati
     check_message_dtype,
     check_type,
 )
+from gossip_ext._torch_check import _C
 from gossip_ext.graphs import GraphBase
 
 # ----------------------------------------------------------------------------- arguments

@@ -9,20 +9,38 @@ static job builds once; an elastic one at every membership epoch (membership_run
 
 from __future__ import annotations
 
+import dataclasses
 import warnings
+from typing import Any
 
 import torch
 import torch.distributed as dist
 
-from gossip_ext import _hierarchy, _validation, algorithms, inner
+from gossip_ext import _validation, algorithms
+from gossip_ext.gossip import hierarchy, inner
 
 
-def build(model, initial: bool, peers_per_itr: int | None = None) -> None:
+@dataclasses.dataclass
+class Parts:
+    """What runs over a GossipDataParallel's process group, built by :func:`build` and adopted
+    by the wrapper, which owns them."""
+
+    outer: Any  # outer.outer_steps.OuterSteps
+    mix: Any  # gossip.inner.InnerMix
+    hierarchy: Any  # gossip.hierarchy.NodeHierarchy, or None (one process per machine)
+    watch: Any  # _validation.ParameterWatch
+    gossip_world_size: int
+    is_gossip_leader: bool
+
+
+def build(model, initial: bool, peers_per_itr: int | None = None) -> Parts:
     """Everything of ``model`` (a GossipDataParallel) that runs over ``model.process_group``:
     the outer steps, the inner mix and its engine, after the ranks agreed on the configuration.
     ``initial``: every rank then starts from rank 0's parameters (a job's start); else each
     keeps its own (an elastic epoch's). ``peers_per_itr``: the peers per round, where an elastic
-    epoch goes on with another number than the graph was constructed with."""
+    epoch goes on with another number than the graph was constructed with. Reads the model's
+    configuration and writes its parameters (the broadcast); the parts it returns are the
+    model's to adopt."""
     arguments, named = model._arguments, model._named
     outer_step = model.algorithms[1]  # it builds its rule (None: no outer step)
     if peers_per_itr is not None and peers_per_itr != arguments["graph"].peers_per_itr:
@@ -34,7 +52,7 @@ def build(model, initial: bool, peers_per_itr: int | None = None) -> None:
     )
     world_size = dist.get_world_size(model.process_group)
     rank = model.process_group.rank()
-    model.gossip_world_size = _validation.gossip_world_size(
+    gossip_world_size = _validation.gossip_world_size(
         a["graph"], a["push_sum"], world_size, a["nprocs_per_node"]
     )
     _validation.check_localsgd(
@@ -42,11 +60,11 @@ def build(model, initial: bool, peers_per_itr: int | None = None) -> None:
         a["global_avg_freq"] or 0,
         a["slowmo_freq"] or 0,
         a["sync_every"],
-        model.gossip_world_size,
+        gossip_world_size,
     )
     # The outer step builds its rule before the ranks compare configurations, which include its
     # optimizer's hyperparameters; the rule starts from the parameters after the broadcast below.
-    model._outer = algorithms.outer_steps(
+    outer_steps = algorithms.outer_steps(
         outer_step,
         params,
         [b for _, b in model._buffer_policy.floating],
@@ -60,7 +78,7 @@ def build(model, initial: bool, peers_per_itr: int | None = None) -> None:
     config = _validation.configuration(
         gossip,
         outer_step,
-        rule=None if model._outer.rule is None else model._outer.rule.describe(),
+        rule=None if outer_steps.rule is None else outer_steps.rule.describe(),
         common={k: a[k] for k in ("nprocs_per_node", "broadcast_buffers", "gossip_buffers")},
         parameters=named,
         buffers=model._buffer_policy.layout(),
@@ -68,13 +86,11 @@ def build(model, initial: bool, peers_per_itr: int | None = None) -> None:
     _validation.check_ranks_agree(config, model.process_group, rank)
 
     gossip_group = model.process_group
-    model.is_gossip_leader = True
+    is_gossip_leader, node = True, None
     if a["nprocs_per_node"] > 1:
-        model._hierarchy = _hierarchy.NodeHierarchy(
-            model.module, model.process_group, a["nprocs_per_node"]
-        )
-        gossip_group = model._hierarchy.leaders
-        model.is_gossip_leader = model._hierarchy.is_leader
+        node = hierarchy.NodeHierarchy(model.module, model.process_group, a["nprocs_per_node"])
+        gossip_group = node.leaders
+        is_gossip_leader = node.is_leader
 
     if initial:
         with torch.no_grad():
@@ -83,11 +99,11 @@ def build(model, initial: bool, peers_per_itr: int | None = None) -> None:
                     p, dist.get_global_rank(model.process_group, 0), group=model.process_group
                 )
         model._buffer_policy.broadcast_initial(model.process_group)
-    model._outer.start_eagerly()
+    outer_steps.start_eagerly()
 
     # The gossip object, or an outer step's ByGossip where there is none, builds the engine.
     builder = algorithms.engine_owner(gossip, outer_step)
-    if model.is_gossip_leader and builder is not None:
+    if is_gossip_leader and builder is not None:
         link = inner.Link(
             transport_kind,
             gossip_group,
@@ -98,21 +114,22 @@ def build(model, initial: bool, peers_per_itr: int | None = None) -> None:
             verbose=a["verbose"],
             in_place=model._shard_group is None,
         )
-        model._mix = builder.mix(model._gossiped, link, a["graph"])
+        mix = builder.mix(model._gossiped, link, a["graph"])
     else:
-        model._mix = inner.InnerMix(
+        mix = inner.InnerMix(
             None,
             a["graph"],
             overlap=model.overlap,
             synch_freq=model.synch_freq,
             every_step=False,
         )
-    if model.gossip_world_size == 1 and a["base_algorithm"] == "sgp" and not model.elastic:
+    if gossip_world_size == 1 and a["base_algorithm"] == "sgp" and not model.elastic:
         warnings.warn(
             "GossipDataParallel: there is one gossiping process, so gossip does nothing "
             "and this trains like a single process",
             stacklevel=5,
         )
-    model._watch = _validation.ParameterWatch(
+    watch = _validation.ParameterWatch(
         list(model.module.named_parameters()), model._gossiped[len(named) :]
     )
+    return Parts(outer_steps, mix, node, watch, gossip_world_size, is_gossip_leader)

@@ -19,19 +19,13 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from gossip_ext import (
-    _buffers,
-    _checkpoint,
-    _validation,
-    algorithms,
-    assembly,
-    membership_runtime,
-    sharded,
-)
+from gossip_ext import _buffers, _checkpoint, _validation, algorithms, assembly
 from gossip_ext import flat_keywords as _flat
 from gossip_ext._gossip_view import GossipView
 from gossip_ext._membership_view import MembershipView
 from gossip_ext._step_end import StepEnd, parameter_versions
+from gossip_ext.membership import runtime as membership_runtime
+from gossip_ext.sharded import replicas as sharded
 
 __all__ = ["GossipDataParallel"]
 
@@ -90,7 +84,7 @@ class GossipDataParallel(nn.Module, GossipView, MembershipView, StepEnd):
         gossip_buffers (bool): floating-point buffers travel with the parameters in every round;
             exact averages average them whatever this says (default: False).
         log_every (int): every ``log_every`` steps, log a free estimate of the consensus distance
-            to the ``gossip_ext.consensus`` logger (:attr:`consensus_estimate`); 0: never.
+            to the ``gossip_ext.gossip.consensus`` logger (:attr:`consensus_estimate`); 0: never.
         verbose (bool): log every round at INFO level (default: False).
         **flat_keywords: the flat spelling of earlier releases, SGP's and fairscale's names
             (``overlap=``, ``global_avg_freq=``, ``sync_every=``, ``membership="HOST:PORT"``,
@@ -147,8 +141,8 @@ class GossipDataParallel(nn.Module, GossipView, MembershipView, StepEnd):
         self.start_in_forward, self.nprocs_per_node = a["start_in_forward"], nprocs_per_node
         self.broadcast_buffers, self.gossip_buffers = broadcast_buffers, gossip_buffers
         self.verbose = verbose
-        # A module sharded by FSDP2 in its replica gossips its local shards (gossip_ext.sharded);
-        # the group of the replica's processes, or None.
+        # A module sharded by FSDP2 in its replica gossips its local shards
+        # (gossip_ext.sharded.replicas); the group of the replica's processes, or None.
         self._shard_group = sharded.replica_layout(
             module, process_group, nprocs_per_node, a["membership"], gossip_buffers
         )
@@ -195,7 +189,31 @@ class GossipDataParallel(nn.Module, GossipView, MembershipView, StepEnd):
     def _build(self, initial: bool, peers_per_itr: int | None = None) -> None:
         """Everything that runs over ``self.process_group`` (:func:`assembly.build`): at the
         start of a job, and again at every elastic epoch."""
-        assembly.build(self, initial, peers_per_itr)
+        parts = assembly.build(self, initial, peers_per_itr)
+        self._outer, self._mix, self._hierarchy = parts.outer, parts.mix, parts.hierarchy
+        self._watch = parts.watch
+        self.gossip_world_size, self.is_gossip_leader = (
+            parts.gossip_world_size,
+            parts.is_gossip_leader,
+        )
+
+    def _close_mix(self) -> None:
+        """Drops the engine, giving up a round in flight (``InnerMix.closed``): a worker that
+        leaves, or whose elastic epoch ended."""
+        if self._mix is not None:
+            self._mix = self._mix.closed()
+
+    def _drop_epoch_parts(self) -> None:
+        """Lets go of everything that holds the epoch's process group (gloo closes its
+        connections only when the group is freed); the next :meth:`_build` makes them anew."""
+        self._close_mix()
+        self._outer = None
+        self.process_group = None
+
+    def _reset_rounds_check(self) -> None:
+        """Forgets the parameters' versions at the last forward: the parameters were loaded or
+        handed over, not stepped (see ``_check_rounds_started``)."""
+        self._versions_at_forward = None
 
     # ----------------------------------------------------------------------------- training
 

@@ -24,7 +24,7 @@ from gossip_ext.algorithms import (
     PushPull,
     SlowMo,
 )
-from gossip_ext.compressed_gossip import DEFAULT_CONSENSUS_STEP
+from gossip_ext.averagings.sparse_gossip import DEFAULT_CONSENSUS_STEP
 from gossip_ext.graphs import NPeerDynamicDirectedExponentialGraph
 from gossip_ext.mixing import UniformMixing
 

@@ -11,7 +11,7 @@ import functools
 import operator
 from collections.abc import Sequence
 
-from gossip_ext import _C
+from gossip_ext._torch_check import _C
 
 __all__ = [
     "CustomGraph",

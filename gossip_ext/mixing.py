@@ -5,7 +5,7 @@ from __future__ import annotations
 import math
 from typing import NamedTuple
 
-from gossip_ext import _C
+from gossip_ext._torch_check import _C
 
 __all__ = ["MixingBase", "MixingWeights", "SelfWeightMixing", "UniformMixing"]
 

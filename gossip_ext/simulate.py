@@ -6,7 +6,7 @@ from datetime import timedelta
 
 import torch
 
-from gossip_ext import _C
+from gossip_ext._torch_check import _C
 from gossip_ext.graphs import GraphBase, NPeerDynamicDirectedExponentialGraph
 from gossip_ext.mixing import MixingBase, UniformMixing
 

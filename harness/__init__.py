@@ -11,5 +11,5 @@
 
 It imports gossip_ext, torchft and decent-dp; gossip_ext imports nothing from here. Run it from
 the repository root (``python3 -m harness.demo``); benchmarks/ put the root on ``sys.path``
-themselves, and pytest does through pyproject.toml's ``pythonpath``.
+themselves, and pytest does through tests/conftest.py.
 """

@@ -34,7 +34,7 @@ import torch.multiprocessing as mp
 from torch import nn
 
 import gossip_ext
-from gossip_ext import consensus
+from gossip_ext.gossip import consensus
 from harness import netns
 
 MODES = ("sgp", "overlap", "dpsgd", "ddp")

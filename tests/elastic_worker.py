@@ -78,7 +78,7 @@ def momentum(opt: torch.optim.Optimizer) -> list[torch.Tensor | None]:
 def die_during_handoff(flag: str) -> None:
     """The first worker of the job to be a donor (the one that creates ``flag``) dies during its
     handoff, after the first part (the size) is sent."""
-    from gossip_ext import elastic
+    from gossip_ext.membership import elastic
 
     send = elastic.send_state
 

@@ -36,7 +36,7 @@ from multiprocess import exit_without_finalizing
 from torch import nn
 
 import gossip_ext
-from gossip_ext import _C
+from gossip_ext._torch_check import _C
 
 WORLD_SIZE = 4
 # |sum of push-sum weights - n| and |mean numerator - initial mean|, by the weight's dtype.

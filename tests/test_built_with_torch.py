@@ -14,8 +14,8 @@ import pytest
 import torch
 
 import gossip_ext  # the check has passed for this process
-from gossip_ext import _C, _torch_check
-from gossip_ext._torch_check import check_built_with, load_failed
+from gossip_ext import _torch_check
+from gossip_ext._torch_check import _C, check_built_with, load_failed
 
 pytestmark = pytest.mark.extension  # the rehearsals run these too (pyproject.toml)
 

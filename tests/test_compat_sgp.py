@@ -19,8 +19,8 @@ from multiprocess import error_of, run_ranks
 from torch import nn
 
 import gossip_ext
-from gossip_ext import consensus
 from gossip_ext.compat import sgp
+from gossip_ext.gossip import consensus
 
 # ----------------------------------------------------------------------------- graphs
 

@@ -1,6 +1,6 @@
 """DiLoCo's outer average by gossip in sparse messages (``ByCompressedGossip``): real processes
 over gloo against a plain-PyTorch reference of the same algorithm, written here from
-gossip_ext.compressed_gossip's docstring (CHOCO-gossip on a ring, every worker's own
+gossip_ext.averagings.sparse_gossip's docstring (CHOCO-gossip on a ring, every worker's own
 ``theta_global``); the mean over workers kept; the bytes; a dead neighbour named, nothing changed
 and the error kept; a checkpoint resumed bit for bit; bad arguments named."""
 
@@ -20,7 +20,7 @@ from test_sparse_outer import INNER_LR, OUTER, STEPS, H, _batch, _net
 from torch import nn
 
 import gossip_ext
-from gossip_ext.sparse_average import TopK
+from gossip_ext.averagings.sparse import TopK
 
 FORMAT = TopK(density=1 / 8, bits=2, chunk=16)
 GAMMA = 0.5

@@ -1,4 +1,4 @@
-"""DiLoCo's exact outer step in compressed messages (outer_dtype; gossip_ext.compressed_average),
+"""DiLoCo's exact outer step in compressed messages (outer_dtype; gossip_ext.averagings.compressed),
 on real processes over gloo: the mean every rank reads is the same bits on every rank; with error
 feedback the sum of the means applied over many outer steps is the sum of the true means, less
 what the residuals hold at the end; DiLoCo with compressed outer steps stays within the messages'
@@ -13,7 +13,7 @@ import torch.distributed as dist
 from multiprocess import run_ranks
 from test_diloco import _reference, _train_diloco
 
-from gossip_ext.compressed_average import CompressedMean, bytes_per_step
+from gossip_ext.averagings.compressed import CompressedMean, bytes_per_step
 
 OUTER_DTYPES = {
     "int8": "int8",

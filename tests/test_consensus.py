@@ -13,7 +13,7 @@ from multiprocess import run_ranks
 from torch import nn
 
 import gossip_ext
-from gossip_ext import _C
+from gossip_ext._torch_check import _C
 
 D = 8
 

@@ -1,8 +1,8 @@
-"""Elastic jobs (membership="HOST:PORT"; gossip_ext.elastic) with real processes over gloo: a
-membership service (python -m gossip_ext.membership) and workers launched each on its own
-(tests/elastic_worker.py), as a user launches them. Workers are killed, stopped, leave and
-join; the survivors must finish every step with a valid model, the newcomers must start from a
-live member's state."""
+"""Elastic jobs (membership="HOST:PORT"; gossip_ext.membership.elastic) with real processes over
+gloo: a membership service (python -m gossip_ext.membership) and workers launched each on its own
+(tests/elastic_worker.py), as a user launches them. Workers are killed, stopped, leave and join; the
+survivors must finish every step with a valid model, the newcomers must start from a live member's
+state."""
 
 from __future__ import annotations
 
@@ -18,7 +18,7 @@ from multiprocess import run_ranks
 from torch import nn
 
 import gossip_ext
-from gossip_ext import elastic, epochs
+from gossip_ext.membership import elastic, epochs
 
 sys.path.insert(0, str(Path(__file__).parent))
 from elastic_job import STEPS, TIMEOUT_S, Job, free_port  # noqa: E402

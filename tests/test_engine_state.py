@@ -9,7 +9,7 @@ import pytest
 import torch
 
 import gossip_ext
-from gossip_ext import _C
+from gossip_ext._torch_check import _C
 
 pytestmark = pytest.mark.extension  # the CUDA rehearsal runs these too (pyproject.toml)
 

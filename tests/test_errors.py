@@ -9,8 +9,8 @@ import pytest
 import torch
 
 import gossip_ext
-from gossip_ext import _C
-from gossip_ext.elastic import Failure
+from gossip_ext._torch_check import _C
+from gossip_ext.membership.elastic import Failure
 
 pytestmark = pytest.mark.extension  # the CUDA rehearsal runs these too (pyproject.toml)
 

@@ -16,11 +16,12 @@ from pathlib import Path
 import pytest
 import torch.distributed as dist
 
-from gossip_ext import membership
+from gossip_ext.membership import service as membership_service
 
 ROOT = Path(__file__).resolve().parent.parent
 READY_LINE = re.compile(
-    re.escape(f"{membership.PREFIX} {membership.READY} ") + r"127\.0\.0\.1:(\d+), ready"
+    re.escape(f"{membership_service.PREFIX} {membership_service.READY} ")
+    + r"127\.0\.0\.1:(\d+), ready"
 )
 
 
@@ -66,7 +67,7 @@ def test_the_ready_line_comes_first_on_stdout_once_the_store_serves():
     finally:
         out, err = _stop(service)
     assert out == "", out  # nothing else on stdout
-    assert membership.READY not in err, err
+    assert membership_service.READY not in err, err
 
 
 def _no_network_prefix() -> list[str] | None:
@@ -95,6 +96,6 @@ def test_without_a_network_torchs_warnings_stay_on_stderr(log_level):
     finally:
         out, err = _stop(service)
     assert out == "", out
-    assert membership.READY not in err, err
+    assert membership_service.READY not in err, err
     if log_level == "ERROR":
         assert "[c10d]" not in err, err  # what the service's documentation promises

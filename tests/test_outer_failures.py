@@ -131,7 +131,9 @@ _ABSORBED_FIRST = pytest.mark.xfail(
     strict=True, reason="the engine's round absorbs a non-finite message before it detects it"
 )
 CASES = [
-    pytest.param(name, fault, marks=_ABSORBED_FIRST if (name, fault) == ("by_gossip", "nan") else ())
+    pytest.param(
+        name, fault, marks=_ABSORBED_FIRST if (name, fault) == ("by_gossip", "nan") else ()
+    )
     for name in ALL
     for fault in ("kill", "stop", "nan")
 ]

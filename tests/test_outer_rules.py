@@ -1,5 +1,5 @@
-"""The outer steps' parts on their own, in one process: the schedule of gossip_ext.outer and the
-rules of gossip_ext.outer_rules against torch's optimizers and SlowMo's formula."""
+"""The outer steps' parts on their own, in one process: the schedule of gossip_ext.outer.outer_steps
+and the rules of gossip_ext.outer.rules against torch's optimizers and SlowMo's formula."""
 
 from __future__ import annotations
 
@@ -7,8 +7,9 @@ import pytest
 import torch
 from torch import nn
 
-from gossip_ext import outer, outer_rules
-from gossip_ext.averaging import ParameterBuckets
+from gossip_ext.averagings.buckets import ParameterBuckets
+from gossip_ext.outer import outer_steps
+from gossip_ext.outer import rules as outer_rules
 
 
 def _params():
@@ -35,7 +36,7 @@ def test_the_schedule_puts_the_rule_before_a_plain_average(every, sync, expected
     rule = outer_rules.OuterOptimizer(
         params, ParameterBuckets(params), lambda ps: torch.optim.SGD(ps, lr=1.0)
     )
-    steps = outer.OuterSteps(
+    steps = outer_steps.OuterSteps(
         params, [], None, average_every=every, rule=rule if sync else None, sync_every=sync
     )
     assert [steps.kind(s) for s in range(1, 7)] == expected

@@ -37,9 +37,7 @@ class MedianMean(Averaging):
 
     def finish(self, pending) -> PseudoGradientMean:
         wait_for_every_worker([w for _, w, _ in pending], "the median", self.group, self.timeout)
-        return PseudoGradientMean(
-            [g.view(n, -1).median(dim=0).values for g, _, n in pending]
-        )
+        return PseudoGradientMean([g.view(n, -1).median(dim=0).values for g, _, n in pending])
 
 
 @dataclasses.dataclass(frozen=True)

@@ -1,6 +1,6 @@
-"""Sharded replicas (gossip_ext.sharded): 2 replicas x 2 shards, each replica's module sharded by
-FSDP2 over its shard mesh, gossip or outer steps between the replicas' processes of the same
-shard; real processes over gloo.
+"""Sharded replicas (gossip_ext.sharded.replicas): 2 replicas x 2 shards, each replica's module
+sharded by FSDP2 over its shard mesh, gossip or outer steps between the replicas' processes of the
+same shard; real processes over gloo.
 
 Two references, each in float64:
 - the simulator of tests/training_reference.py (written from docs/design.md, independently of
@@ -246,7 +246,7 @@ def _failed_round(rank: int, world_size: int) -> dict:
     )
     opt = torch.optim.SGD(model.parameters(), lr=LR)
     model.register_optimizer(opt)
-    shards = [t for _, t in gossip_ext.sharded.local_shards(net)]
+    shards = [t for _, t in gossip_ext.sharded.replicas.local_shards(net)]
     result = {}
     for step in range(2):
         x, y = _batch(replica, shard, step)
@@ -320,14 +320,14 @@ def _resumed(rank: int, world_size: int, algorithm: str) -> dict:
     saved = io.BytesIO()
     torch.save(model.state_dict(), saved)
     steps(model, opt, 3, STEPS)
-    straight = [t.clone() for _, t in gossip_ext.sharded.local_shards(net)]
+    straight = [t.clone() for _, t in gossip_ext.sharded.replicas.local_shards(net)]
     del model, opt
 
     net, model, opt = build()
     saved.seek(0)
     model.load_state_dict(torch.load(saved, weights_only=False))
     steps(model, opt, 3, STEPS)
-    resumed = [t.clone() for _, t in gossip_ext.sharded.local_shards(net)]
+    resumed = [t.clone() for _, t in gossip_ext.sharded.replicas.local_shards(net)]
     return {"equal": all(torch.equal(a, b) for a, b in zip(straight, resumed))}
 
 

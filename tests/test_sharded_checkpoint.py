@@ -1,5 +1,5 @@
 """Checkpoints of sharded replicas through torch.distributed.checkpoint
-(gossip_ext.sharded_checkpoint), on real processes over gloo: a save resumes bit for bit under
+(gossip_ext.sharded.checkpoint), on real processes over gloo: a save resumes bit for bit under
 the mesh it was saved with (the parameters, the inner Adam's state, the push-sum and outer state,
 a Streaming DiLoCo fragment in flight), and loads under another (2 x 2 to 4 x 1 and back), every
 replica taking the saved replica of its index modulo the saved count."""
@@ -14,7 +14,7 @@ from multiprocess import run_ranks
 from torch import nn
 
 import gossip_ext
-from gossip_ext import sharded_checkpoint
+from gossip_ext.sharded import checkpoint as sharded_checkpoint
 
 STEPS, SAVED_AT = 7, 3
 
@@ -63,7 +63,7 @@ def _steps(model, opt, rank: int, first: int, last: int, shards: int) -> None:
 
 
 def _shards(net) -> list[torch.Tensor]:
-    return [t.clone() for _, t in gossip_ext.sharded.local_shards(net)]
+    return [t.clone() for _, t in gossip_ext.sharded.replicas.local_shards(net)]
 
 
 def _same_mesh(rank: int, world_size: int, algorithm: str, path: str) -> bool:

@@ -13,7 +13,7 @@ import torch
 from sparse_reference import tricky
 
 import gossip_ext  # noqa: F401  (registers torch.ops.gossip_ext)
-from gossip_ext.sparse_average import TopK, _Codec
+from gossip_ext.averagings.sparse import TopK, _Codec
 
 pytestmark = pytest.mark.extension
 

@@ -1,4 +1,4 @@
-"""DiLoCo's exact outer average in sparse messages (gossip_ext.sparse_average.TopK): the message
+"""DiLoCo's exact outer average in sparse messages (gossip_ext.averagings.sparse.TopK): the message
 format against its definition, the bytes against the formula, and DiLoCo on real processes over
 gloo against a plain-PyTorch reference of the same algorithm, written here from the module's
 docstring: top-k of every chunk of ``v + beta e``, the kept values in ``bits`` bits against the
@@ -16,7 +16,7 @@ from sparse_reference import carried
 from torch import nn
 
 import gossip_ext
-from gossip_ext.sparse_average import TopK, _Codec
+from gossip_ext.averagings.sparse import TopK, _Codec
 
 FORMAT = TopK(density=1 / 8, bits=2, chunk=16)
 # SparseLoCo's decayed error feedback: the residual fades by beta = feedback_decay a step.

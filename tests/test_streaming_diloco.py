@@ -1,4 +1,4 @@
-"""Streaming DiLoCo (fragments, fragment_delay, fragment_alpha; gossip_ext.streaming) on real
+"""Streaming DiLoCo (fragments, fragment_delay, fragment_alpha; gossip_ext.outer.streaming) on real
 processes over gloo, against Streaming DiLoCo written out in plain PyTorch in this process: n
 copies of the model, each trained by its own AdamW; fragment j's mean pseudo-gradient is taken at
 step s_j - tau of every period and applied at s_j by that fragment's own SGD-Nesterov over its
@@ -21,7 +21,7 @@ from test_diloco import INNER_LR, _net, _outer_sgd, _step
 from test_faults import LATER_CALLS, _leave_with_the_survivors, _what_a_survivor_reads
 
 import gossip_ext
-from gossip_ext.streaming import Schedule, fragment_bounds
+from gossip_ext.outer.streaming import Schedule, fragment_bounds
 
 H = 4
 STEPS = 3 * H + 1  # three periods, then one step of the next (a fragment in flight if tau > 0)

@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from gossip_ext import _C
+from gossip_ext._torch_check import _C
 from gossip_ext._validation import HOST_STAGING, NCCL, PROCESS_GROUP, choose_transport
 
 pytestmark = pytest.mark.extension  # the CUDA rehearsal runs these too (pyproject.toml)
@@ -55,12 +55,12 @@ def test_cuda_parameters_in_a_cpu_build_say_so():
 def _unique_id_keys(rank: int, world_size: int) -> list[str]:
     import torch.distributed as dist
 
-    from gossip_ext import _transport
+    from gossip_ext.gossip import transport
 
     # Every rank creates every group, in the same order, as torch requires.
     halves = [dist.new_group([0, 1]), dist.new_group([2, 3])]
     mine = halves[rank // 2]
-    keys = [_transport.nccl_unique_id_key(mine), _transport.nccl_unique_id_key(mine)]
+    keys = [transport.nccl_unique_id_key(mine), transport.nccl_unique_id_key(mine)]
     # No rank leaves while another still connects its group: a peer that exits mid-handshake
     # fails the other's new_group ("Connection closed by peer").
     dist.barrier()

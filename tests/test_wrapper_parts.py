@@ -9,7 +9,8 @@ import pytest
 import torch
 from torch import nn
 
-from gossip_ext import _buffers, inner
+from gossip_ext import _buffers
+from gossip_ext.gossip import inner
 from gossip_ext.graphs import NPeerDynamicDirectedExponentialGraph
 
 

@@ -19,7 +19,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import libstdcxx  # noqa: E402  (tools/libstdcxx.py)
 
 import gossip_ext
-from gossip_ext import _C
+from gossip_ext._torch_check import _C
 
 CUDA_OPS = (
     "scale_into",

@@ -156,7 +156,7 @@ if [ "$kind" = cuda ]; then
 else
   (cd "$LOGS" && "$PY" - "$REPO/gossip_ext" <<'PYTHON'
 import os, sys, torch, gossip_ext
-from gossip_ext import _C
+from gossip_ext._torch_check import _C
 
 where = os.path.realpath(_C.__file__)
 print(f"gossip_ext {gossip_ext.__version__}: {where}")

@@ -17,7 +17,7 @@
   :class:`ByCollective` (``Exact``, its former name), :class:`ByGossip` and
   :class:`ByCompressedGossip` say how an outer step averages; an :class:`OuterAverage` of one's
   own can say it too.
-- ``membership``: :class:`Elastic` (workers come and go; gossip_ext.membership) or ``None``.
+- ``membership``: :class:`Elastic` (workers come and go; gossip_ext.membership.service) or ``None``.
 
 Each object checks its own arguments when it is made, naming the argument and the value it got;
 what no single object can check (a combination of them, the module, the process group) is checked
@@ -47,19 +47,17 @@ from __future__ import annotations
 
 from typing import Any
 
-from gossip_ext import outer as _outer_steps
-from gossip_ext.algorithms._gossip import SGP, PushPull, default_graph
-from gossip_ext.algorithms._membership import Elastic
-from gossip_ext.algorithms._outer import (
-    Average,
+from gossip_ext.algorithms._averages import (
     ByCollective,
     ByCompressedGossip,
     ByGossip,
-    DiLoCo,
     Exact,
     OuterAverage,
-    SlowMo,
 )
+from gossip_ext.algorithms._gossip import SGP, PushPull, default_graph
+from gossip_ext.algorithms._membership import Elastic
+from gossip_ext.algorithms._outer import Average, DiLoCo, SlowMo
+from gossip_ext.outer import outer_steps as _outer_steps
 
 __all__ = [
     "SGP",

@@ -8,7 +8,6 @@ from typing import Any
 
 import torch
 
-from gossip_ext import inner
 from gossip_ext.algorithms._base import (
     Algorithm,
     check_argument,
@@ -16,6 +15,7 @@ from gossip_ext.algorithms._base import (
     plain,
     where,
 )
+from gossip_ext.gossip import inner
 from gossip_ext.graphs import GraphBase, NPeerDynamicDirectedExponentialGraph
 from gossip_ext.mixing import MixingBase, UniformMixing
 

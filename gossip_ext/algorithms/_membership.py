@@ -5,14 +5,14 @@ from __future__ import annotations
 import dataclasses
 
 from gossip_ext.algorithms._base import Algorithm, check_argument, where
-from gossip_ext.epochs import parse_address
+from gossip_ext.membership.epochs import parse_address
 
 
 @dataclasses.dataclass(frozen=True)
 class Elastic(Algorithm):
-    """An elastic job (:mod:`gossip_ext.elastic`): workers join and leave through the membership
-    service at ``address`` (``"HOST:PORT"``, ``python -m gossip_ext.membership --port PORT``).
-    The first epoch forms once ``min_workers`` workers registered, and the job stops with a
+    """An elastic job (:mod:`gossip_ext.membership.elastic`): workers join and leave through the
+    membership service at ``address`` (``"HOST:PORT"``, ``python -m gossip_ext.membership --port
+    PORT``). The first epoch forms once ``min_workers`` workers registered, and the job stops with a
     TimeoutError naming who is gone when fewer are left (default: 1)."""
 
     address: str

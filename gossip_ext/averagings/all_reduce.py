@@ -34,9 +34,7 @@ class AllReduceMean(Averaging):
     averages_buffers = True
     what = "the outer step's all-reduce"
 
-    def __init__(
-        self, group: dist.ProcessGroup, timeout: datetime.timedelta = DEFAULT_TIMEOUT
-    ):
+    def __init__(self, group: dist.ProcessGroup, timeout: datetime.timedelta = DEFAULT_TIMEOUT):
         self.group = group
         self.timeout = timeout
 
@@ -65,9 +63,7 @@ class AllReduceMean(Averaging):
         # Flags posted first, from the values as they are sent (NaN and Inf survive the weight).
         device = layout[0][2] if layout else torch.device("cpu")
         check = SenderCheck(self.group, device)
-        flags, flags_work = check.post(
-            None if weight is None else [m[:-1] for m in messages]
-        )
+        flags, flags_work = check.post(None if weight is None else [m[:-1] for m in messages])
         works = [flags_work]
         for message in messages:
             if weight is not None and weight != 1.0:

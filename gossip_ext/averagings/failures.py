@@ -100,7 +100,9 @@ class SenderCheck:
     def post(self, values: Sequence[torch.Tensor] | None) -> tuple[torch.Tensor, Any]:
         """Flags this worker if ``values`` (None: it contributes nothing) hold NaN or Inf and
         starts the all-reduce of the flags; returns (flags, work)."""
-        flags = torch.zeros(dist.get_world_size(self.group), dtype=torch.float32, device=self.device)
+        flags = torch.zeros(
+            dist.get_world_size(self.group), dtype=torch.float32, device=self.device
+        )
         if values is not None and holds_nonfinite(values):
             flags[self.group.rank()] = 1.0
         return flags, dist.all_reduce(flags, group=self.group, async_op=True)

@@ -31,7 +31,7 @@ from typing import Any
 
 import torch
 
-from gossip_ext.averaging import ParameterBuckets
+from gossip_ext.averagings.buckets import ParameterBuckets
 
 
 class Contribution:
@@ -149,10 +149,10 @@ class Averaging(abc.ABC):
         nothing. Raises ``PeerTimeoutError`` for a dead or stalled peer and ``NonFiniteError``
         for a message holding NaN or Inf, naming the peers where they can be known."""
 
-    def commit(self, mean: Mean) -> None:
+    def commit(self, mean: Mean) -> None:  # noqa: B027 - a hook: most averagings keep nothing
         """Keeps this averaging's state of a step whose every message arrived (default: none)."""
 
-    def begin(self, buckets: ParameterBuckets) -> None:
+    def begin(self, buckets: ParameterBuckets) -> None:  # noqa: B027 - a hook, as commit
         """The outer rule started at the parameters of ``buckets`` (equal on every worker)."""
 
     def before_whole_step(self, mix: Any) -> None:
@@ -172,7 +172,9 @@ class Averaging(abc.ABC):
     def state_dict(self) -> dict[str, Any] | None:
         return None
 
-    def load_state_dict(self, state: dict[str, Any] | None, members_changed: bool = False) -> None:
+    def load_state_dict(  # noqa: B027 - a hook, as commit
+        self, state: dict[str, Any] | None, members_changed: bool = False
+    ) -> None:
         """Puts back :meth:`state_dict` (None: a checkpoint without it). ``members_changed``: the
         state of this worker's previous elastic epoch."""
 

@@ -55,7 +55,7 @@ import torch.distributed as dist
 from torch import nn
 
 import gossip_ext
-from gossip_ext.streaming import fragment_bounds
+from gossip_ext.outer.streaming import fragment_bounds
 from harness.compare.tuning import (  # noqa: F401  (PEAK_LR: read as systems.PEAK_LR)
     PEAK_LR,
     SLOWMO_MOMENTUM,

@@ -75,4 +75,4 @@ SLOWMO_MOMENTUM = 0.2
 # and 1/16 buys little for twice the bytes.
 SPARSE_DENSITY = 1 / 32
 SPARSE_FEEDBACK_DECAY = 0.95
-SPARSE_GOSSIP_STEP = 0.25  # gossip_ext.compressed_gossip.DEFAULT_CONSENSUS_STEP's sweep
+SPARSE_GOSSIP_STEP = 0.25  # gossip_ext.averagings.sparse_gossip.DEFAULT_CONSENSUS_STEP's sweep

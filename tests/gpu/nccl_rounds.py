@@ -13,7 +13,7 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from gossip_ext import _C
+from gossip_ext._torch_check import _C
 
 
 def nccl_transport(key: str, timeout_s: float):

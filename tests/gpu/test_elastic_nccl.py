@@ -15,7 +15,8 @@ from multiprocess import run_ranks
 from nccl_rounds import held_round
 from torch import nn
 
-from gossip_ext import _C, epochs
+from gossip_ext._torch_check import _C
+from gossip_ext.membership import epochs
 
 pytestmark = [
     pytest.mark.extension,

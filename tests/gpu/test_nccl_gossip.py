@@ -11,7 +11,7 @@ from multiprocess import run_ranks
 from nccl_rounds import held_round, hold_stream, nccl_transport
 from torch import nn
 
-from gossip_ext import _C
+from gossip_ext._torch_check import _C
 
 pytestmark = [
     pytest.mark.extension,

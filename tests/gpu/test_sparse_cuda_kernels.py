@@ -71,7 +71,7 @@ def test_a_position_outside_the_chunk_is_skipped_on_the_gpu():
 
 
 def test_the_sparse_mean_on_the_gpu_equals_the_cpu():
-    from gossip_ext.sparse_average import TopK, _Codec
+    from gossip_ext.averagings.sparse import TopK, _Codec
 
     f = TopK(density=1 / 64, bits=2)
     values = tricky(442_000, torch.float32, seed=5)

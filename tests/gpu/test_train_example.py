@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from gossip_ext import _C
+from gossip_ext._torch_check import _C
 
 pytestmark = [
     pytest.mark.extension,

@@ -1,6 +1,7 @@
 """The rules of an outer step: what the workers' average becomes, and the state that remembers.
 
-An outer step (``gossip_ext.outer.OuterSteps``) averages the workers' parameters and hands the
+An outer step (``gossip_ext.outer.outer_steps.OuterSteps``) averages the workers' parameters and
+hands the
 average to its rule, which returns the new parameters:
 - :class:`SlowMomentum`: SlowMo's heavy-ball step scaled by the inner learning rate (Wang et al.,
   ICLR 2020; fairscale's SlowMoDistributedDataParallel), ``slowmo_*`` arguments;
@@ -23,8 +24,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from gossip_ext import sharded
-from gossip_ext.averaging import ParameterBuckets
+from gossip_ext.averagings.buckets import ParameterBuckets
+from gossip_ext.sharded import replicas as sharded
 
 
 class OuterRule:
@@ -46,7 +47,7 @@ class OuterRule:
     - ``optimizers``: the torch optimizers a user may schedule (an outer learning rate);
     - ``per_parameter_state()`` / ``load_per_parameter_state(state)``: its state as tensors
       shaped like each parameter (a sharded replica's: like each local shard), which a checkpoint
-      may cut anew under another mesh (gossip_ext.sharded_checkpoint); None where its state is not
+      may cut anew under another mesh (gossip_ext.sharded.checkpoint); None where its state is not
       all per parameter.
     """
 

@@ -1,5 +1,6 @@
 """The exact mean of the workers' pseudo-gradients in sparse messages: top-k of every chunk, its
-values in 2 or 4 bits, with error feedback (SparseLoCo's message; ``ByCollective(dtype=TopK(...))``).
+values in 2 or 4 bits, with error feedback (SparseLoCo's message;
+``ByCollective(dtype=TopK(...))``).
 
 Every rank adds its residual ``e`` (times ``feedback_decay``, SparseLoCo's ``beta``: 1 keeps every
 value left out until it is sent; below 1, old residuals fade, and the residual acts as a local
@@ -23,7 +24,7 @@ chunks) a message is 0.0090 of float32 (111x smaller; 0.0100 with 4-bit values),
 all-gather's ``(n - 1)`` copies leave the step at 0.0090 n / 2 of the all-reduce's (55x less
 traffic at 4 workers, 28x at 8).
 
-Like :class:`gossip_ext.compressed_average.CompressedMean`, :meth:`SparseMean.mean` keeps
+Like :class:`gossip_ext.averagings.compressed.CompressedMean`, :meth:`SparseMean.mean` keeps
 nothing: :meth:`SparseMean.commit` keeps the residuals once the outer step succeeded.
 """
 
@@ -38,10 +39,10 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from gossip_ext import _C  # noqa: F401  (registers torch.ops.gossip_ext)
+from gossip_ext._torch_check import _C  # noqa: F401  (registers torch.ops.gossip_ext)
+from gossip_ext.averagings.compressed import _all_gather
 from gossip_ext.averagings.failures import DEFAULT_TIMEOUT, SenderCheck, wait_for_every_worker
 from gossip_ext.averagings.interface import Averaging, Contribution, PseudoGradientMean
-from gossip_ext.compressed_average import _all_gather
 
 
 @dataclasses.dataclass(frozen=True)
@@ -49,7 +50,7 @@ class TopK:
     """A sparse message format for an outer step's exact average: the ``density`` largest
     magnitudes of every ``chunk`` values (at least one), their values in ``bits`` bits (2 or 4)
     with one float32 scale a chunk, the rest kept by error feedback, whose residual is scaled by
-    ``feedback_decay`` at each outer step (SparseLoCo; see :mod:`gossip_ext.sparse_average`).
+    ``feedback_decay`` at each outer step (SparseLoCo; see :mod:`gossip_ext.averagings.sparse`).
     ``ByCollective(dtype=TopK(density=1/64, bits=2))``."""
 
     density: float = 1 / 64

@@ -34,9 +34,9 @@ from typing import Any
 
 import torch
 
-from gossip_ext.averaging import ParameterBuckets
 from gossip_ext.averagings import Averaging, Contribution
-from gossip_ext.outer_rules import OuterOptimizer, OuterOptimizerFactory, OuterRule
+from gossip_ext.averagings.buckets import ParameterBuckets
+from gossip_ext.outer.rules import OuterOptimizer, OuterOptimizerFactory, OuterRule
 
 # Builds a fragment's averaging over its buckets.
 AveragingFactory = Callable[[ParameterBuckets], Averaging]
@@ -195,8 +195,7 @@ class StreamingOuter(OuterRule):
             sizes = [p.numel() * p.element_size() for p in params]
         self.bounds = fragment_bounds(sizes, fragments)
         self.fragments = [
-            Fragment(params[lo:hi], factory, device, averaging)
-            for lo, hi in self.bounds
+            Fragment(params[lo:hi], factory, device, averaging) for lo, hi in self.bounds
         ]
         self.schedule = Schedule(sync_every, fragments, delay)
         self.delay = delay

@@ -2,13 +2,13 @@
 (``DiLoCo(average=ByCompressedGossip(TopK(...)))``).
 
 A sparse message is a difference from a value that both ends hold. The exact sparse mean
-(:mod:`gossip_ext.sparse_average`) has one, ``theta_global``, the same bits on every worker; under
-gossip every worker's model is its own. So every worker keeps a *public copy* ``xhat_i`` of its
-parameters: the sum of every message it has sent, which each of its neighbours on a fixed,
-symmetric graph also holds, having received the same messages. Each worker also keeps the
-weighted sum of its neighbourhood's public copies, ``s_i = w (xhat_i + sum_{j in N(i)} xhat_j)``
-with ``w = 1 / (d + 1)`` for ``d`` neighbours (uniform mixing, doubly stochastic on a regular
-graph). An outer step, on worker ``i`` with parameters ``x_i`` (CHOCO-gossip, Koloskova et al.,
+(:mod:`gossip_ext.averagings.sparse`) has one, ``theta_global``, the same bits on every worker;
+under gossip every worker's model is its own. So every worker keeps a *public copy* ``xhat_i`` of
+its parameters: the sum of every message it has sent, which each of its neighbours on a fixed,
+symmetric graph also holds, having received the same messages. Each worker also keeps the weighted
+sum of its neighbourhood's public copies, ``s_i = w (xhat_i + sum_{j in N(i)} xhat_j)`` with ``w = 1
+/ (d + 1)`` for ``d`` neighbours (uniform mixing, doubly stochastic on a regular graph). An outer
+step, on worker ``i`` with parameters ``x_i`` (CHOCO-gossip, Koloskova et al.,
 ICML 2019):
 
 1. ``q_i = TopK(x_i - xhat_i)``: the largest differences of every chunk, in 2 or 4 bits. What the
@@ -45,9 +45,9 @@ import torch
 import torch.distributed as dist
 
 from gossip_ext.averagings.failures import check_received, wait_for_peer
+from gossip_ext.averagings.gossip_exchange import OUTER_TAG_BASE
 from gossip_ext.averagings.interface import Averaging, Contribution, ParameterMean
-from gossip_ext.fragment_gossip import OUTER_TAG_BASE
-from gossip_ext.sparse_average import TopK, _Codec
+from gossip_ext.averagings.sparse import TopK, _Codec
 
 # gamma's default. On the byte-level language model of benchmarks/lm_compare.py (4 workers, H = 8,
 # density 1/32, 2 bits, outer SGD at lr 1), the final held-out bits per byte after 480 steps were

@@ -3,9 +3,9 @@
     python -m gossip_ext.membership --port 29400
 
 It is the one process that must outlive the workers (as torchft's lighthouse and torchrun's
-rendezvous host are); it holds a few keys (:mod:`gossip_ext.epochs`) and carries no training
-traffic. Workers connect with ``GossipDataParallel(module, membership="HOST:29400",
-min_workers=m)``.
+rendezvous host are); it holds a few keys (:mod:`gossip_ext.membership.epochs`) and carries no
+training traffic. Workers connect with ``GossipDataParallel(module,
+membership=gossip_ext.Elastic("HOST:29400", min_workers=m))``.
 
 .. note::
     The service's own output is one line on stdout, printed once the store listens, that names

@@ -18,8 +18,9 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from gossip_ext import _validation, streaming
-from gossip_ext import elastic as _elastic_worker
+from gossip_ext import _validation
+from gossip_ext.membership import elastic as _elastic_worker
+from gossip_ext.outer import streaming
 
 
 class StaticMembership:
@@ -51,18 +52,18 @@ class StaticMembership:
         pass
 
     def nccl_rendezvous(self):
-        return None  # the default store, under a key of the group (gossip_ext._transport)
+        return None  # the default store, under a key of the group (gossip_ext.gossip.transport)
 
     def leave(self) -> None:
         raise RuntimeError("leave() is for an elastic job's workers (membership=Elastic(...))")
 
 
 class ElasticMembership:
-    """An elastic job's worker (gossip_ext.elastic): it joins, trains in epochs with a process
-    group per epoch over the live workers, moves to the next epoch when a member dies, stalls or
-    leaves (the failed round or outer step changed nothing: Note [The parameters are the model])
-    and hands its state to the workers that join. Holds the wrapper weakly: the elastic watch's
-    thread must not keep it alive."""
+    """An elastic job's worker (gossip_ext.membership.elastic): it joins, trains in epochs with a
+    process group per epoch over the live workers, moves to the next epoch when a member dies,
+    stalls or leaves (the failed round or outer step changed nothing: Note [The parameters are the
+    model]) and hands its state to the workers that join. Holds the wrapper weakly: the elastic
+    watch's thread must not keep it alive."""
 
     def __init__(self, wrapper, address: str, min_workers: int, timeout, device, comm_device):
         # Before joining, so that a worker that cannot gossip is refused without disturbing the
@@ -153,7 +154,7 @@ class ElasticMembership:
             if not _elastic_worker.is_peer_failure(error):
                 raise
         self.worker.leaving_epoch()
-        w._mix = w._mix.closed()
+        w._close_mix()
         self.worker.leave()
 
     # ----------------------------------------------------------------------------- epochs
@@ -163,10 +164,7 @@ class ElasticMembership:
         """Nothing may keep the epoch's group alive: gloo closes its connections only when the
         group is freed, and a peer still waiting on this worker's messages must see them close
         now rather than time out. A round in flight is dropped, never absorbed."""
-        if w._mix is not None:
-            w._mix = w._mix.closed()
-        w._outer = None
-        w.process_group = None
+        w._drop_epoch_parts()
 
     def _change_epoch(self, failure: _elastic_worker.Failure | None) -> None:
         """Moves to the next epoch, keeping the model, the optimizer, the step count and the
@@ -208,7 +206,7 @@ class ElasticMembership:
             [w._steps, w.graph.peers_per_itr] if self._holds_state else [0, 0], dtype=torch.int64
         )
         dist.all_reduce(held, op=dist.ReduceOp.MAX, group=change.group)
-        w._steps = int(held[0])
+        w.step_count = int(held[0])
         w._build(initial=first and change.epoch.number == 0, peers_per_itr=int(held[1]) or None)
         if outer_state is not None:
             w._outer.load_state_dict(outer_state, members_changed=True)
@@ -221,7 +219,7 @@ class ElasticMembership:
             _elastic_worker.send_state(self._handoff(w), joined, change.group)
         w._outer.align_in_flight(w._steps)
         self._holds_state = True
-        w._versions_at_forward = None
+        w._reset_rounds_check()
 
     def _handoff(self, w) -> dict[str, Any]:
         """What a joiner receives from its donor: the model (parameters and buffers), the step
@@ -237,7 +235,7 @@ class ElasticMembership:
 
     def _take_handoff(self, w, state: Mapping[str, Any]) -> None:
         w.module.load_state_dict(state["module"])
-        w._steps = int(state["steps"])
+        w.step_count = int(state["steps"])
         # The donor's error-feedback residuals are what it still owes the others: not this
         # worker's to send again.
         outer_state = {k: v for k, v in state["outer"].items() if k != "outer_residuals"}

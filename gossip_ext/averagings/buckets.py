@@ -2,8 +2,8 @@
 
 Gossip only drives the workers' models towards their average. :func:`exact_average` reaches it
 exactly, with one all-reduce of the parameters per dtype, for what gossip cannot give: the outer
-steps of ``gossip_ext.outer`` (a periodic reset of the drift between workers, SlowMo's and
-DiLoCo's steps) and one model for evaluation or a checkpoint (``average_parameters()``).
+steps of ``gossip_ext.outer.outer_steps`` (a periodic reset of the drift between workers, SlowMo's
+and DiLoCo's steps) and one model for evaluation or a checkpoint (``average_parameters()``).
 
 The average is push-sum's consensus value ``sum_i w_i z_i / sum_i w_i``: what gossip itself
 converges to, and the only average that keeps the push-sum mass (the sums of x = w z and of w)

@@ -2,7 +2,7 @@
 
 GossipDataParallel holds one :class:`InnerMix`. It owns the compiled engine (the flat parameter
 buffers, the push-sum state, the transport on the engine's own thread and stream), when rounds
-start and are absorbed (``_schedule.RoundSchedule``), and the running consensus estimate of
+start and are absorbed (``schedule.RoundSchedule``), and the running consensus estimate of
 ``log_every``. Without an engine (``base_algorithm="localsgd"`` with exact outer averaging, or a
 process that does not gossip under ``nprocs_per_node > 1``) every call is a no-op and the push-sum
 state reads as weight 1, round 0, nothing sent.
@@ -23,11 +23,13 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from gossip_ext import _C, _schedule, _transport, consensus, sharded
+from gossip_ext._torch_check import _C
+from gossip_ext.gossip import consensus, schedule, transport
 from gossip_ext.graphs import GraphBase
 from gossip_ext.mixing import MixingBase
+from gossip_ext.sharded import replicas as sharded
 
-logger = logging.getLogger("gossip_ext.distributed")
+logger = logging.getLogger(__name__)
 
 
 def with_peers(graph: GraphBase, peers_per_itr: int) -> GraphBase:
@@ -43,7 +45,7 @@ class Link:
     """Where an engine's rounds travel and how they are reported, the same for whichever
     object builds the engine: the transport's kind (``_validation.choose_transport``) over
     ``group`` from ``device``, each round given up after ``timeout``; ``rendezvous``, where an
-    NCCL transport's ranks meet (``_transport.make_transport``); ``log_every`` and ``verbose``,
+    NCCL transport's ranks meet (``transport.make_transport``); ``log_every`` and ``verbose``,
     the wrapper's."""
 
     transport_kind: str
@@ -77,7 +79,7 @@ class InnerMix:
         self.graph = graph
         self.every_step = every_step
         self.verbose = verbose
-        self.rounds = _schedule.RoundSchedule(engine, overlap=overlap, synch_freq=synch_freq)
+        self.rounds = schedule.RoundSchedule(engine, overlap=overlap, synch_freq=synch_freq)
 
     @classmethod
     def build(
@@ -110,15 +112,15 @@ class InnerMix:
             check_finite=check_finite,
             message_dtype=message_dtype,
         )
-        transport = _transport.make_transport(
+        carrier = transport.make_transport(
             link.transport_kind, link.group, link.device, link.timeout, link.rendezvous
         )
         tensors = [t for _, t in named]
         if link.in_place:
-            engine = _C.GossipEngine(tensors, [n for n, _ in named], transport, options)
+            engine = _C.GossipEngine(tensors, [n for n, _ in named], carrier, options)
         else:
             mirrors = [t.detach().clone() for t in tensors]
-            engine = _C.GossipEngine(mirrors, [n for n, _ in named], transport, options)
+            engine = _C.GossipEngine(mirrors, [n for n, _ in named], carrier, options)
             engine = sharded.MirroredEngine(engine, tensors, mirrors, synchronous)
         if link.log_every > 0:
             engine = consensus.MeasuredEngine(engine, graph, link.log_every)

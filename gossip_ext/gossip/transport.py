@@ -16,7 +16,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from gossip_ext import _C, _validation
+from gossip_ext import _validation
+from gossip_ext._torch_check import _C
 
 # How many NCCL transports this process has built per group, keyed by the group's global ranks.
 _NCCL_TRANSPORTS: collections.Counter[tuple[int, ...]] = collections.Counter()

@@ -1,5 +1,5 @@
 """The membership store's protocol: the keys of an elastic job's membership service
-(:mod:`gossip_ext.membership`) and how a worker registers, reads and forms epochs with them.
+(:mod:`gossip_ext.membership.service`) and how a worker registers, reads and forms epochs with them.
 
 The membership is a sequence of epochs, each a sorted list of worker ids (ids are handed out in
 order of registration, so the oldest member is rank 0 of every epoch it is in). Nothing here is
@@ -38,7 +38,7 @@ from dataclasses import dataclass
 import torch.distributed as dist
 
 POLL_S = 0.01  # how often a waiting worker looks again at a key another worker will write
-logger = logging.getLogger("gossip_ext.elastic")  # with the epoch-change lines
+logger = logging.getLogger("gossip_ext.membership.elastic")  # with the epoch-change lines
 
 LEFT = "left the job"  # why a worker that called leave() (or exited) is gone
 HEARTBEAT_S = 0.1  # how often a worker's heartbeat thread bumps its counter

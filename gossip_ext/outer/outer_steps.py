@@ -22,17 +22,18 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from gossip_ext.averaging import ParameterBuckets
 from gossip_ext.averagings import AllReduceMean, Averaging, Contribution
+from gossip_ext.averagings.buckets import ParameterBuckets
 from gossip_ext.averagings.failures import DEFAULT_TIMEOUT
-from gossip_ext.outer_rules import PlainAverage
+from gossip_ext.outer.rules import PlainAverage
 
 _PLAIN = PlainAverage()
 
 # What a training step ends with (OuterSteps.kind); None: the inner mix's round, as usual.
 AVERAGE = "average"
 OUTER = "outer"
-# Streaming DiLoCo's prepares and applies (gossip_ext.streaming), followed by the round as usual.
+# Streaming DiLoCo's prepares and applies (gossip_ext.outer.streaming), followed by the round as
+# usual.
 STREAM = "stream"
 
 

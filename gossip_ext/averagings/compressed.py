@@ -34,7 +34,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from gossip_ext import _C
+from gossip_ext._torch_check import _C
 from gossip_ext.averagings.failures import DEFAULT_TIMEOUT, SenderCheck, wait_for_every_worker
 from gossip_ext.averagings.interface import Averaging, Contribution, PseudoGradientMean
 

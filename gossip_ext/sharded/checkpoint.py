@@ -17,8 +17,8 @@ the push-sum state starts again (round 0, weight 1: the parameters are the model
 that is not one tensor per parameter (SlowMo's, Streaming DiLoCo's, compressed messages'
 residuals) cannot be cut anew, and loading it under another mesh raises, naming it.
 
-    gossip_ext.sharded_checkpoint.save(model, "ckpt/step-1000", optimizer)
-    gossip_ext.sharded_checkpoint.load(model, "ckpt/step-1000", optimizer)  # any mesh
+    gossip_ext.sharded.checkpoint.save(model, "ckpt/step-1000", optimizer)
+    gossip_ext.sharded.checkpoint.load(model, "ckpt/step-1000", optimizer)  # any mesh
 """
 
 from __future__ import annotations
@@ -31,7 +31,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from gossip_ext import sharded
+from gossip_ext.sharded import replicas as sharded
 
 _LAYOUT = "gossip_ext.layout"
 
@@ -117,7 +117,7 @@ def load(model: nn.Module, checkpoint_id: str, optimizer: torch.optim.Optimizer 
             if kind == "outer" and of == name:
                 outer.setdefault(part, []).append(row)
     model._outer.load_per_parameter_state(outer)
-    model._steps = int(meta["steps"])
+    model.step_count = int(meta["steps"])
     model._mix.restore(0, 1.0)
 
 

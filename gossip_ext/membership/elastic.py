@@ -1,13 +1,12 @@
 """One worker of an elastic job: its epochs, how it notices a change, how it hands its state on.
 
-A worker joins through the membership service (:mod:`gossip_ext.membership`; its protocol in
-:mod:`gossip_ext.epochs`) and trains in epochs, each with a process group of its own over that
-epoch's members (:mod:`._epoch_group`).
-At every step boundary it compares the service's event counter, as its watch thread last read it,
-with its epoch's; when the membership changed (a worker registered, left, or was announced dead)
-it moves to the next epoch there. When a round or a collective fails because a peer died or
-stalled, the worker announces the peers the error is about (a
-:class:`~gossip_ext.PeerTimeoutError`'s ``peers``, never read out of its message) unless a change
+A worker joins through the membership service (:mod:`gossip_ext.membership.service`; its protocol in
+:mod:`gossip_ext.membership.epochs`) and trains in epochs, each with a process group of its own over
+that epoch's members (:mod:`._epoch_group`). At every step boundary it compares the service's event
+counter, as its watch thread last read it, with its epoch's; when the membership changed (a worker
+registered, left, or was announced dead) it moves to the next epoch there. When a round or a
+collective fails because a peer died or stalled, the worker announces the peers the error is about
+(a :class:`~gossip_ext.PeerTimeoutError`'s ``peers``, never read out of its message) unless a change
 is already pending, which explains the failure, and moves on the same way; a worker that is not a
 neighbour of the dead one learns it from the counter, without waiting for a timeout of its own.
 Forming an epoch is the only moment the members wait for each other: each checks in, and one that
@@ -35,11 +34,11 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from gossip_ext import _epoch_group
-from gossip_ext.epochs import LEFT, Epoch, MembershipClient, RemovedError
 from gossip_ext.errors import PeerTimeoutError
+from gossip_ext.membership import epoch_group
+from gossip_ext.membership.epochs import LEFT, Epoch, MembershipClient, RemovedError
 
-logger = logging.getLogger("gossip_ext.elastic")
+logger = logging.getLogger("gossip_ext.membership.elastic")
 
 
 # The first epoch forms once min_workers registered and no other registered for this long.
@@ -263,7 +262,7 @@ class ElasticWorker:
             )
         building = time.monotonic()
         try:
-            group = _epoch_group.build(
+            group = epoch_group.build(
                 client.store,
                 epoch.number,
                 epoch.rank(self.worker),
@@ -343,7 +342,7 @@ class ElasticWorker:
         if group is None:
             return
         freed = weakref.ref(group)
-        _epoch_group.release(group)
+        epoch_group.release(group)
         del group
         if freed() is not None:
             # A reference cycle still holds it (a traceback's frames): a full collection, which
