@@ -125,18 +125,7 @@ def _a_worker_fails(rank: int, world_size: int, name: str, fault: str, sync_dir:
     return result
 
 
-# The engine's round (ByGossip's whole-model step) detects a non-finite message as it absorbs it:
-# it names the sender and stays raised, but the receiver's parameters hold the NaN.
-_ABSORBED_FIRST = pytest.mark.xfail(
-    strict=True, reason="the engine's round absorbs a non-finite message before it detects it"
-)
-CASES = [
-    pytest.param(
-        name, fault, marks=_ABSORBED_FIRST if (name, fault) == ("by_gossip", "nan") else ()
-    )
-    for name in ALL
-    for fault in ("kill", "stop", "nan")
-]
+CASES = [(name, fault) for name in ALL for fault in ("kill", "stop", "nan")]
 
 
 @pytest.mark.parametrize("name,fault", CASES)

@@ -4,12 +4,15 @@ The round mixes each worker's parameters with the round's peers; push-sum keeps 
 workers, so the rule stepping each worker's own ``theta_global`` with ``theta_global - z`` moves
 their mean as an exact average would, with no collective over every worker: the round's peers are
 all it waits for. The engine keeps the failure contract itself (a dead or stalled peer named
-within the timeout, a non-finite message named by its sender, a failed round changing nothing).
+within the timeout, a failed round changing nothing, a non-finite message named by its sender);
+a non-finite message it detects as it absorbs it, so the step keeps the parameters it started
+from and puts them back then.
 """
 
 from __future__ import annotations
 
 from gossip_ext.averagings.interface import Averaging, Contribution, Mean, ParameterMean
+from gossip_ext.errors import NonFiniteError
 
 
 class RoundMean(Averaging):
@@ -20,7 +23,13 @@ class RoundMean(Averaging):
         return contribution
 
     def finish(self, contribution: Contribution) -> Mean:
-        contribution.mix.run_round()
+        before = contribution.parameters()  # what a round that absorbed NaN leaves them as
+        try:
+            contribution.mix.run_round()
+        except NonFiniteError:
+            for b, values in enumerate(before):
+                contribution.buckets.write(b, values)
+            raise
         return ParameterMean(contribution.parameters())
 
     def before_whole_step(self, mix) -> None:
