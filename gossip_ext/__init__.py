@@ -84,6 +84,18 @@ __version__ = "0.1.0"
 # engine's thread), so that a bad GOSSIP_EXT_MAX_CPU_ISA is reported here, by name.
 _C.cpu_kernels_isa()
 
+
+
+def __getattr__(name: str):
+    """``gossip_ext.sharded_checkpoint``, where earlier releases had it (now
+    ``gossip_ext.sharded.checkpoint``), imported when first asked for."""
+    if name == "sharded_checkpoint":
+        from gossip_ext.sharded import checkpoint
+
+        return checkpoint
+    raise AttributeError(f"module 'gossip_ext' has no attribute {name!r}")
+
+
 __all__ = [
     "SGP",
     "Average",
