@@ -85,7 +85,6 @@ __version__ = "0.1.0"
 _C.cpu_kernels_isa()
 
 
-
 def __getattr__(name: str):
     """``gossip_ext.sharded_checkpoint``, where earlier releases had it (now
     ``gossip_ext.sharded.checkpoint``), imported when first asked for."""

@@ -157,3 +157,18 @@ def test_a_faulty_worker_gives_a_typed_error_within_the_timeout_and_changes_noth
         assert result["step"] == FAULT_STEP + 1, (rank, result)
         assert result["unchanged"], (rank, result)  # nothing written
         assert result["again"] == result["type"], (rank, result)  # and it stays raised
+
+
+@pytest.mark.parametrize("bad", [float("nan"), float("inf"), -float("inf"), None])
+def test_a_sparse_message_shows_a_nonfinite_value_in_its_chunk_scales(bad):
+    from gossip_ext.averagings.sparse import _Codec
+
+    codec = _Codec(_TOPK, 100)  # 4 chunks of 32, the last padded
+    values = torch.randn(100, generator=torch.Generator().manual_seed(0))
+    if bad is not None:
+        values[70] = bad  # in the third chunk, whatever its rank among the kept magnitudes
+    message = codec.encode(values)
+    # At an offset that is no multiple of 4, as a bucket's message within a concatenation.
+    shifted = torch.cat([torch.zeros(3, dtype=torch.uint8), message])[3:]
+    assert codec.holds_nonfinite(message) == (bad is not None)
+    assert codec.holds_nonfinite(shifted) == (bad is not None)

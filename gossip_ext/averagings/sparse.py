@@ -114,6 +114,12 @@ class _Codec:
         f = self.format
         return torch.ops.gossip_ext.topk_encode(values, f.k, f.bits, f.chunk)
 
+    def holds_nonfinite(self, message: torch.Tensor) -> bool:
+        """Whether ``message`` carries NaN or Inf: its chunks' float32 scales, which lead the
+        message, are the largest kept magnitudes, and NaN and Inf rank above every finite one."""
+        scales = message[: 4 * self.chunks].clone().view(torch.float32)  # aligned to 4 bytes
+        return not bool(torch.isfinite(scales).all())
+
     def add_into(self, total: torch.Tensor, message: torch.Tensor) -> None:
         """``total`` (the bucket, padded to whole chunks, as chunks) += the message's values."""
         f = self.format

@@ -44,7 +44,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from gossip_ext.averagings.failures import check_received, wait_for_peer
+from gossip_ext.averagings.failures import holds_nonfinite, raise_nonfinite, wait_for_peer
 from gossip_ext.averagings.gossip_exchange import OUTER_TAG_BASE
 from gossip_ext.averagings.interface import Averaging, Contribution, ParameterMean
 from gossip_ext.averagings.sparse import TopK, _Codec
@@ -173,17 +173,22 @@ class SparseGossip(Averaging):
         return staged
 
     def _check_finite(self, pending: _Pending) -> None:
-        """Raises NonFiniteError naming the neighbours whose messages decode to NaN or Inf (a
-        diverged worker's message carries them: a NaN magnitude makes its chunk's scale NaN), or
-        this worker, if its own parameters hold them."""
-        decoded = []
+        """Raises NonFiniteError naming the neighbours whose messages carry NaN or Inf (a chunk's
+        scale, ``_Codec.holds_nonfinite``), or this worker, if its own parameters hold them."""
+        senders = []
         for peer, theirs in zip(self.neighbours, pending.inbox):
-            offset, values = 0, []
-            for codec, (_, dtype) in zip(self.codecs, self.layout):
-                values.append(self._decoded(codec, theirs[offset : offset + codec.bytes], dtype))
-                offset += codec.bytes
-            decoded.append((peer, torch.cat([v.view(-1) for v in values])))
-        check_received(decoded, pending.values, self.group, self.what, pending.round)
+            offsets = [0]
+            for codec in self.codecs:
+                offsets.append(offsets[-1] + codec.bytes)
+            if any(
+                codec.holds_nonfinite(theirs[lo:hi])
+                for codec, lo, hi in zip(self.codecs, offsets, offsets[1:])
+            ):
+                senders.append(peer)
+        if holds_nonfinite(pending.values):
+            senders.append(self.group.rank())
+        if senders:
+            raise_nonfinite(senders, self.group, self.what, pending.round)
 
     def _decoded(self, codec: _Codec, message: torch.Tensor, dtype) -> torch.Tensor:
         """``message``'s values, as whole chunks (chunks x chunk)."""
