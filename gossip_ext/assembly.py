@@ -45,21 +45,21 @@ def build(model, initial: bool, peers_per_itr: int | None = None) -> Parts:
     outer_step = model.algorithms[1]  # it builds its rule (None: no outer step)
     if peers_per_itr is not None and peers_per_itr != arguments["graph"].peers_per_itr:
         arguments = dict(arguments, graph=inner.with_peers(arguments["graph"], peers_per_itr))
-    a = arguments
+    settings = arguments  # every setting by name (flat_keywords.settings)
     params = [p for _, p in named]
     transport_kind = _validation.choose_transport(
-        model._device, a["comm_device"], dist.get_backend(model.process_group)
+        model._device, settings["comm_device"], dist.get_backend(model.process_group)
     )
     world_size = dist.get_world_size(model.process_group)
     rank = model.process_group.rank()
     gossip_world_size = _validation.gossip_world_size(
-        a["graph"], a["push_sum"], world_size, a["nprocs_per_node"]
+        settings["graph"], settings["push_sum"], world_size, settings["nprocs_per_node"]
     )
     _validation.check_localsgd(
-        a["base_algorithm"],
-        a["global_avg_freq"] or 0,
-        a["slowmo_freq"] or 0,
-        a["sync_every"],
+        settings["base_algorithm"],
+        settings["global_avg_freq"] or 0,
+        settings["slowmo_freq"] or 0,
+        settings["sync_every"],
         gossip_world_size,
     )
     # The outer step builds its rule before the ranks compare configurations, which include its
@@ -69,9 +69,9 @@ def build(model, initial: bool, peers_per_itr: int | None = None) -> Parts:
         params,
         [b for _, b in model._buffer_policy.floating],
         model.process_group,
-        graph=a["graph"],
-        mixing=a["mixing"],
-        timeout=a["timeout"],
+        graph=settings["graph"],
+        mixing=settings["mixing"],
+        timeout=settings["timeout"],
         sizes=[p.numel() * p.element_size() for p in model.module.parameters()],
     )
     gossip = model.algorithms[0]
@@ -79,7 +79,7 @@ def build(model, initial: bool, peers_per_itr: int | None = None) -> Parts:
         gossip,
         outer_step,
         rule=None if outer_steps.rule is None else outer_steps.rule.describe(),
-        common={k: a[k] for k in ("nprocs_per_node", "broadcast_buffers", "gossip_buffers")},
+        common={k: settings[k] for k in ("nprocs_per_node", "broadcast_buffers", "gossip_buffers")},
         parameters=named,
         buffers=model._buffer_policy.layout(),
     )
@@ -87,8 +87,10 @@ def build(model, initial: bool, peers_per_itr: int | None = None) -> Parts:
 
     gossip_group = model.process_group
     is_gossip_leader, node = True, None
-    if a["nprocs_per_node"] > 1:
-        node = hierarchy.NodeHierarchy(model.module, model.process_group, a["nprocs_per_node"])
+    if settings["nprocs_per_node"] > 1:
+        node = hierarchy.NodeHierarchy(
+            model.module, model.process_group, settings["nprocs_per_node"]
+        )
         gossip_group = node.leaders
         is_gossip_leader = node.is_leader
 
@@ -108,22 +110,22 @@ def build(model, initial: bool, peers_per_itr: int | None = None) -> Parts:
             transport_kind,
             gossip_group,
             model._device,
-            a["timeout"],
+            settings["timeout"],
             model._members.nccl_rendezvous(),
-            log_every=a["log_every"],
-            verbose=a["verbose"],
+            log_every=settings["log_every"],
+            verbose=settings["verbose"],
             in_place=model._shard_group is None,
         )
-        mix = builder.mix(model._gossiped, link, a["graph"])
+        mix = builder.mix(model._gossiped, link, settings["graph"])
     else:
         mix = inner.InnerMix(
             None,
-            a["graph"],
+            settings["graph"],
             overlap=model.overlap,
             synch_freq=model.synch_freq,
             every_step=False,
         )
-    if gossip_world_size == 1 and a["base_algorithm"] == "sgp" and not model.elastic:
+    if gossip_world_size == 1 and settings["base_algorithm"] == "sgp" and not model.elastic:
         warnings.warn(
             "GossipDataParallel: there is one gossiping process, so gossip does nothing "
             "and this trains like a single process",

@@ -120,7 +120,7 @@ class GossipDataParallel(nn.Module, GossipView, MembershipView, StepEnd):
     ):
         super().__init__()
         # The objects, and every setting by name, for the checks and the ranks' comparison.
-        self.algorithms, a = _flat.settings(
+        self.algorithms, settings = _flat.settings(
             gossip,
             outer,
             membership,
@@ -135,16 +135,19 @@ class GossipDataParallel(nn.Module, GossipView, MembershipView, StepEnd):
             log_every=log_every,
             verbose=verbose,
         )
-        self.module, self.mixing, self.push_sum = module, a["mixing"], a["push_sum"]
-        self.overlap, self.synch_freq = a["overlap"], a["synch_freq"]
-        self.base_algorithm, self.outer_average = a["base_algorithm"], a["outer_average"]
-        self.start_in_forward, self.nprocs_per_node = a["start_in_forward"], nprocs_per_node
+        self.module, self.mixing, self.push_sum = module, settings["mixing"], settings["push_sum"]
+        self.overlap, self.synch_freq = settings["overlap"], settings["synch_freq"]
+        self.base_algorithm, self.outer_average = (
+            settings["base_algorithm"],
+            settings["outer_average"],
+        )
+        self.start_in_forward, self.nprocs_per_node = settings["start_in_forward"], nprocs_per_node
         self.broadcast_buffers, self.gossip_buffers = broadcast_buffers, gossip_buffers
         self.verbose = verbose
         # A module sharded by FSDP2 in its replica gossips its local shards
         # (gossip_ext.sharded.replicas); the group of the replica's processes, or None.
         self._shard_group = sharded.replica_layout(
-            module, process_group, nprocs_per_node, a["membership"], gossip_buffers
+            module, process_group, nprocs_per_node, settings["membership"], gossip_buffers
         )
         named = sharded.local_shards(module)
         device = _validation.check_parameters(module, named)
@@ -152,8 +155,8 @@ class GossipDataParallel(nn.Module, GossipView, MembershipView, StepEnd):
             module, device, broadcast_buffers=broadcast_buffers, gossip_buffers=gossip_buffers
         )
         _validation.check_no_sparse_gradients(module, nprocs_per_node)
-        _validation.check_outer_device(a["outer_device"], device)
-        self._arguments = a
+        _validation.check_outer_device(settings["outer_device"], device)
+        self._arguments = settings
         self._named = named
         self._gossiped = named + self._buffer_policy.gossiped
         self._device = device
@@ -173,14 +176,14 @@ class GossipDataParallel(nn.Module, GossipView, MembershipView, StepEnd):
         # runs, or past exit.
         self._optimizer_ref = None
         # The graph as constructed (what a checkpoint must match).
-        self._constructed_graph = a["graph"]
+        self._constructed_graph = settings["graph"]
         self._hierarchy = None
         self._mix = None
-        if a["membership"] is None:
+        if settings["membership"] is None:
             self._members = membership_runtime.StaticMembership(self, process_group)
         else:
             self._members = membership_runtime.ElasticMembership(
-                self, a["membership"], a["min_workers"], timeout, device, comm_device
+                self, settings["membership"], settings["min_workers"], timeout, device, comm_device
             )
         self._members.start()
         if self._hierarchy is not None:

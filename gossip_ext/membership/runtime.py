@@ -35,9 +35,11 @@ class StaticMembership:
 
     def start(self) -> None:
         """Builds the wrapper's runtime over the group, every rank from rank 0's parameters."""
-        w = self._wrapper()
-        w.process_group = dist.group.WORLD if self._process_group is None else self._process_group
-        w._build(initial=True)
+        wrapper = self._wrapper()
+        wrapper.process_group = (
+            dist.group.WORLD if self._process_group is None else self._process_group
+        )
+        wrapper._build(initial=True)
 
     def guard(self, fn: Callable, *args) -> Any:
         return fn(*args)
@@ -147,33 +149,33 @@ class ElasticMembership:
         boundary, without waiting for a timeout."""
         if self.worker.left:
             return
-        w = self._wrapper()
+        wrapper = self._wrapper()
         try:
-            w._mix.drain()
+            wrapper._mix.drain()
         except Exception as error:  # noqa: BLE001 - leaving anyway; the model is as it was
             if not _elastic_worker.is_peer_failure(error):
                 raise
         self.worker.leaving_epoch()
-        w._close_mix()
+        wrapper._close_mix()
         self.worker.leave()
 
     # ----------------------------------------------------------------------------- epochs
 
     @staticmethod
-    def _let_go_of_the_epoch(w) -> None:
+    def _let_go_of_the_epoch(wrapper) -> None:
         """Nothing may keep the epoch's group alive: gloo closes its connections only when the
         group is freed, and a peer still waiting on this worker's messages must see them close
         now rather than time out. A round in flight is dropped, never absorbed."""
-        w._drop_epoch_parts()
+        wrapper._drop_epoch_parts()
 
     def _change_epoch(self, failure: _elastic_worker.Failure | None) -> None:
         """Moves to the next epoch, keeping the model, the optimizer, the step count and the
         outer state; the push-sum weight restarts at 1. Retries while members fail during the
         change itself."""
-        w = self._wrapper()
+        wrapper = self._wrapper()
         self.worker.leaving_epoch()
-        outer_state = w._outer.state_dict() if self._holds_state else None
-        self._let_go_of_the_epoch(w)
+        outer_state = wrapper._outer.state_dict() if self._holds_state else None
+        self._let_go_of_the_epoch(wrapper)
         while True:
             try:
                 change = self.worker.next_epoch(failure)
@@ -190,52 +192,55 @@ class ElasticMembership:
             # A member failed while the epoch was being entered: let go of its group as above.
             change = None
             self.worker.leaving_epoch()
-            self._let_go_of_the_epoch(w)
+            self._let_go_of_the_epoch(wrapper)
 
     def _enter_epoch(self, change: _elastic_worker.Change, outer_state=None) -> None:
         """Builds everything over the epoch's group; then the donor hands its state to the
         workers that joined, and a joiner loads it before anything else happens."""
-        w = self._wrapper()
-        w.process_group = change.group
+        wrapper = self._wrapper()
+        wrapper.process_group = change.group
         first = not self._holds_state
         # The members noticed the change at different steps (a neighbour of the dead worker one
         # step before the others): they go on from the latest, so that every outer step of the
         # epoch comes at the same step on all of them. They also keep the peers per round that
         # set_peers_per_itr() gave them, which a joiner (0: none of its own) takes on.
         held = torch.tensor(
-            [w._steps, w.graph.peers_per_itr] if self._holds_state else [0, 0], dtype=torch.int64
+            [wrapper._steps, wrapper.graph.peers_per_itr] if self._holds_state else [0, 0],
+            dtype=torch.int64,
         )
         dist.all_reduce(held, op=dist.ReduceOp.MAX, group=change.group)
-        w.step_count = int(held[0])
-        w._build(initial=first and change.epoch.number == 0, peers_per_itr=int(held[1]) or None)
+        wrapper.step_count = int(held[0])
+        wrapper._build(
+            initial=first and change.epoch.number == 0, peers_per_itr=int(held[1]) or None
+        )
         if outer_state is not None:
-            w._outer.load_state_dict(outer_state, members_changed=True)
+            wrapper._outer.load_state_dict(outer_state, members_changed=True)
         joined = [change.epoch.rank(j) for j in change.joined]
         if self.worker.worker in change.joined:
-            state = _elastic_worker.receive_state(change.donor, change.group, w._device)
-            self._take_handoff(w, state)
+            state = _elastic_worker.receive_state(change.donor, change.group, wrapper._device)
+            self._take_handoff(wrapper, state)
             self.worker.mark_ready()
         elif joined and change.rank == change.donor:
-            _elastic_worker.send_state(self._handoff(w), joined, change.group)
-        w._outer.align_in_flight(w._steps)
+            _elastic_worker.send_state(self._handoff(wrapper), joined, change.group)
+        wrapper._outer.align_in_flight(wrapper._steps)
         self._holds_state = True
-        w._reset_rounds_check()
+        wrapper._reset_rounds_check()
 
-    def _handoff(self, w) -> dict[str, Any]:
+    def _handoff(self, wrapper) -> dict[str, Any]:
         """What a joiner receives from its donor: the model (parameters and buffers), the step
         count, the outer state and the registered optimizer's state (the peers per round it
         learned with every member when the epoch began)."""
-        optimizer = w._optimizer
+        optimizer = wrapper._optimizer
         return {
-            "module": w.module.state_dict(),
-            "steps": w._steps,
-            "outer": w._outer.state_dict(),
+            "module": wrapper.module.state_dict(),
+            "steps": wrapper._steps,
+            "outer": wrapper._outer.state_dict(),
             "optimizer": None if optimizer is None else optimizer.state_dict(),
         }
 
-    def _take_handoff(self, w, state: Mapping[str, Any]) -> None:
-        w.module.load_state_dict(state["module"])
-        w.step_count = int(state["steps"])
+    def _take_handoff(self, wrapper, state: Mapping[str, Any]) -> None:
+        wrapper.module.load_state_dict(state["module"])
+        wrapper.step_count = int(state["steps"])
         # The donor's error-feedback residuals are what it still owes the others: not this
         # worker's to send again.
         outer_state = {k: v for k, v in state["outer"].items() if k != "outer_residuals"}
@@ -243,9 +248,9 @@ class ElasticMembership:
             # A fragment in flight is sent again by the joiner too, with the donor's
             # pseudo-gradient: its own would be the same, as its model is the donor's.
             outer_state["streaming"] = streaming.without_residuals(outer_state["streaming"])
-        w._outer.load_state_dict(outer_state)
+        wrapper._outer.load_state_dict(outer_state)
         self._handed_optimizer_state = state["optimizer"]
-        optimizer = w._optimizer
+        optimizer = wrapper._optimizer
         if optimizer is not None and state["optimizer"] is not None:
             optimizer.load_state_dict(state["optimizer"])
             self._handed_optimizer_state = None
