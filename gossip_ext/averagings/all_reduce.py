@@ -60,22 +60,24 @@ class AllReduceMean(Averaging):
                 self._read(contribution, b, message[:numel])
                 message[numel] = 1.0
             messages.append(message)
-        # Flags posted first, from the values as they are sent (NaN and Inf survive the weight).
+        # The flags go first, and alone: one collective in flight at a time, as a plain
+        # all-reduce would have, so a worker that fails fails the others' same collective.
         device = layout[0][2] if layout else torch.device("cpu")
         check = SenderCheck(self.group, device)
         flags, flags_work = check.post(None if weight is None else [m[:-1] for m in messages])
-        works = [flags_work]
+        wait_for_every_worker([flags_work], self.what, self.group, self.timeout)
+        check.raise_if_flagged(flags, self.what)
+        works = []
         for message in messages:
             if weight is not None and weight != 1.0:
                 message.mul_(weight)
             works.append(dist.all_reduce(message, group=self.group, async_op=True))
-        return check, flags, works, messages
+        return works, messages
 
     @torch.no_grad()
     def finish(self, pending) -> Mean:
-        check, flags, works, messages = pending
+        works, messages = pending
         wait_for_every_worker(works, self.what, self.group, self.timeout)
-        check.raise_if_flagged(flags, self.what)
         return self._mean([m[:-1].div_(m[-1]) for m in messages])
 
     def describe(self):

@@ -143,7 +143,8 @@ class CompressedMean(Averaging):
         timeout: datetime.timedelta = DEFAULT_TIMEOUT,
     ):
         self.timeout = timeout
-        self.check = SenderCheck(group, device)
+        # The total push-sum weight rides ahead of the flags, in float64 on the host as before.
+        self.check = SenderCheck(group, torch.device("cpu"), torch.float64)
         self.codec = _Codec(message_dtype)
         self.message_dtype = message_dtype
         self.group = group
@@ -176,9 +177,9 @@ class CompressedMean(Averaging):
         n = self.world_size
         weight = contribution.weight
         values = None if weight is None else contribution.pseudo_gradients()
-        flags, flags_work = self.check.post(values)
-        total_weight = torch.tensor([0.0 if weight is None else float(weight)], dtype=torch.float64)
-        works = [flags_work, dist.all_reduce(total_weight, group=self.group, async_op=True)]
+        sums, sums_work = self.check.post(values, ahead=[0.0 if weight is None else float(weight)])
+        flags, total_weight = sums[1:], sums[:1]
+        works = [sums_work]
         residuals, received = [], []
         for b, (numel, dtype) in enumerate(self.layout):
             shard = self.shard[b]

@@ -5,9 +5,11 @@
   process group cannot tell which worker died or stalled, and the message says so. A message to
   or from one peer names that peer.
 - A contribution holding NaN or Inf raises ``NonFiniteError`` on every worker, naming the sender:
-  over every worker, each adds one flag to a small all-reduce posted with the step's messages
-  (:class:`SenderCheck`); between peers, the receiver reads the message it got
-  (:func:`check_received`). The sender's own error names no peer ("this rank's contribution").
+  over every worker, each adds one flag to a small all-reduce of its own (:class:`SenderCheck`;
+  the full-precision mean waits for it before it sends, so that one collective is in flight at a
+  time, as a plain all-reduce has; the compressed means post it beside theirs); between peers,
+  the receiver reads the message it got (:func:`check_received`). The sender's own error names no
+  peer ("this rank's contribution").
 - Either is raised by ``finish``, before anything is written; the wrapper keeps it raised.
 """
 
@@ -90,25 +92,36 @@ def holds_nonfinite(values: Iterable[torch.Tensor]) -> bool:
 
 class SenderCheck:
     """Which workers' contributions hold NaN or Inf, over every worker of a group: one flag per
-    worker, all-reduced beside the step's own collectives (a few bytes; the contributions' own
-    messages are unchanged)."""
+    worker in a small all-reduce (the contributions' messages, and so their bits, are unchanged),
+    which may carry a few sums of its own ahead of the flags (the compressed means' total
+    push-sum weight), so that it adds no collective to theirs."""
 
-    def __init__(self, group: dist.ProcessGroup, device: torch.device):
+    def __init__(
+        self,
+        group: dist.ProcessGroup,
+        device: torch.device,
+        dtype: torch.dtype = torch.float32,
+    ):
         self.group = group
         self.device = device
+        self.dtype = dtype
 
-    def post(self, values: Sequence[torch.Tensor] | None) -> tuple[torch.Tensor, Any]:
+    def post(
+        self, values: Sequence[torch.Tensor] | None, ahead: Sequence[float] = ()
+    ) -> tuple[torch.Tensor, Any]:
         """Flags this worker if ``values`` (None: it contributes nothing) hold NaN or Inf and
-        starts the all-reduce of the flags; returns (flags, work)."""
-        flags = torch.zeros(
-            dist.get_world_size(self.group), dtype=torch.float32, device=self.device
-        )
+        starts the all-reduce of ``[ahead | flags]``; returns (that tensor, the work)."""
+        world_size = dist.get_world_size(self.group)
+        sums = torch.zeros(len(ahead) + world_size, dtype=self.dtype, device=self.device)
+        if len(ahead):
+            sums[: len(ahead)] = torch.tensor(list(ahead), dtype=self.dtype)
         if values is not None and holds_nonfinite(values):
-            flags[self.group.rank()] = 1.0
-        return flags, dist.all_reduce(flags, group=self.group, async_op=True)
+            sums[len(ahead) + self.group.rank()] = 1.0
+        return sums, dist.all_reduce(sums, group=self.group, async_op=True)
 
     def raise_if_flagged(self, flags: torch.Tensor, what: str) -> None:
-        """Raises NonFiniteError naming the flagged workers, after the all-reduce completed."""
+        """Raises NonFiniteError naming the flagged workers (``flags``: the flags of what
+        :meth:`post` returned, once its all-reduce completed)."""
         senders = [int(r) for r in torch.nonzero(flags.cpu()).view(-1)]
         if senders:
             raise_nonfinite(senders, self.group, what)

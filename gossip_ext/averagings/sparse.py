@@ -157,7 +157,8 @@ class SparseMean(Averaging):
         timeout: datetime.timedelta = DEFAULT_TIMEOUT,
     ):
         self.timeout = timeout
-        self.check = SenderCheck(group, device)
+        # The total push-sum weight rides ahead of the flags, in float64 on the host as before.
+        self.check = SenderCheck(group, torch.device("cpu"), torch.float64)
         self.format = format
         self.group = group
         self.world_size = dist.get_world_size(group)
@@ -183,9 +184,9 @@ class SparseMean(Averaging):
         n = self.world_size
         weight = contribution.weight
         values = None if weight is None else contribution.pseudo_gradients()
-        flags, flags_work = self.check.post(values)
-        total_weight = torch.tensor([0.0 if weight is None else float(weight)], dtype=torch.float64)
-        works = [flags_work, dist.all_reduce(total_weight, group=self.group, async_op=True)]
+        sums, sums_work = self.check.post(values, ahead=[0.0 if weight is None else float(weight)])
+        flags, total_weight = sums[1:], sums[:1]
+        works = [sums_work]
         pending = _Pending(works, flags, total_weight, weight, [], [], [])
         for b, ((numel, dtype), codec) in enumerate(zip(self.layout, self.codecs)):
             contribution = torch.zeros(numel, dtype=dtype, device=self.device)
