@@ -31,7 +31,7 @@ from gossip_ext.mixing import MixingBase, UniformMixing
 class OuterAverage(Algorithm):
     """How DiLoCo's outer step averages: the configuration of a way to average, which builds its
     runtime part (a ``gossip_ext.averagings.Averaging``). Subclass it, as a frozen dataclass, to
-    average another way (see docs/design.md, "Adding a way to average")."""
+    average another way (see docs/design.md, "Extending gossip_ext")."""
 
     # Whether it can average a Streaming DiLoCo fragment; False: say why in ``whole_only``.
     streams = True

@@ -33,6 +33,9 @@ class AllReduceMean(Averaging):
 
     averages_buffers = True
     what = "the outer step's all-reduce"
+    # Whether start waits for the senders' flags before it sends: one collective in flight at a
+    # time, as a plain all-reduce has (the whole model's step, which waits at once anyway).
+    flags_before_sending = True
 
     def __init__(self, group: dist.ProcessGroup, timeout: datetime.timedelta = DEFAULT_TIMEOUT):
         self.group = group
@@ -65,19 +68,23 @@ class AllReduceMean(Averaging):
         device = layout[0][2] if layout else torch.device("cpu")
         check = SenderCheck(self.group, device)
         flags, flags_work = check.post(None if weight is None else [m[:-1] for m in messages])
-        wait_for_every_worker([flags_work], self.what, self.group, self.timeout)
-        check.raise_if_flagged(flags, self.what)
-        works = []
+        works = [flags_work]
+        if self.flags_before_sending:
+            wait_for_every_worker(works, self.what, self.group, self.timeout)
+            check.raise_if_flagged(flags, self.what)
+            works, check = [], None
         for message in messages:
             if weight is not None and weight != 1.0:
                 message.mul_(weight)
             works.append(dist.all_reduce(message, group=self.group, async_op=True))
-        return works, messages
+        return works, messages, check, flags
 
     @torch.no_grad()
     def finish(self, pending) -> Mean:
-        works, messages = pending
+        works, messages, check, flags = pending
         wait_for_every_worker(works, self.what, self.group, self.timeout)
+        if check is not None:
+            check.raise_if_flagged(flags, self.what)
         return self._mean([m[:-1].div_(m[-1]) for m in messages])
 
     def describe(self):
@@ -86,7 +93,10 @@ class AllReduceMean(Averaging):
 
 class AllReducePseudoGradientMean(AllReduceMean):
     """The exact mean of the pseudo-gradients ``theta_global - theta_i`` over ``group``: a
-    Streaming DiLoCo fragment's, taken at its prepare and averaged while training goes on."""
+    Streaming DiLoCo fragment's, taken at its prepare and averaged while training goes on (its
+    flags travel beside it, and a failure raises at the apply)."""
+
+    flags_before_sending = False
 
     def _read(self, contribution: Contribution, bucket: int, out: torch.Tensor) -> None:
         out.copy_(contribution.pseudo_gradients()[bucket])

@@ -16,6 +16,7 @@
 from __future__ import annotations
 
 import datetime
+import threading
 from collections.abc import Iterable, Sequence
 from typing import Any
 
@@ -39,7 +40,7 @@ def wait_for_every_worker(
     failed or did not complete."""
     for work in works:
         try:
-            work.wait(timeout)
+            _wait_bounded(work, timeout)
         except Exception as error:
             world_size = dist.get_world_size(group)
             raise PeerTimeoutError(
@@ -50,6 +51,23 @@ def wait_for_every_worker(
                 transport=transport_name(group),
                 timeout=timeout,
             ) from error
+
+
+def _wait_bounded(work: Any, timeout: datetime.timedelta) -> None:
+    """``work.wait()``, given up after ``timeout``. gloo's ``wait(timeout)`` is not woken by a
+    collective that fails (a peer's connection closing): it would wait out the whole timeout
+    where ``wait()`` raises at once. So the wait is on the work's future, which completes either
+    way, and ``wait()`` then returns or raises the collective's own error."""
+    try:
+        future = work.get_future()
+    except RuntimeError:  # a work without a future: its own bounded wait
+        work.wait(timeout)
+        return
+    done = threading.Event()
+    future.add_done_callback(lambda _: done.set())
+    if not done.wait(timeout.total_seconds()):
+        raise TimeoutError("the collective did not complete")
+    work.wait()
 
 
 def wait_for_peer(

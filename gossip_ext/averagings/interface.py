@@ -9,7 +9,8 @@ fragment's) asks its :class:`Averaging` for a mean in three calls, the same whoe
 2. ``mean = averaging.finish(pending)`` waits for them, each wait bounded by the wrapper's
    timeout, and returns a :class:`Mean`, writing nothing: the parameters and the averaging's own
    state are as they were. A peer that died, stalled or sent NaN raises here, typed
-   (``gossip_ext.errors``; the contract, for every averaging, in ``failures``).
+   (``gossip_ext.errors``; the contract, for every averaging, in ``failures``), or already in
+   ``start``, where an averaging learns its senders' flags before it sends.
 3. ``averaging.commit(mean)`` keeps the averaging's own state of a step that succeeded (error
    feedback residuals, public copies), once the rule has stepped with ``mean``.
 
@@ -19,7 +20,7 @@ the new parameters from it) or :class:`PseudoGradientMean` (the rule steps ``the
 it), so the rule is told which without anyone asking the averaging what it is.
 
 A new way to average is a subclass, built by its configuration object's ``averaging()`` (see
-docs/design.md, "Adding a way to average"); nothing else changes.
+docs/design.md, "Extending gossip_ext"); nothing else changes.
 """
 
 from __future__ import annotations
