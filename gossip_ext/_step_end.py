@@ -48,7 +48,7 @@ class StepEnd:
     def _end_step(self) -> None:
         """The gossip round or outer step that ends optimizer step ``self._steps``."""
         self._mix.arm(self._steps)
-        if self._outer.end_step(self._steps, self._step_context()):
+        if self._outer.end_step(self._steps, self._step_context):
             self._mix.after_step()
 
     def _step_context(self) -> outer_steps.StepContext:

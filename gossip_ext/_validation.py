@@ -268,19 +268,24 @@ class ParameterWatch:
         named: list[tuple[str, torch.Tensor]],
         gossiped_buffers: list[tuple[str, torch.Tensor]] = (),
     ):
-        if not ParameterWatch._hooked:
-            ParameterWatch._hooked = True
-            nn.modules.module.register_module_parameter_registration_hook(ParameterWatch._count)
-            nn.modules.module.register_module_module_registration_hook(ParameterWatch._count)
-            nn.modules.module.register_module_buffer_registration_hook(ParameterWatch._count)
+        self._hook_once()
         self._params = dict(named)
         # gossip_buffers=True: a buffer assigned anew (module.running_mean = t) would leave gossip.
         self._buffers = dict(gossiped_buffers)
         self._seen = ParameterWatch._registrations
 
-    @staticmethod
-    def _count(*_: Any) -> None:
-        ParameterWatch._registrations += 1
+    @classmethod
+    def _hook_once(cls) -> None:
+        """torch's global registration hooks, installed by the first watch of the process."""
+        if not cls._hooked:
+            cls._hooked = True
+            nn.modules.module.register_module_parameter_registration_hook(cls._count)
+            nn.modules.module.register_module_module_registration_hook(cls._count)
+            nn.modules.module.register_module_buffer_registration_hook(cls._count)
+
+    @classmethod
+    def _count(cls, *_: Any) -> None:
+        cls._registrations += 1
 
     def check(self, module: nn.Module) -> None:
         if self._seen == ParameterWatch._registrations:

@@ -1,11 +1,6 @@
-"""GossipDataParallel: data-parallel training by gossip instead of all-reduce.
-
-The wrapper is what faces the module: forward, the optimizer hook, train/eval, the checkpoint,
-argument checks. What it composes lives beside it, one module each (see the package docstring):
-the inner mix of gossip rounds (``inner``), the outer steps and their rules (``outer``,
-``outer_rules``), the buffer policy (``_buffers``), several processes per machine
-(``_hierarchy``); argument checks in ``_validation``, the consensus metric in ``consensus``.
-"""
+"""GossipDataParallel: data-parallel training by gossip instead of all-reduce. The wrapper faces
+the module (forward, the optimizer hook, train/eval, the checkpoint); ``assembly`` builds the parts
+it owns, from the layers below (see the package docstring)."""
 
 from __future__ import annotations
 
@@ -137,10 +132,8 @@ class GossipDataParallel(nn.Module, GossipView, MembershipView, StepEnd):
         )
         self.module, self.mixing, self.push_sum = module, settings["mixing"], settings["push_sum"]
         self.overlap, self.synch_freq = settings["overlap"], settings["synch_freq"]
-        self.base_algorithm, self.outer_average = (
-            settings["base_algorithm"],
-            settings["outer_average"],
-        )
+        self.base_algorithm = settings["base_algorithm"]
+        self.outer_average = settings["outer_average"]
         self.start_in_forward, self.nprocs_per_node = settings["start_in_forward"], nprocs_per_node
         self.broadcast_buffers, self.gossip_buffers = broadcast_buffers, gossip_buffers
         self.verbose = verbose
@@ -157,9 +150,8 @@ class GossipDataParallel(nn.Module, GossipView, MembershipView, StepEnd):
         _validation.check_no_sparse_gradients(module, nprocs_per_node)
         _validation.check_outer_device(settings["outer_device"], device)
         self._arguments = settings
-        self._named = named
+        self._named, self._device = named, device
         self._gossiped = named + self._buffer_policy.gossiped
-        self._device = device
         # nprocs_per_node > 1: whether the gossiping process may hold parameters that the machine's
         # other processes have not received. Every process of the machine tracks it alike (it
         # changes with transfer_params() and the forward), so they agree on when to broadcast.
@@ -175,10 +167,8 @@ class GossipDataParallel(nn.Module, GossipView, MembershipView, StepEnd):
         # would keep both (and the engine's transport thread) alive until the garbage collector
         # runs, or past exit.
         self._optimizer_ref = None
-        # The graph as constructed (what a checkpoint must match).
-        self._constructed_graph = settings["graph"]
-        self._hierarchy = None
-        self._mix = None
+        self._constructed_graph = settings["graph"]  # as constructed: what a checkpoint matches
+        self._hierarchy = self._mix = None
         if settings["membership"] is None:
             self._members = membership_runtime.StaticMembership(self, process_group)
         else:
@@ -190,32 +180,24 @@ class GossipDataParallel(nn.Module, GossipView, MembershipView, StepEnd):
             self._hierarchy.hook_gradients([p for _, p in named])
 
     def _build(self, initial: bool, peers_per_itr: int | None = None) -> None:
-        """Everything that runs over ``self.process_group`` (:func:`assembly.build`): at the
-        start of a job, and again at every elastic epoch."""
+        """Builds what runs over ``self.process_group``: at a job's start and every epoch."""
         parts = assembly.build(self, initial, peers_per_itr)
         self._outer, self._mix, self._hierarchy = parts.outer, parts.mix, parts.hierarchy
-        self._watch = parts.watch
-        self.gossip_world_size, self.is_gossip_leader = (
-            parts.gossip_world_size,
-            parts.is_gossip_leader,
-        )
+        self._watch, self.gossip_world_size = parts.watch, parts.gossip_world_size
+        self.is_gossip_leader = parts.is_gossip_leader
 
     def _close_mix(self) -> None:
-        """Drops the engine, giving up a round in flight (``InnerMix.closed``): a worker that
-        leaves, or whose elastic epoch ended."""
+        """Drops the engine, giving up a round in flight (a worker leaving, an epoch ending)."""
         if self._mix is not None:
             self._mix = self._mix.closed()
 
     def _drop_epoch_parts(self) -> None:
-        """Lets go of everything that holds the epoch's process group (gloo closes its
-        connections only when the group is freed); the next :meth:`_build` makes them anew."""
+        """Lets go of what holds the epoch's group (gloo closes connections only when freed)."""
         self._close_mix()
-        self._outer = None
-        self.process_group = None
+        self._outer = self.process_group = None
 
     def _reset_rounds_check(self) -> None:
-        """Forgets the parameters' versions at the last forward: the parameters were loaded or
-        handed over, not stepped (see ``_check_rounds_started``)."""
+        """The parameters were loaded or handed over, not stepped (``_check_rounds_started``)."""
         self._versions_at_forward = None
 
     # ----------------------------------------------------------------------------- training

@@ -177,9 +177,8 @@ class CompressedMean(Averaging):
         n = self.world_size
         weight = contribution.weight
         values = None if weight is None else contribution.pseudo_gradients()
-        sums, sums_work = self.check.post(values, ahead=[0.0 if weight is None else float(weight)])
-        flags, total_weight = sums[1:], sums[:1]
-        works = [sums_work]
+        flags, total_weight, work = self.check.post_with_weight(values, weight)
+        works = [work]
         residuals, received = [], []
         for b, (numel, dtype) in enumerate(self.layout):
             shard = self.shard[b]

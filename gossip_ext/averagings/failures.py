@@ -137,6 +137,14 @@ class SenderCheck:
             sums[len(ahead) + self.group.rank()] = 1.0
         return sums, dist.all_reduce(sums, group=self.group, async_op=True)
 
+    def post_with_weight(
+        self, values: Sequence[torch.Tensor] | None, weight: float | None
+    ) -> tuple[torch.Tensor, torch.Tensor, Any]:
+        """:meth:`post` with this worker's push-sum ``weight`` (None: it contributes nothing)
+        ahead of the flags; returns (flags, total weight, work): views of one all-reduce."""
+        sums, work = self.post(values, ahead=[0.0 if weight is None else float(weight)])
+        return sums[1:], sums[:1], work
+
     def raise_if_flagged(self, flags: torch.Tensor, what: str) -> None:
         """Raises NonFiniteError naming the flagged workers (``flags``: the flags of what
         :meth:`post` returned, once its all-reduce completed)."""

@@ -184,9 +184,8 @@ class SparseMean(Averaging):
         n = self.world_size
         weight = contribution.weight
         values = None if weight is None else contribution.pseudo_gradients()
-        sums, sums_work = self.check.post(values, ahead=[0.0 if weight is None else float(weight)])
-        flags, total_weight = sums[1:], sums[:1]
-        works = [sums_work]
+        flags, total_weight, work = self.check.post_with_weight(values, weight)
+        works = [work]
         pending = _Pending(works, flags, total_weight, weight, [], [], [])
         for b, ((numel, dtype), codec) in enumerate(zip(self.layout, self.codecs)):
             contribution = torch.zeros(numel, dtype=dtype, device=self.device)

@@ -127,18 +127,22 @@ class OuterSteps:
             return AVERAGE
         return None
 
-    def end_step(self, step: int, context: StepContext) -> bool:
+    def end_step(self, step: int, make_context: Callable[[], StepContext]) -> bool:
         """Runs what ends the ``step``-th optimizer step (1-based): the rule's step on its
-        averaging's mean, or a plain average, or Streaming DiLoCo's prepares and applies. Returns
-        whether the step's gossip round still runs. Collective where a step is due."""
+        averaging's mean, or a plain average, or Streaming DiLoCo's prepares and applies
+        (``make_context`` is asked only then). Returns whether the step's gossip round still
+        runs. Collective where a step is due."""
         kind = self.kind(step)
+        if kind is None:
+            return True
+        context = make_context()
         if kind == STREAM:
             self._guarded(context.mix, lambda: self.rule.run(step, context.weight()))
         elif kind == OUTER:
             self._whole_step(self.averaging, self.rule, step, context)
         elif kind == AVERAGE:
             self._whole_step(self.exact, _PLAIN, step, context)
-        return kind in (None, STREAM)
+        return kind == STREAM
 
     def average_now(self, step: int, context: StepContext) -> None:
         """A plain exact average now (``average_parameters()``). Collective."""
