@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import datetime
 import threading
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 import torch
@@ -84,15 +84,37 @@ def wait_for_peer(
     try:
         work.wait(timeout)
     except Exception as error:
-        raise PeerTimeoutError(
-            f"gossip_ext: rank {group.rank()}: {what} of round {round} failed: the message "
-            f"{direction} rank {peer} did not complete within {timeout.total_seconds():g} s "
-            f"({error})",
-            peers=(peer,),
-            round=round,
-            transport=transport_name(group),
-            timeout=timeout,
-        ) from error
+        raise _peer_failed(error, direction, peer, what, round, group, timeout) from error
+
+
+def post_for_peer(
+    post: Callable[[], Any],
+    direction: str,
+    peer: int,
+    what: str,
+    round: int,  # noqa: A002
+    group: dist.ProcessGroup,
+    timeout: datetime.timedelta,
+) -> Any:
+    """Posts one message ``direction`` ``peer`` (``post``: a ``dist.isend`` or ``irecv``) and
+    returns its work. A connection the peer already closed raises here rather than at the wait:
+    the same PeerTimeoutError naming the peer."""
+    try:
+        return post()
+    except Exception as error:
+        raise _peer_failed(error, direction, peer, what, round, group, timeout) from error
+
+
+def _peer_failed(error, direction, peer, what, round, group, timeout) -> PeerTimeoutError:  # noqa: A002
+    return PeerTimeoutError(
+        f"gossip_ext: rank {group.rank()}: {what} of round {round} failed: the message "
+        f"{direction} rank {peer} did not complete within {timeout.total_seconds():g} s "
+        f"({error})",
+        peers=(peer,),
+        round=round,
+        transport=transport_name(group),
+        timeout=timeout,
+    )
 
 
 # Values checked at a time: the check's own memory stays a few MB whatever the model's size.

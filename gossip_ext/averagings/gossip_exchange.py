@@ -22,6 +22,7 @@ The messages travel at the parameters' precision (``message_dtype`` compresses t
 from __future__ import annotations
 
 import datetime
+import functools
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -29,7 +30,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from gossip_ext.averagings.failures import check_received, wait_for_peer
+from gossip_ext.averagings.failures import check_received, post_for_peer, wait_for_peer
 from gossip_ext.averagings.interface import Averaging, Contribution, PseudoGradientMean
 
 # Tags of these messages: [OUTER_TAG_BASE, 2 OUTER_TAG_BASE). process_group_transport.cpp masks
@@ -110,16 +111,21 @@ class GossipMean(Averaging):
             for peer in in_peers:
                 buffer = torch.empty_like(message)
                 source = dist.get_global_rank(self.group, peer)
-                works.append(("from", peer, dist.irecv(buffer, source, self.group, tag=tag)))
+                receive = functools.partial(dist.irecv, buffer, source, self.group, tag=tag)
+                works.append(("from", peer, self._post(receive, "from", peer, round)))
                 inbox.append((peer, buffer))
             if out_peers:
                 share = message * peer_weight
                 for peer in out_peers:
                     target = dist.get_global_rank(self.group, peer)
-                    works.append(("to", peer, dist.isend(share, target, self.group, tag=tag)))
+                    send = functools.partial(dist.isend, share, target, self.group, tag=tag)
+                    works.append(("to", peer, self._post(send, "to", peer, round)))
             kept.append(message.mul_(self_weight))
             received.append(inbox)
         return _Exchange(list(pseudo_gradients), kept, received, works, round)
+
+    def _post(self, post, direction: str, peer: int, round: int):  # noqa: A002
+        return post_for_peer(post, direction, peer, self.what, round, self.group, self.timeout)
 
     @torch.no_grad()
     def finish(self, exchange: _Exchange) -> PseudoGradientMean:

@@ -38,13 +38,19 @@ from __future__ import annotations
 
 import dataclasses
 import datetime
+import functools
 from collections.abc import Sequence
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
-from gossip_ext.averagings.failures import holds_nonfinite, raise_nonfinite, wait_for_peer
+from gossip_ext.averagings.failures import (
+    holds_nonfinite,
+    post_for_peer,
+    raise_nonfinite,
+    wait_for_peer,
+)
 from gossip_ext.averagings.gossip_exchange import OUTER_TAG_BASE
 from gossip_ext.averagings.interface import Averaging, Contribution, ParameterMean
 from gossip_ext.averagings.sparse import TopK, _Codec
@@ -204,12 +210,17 @@ class SparseGossip(Averaging):
         for peer in self.neighbours:
             buffer = torch.empty_like(message)
             source = dist.get_global_rank(self.group, peer)
-            works.append(("from", peer, dist.irecv(buffer, source, self.group, tag=tag)))
+            receive = functools.partial(dist.irecv, buffer, source, self.group, tag=tag)
+            works.append(("from", peer, self._post_one(receive, "from", peer, round_)))
             inbox.append(buffer)
         for peer in self.neighbours:
             target = dist.get_global_rank(self.group, peer)
-            works.append(("to", peer, dist.isend(message, target, self.group, tag=tag)))
+            send = functools.partial(dist.isend, message, target, self.group, tag=tag)
+            works.append(("to", peer, self._post_one(send, "to", peer, round_)))
         return inbox, works
+
+    def _post_one(self, post, direction: str, peer: int, round_: int):
+        return post_for_peer(post, direction, peer, self.what, round_, self.group, self.timeout)
 
     def commit(self, mean: ParameterMean) -> None:
         """Keeps the copies of a step whose exchange succeeded."""
