@@ -89,7 +89,7 @@ def extra_state(model) -> dict[str, Any]:
         "gossip_round": model.gossip_round,
         "ps_weight": model.ps_weight,
         "gossip_world_size": model.gossip_world_size,
-        "graph": repr(model._constructed_graph),
+        "graph": repr(model.configuration.graph),
         "peers_per_itr": model.graph.peers_per_itr,
         "mixing": repr(model.mixing),
         "steps": model._steps,
@@ -100,7 +100,7 @@ def extra_state(model) -> dict[str, Any]:
 def restore_extra_state(model, state: Mapping[str, Any]) -> None:
     mine = {
         "gossip_world_size": model.gossip_world_size,
-        "graph": repr(model._constructed_graph),
+        "graph": repr(model.configuration.graph),
         "mixing": repr(model.mixing),
     }
     _validation.check_checkpoint(state, mine)
@@ -108,7 +108,7 @@ def restore_extra_state(model, state: Mapping[str, Any]) -> None:
     # The outer schedule goes on where it stopped (0: a checkpoint from before it).
     model.step_count = int(state.get("steps", 0))
     model._mix.restore(int(state["gossip_round"]), float(state["ps_weight"]))
-    peers = int(state.get("peers_per_itr", model._constructed_graph.peers_per_itr))
+    peers = int(state.get("peers_per_itr", model.configuration.graph.peers_per_itr))
     if peers != model.graph.peers_per_itr:
         model._mix.set_graph(inner.with_peers(model.graph, peers))
 

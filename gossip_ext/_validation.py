@@ -1,4 +1,6 @@
-"""Checks of GossipDataParallel's arguments, module and call order.
+"""Checks of what GossipDataParallel is given beside its configuration: the module, the order of
+calls, and that every rank was configured alike. (Its arguments are checked by the algorithm
+objects and ``algorithms.Configuration``.)
 
 Every check that can fail at construction runs on every rank before any communication, so bad
 input raises everywhere at once instead of leaving the other ranks waiting in a collective. Each
@@ -8,75 +10,14 @@ message names the argument (or the parameter) and the value it got.
 from __future__ import annotations
 
 from collections.abc import Mapping
-from datetime import timedelta
 from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
-from gossip_ext._argument_checks import (  # noqa: F401  (used through _validation too)
-    MESSAGE_DTYPES,
-    check_flat,
-    check_fragments,
-    check_localsgd,
-    check_message_dtype,
-    check_type,
-)
-from gossip_ext._torch_check import _C
+from gossip_ext.algorithms._base import check_type  # noqa: F401  (the wrapper's checks use it)
 from gossip_ext.graphs import GraphBase
-
-# ----------------------------------------------------------------------------- arguments
-
-
-def check_arguments(
-    *,
-    module,
-    process_group,
-    comm_device,
-    timeout,
-    nprocs_per_node,
-    broadcast_buffers,
-    gossip_buffers,
-    log_every,
-    verbose,
-    **flat,
-) -> None:
-    """The constructor's arguments on their own (``flat``: the algorithm's settings, as
-    flat_keywords.to_flat gives them), then that torch.distributed is set up (or that an elastic
-    job's membership service is named instead)."""
-    check_type("module", module, nn.Module, "an nn.Module")
-    check_type("nprocs_per_node", nprocs_per_node, int, "an int")
-    if process_group is not None:
-        check_type("process_group", process_group, dist.ProcessGroup, "a ProcessGroup or None")
-    if comm_device is not None:
-        check_type("comm_device", comm_device, (str, torch.device), "a torch.device, str or None")
-    check_type("timeout", timeout, timedelta, "a datetime.timedelta")
-    check_type("verbose", verbose, bool, "a bool")
-    check_type("log_every", log_every, int, "an int")
-    if log_every < 0:
-        raise ValueError(f"log_every must be >= 0 (0: off), got {log_every}")
-    if nprocs_per_node < 1:
-        raise ValueError(f"nprocs_per_node must be >= 1, got {nprocs_per_node}")
-    for name, value in (
-        ("broadcast_buffers", broadcast_buffers),
-        ("gossip_buffers", gossip_buffers),
-    ):
-        check_type(name, value, bool, "a bool")
-    if broadcast_buffers and gossip_buffers:
-        raise ValueError(
-            "broadcast_buffers=True and gossip_buffers=True: the broadcast before every forward "
-            "would overwrite what gossip averaged; choose one"
-        )
-    if timeout <= timedelta(0):
-        raise ValueError(f"timeout must be positive, got {timeout}")
-    check_flat(flat, nprocs_per_node=nprocs_per_node, process_group=process_group)
-    if flat["membership"] is None and (not dist.is_available() or not dist.is_initialized()):
-        raise RuntimeError(
-            "GossipDataParallel needs torch.distributed: call "
-            "torch.distributed.init_process_group() first (torchrun sets it up), or name an "
-            "elastic job's membership service (membership='HOST:PORT')"
-        )
 
 
 def gossip_world_size(
@@ -149,23 +90,6 @@ def check_parameters(module: nn.Module, named: list[tuple[str, torch.Tensor]]) -
     return first.device
 
 
-# The transports GossipDataParallel builds (csrc/transport).
-NCCL = "nccl"
-PROCESS_GROUP = "process_group"
-HOST_STAGING = "host_staging"
-
-
-def check_outer_device(outer_device, device: torch.device) -> None:
-    """theta_global lives beside the parameters or in host memory."""
-    if outer_device is None:
-        return
-    where = torch.device(outer_device)
-    if where.type != "cpu" and where != device:
-        raise ValueError(
-            f"outer_device must be 'cpu' or the parameters' device {device}, got {outer_device!r}"
-        )
-
-
 def check_buffers(
     named: list[tuple[str, torch.Tensor]], device: torch.device, gossip_buffers: bool
 ) -> None:
@@ -181,41 +105,6 @@ def check_buffers(
             raise ValueError(
                 f"buffer {name!r} requires grad; gossip_buffers=True cannot flatten it"
             )
-
-
-def choose_transport(device: torch.device, comm_device, backend: str) -> str:
-    """NCCL for CUDA parameters; the process-group transport for CPU parameters; host buffers
-    over the process group for CUDA parameters with ``comm_device='cpu'``.
-
-    ``backend`` is the process group's (``dist.get_backend``): host tensors need one that carries
-    them, gloo in practice.
-    """
-    requested = None if comm_device is None else torch.device(comm_device)
-    if device.type == "cpu":
-        if requested is not None and requested.type != "cpu":
-            raise ValueError(
-                f"comm_device={comm_device!r} needs CUDA parameters, but they are on the CPU"
-            )
-        kind = PROCESS_GROUP
-    elif device.type != "cuda":
-        raise ValueError(f"parameters are on {device}; gossip_ext supports CPU and CUDA")
-    elif requested is not None and requested.type == "cpu":
-        kind = HOST_STAGING
-    elif not hasattr(_C, "NcclTransport"):
-        raise ValueError(
-            f"parameters are on {device} but this gossip_ext build has no CUDA support; "
-            "reinstall it with a CUDA build of torch"
-        )
-    else:
-        return NCCL
-    if backend == "nccl":
-        what = "CPU parameters" if kind == PROCESS_GROUP else f"comm_device={comm_device!r}"
-        raise ValueError(
-            f"{what} gossip host tensors, which the process group's backend {backend!r} cannot "
-            "carry; initialize it with init_process_group('cpu:gloo,cuda:nccl') or pass "
-            "process_group=dist.new_group(backend='gloo')"
-        )
-    return kind
 
 
 _SPARSE_GRADIENT_MODULES = (nn.Embedding, nn.EmbeddingBag)
@@ -234,20 +123,6 @@ def check_no_sparse_gradients(module: nn.Module, nprocs_per_node: int) -> None:
                 f"parameter '{name}' gets sparse gradients ({type(sub).__name__}(sparse=True)), "
                 f"but nprocs_per_node={nprocs_per_node} averages gradients inside a node, "
                 "which needs dense ones: use sparse=False, or nprocs_per_node=1"
-            )
-
-
-def check_dense_gradients(
-    named_grads: list[tuple[str, torch.Tensor]], nprocs_per_node: int
-) -> None:
-    # Sparse gradients that no module announced (F.embedding(..., sparse=True) in a custom
-    # forward) are only seen here, at the end of backward.
-    for name, grad in named_grads:
-        if grad.layout != torch.strided:
-            raise RuntimeError(
-                f"parameter '{name}' got a {grad.layout} gradient, but nprocs_per_node="
-                f"{nprocs_per_node} averages gradients inside a node, which needs dense ones: "
-                "produce dense gradients (sparse=False), or use nprocs_per_node=1"
             )
 
 
@@ -365,24 +240,15 @@ def check_slowmo_optimizer(slowmo_freq: int, optimizer) -> None:
 
 
 def configuration(
-    gossip: Any,
-    outer: Any,
-    *,
-    rule: Any,
-    common: Mapping[str, Any],
+    described: Mapping[str, Any],
     parameters: list[tuple[str, torch.Tensor]],
     buffers: list[tuple[str, tuple[int, ...], str]],
 ) -> dict[str, Any]:
-    """What every rank of a GossipDataParallel must agree on (``check_ranks_agree``): how it
-    gossips and takes outer steps (the objects' descriptions, and the outer ``rule``'s: its
-    optimizer's hyperparameters), the ``common`` settings that shape the rounds, and the layout
-    of what they exchange."""
+    """What every rank of a GossipDataParallel must agree on (``check_ranks_agree``): its
+    ``described`` configuration (``algorithms.Configuration.describe``) and the layout of what
+    its rounds exchange."""
     return {
-        # A 16-bit message read as 32 bits would be garbage; rounds on other graphs never meet.
-        "gossip": None if gossip is None else gossip.describe(),
-        # Outer steps are collectives: ranks on different schedules would hang.
-        "outer": None if outer is None else dict(outer.describe(), rule=rule),
-        **common,
+        **described,
         "parameters": [(n, tuple(p.shape), str(p.dtype)) for n, p in parameters],
         # Averaged or gossiped with the parameters: their layout must agree too.
         "buffers": buffers,

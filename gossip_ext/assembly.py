@@ -16,8 +16,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from gossip_ext import _validation, algorithms
-from gossip_ext.gossip import hierarchy, inner
+from gossip_ext import _validation
+from gossip_ext.gossip import hierarchy, inner, transport
 
 
 @dataclasses.dataclass
@@ -41,56 +41,39 @@ def build(model, initial: bool, peers_per_itr: int | None = None) -> Parts:
     epoch goes on with another number than the graph was constructed with. Reads the model's
     configuration and writes its parameters (the broadcast); the parts it returns are the
     model's to adopt."""
-    arguments, named = model._arguments, model._named
-    outer_step = model.algorithms[1]  # it builds its rule (None: no outer step)
-    if peers_per_itr is not None and peers_per_itr != arguments["graph"].peers_per_itr:
-        arguments = dict(arguments, graph=inner.with_peers(arguments["graph"], peers_per_itr))
-    settings = arguments  # every setting by name (flat_keywords.settings)
+    config, named = model.configuration, model._named
+    graph = config.graph
+    if peers_per_itr is not None and peers_per_itr != graph.peers_per_itr:
+        graph = inner.with_peers(graph, peers_per_itr)
     params = [p for _, p in named]
-    transport_kind = _validation.choose_transport(
-        model._device, settings["comm_device"], dist.get_backend(model.process_group)
+    transport_kind = transport.choose_transport(
+        model._device, config.comm_device, dist.get_backend(model.process_group)
     )
     world_size = dist.get_world_size(model.process_group)
     rank = model.process_group.rank()
     gossip_world_size = _validation.gossip_world_size(
-        settings["graph"], settings["push_sum"], world_size, settings["nprocs_per_node"]
+        graph, config.push_sum, world_size, config.nprocs_per_node
     )
-    _validation.check_localsgd(
-        settings["base_algorithm"],
-        settings["global_avg_freq"] or 0,
-        settings["slowmo_freq"] or 0,
-        settings["sync_every"],
-        gossip_world_size,
-    )
+    config.check_gossip_world(gossip_world_size)
     # The outer step builds its rule before the ranks compare configurations, which include its
     # optimizer's hyperparameters; the rule starts from the parameters after the broadcast below.
-    outer_steps = algorithms.outer_steps(
-        outer_step,
+    outer_steps = config.outer_steps(
         params,
         [b for _, b in model._buffer_policy.floating],
         model.process_group,
-        graph=settings["graph"],
-        mixing=settings["mixing"],
-        timeout=settings["timeout"],
+        graph=graph,
         sizes=[p.numel() * p.element_size() for p in model.module.parameters()],
     )
-    gossip = model.algorithms[0]
-    config = _validation.configuration(
-        gossip,
-        outer_step,
-        rule=None if outer_steps.rule is None else outer_steps.rule.describe(),
-        common={k: settings[k] for k in ("nprocs_per_node", "broadcast_buffers", "gossip_buffers")},
-        parameters=named,
-        buffers=model._buffer_policy.layout(),
+    rule = None if outer_steps.rule is None else outer_steps.rule.describe()
+    described = _validation.configuration(
+        config.describe(rule), named, model._buffer_policy.layout()
     )
-    _validation.check_ranks_agree(config, model.process_group, rank)
+    _validation.check_ranks_agree(described, model.process_group, rank)
 
     gossip_group = model.process_group
     is_gossip_leader, node = True, None
-    if settings["nprocs_per_node"] > 1:
-        node = hierarchy.NodeHierarchy(
-            model.module, model.process_group, settings["nprocs_per_node"]
-        )
+    if config.nprocs_per_node > 1:
+        node = hierarchy.NodeHierarchy(model.module, model.process_group, config.nprocs_per_node)
         gossip_group = node.leaders
         is_gossip_leader = node.is_leader
 
@@ -104,28 +87,24 @@ def build(model, initial: bool, peers_per_itr: int | None = None) -> Parts:
     outer_steps.start_eagerly()
 
     # The gossip object, or an outer step's ByGossip where there is none, builds the engine.
-    builder = algorithms.engine_owner(gossip, outer_step)
+    builder = config.engine_owner
     if is_gossip_leader and builder is not None:
         link = inner.Link(
             transport_kind,
             gossip_group,
             model._device,
-            settings["timeout"],
+            config.timeout,
             model._members.nccl_rendezvous(),
-            log_every=settings["log_every"],
-            verbose=settings["verbose"],
+            log_every=config.log_every,
+            verbose=config.verbose,
             in_place=model._shard_group is None,
         )
-        mix = builder.mix(model._gossiped, link, settings["graph"])
+        mix = builder.mix(model._gossiped, link, graph)
     else:
         mix = inner.InnerMix(
-            None,
-            settings["graph"],
-            overlap=model.overlap,
-            synch_freq=model.synch_freq,
-            every_step=False,
+            None, graph, overlap=config.overlap, synch_freq=config.synch_freq, every_step=False
         )
-    if gossip_world_size == 1 and settings["base_algorithm"] == "sgp" and not model.elastic:
+    if gossip_world_size == 1 and config.gossip is not None and config.membership is None:
         warnings.warn(
             "GossipDataParallel: there is one gossiping process, so gossip does nothing "
             "and this trains like a single process",

@@ -114,33 +114,33 @@ class GossipDataParallel(nn.Module, GossipView, MembershipView, StepEnd):
         **flat_keywords: Any,
     ):
         super().__init__()
-        # The objects, and every setting by name, for the checks and the ranks' comparison.
-        self.algorithms, settings = _flat.settings(
+        _validation.check_type("module", module, nn.Module, "an nn.Module")
+        # The objects, given as objects or as flat keywords, and the settings every part shares:
+        # all that the runtime reads, checked on every rank before any communication.
+        config = _flat.configuration(
             gossip,
             outer,
             membership,
             flat_keywords,
-            module=module,
-            process_group=process_group,
+            nprocs_per_node=nprocs_per_node,
             comm_device=comm_device,
             timeout=timeout,
-            nprocs_per_node=nprocs_per_node,
             broadcast_buffers=broadcast_buffers,
             gossip_buffers=gossip_buffers,
             log_every=log_every,
             verbose=verbose,
         )
-        self.module, self.mixing, self.push_sum = module, settings["mixing"], settings["push_sum"]
-        self.overlap, self.synch_freq = settings["overlap"], settings["synch_freq"]
-        self.base_algorithm = settings["base_algorithm"]
-        self.outer_average = settings["outer_average"]
-        self.start_in_forward, self.nprocs_per_node = settings["start_in_forward"], nprocs_per_node
-        self.broadcast_buffers, self.gossip_buffers = broadcast_buffers, gossip_buffers
-        self.verbose = verbose
+        config.check_group(process_group)
+        self.configuration, self.module = config, module
+        self.algorithms = (config.gossip, config.outer, config.membership)
+        # The settings SGP's scripts read from its wrapper, by their names there.
+        self.overlap, self.synch_freq = config.overlap, config.synch_freq
+        self.push_sum, self.mixing = config.push_sum, config.mixing
+        self.start_in_forward, self.nprocs_per_node = config.start_in_forward, nprocs_per_node
         # A module sharded by FSDP2 in its replica gossips its local shards
         # (gossip_ext.sharded.replicas); the group of the replica's processes, or None.
         self._shard_group = sharded.replica_layout(
-            module, process_group, nprocs_per_node, settings["membership"], gossip_buffers
+            module, process_group, nprocs_per_node, config.membership, gossip_buffers
         )
         named = sharded.local_shards(module)
         device = _validation.check_parameters(module, named)
@@ -148,8 +148,7 @@ class GossipDataParallel(nn.Module, GossipView, MembershipView, StepEnd):
             module, device, broadcast_buffers=broadcast_buffers, gossip_buffers=gossip_buffers
         )
         _validation.check_no_sparse_gradients(module, nprocs_per_node)
-        _validation.check_outer_device(settings["outer_device"], device)
-        self._arguments = settings
+        config.check_device(device)
         self._named, self._device = named, device
         self._gossiped = named + self._buffer_policy.gossiped
         # nprocs_per_node > 1: whether the gossiping process may hold parameters that the machine's
@@ -167,13 +166,12 @@ class GossipDataParallel(nn.Module, GossipView, MembershipView, StepEnd):
         # would keep both (and the engine's transport thread) alive until the garbage collector
         # runs, or past exit.
         self._optimizer_ref = None
-        self._constructed_graph = settings["graph"]  # as constructed: what a checkpoint matches
         self._hierarchy = self._mix = None
-        if settings["membership"] is None:
+        if config.membership is None:
             self._members = membership_runtime.StaticMembership(self, process_group)
         else:
             self._members = membership_runtime.ElasticMembership(
-                self, settings["membership"], settings["min_workers"], timeout, device, comm_device
+                self, config.membership, timeout, device, comm_device
             )
         self._members.start()
         if self._hierarchy is not None:

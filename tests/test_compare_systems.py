@@ -84,11 +84,14 @@ STREAMING = [s for s in systems.ALL if systems.streaming_delay(s) is not None]
 
 
 def _gossip_ext_refuses(tau: int, local_steps: int) -> bool:
-    from gossip_ext import _validation
+    import gossip_ext
 
     try:
-        _validation.check_fragments(
-            systems.STREAMING_FRAGMENTS, tau, 0.0, systems.Recipe(1).outer_optimizer, local_steps
+        gossip_ext.DiLoCo(
+            systems.Recipe(1).outer_optimizer,
+            every=local_steps,
+            fragments=systems.STREAMING_FRAGMENTS,
+            delay=tau,
         )
     except ValueError:
         return True

@@ -262,7 +262,9 @@ def _every_two_steps(average, **settings) -> gossip_ext.GossipDataParallel:
 
 
 def test_an_elastic_job_is_refused_naming_why():
-    with pytest.raises(ValueError, match=r"membership='127.0.0.1:29999' with outer_average="):
+    # Objects given, objects named: the error says what to change in the user's own line.
+    named = r"membership=Elastic\(address='127.0.0.1:29999'.* with average=ByCompressedGossip"
+    with pytest.raises(ValueError, match=named):
         _every_two_steps(
             gossip_ext.ByCompressedGossip(), membership=gossip_ext.Elastic("127.0.0.1:29999")
         )

@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from gossip_ext._torch_check import _C
-from gossip_ext._validation import HOST_STAGING, NCCL, PROCESS_GROUP, choose_transport
+from gossip_ext.gossip.transport import HOST_STAGING, NCCL, PROCESS_GROUP, choose_transport
 
 pytestmark = pytest.mark.extension  # the CUDA rehearsal runs these too (pyproject.toml)
 

@@ -11,8 +11,13 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from gossip_ext._argument_checks import check_outer_message_format
-from gossip_ext.algorithms._base import Algorithm, check_argument, check_dtype_argument, where
+from gossip_ext.algorithms._base import (
+    Algorithm,
+    check_argument,
+    check_dtype_argument,
+    check_message_dtype,
+    where,
+)
 from gossip_ext.averagings import AllReduceMean, AllReducePseudoGradientMean, Averaging, RoundMean
 from gossip_ext.averagings.buckets import ParameterBuckets
 from gossip_ext.averagings.compressed import CompressedMean
@@ -28,6 +33,17 @@ from gossip_ext.graphs import GraphBase, RingGraph
 from gossip_ext.mixing import MixingBase, UniformMixing
 
 
+def check_outer_message_format(name: str, value) -> None:
+    """An outer step's mean over every worker may send what a gossip message may
+    (``MESSAGE_DTYPES``), or sparse messages (a ``TopK``)."""
+    if isinstance(value, TopK):
+        return
+    try:
+        check_message_dtype(name, value)
+    except ValueError as error:
+        raise ValueError(f"{error}; or sparse messages, TopK(density=..., bits=...)") from None
+
+
 class OuterAverage(Algorithm):
     """How DiLoCo's outer step averages: the configuration of a way to average, which builds its
     runtime part (a ``gossip_ext.averagings.Averaging``). Subclass it, as a frozen dataclass, to
@@ -36,6 +52,11 @@ class OuterAverage(Algorithm):
     # Whether it can average a Streaming DiLoCo fragment; False: say why in ``whole_only``.
     streams = True
     whole_only = ""
+    # Whether every process of a machine may share its result (nprocs_per_node > 1): False where
+    # each gossiping process keeps a theta_global of its own.
+    machine_shared = True
+    # Whether it can run in an elastic job, whose every epoch has other members.
+    survives_epochs = True
 
     def averaging(
         self,
@@ -61,6 +82,12 @@ class OuterAverage(Algorithm):
     def needs_engine(self) -> bool:
         """Whether it runs rounds of the inner gossip's engine (where there is no gossip, it
         builds one: ``mix``)."""
+        return False
+
+    @property
+    def own_engine(self) -> bool:
+        """Whether it sets up that engine itself (a graph, mixing or message of its own), which
+        only a job without gossip can honour."""
         return False
 
     def flat(self, gossips: bool) -> dict[str, Any]:
@@ -103,7 +130,7 @@ class ByCollective(OuterAverage):
                 torch.device(self.device)
             except RuntimeError as error:
                 raise ValueError(
-                    f"{where(self, 'device')}: {self.device!r} is not a device ({error})"
+                    f"{where(self, 'device')} must be a device, got {self.device!r} ({error})"
                 ) from None
 
     def averaging(self, buckets, group, *, streamed, graph, mixing, timeout) -> Averaging:
@@ -145,6 +172,8 @@ class ByGossip(OuterAverage):
     mixing: MixingBase | None = None
     message_dtype: torch.dtype | str | None = None
 
+    machine_shared = False
+
     def __post_init__(self) -> None:
         if self.graph is not None:
             check_argument(self, "graph", self.graph, GraphBase, "a gossip_ext graph (a GraphBase)")
@@ -185,13 +214,7 @@ class ByGossip(OuterAverage):
 
     def flat(self, gossips: bool) -> dict[str, Any]:
         settings: dict[str, Any] = {"outer_average": "gossip"}
-        if self.own_engine:
-            if gossips:
-                raise ValueError(
-                    "ByGossip(graph=..., mixing=..., message_dtype=...) gives the outer round an "
-                    "engine of its own, but gossip is set: the outer round then runs on the "
-                    "inner mix's engine; give those settings to the gossip object"
-                )
+        if self.own_engine and not gossips:
             settings.update(graph=self.graph, mixing=self.mixing, message_dtype=self.message_dtype)
         return settings
 
@@ -220,6 +243,8 @@ class ByCompressedGossip(OuterAverage):
     consensus_step: float = DEFAULT_CONSENSUS_STEP
     graph: GraphBase | None = None
 
+    machine_shared = False
+    survives_epochs = False
     streams = False
     whole_only = (
         "ByCompressedGossip averages the whole model at each outer step (one public copy of it "
@@ -230,19 +255,19 @@ class ByCompressedGossip(OuterAverage):
         check_argument(self, "message", self.message, TopK, "a gossip_ext.TopK")
         if self.message.feedback_decay != 1.0:
             raise ValueError(
-                f"{where(self, 'message')}: feedback_decay must be 1 (the public copy keeps what a "
-                f"message leaves out), got {self.message.feedback_decay}"
+                f"{where(self, 'message')}'s feedback_decay must be 1 (the public copy keeps what "
+                f"a message leaves out), got {self.message.feedback_decay}"
             )
         check_argument(self, "consensus_step", self.consensus_step, (int, float), "a float")
         if not 0.0 < self.consensus_step <= 1.0:
             raise ValueError(
-                f"{where(self, 'consensus_step')}: must be in (0, 1], got {self.consensus_step}"
+                f"{where(self, 'consensus_step')} must be in (0, 1], got {self.consensus_step}"
             )
         if self.graph is not None:
             check_argument(self, "graph", self.graph, GraphBase, "a gossip_ext graph (a GraphBase)")
             if self.graph.is_dynamic:
                 raise ValueError(
-                    f"{where(self, 'graph')}: must be fixed (the neighbours hold each worker's "
+                    f"{where(self, 'graph')} must be fixed (the neighbours hold each worker's "
                     f"public copy), got {self.graph!r}; e.g. RingGraph(peers_per_itr=2)"
                 )
 

@@ -74,7 +74,7 @@ class SGP(Algorithm):
             check_argument(self, name, getattr(self, name), bool, "a bool")
         check_argument(self, "synch_freq", self.synch_freq, int, "an int")
         if self.synch_freq < 0:
-            raise ValueError(f"{where(self, 'synch_freq')}: must be >= 0, got {self.synch_freq}")
+            raise ValueError(f"{where(self, 'synch_freq')} must be >= 0, got {self.synch_freq}")
         if self.overlap and self.synch_freq > 0:
             raise ValueError(
                 f"{type(self).__name__}: overlap=True and synch_freq={self.synch_freq} are two "

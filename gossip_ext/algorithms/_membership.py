@@ -20,7 +20,7 @@ class Elastic(Algorithm):
 
     def __post_init__(self) -> None:
         check_argument(self, "address", self.address, str, "a str 'HOST:PORT'")
-        parse_address(self.address)
+        parse_address(self.address, where(self, "address"))
         check_argument(self, "min_workers", self.min_workers, int, "an int")
         if self.min_workers < 1:
-            raise ValueError(f"{where(self, 'min_workers')}: must be >= 1, got {self.min_workers}")
+            raise ValueError(f"{where(self, 'min_workers')} must be >= 1, got {self.min_workers}")

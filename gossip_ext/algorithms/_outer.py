@@ -13,7 +13,13 @@ import torch
 import torch.distributed as dist
 
 from gossip_ext.algorithms._averages import ByCollective, OuterAverage
-from gossip_ext.algorithms._base import Algorithm, check_argument, check_every, where
+from gossip_ext.algorithms._base import (
+    Algorithm,
+    check_argument,
+    check_every,
+    value_of,
+    where,
+)
 from gossip_ext.averagings import Averaging
 from gossip_ext.averagings.buckets import ParameterBuckets
 from gossip_ext.outer import outer_steps
@@ -29,6 +35,8 @@ class Average(Algorithm):
     ``gossip=None``: LocalSGD (Lin et al., ICLR 2020), every worker alone in between."""
 
     every: int
+
+    needs_inner_lr = False  # whether it reads the inner optimizer's learning rates
 
     def __post_init__(self) -> None:
         check_every(self, self.every)
@@ -71,6 +79,8 @@ class SlowMo(Algorithm):
     num_shards: int | None = None
     average_every: int | None = None
 
+    needs_inner_lr = True
+
     def __post_init__(self) -> None:
         check_every(self, self.every)
         check_argument(self, "momentum", self.momentum, (int, float), "a float")
@@ -78,21 +88,21 @@ class SlowMo(Algorithm):
         check_argument(self, "memory_efficient", self.memory_efficient, bool, "a bool")
         # beta = 1 never forgets a slow step and diverges; NaN fails both comparisons.
         if not 0.0 <= self.momentum < 1.0:
-            raise ValueError(f"{where(self, 'momentum')}: must be in [0, 1), got {self.momentum}")
+            raise ValueError(f"{where(self, 'momentum')} must be in [0, 1), got {self.momentum}")
         if not 0.0 < self.lr < math.inf:
-            raise ValueError(f"{where(self, 'lr')}: must be positive and finite, got {self.lr}")
+            raise ValueError(f"{where(self, 'lr')} must be positive and finite, got {self.lr}")
         if self.average_every is not None:
             check_argument(self, "average_every", self.average_every, int, "an int or None")
             if self.average_every < 1:
                 raise ValueError(
-                    f"{where(self, 'average_every')}: must be >= 1 (None: no plain averages), "
+                    f"{where(self, 'average_every')} must be >= 1 (None: no plain averages), "
                     f"got {self.average_every}"
                 )
         if self.num_shards is not None:
             check_argument(self, "num_shards", self.num_shards, int, "an int or None")
             if self.num_shards < 1:
                 raise ValueError(
-                    f"{where(self, 'num_shards')}: must be >= 1 (None: every rank), got "
+                    f"{where(self, 'num_shards')} must be >= 1 (None: every rank), got "
                     f"{self.num_shards}"
                 )
 
@@ -163,10 +173,12 @@ class DiLoCo(Algorithm):
     delay: int = 0
     alpha: float = 0.0
 
+    needs_inner_lr = False
+
     def __post_init__(self) -> None:
         if not callable(self.optimizer):
             raise TypeError(
-                f"{where(self, 'optimizer')}: optimizer must be a callable that builds a "
+                f"{where(self, 'optimizer')} must be a callable that builds a "
                 "torch.optim.Optimizer from a list of tensors (e.g. `lambda params: "
                 "torch.optim.SGD(params, lr=0.7, momentum=0.9, nesterov=True)`), got "
                 f"{type(self.optimizer).__name__} {self.optimizer!r}"
@@ -182,19 +194,24 @@ class DiLoCo(Algorithm):
         for name in ("fragments", "delay"):
             check_argument(self, name, getattr(self, name), int, "an int")
         check_argument(self, "alpha", self.alpha, (int, float), "a float")
-        if self.fragments < 1 or self.fragments > self.every:
+        if self.fragments < 1:
+            raise ValueError(f"{where(self, 'fragments')} must be >= 1, got {self.fragments}")
+        if self.fragments > self.every:
             raise ValueError(
-                f"{where(self, 'fragments')}: must be in [1, every={self.every}] (a step per "
-                f"fragment), got {self.fragments}"
+                f"{where(self, 'fragments')} must be at most {value_of(self, 'every')} (a step "
+                f"per fragment), got {self.fragments}"
             )
-        if not 0 <= self.delay < self.every // self.fragments:
+        if self.delay < 0:
+            raise ValueError(f"{where(self, 'delay')} must be >= 0, got {self.delay}")
+        if self.delay >= self.every // self.fragments:
+            every, fragments = (value_of(self, n).partition("=")[0] for n in ("every", "fragments"))
             raise ValueError(
-                f"{where(self, 'delay')}: must be in [0, every // fragments = "
-                f"{self.every // self.fragments}) (a fragment's average must end before the next "
+                f"{where(self, 'delay')} must be < {every} // {fragments} = "
+                f"{self.every // self.fragments} (a fragment's average must end before the next "
                 f"one starts), got {self.delay}"
             )
         if not 0.0 <= self.alpha <= 1.0:
-            raise ValueError(f"{where(self, 'alpha')}: must be in [0, 1], got {self.alpha}")
+            raise ValueError(f"{where(self, 'alpha')} must be in [0, 1], got {self.alpha}")
         if self.streamed and not self.average.streams:
             raise ValueError(
                 f"{where(self, 'average')}: {self.average.whole_only}; got Streaming DiLoCo "

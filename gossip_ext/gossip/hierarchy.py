@@ -18,8 +18,6 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from gossip_ext import _validation
-
 _BROADCAST_BUCKET_BYTES = 250 * 1024 * 1024  # DDP's bucket size for module-state broadcasts
 
 
@@ -92,7 +90,7 @@ class NodeHierarchy:
         named = [(n, p.grad) for n, p in self._module.named_parameters() if p.grad is not None]
         if not named:
             return
-        _validation.check_dense_gradients(named, self._nprocs_per_node)
+        check_dense_gradients(named, self._nprocs_per_node)
         grads = [g for _, g in named]
         flat = torch.cat([g.reshape(-1) for g in grads])
         dist.all_reduce(flat, group=self.node_group)
@@ -108,3 +106,17 @@ class NodeHierarchy:
         tensors = [p.detach() for p in self._module.parameters()]
         tensors += [b.detach() for b in self._module.buffers()]
         dist._broadcast_coalesced(self.node_group, tensors, _BROADCAST_BUCKET_BYTES, 0)
+
+
+def check_dense_gradients(
+    named_grads: list[tuple[str, torch.Tensor]], nprocs_per_node: int
+) -> None:
+    # Sparse gradients that no module announced (F.embedding(..., sparse=True) in a custom
+    # forward) are only seen here, at the end of backward.
+    for name, grad in named_grads:
+        if grad.layout != torch.strided:
+            raise RuntimeError(
+                f"parameter '{name}' got a {grad.layout} gradient, but nprocs_per_node="
+                f"{nprocs_per_node} averages gradients inside a node, which needs dense ones: "
+                "produce dense gradients (sparse=False), or use nprocs_per_node=1"
+            )

@@ -43,7 +43,7 @@ def with_peers(graph: GraphBase, peers_per_itr: int) -> GraphBase:
 @dataclasses.dataclass(frozen=True)
 class Link:
     """Where an engine's rounds travel and how they are reported, the same for whichever
-    object builds the engine: the transport's kind (``_validation.choose_transport``) over
+    object builds the engine: the transport's kind (``transport.choose_transport``) over
     ``group`` from ``device``, each round given up after ``timeout``; ``rendezvous``, where an
     NCCL transport's ranks meet (``transport.make_transport``); ``log_every`` and ``verbose``,
     the wrapper's."""

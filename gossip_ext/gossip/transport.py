@@ -1,4 +1,4 @@
-"""Building the engine's transport from the kind ``_validation.choose_transport`` picked.
+"""Choosing the engine's transport (:func:`choose_transport`) and building it.
 
 The engine sends through one of three transports: NCCL between CUDA devices, the training process
 group's point-to-point calls, or that process group from pinned host buffers (host staging). Only
@@ -16,8 +16,48 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from gossip_ext import _validation
 from gossip_ext._torch_check import _C
+
+# The transports GossipDataParallel builds (csrc/transport).
+NCCL = "nccl"
+PROCESS_GROUP = "process_group"
+HOST_STAGING = "host_staging"
+
+
+def choose_transport(device: torch.device, comm_device, backend: str) -> str:
+    """NCCL for CUDA parameters; the process-group transport for CPU parameters; host buffers
+    over the process group for CUDA parameters with ``comm_device='cpu'``.
+
+    ``backend`` is the process group's (``dist.get_backend``): host tensors need one that carries
+    them, gloo in practice.
+    """
+    requested = None if comm_device is None else torch.device(comm_device)
+    if device.type == "cpu":
+        if requested is not None and requested.type != "cpu":
+            raise ValueError(
+                f"comm_device={comm_device!r} needs CUDA parameters, but they are on the CPU"
+            )
+        kind = PROCESS_GROUP
+    elif device.type != "cuda":
+        raise ValueError(f"parameters are on {device}; gossip_ext supports CPU and CUDA")
+    elif requested is not None and requested.type == "cpu":
+        kind = HOST_STAGING
+    elif not hasattr(_C, "NcclTransport"):
+        raise ValueError(
+            f"parameters are on {device} but this gossip_ext build has no CUDA support; "
+            "reinstall it with a CUDA build of torch"
+        )
+    else:
+        return NCCL
+    if backend == "nccl":
+        what = "CPU parameters" if kind == PROCESS_GROUP else f"comm_device={comm_device!r}"
+        raise ValueError(
+            f"{what} gossip host tensors, which the process group's backend {backend!r} cannot "
+            "carry; initialize it with init_process_group('cpu:gloo,cuda:nccl') or pass "
+            "process_group=dist.new_group(backend='gloo')"
+        )
+    return kind
+
 
 # How many NCCL transports this process has built per group, keyed by the group's global ranks.
 _NCCL_TRANSPORTS: collections.Counter[tuple[int, ...]] = collections.Counter()
@@ -30,17 +70,17 @@ def make_transport(
     timeout: timedelta,
     rendezvous: tuple[dist.Store, str] | None = None,
 ) -> Any:
-    """The transport of ``kind`` (``_validation.NCCL``, ``PROCESS_GROUP`` or ``HOST_STAGING``)
+    """The transport of ``kind`` (``NCCL``, ``PROCESS_GROUP`` or ``HOST_STAGING``)
     over ``group``. Collective for NCCL: every rank of ``group`` builds its transport together,
     its ranks meeting in the ``rendezvous`` store under its key (default: the default store,
     under :func:`nccl_unique_id_key`)."""
-    if kind == _validation.NCCL:
+    if kind == NCCL:
         if rendezvous is None:
             rendezvous = (dist.distributed_c10d._get_default_store(), nccl_unique_id_key(group))
         store, key = rendezvous
         return _C.NcclTransport(store, key, group.rank(), group.size(), device.index, timeout)
     transport = _C.ProcessGroupTransport(group)
-    if kind == _validation.HOST_STAGING:
+    if kind == HOST_STAGING:
         transport = _C.HostStagingTransport(transport)
     return transport
 

@@ -49,13 +49,13 @@ SILENT_S = 1.5  # a heartbeat silent this long: the worker is dead or stopped
 CONFIRM_S = 5 * HEARTBEAT_S
 
 
-def parse_address(address: str) -> tuple[str, int]:
-    """("HOST", PORT) of ``membership="HOST:PORT"``; ValueError naming the value otherwise."""
+def parse_address(address: str, name: str = "membership") -> tuple[str, int]:
+    """("HOST", PORT) of ``"HOST:PORT"``; an error naming ``name`` and the value otherwise."""
     if not isinstance(address, str):
-        raise TypeError(f"membership must be a str 'HOST:PORT', got {type(address).__name__}")
+        raise TypeError(f"{name} must be a str 'HOST:PORT', got {type(address).__name__}")
     host, sep, port = address.rpartition(":")
     if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
-        raise ValueError(f"membership must be 'HOST:PORT' with a port in 1..65535, got {address!r}")
+        raise ValueError(f"{name} must be 'HOST:PORT' with a port in 1..65535, got {address!r}")
     return host.strip("[]"), int(port)
 
 

@@ -18,7 +18,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from gossip_ext import _validation
+from gossip_ext.gossip.transport import choose_transport
 from gossip_ext.membership import elastic as _elastic_worker
 from gossip_ext.outer import streaming
 
@@ -67,13 +67,15 @@ class ElasticMembership:
     model]) and hands its state to the workers that join. Holds the wrapper weakly: the elastic
     watch's thread must not keep it alive."""
 
-    def __init__(self, wrapper, address: str, min_workers: int, timeout, device, comm_device):
+    def __init__(self, wrapper, membership, timeout, device, comm_device):
         # Before joining, so that a worker that cannot gossip is refused without disturbing the
         # job: an epoch's group is gloo; CUDA parameters gossip over an own NCCL communicator of
         # the epoch, or host buffers over the group (comm_device="cpu").
-        _validation.choose_transport(device, comm_device, "gloo")
+        choose_transport(device, comm_device, "gloo")
         self._wrapper = weakref.ref(wrapper)
-        self.worker = _elastic_worker.ElasticWorker(address, min_workers, timeout, "gloo")
+        self.worker = _elastic_worker.ElasticWorker(
+            membership.address, membership.min_workers, timeout, "gloo"
+        )
         # The donor's optimizer state, until register_optimizer() hands it to the optimizer.
         self._handed_optimizer_state = None
         self._holds_state = False
