@@ -252,6 +252,7 @@ def _rules(rank: int, world_size: int) -> dict:
     built = {}
     for name, outer in {
         "average": A.Average(4),
+        "average_int8": A.Average(4, average=A.ByCollective(dtype="int8")),
         "slowmo": A.SlowMo(4, momentum=0.3, lr=0.9),
         "slowmo_sharded": A.SlowMo(4, memory_efficient=True, num_shards=1),
         "diloco": A.DiLoCo(_outer_sgd, every=8),
@@ -271,7 +272,9 @@ def _rules(rank: int, world_size: int) -> dict:
 
 def test_each_outer_step_builds_its_own_rule():
     built = run_ranks(2, _rules)[0]
-    assert built["average"] is None
+    # A plain average keeps nothing; in compressed messages, the model of the last average.
+    assert built["average"] == ("PlainAverage", "PlainAverage")
+    assert built["average_int8"] == ("GlobalAverage", "GlobalAverage")
     assert built["slowmo"] == ("SlowMomentum", ("SlowMo", 0.3, 0.9, 1))
     assert built["slowmo_sharded"][0] == "SlowMomentum"
     assert built["diloco"][0] == "OuterOptimizer"
@@ -305,7 +308,11 @@ def test_each_object_describes_itself_in_plain_values_for_the_ranks_comparison()
         "delay": 0,
         "alpha": 0.0,
     }  # the optimizer is described by the rule it builds
-    assert A.Average(every=3).describe() == {"kind": "Average", "every": 3}
+    assert A.Average(every=3).describe() == {
+        "kind": "Average",
+        "every": 3,
+        "average": {"kind": "ByCollective", "dtype": None, "device": None},
+    }
     assert A.Average(every=3).describe() != A.Average(every=4).describe()
     ring = A.ByGossip(graph=gossip_ext.RingGraph()).describe()
     assert ring["graph"] == "RingGraph(peers_per_itr=1)" and ring["mixing"] is None

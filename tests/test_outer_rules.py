@@ -8,7 +8,7 @@ import torch
 from torch import nn
 
 from gossip_ext.averagings.buckets import ParameterBuckets
-from gossip_ext.outer import outer_steps
+from gossip_ext.outer import outer_steps, slow_momentum
 from gossip_ext.outer import rules as outer_rules
 
 
@@ -98,7 +98,7 @@ def test_slowmo_is_heavy_ball_on_the_average_scaled_by_the_inner_lr():
     buckets = ParameterBuckets(params)
     inner = torch.optim.SGD(params, lr=0.05)
     beta, alpha, gamma = 0.5, 0.8, 0.05
-    rule = outer_rules.SlowMomentum(beta, alpha, group=None)
+    rule = slow_momentum.SlowMomentum(beta, alpha, group=None)
     rule.start(buckets)
     slow = torch.cat([p.detach().reshape(-1) for p in params])
     u = torch.zeros_like(slow)

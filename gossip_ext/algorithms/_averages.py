@@ -52,9 +52,10 @@ class OuterAverage(Algorithm):
     # Whether it can average a Streaming DiLoCo fragment; False: say why in ``whole_only``.
     streams = True
     whole_only = ""
-    # Whether every process of a machine may share its result (nprocs_per_node > 1): False where
-    # each gossiping process keeps a theta_global of its own.
-    machine_shared = True
+    # Whether every worker receives the same mean (a collective's): then one process of a machine
+    # may stand for the others (nprocs_per_node > 1) and SlowMo's state may be split over workers.
+    # False where each worker mixes with a few peers and keeps a global model of its own.
+    same_everywhere = True
     # Whether it can run in an elastic job, whose every epoch has other members.
     survives_epochs = True
 
@@ -88,6 +89,13 @@ class OuterAverage(Algorithm):
     def own_engine(self) -> bool:
         """Whether it sets up that engine itself (a graph, mixing or message of its own), which
         only a job without gossip can honour."""
+        return False
+
+    @property
+    def sends_differences(self) -> bool:
+        """Whether its messages are each worker's difference from global parameters (the
+        pseudo-gradients; compressed and sparse messages keep their error feedback against
+        them), which the outer rule must then keep; False: it averages the parameters."""
         return False
 
     def flat(self, gossips: bool) -> dict[str, Any]:
@@ -148,6 +156,10 @@ class ByCollective(OuterAverage):
     def global_device(self):
         return self.device
 
+    @property
+    def sends_differences(self) -> bool:
+        return self.dtype is not None
+
     def flat(self, gossips: bool) -> dict[str, Any]:
         return {"outer_dtype": self.dtype, "outer_device": self.device}
 
@@ -172,7 +184,7 @@ class ByGossip(OuterAverage):
     mixing: MixingBase | None = None
     message_dtype: torch.dtype | str | None = None
 
-    machine_shared = False
+    same_everywhere = False
 
     def __post_init__(self) -> None:
         if self.graph is not None:
@@ -243,7 +255,7 @@ class ByCompressedGossip(OuterAverage):
     consensus_step: float = DEFAULT_CONSENSUS_STEP
     graph: GraphBase | None = None
 
-    machine_shared = False
+    same_everywhere = False
     survives_epochs = False
     streams = False
     whole_only = (

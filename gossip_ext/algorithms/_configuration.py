@@ -56,7 +56,7 @@ class Configuration:
             check_type("membership", self.membership, Elastic, "Elastic(...) or None")
         self._check_common()
         average = self.average
-        if average is not None and not average.machine_shared and self.nprocs_per_node > 1:
+        if average is not None and not average.same_everywhere and self.nprocs_per_node > 1:
             raise ValueError(
                 f"{spell.object(average, 'average')} with nprocs_per_node={self.nprocs_per_node}: "
                 "the outer step over gossip keeps one theta_global per gossiping process, which "

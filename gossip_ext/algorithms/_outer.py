@@ -22,39 +22,92 @@ from gossip_ext.algorithms._base import (
 )
 from gossip_ext.averagings import Averaging
 from gossip_ext.averagings.buckets import ParameterBuckets
-from gossip_ext.outer import outer_steps
+from gossip_ext.outer import outer_steps, slow_momentum
 from gossip_ext.outer import rules as outer_rules
 from gossip_ext.outer.streaming import StreamingOuter
 
 
+def check_average(obj: Any) -> None:
+    check_argument(
+        obj,
+        "average",
+        obj.average,
+        OuterAverage,
+        "ByCollective(...), ByGossip(...), ByCompressedGossip(...) or another OuterAverage",
+    )
+
+
+def no_flat_spelling(obj: Any) -> None:
+    """The flat keywords average SlowMo's and a plain average's steps by ByCollective() only."""
+    if obj.average != ByCollective():
+        raise ValueError(
+            f"{type(obj).__name__}(average={obj.average!r}) has no flat keyword: give it as an "
+            "object"
+        )
+
+
+def averaging_of(average: OuterAverage, params, group, *, graph, mixing, timeout) -> Averaging:
+    """The runtime part of ``average`` for the whole model's outer step."""
+    return average.averaging(
+        ParameterBuckets(params), group, streamed=False, graph=graph, mixing=mixing, timeout=timeout
+    )
+
+
 @dataclasses.dataclass(frozen=True)
 class Average(Algorithm):
-    """Every ``every`` optimizer steps (counted by ``transfer_params()`` calls), the parameters'
-    exact average (push-sum's consensus value, one all-reduce per dtype) in place of that step's
-    gossip round, the push-sum weights reset to 1. With gossip: SGP's global averaging; with
-    ``gossip=None``: LocalSGD (Lin et al., ICLR 2020), every worker alone in between."""
+    """Every ``every`` optimizer steps (counted by ``transfer_params()`` calls), the workers'
+    average in place of that step's gossip round. With gossip: SGP's global averaging; with
+    ``gossip=None``: LocalSGD (Lin et al., ICLR 2020), every worker alone in between.
+
+    ``average`` says how (default ``ByCollective()``: the exact average, push-sum's consensus
+    value, one all-reduce per dtype, the push-sum weights reset to 1). In compressed or sparse
+    messages (``ByCollective(dtype=...)``) every worker keeps the model of the last average and
+    sends its difference from it; ``ByGossip()`` and ``ByCompressedGossip()`` mix with a few
+    peers (decentralized local SGD), each worker then holding its own model."""
 
     every: int
+    average: OuterAverage = dataclasses.field(default_factory=lambda: ByCollective())
 
     needs_inner_lr = False  # whether it reads the inner optimizer's learning rates
 
     def __post_init__(self) -> None:
         check_every(self, self.every)
+        check_average(self)
+        if self.average.global_device is not None and not self.average.sends_differences:
+            raise ValueError(
+                f"{where(self, 'average')} places global parameters on "
+                f"{self.average.global_device!r}, but a plain average in full precision keeps "
+                "none (only compressed or sparse messages keep the model of the last average)"
+            )
 
     def flat(self, gossips: bool) -> dict[str, Any]:
+        no_flat_spelling(self)
         return {"global_avg_freq": self.every} if gossips else {"sync_every": self.every}
 
-    def rule(self, params, group, **_) -> None:
-        """A plain average has no rule and no state."""
-        return None
+    def rule(self, params, group, **_) -> outer_rules.OuterRule:
+        """Its runtime part: the parameters become the average; where the messages are
+        differences from the last average, it keeps that model (``GlobalAverage``)."""
+        if self.average.sends_differences:
+            buckets = ParameterBuckets(params)
+            return outer_rules.GlobalAverage(params, buckets, self.average.global_device)
+        return outer_rules.PlainAverage()
 
     def steps(
-        self, params, buffers, group: dist.ProcessGroup, *, timeout, **_
+        self, params, buffers, group: dist.ProcessGroup, *, graph, mixing, timeout, sizes=None
     ) -> outer_steps.OuterSteps:
-        """Its runtime part: an exact average of ``params`` and the floating-point ``buffers``
-        over ``group`` every ``every`` steps."""
+        """Its runtime part: the average of ``params`` (and, by a collective, of the
+        floating-point ``buffers``) over ``group`` every ``every`` steps."""
+        averaging = averaging_of(
+            self.average, params, group, graph=graph, mixing=mixing, timeout=timeout
+        )
         return outer_steps.OuterSteps(
-            params, buffers, group, average_every=self.every, timeout=timeout
+            params,
+            buffers,
+            group,
+            rule=self.rule(params, group),
+            sync_every=self.every,
+            averaging=averaging,
+            timeout=timeout,
         )
 
 
@@ -69,7 +122,10 @@ class SlowMo(Algorithm):
     state (two model copies) sharded over ``num_shards`` ranks (None: every rank), each updating
     its slice and sending it to the others, ``2 / num_shards`` copies a rank for one
     all-gather's traffic per step. ``average_every``: also a plain exact average every that
-    many steps in between (fairscale's ``localsgd_frequency``; None: none).
+    many steps in between (fairscale's ``localsgd_frequency``; None: none). ``average``: how
+    ``x_avg`` is formed (default ``ByCollective()``, exact; in compressed or sparse messages each
+    worker sends ``x_slow - x_i``; ``ByGossip()`` or ``ByCompressedGossip()``: each worker's
+    ``x_avg`` is its own parameters mixed with a few peers', and so is its ``x_slow``).
     """
 
     every: int
@@ -78,11 +134,27 @@ class SlowMo(Algorithm):
     memory_efficient: bool = False
     num_shards: int | None = None
     average_every: int | None = None
+    average: OuterAverage = dataclasses.field(default_factory=lambda: ByCollective())
 
     needs_inner_lr = True
 
     def __post_init__(self) -> None:
         check_every(self, self.every)
+        check_average(self)
+        if self.average.global_device is not None:
+            raise ValueError(
+                f"{where(self, 'average')} places global parameters on "
+                f"{self.average.global_device!r}, but SlowMo keeps x_slow beside the parameters"
+            )
+        if self.memory_efficient and (
+            self.average.sends_differences or not self.average.same_everywhere
+        ):
+            raise ValueError(
+                f"{where(self, 'average')} is {self.average!r}, but memory_efficient=True splits "
+                "x_slow over the workers, which needs the same exact average on every worker and "
+                "no message taken from x_slow: use ByCollective() (full precision), or "
+                "memory_efficient=False"
+            )
         check_argument(self, "momentum", self.momentum, (int, float), "a float")
         check_argument(self, "lr", self.lr, (int, float), "a float")
         check_argument(self, "memory_efficient", self.memory_efficient, bool, "a bool")
@@ -106,19 +178,19 @@ class SlowMo(Algorithm):
                     f"{self.num_shards}"
                 )
 
-    def rule(self, params, group: dist.ProcessGroup, **_) -> outer_rules.SlowMomentum:
+    def rule(self, params, group: dist.ProcessGroup, **_) -> slow_momentum.SlowMomentum:
         """Its runtime part over ``group``: the heavy-ball rule, its state on ``num_shards``
         ranks when memory-efficient (this rank's shard, or None where it keeps none)."""
         world_size, rank = dist.get_world_size(group), group.rank()
         shards = min(world_size, self.num_shards or world_size) if self.memory_efficient else 1
         shard = 0 if shards == 1 else (rank if rank < shards else None)
-        return outer_rules.SlowMomentum(self.momentum, self.lr, group, shards, shard)
+        return slow_momentum.SlowMomentum(self.momentum, self.lr, group, shards, shard)
 
     def steps(
-        self, params, buffers, group: dist.ProcessGroup, *, timeout, **_
+        self, params, buffers, group: dist.ProcessGroup, *, graph, mixing, timeout, sizes=None
     ) -> outer_steps.OuterSteps:
-        """Its runtime part: the heavy-ball rule every ``every`` steps, a plain average every
-        ``average_every`` steps in between (see :class:`Average`)."""
+        """Its runtime part: the heavy-ball rule every ``every`` steps on the mean ``average``
+        forms, a plain exact average every ``average_every`` steps in between."""
         return outer_steps.OuterSteps(
             params,
             buffers,
@@ -126,10 +198,14 @@ class SlowMo(Algorithm):
             average_every=self.average_every or 0,
             rule=self.rule(params, group),
             sync_every=self.every,
+            averaging=averaging_of(
+                self.average, params, group, graph=graph, mixing=mixing, timeout=timeout
+            ),
             timeout=timeout,
         )
 
     def flat(self, gossips: bool) -> dict[str, Any]:
+        no_flat_spelling(self)
         return {
             "global_avg_freq": self.average_every,
             "slowmo_freq": self.every,
@@ -184,13 +260,7 @@ class DiLoCo(Algorithm):
                 f"{type(self.optimizer).__name__} {self.optimizer!r}"
             )
         check_every(self, self.every)
-        check_argument(
-            self,
-            "average",
-            self.average,
-            OuterAverage,
-            "ByCollective(...), ByGossip(...), ByCompressedGossip(...) or another OuterAverage",
-        )
+        check_average(self)
         for name in ("fragments", "delay"):
             check_argument(self, name, getattr(self, name), int, "an int")
         check_argument(self, "alpha", self.alpha, (int, float), "a float")
@@ -256,13 +326,8 @@ class DiLoCo(Algorithm):
         schedule), its pseudo-gradients averaged as ``average`` says."""
         averaging = None
         if not self.streamed:
-            averaging = self.average.averaging(
-                ParameterBuckets(params),
-                group,
-                streamed=False,
-                graph=graph,
-                mixing=mixing,
-                timeout=timeout,
+            averaging = averaging_of(
+                self.average, params, group, graph=graph, mixing=mixing, timeout=timeout
             )
         return outer_steps.OuterSteps(
             params,

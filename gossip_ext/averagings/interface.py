@@ -124,7 +124,7 @@ class PseudoGradientMean(Mean):
     """The mean of the workers' pseudo-gradients ``theta_global - theta_i``."""
 
     def step(self, rule, buckets, optimizer=None):
-        return rule.step_with(self.values)
+        return rule.step_with(self.values, buckets, optimizer)
 
 
 class Averaging(abc.ABC):

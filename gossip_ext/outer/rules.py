@@ -3,11 +3,13 @@
 An outer step (``gossip_ext.outer.outer_steps.OuterSteps``) averages the workers' parameters and
 hands the
 average to its rule, which returns the new parameters:
-- :class:`SlowMomentum`: SlowMo's heavy-ball step scaled by the inner learning rate (Wang et al.,
-  ICLR 2020; fairscale's SlowMoDistributedDataParallel), ``slowmo_*`` arguments;
+- ``slow_momentum.SlowMomentum``: SlowMo's heavy-ball step scaled by the inner learning rate
+  (Wang et al., ICLR 2020; fairscale's SlowMoDistributedDataParallel), ``slowmo_*`` arguments;
 - :class:`OuterOptimizer`: any torch optimizer stepped with ``theta_global - average`` as its
   gradient: DiLoCo (Douillard et al., 2023) with SGD-Nesterov, ``outer_optimizer``.
-A plain average (LocalSGD, ``global_avg_freq``) needs no rule and no state.
+- :class:`PlainAverage`: the parameters become the average, nothing kept (LocalSGD); and
+  :class:`GlobalAverage`, the same from differences to the model of the last average, for
+  compressed or sparse messages.
 
 A rule is local: the outer step runs every collective before calling it, so that one that fails
 leaves the rule's state as it was (SlowMo's sharded form, which sends its slices after the update,
@@ -22,10 +24,8 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import torch
-import torch.distributed as dist
 
 from gossip_ext.averagings.buckets import ParameterBuckets
-from gossip_ext.sharded import replicas as sharded
 
 
 class OuterRule:
@@ -81,208 +81,23 @@ class PlainAverage(OuterRule):
     state_key = "average"
     started = True
 
+    def start(self, buckets, averages=None) -> None:
+        """Nothing to start."""
+
+    def describe(self) -> str:
+        return "PlainAverage"
+
     def update(self, buckets, averages, optimizer=None) -> list[torch.Tensor]:
         return list(averages)
 
+    def state_dict(self) -> dict[str, Any]:
+        return {}
 
-def learning_rates(
-    optimizer: torch.optim.Optimizer, buckets: ParameterBuckets
-) -> list[list[float | None]]:
-    """The current learning rate of every parameter's param group, None for a parameter the
-    optimizer does not update; read at every SlowMo step, so schedulers are followed. A
-    parameter is known by its storage: the optimizer of a sharded module holds DTensors, the
-    buckets their local shards."""
-    lr_of = {
-        sharded.storage_key(p): float(group["lr"])
-        for group in optimizer.param_groups
-        for p in group["params"]
-    }
-    return [[lr_of.get(sharded.storage_key(p)) for p in ps] for ps in buckets.params]
+    def load_state_dict(self, state, buckets, members_changed: bool = False) -> None:
+        """Nothing to load."""
 
-
-def _segments(sizes: Sequence[int], lrs: Sequence[float | None]):
-    """(start, end, lr) runs of consecutive parameters with one learning rate: usually a single
-    run per bucket, so the update is a few whole-buffer operations."""
-    start = 0
-    run_start, run_lr = 0, None
-    for i, (size, lr) in enumerate(zip(sizes, lrs)):
-        if i > 0 and lr != run_lr:
-            yield run_start, start, run_lr
-            run_start = start
-        run_lr = lr
-        start += size
-    if start > run_start:
-        yield run_start, start, run_lr
-
-
-def shard_ranges(numel: int, shards: int, index: int | None) -> tuple[int, int]:
-    """The flat range [lo, hi) of shard ``index`` of ``numel`` elements cut into ``shards``
-    near-equal parts (the last may be shorter or empty); (0, 0) for ``index`` None."""
-    if index is None:
-        return 0, 0
-    length = -(-numel // shards)
-    return min(index * length, numel), min((index + 1) * length, numel)
-
-
-class SlowMomentum(OuterRule):
-    """SlowMo's outer update (Wang et al., ICLR 2020, Algorithm 1; fairscale's
-    SlowMoDistributedDataParallel), identical on every rank.
-
-    With ``x_avg`` the exact average, ``gamma`` the base optimizer's current learning rate,
-    ``beta`` the slow momentum and ``alpha`` the slow learning rate::
-
-        u      <- beta * u + (x_slow - x_avg) / gamma
-        x_slow <- x_slow - alpha * gamma * u
-
-    and the parameters become ``x_slow``. Dividing by ``gamma`` makes ``u`` a sum of gradients
-    (the base steps undone), so a learning-rate schedule does not rescale the momentum. A
-    parameter that no param group holds, or whose group has ``lr == 0`` (nothing to take
-    momentum on), is set to ``x_avg`` with ``u`` unchanged.
-
-    The state (``x_slow`` and ``u``) is two model copies. Sharded (``shards > 1``, fairscale's
-    ``slowmo_memory_efficient``), rank ``s < shards`` of the averaging group keeps and updates
-    only the ``s``-th slice of every bucket, and sends its result to the others: ``2 / shards``
-    model copies per rank for one all-gather's worth of extra traffic per SlowMo step. The
-    owners send their slices after updating them, so a failure of those sends is not atomic.
-
-    It starts at the first forward (``eager`` False), or, where a step comes first, at that
-    step's average, which makes the first SlowMo step a plain average.
-    """
-
-    state_key = "slowmo"
-    eager = False
-    needs_inner_lr = True
-
-    def __init__(
-        self,
-        momentum: float,
-        lr: float,
-        group: dist.ProcessGroup,
-        shards: int = 1,
-        shard: int | None = 0,
-    ):
-        self.momentum = momentum
-        self.lr = lr
-        self.group = group
-        self.shards = shards
-        self.shard = shard  # this rank's shard; None: it keeps none
-        self.slow: list[torch.Tensor] | None = None
-        self.buffer: list[torch.Tensor] | None = None
-
-    @property
-    def started(self) -> bool:
-        return self.slow is not None
-
-    def describe(self) -> tuple:
-        return ("SlowMo", self.momentum, self.lr, self.shards)
-
-    def update(
-        self,
-        buckets: ParameterBuckets,
-        averages: list[torch.Tensor],
-        optimizer: torch.optim.Optimizer,
-    ) -> list[torch.Tensor]:
-        """The SlowMo step from the exact ``averages`` (full flat buckets), written into them:
-        the new parameters. ``optimizer`` is the base optimizer, whose learning rates scale it."""
-        lrs = learning_rates(optimizer, buckets)
-        for b, ((lo, _), average) in enumerate(zip(self.ranges(buckets), averages)):
-            sizes = [p.numel() for p in buckets.params[b]]
-            self.step(b, average, lo, sizes, lrs[b])
-            if self.shards > 1:
-                # Every shard's owner sends its slice of x_slow to the others.
-                for shard in range(self.shards):
-                    s_lo, s_hi = shard_ranges(average.numel(), self.shards, shard)
-                    if s_lo < s_hi:
-                        owner = dist.get_global_rank(self.group, shard)
-                        dist.broadcast(average[s_lo:s_hi], owner, group=self.group)
-        return averages
-
-    def ranges(self, buckets: ParameterBuckets) -> list[tuple[int, int]]:
-        """This rank's slice of every bucket."""
-        return [
-            shard_ranges(buckets.numel(b), self.shards, self.shard) for b in range(len(buckets))
-        ]
-
-    @torch.no_grad()
-    def start(self, buckets: ParameterBuckets, averages: Sequence[torch.Tensor] | None = None):
-        """x_slow starts at the parameters (or at ``averages``, full flat buckets), u at 0."""
-        self.slow, self.buffer = [], []
-        for b, (lo, hi) in enumerate(self.ranges(buckets)):
-            slow = torch.empty(hi - lo, dtype=buckets.dtype(b), device=buckets.device(b))
-            if averages is None:
-                buckets.read(b, slow, lo)
-            else:
-                slow.copy_(averages[b][lo:hi])
-            self.slow.append(slow)
-            self.buffer.append(torch.zeros_like(slow))
-
-    @torch.no_grad()
-    def step(
-        self,
-        bucket: int,
-        average: torch.Tensor,
-        lo: int,
-        sizes: Sequence[int],
-        lrs: Sequence[float | None],
-    ) -> None:
-        """Updates this rank's slice [lo, ...) of ``bucket`` from its exact ``average`` (the full
-        flat bucket; ``sizes`` and ``lrs``: its parameters' elements and learning rates) and
-        writes x_slow into that slice of ``average``. In place: no temporary."""
-        slow, buffer = self.slow[bucket], self.buffer[bucket]
-        hi = lo + slow.numel()
-        for start, end, gamma in _segments(sizes, lrs):
-            start, end = max(start, lo), min(end, hi)
-            if start >= end:
-                continue
-            x = slow[start - lo : end - lo]
-            u = buffer[start - lo : end - lo]
-            a = average[start:end]
-            if not gamma:
-                x.copy_(a)
-                continue
-            u.mul_(self.momentum).add_(x, alpha=1.0 / gamma).sub_(a, alpha=1.0 / gamma)
-            x.add_(u, alpha=-self.lr * gamma)
-            a.copy_(x)
-
-    def state_dict(self) -> dict[str, Any] | None:
-        if self.slow is None:
-            return None
-        return {
-            "slow": [t.clone() for t in self.slow],
-            "momentum": [t.clone() for t in self.buffer],
-            "shards": self.shards,
-            "shard": self.shard,
-        }
-
-    def load_state_dict(
-        self,
-        state: Mapping[str, Any] | None,
-        buckets: ParameterBuckets,
-        members_changed: bool = False,
-    ) -> None:
-        """A checkpoint without SlowMo state (saved before it started) starts it again at the
-        next forward."""
-        if state is None:
-            self.slow = self.buffer = None
-            return
-        saved = (state.get("shards", 1), state.get("shard", 0))
-        if saved != (self.shards, self.shard):
-            raise ValueError(
-                f"load_state_dict: the checkpoint's SlowMo state is shard {saved[1]} of "
-                f"{saved[0]}, but this rank keeps shard {self.shard} of {self.shards} "
-                "(slowmo_memory_efficient, slowmo_num_shards and the rank must match)"
-            )
-        expected = [(hi - lo, buckets.dtype(b)) for b, (lo, hi) in enumerate(self.ranges(buckets))]
-        found = [(t.numel(), t.dtype) for t in state["slow"]]
-        if found != expected:
-            raise ValueError(
-                f"load_state_dict: the checkpoint's SlowMo state has buckets (elements, dtype) "
-                f"{found}, but this model's parameters give {expected}"
-            )
-        self.slow = [t.detach().to(buckets.device(b)).clone() for b, t in enumerate(state["slow"])]
-        self.buffer = [
-            t.detach().to(buckets.device(b)).clone() for b, t in enumerate(state["momentum"])
-        ]
+    def per_parameter_state(self) -> dict[str, list[torch.Tensor]]:
+        return {}
 
 
 OuterOptimizerFactory = Callable[[list[torch.Tensor]], torch.optim.Optimizer]
@@ -433,7 +248,9 @@ class OuterOptimizer(OuterRule):
         )
 
     @torch.no_grad()
-    def step_with(self, mean_pseudo_gradients: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+    def step_with(
+        self, mean_pseudo_gradients: Sequence[torch.Tensor], buckets=None, optimizer=None
+    ) -> list[torch.Tensor]:
         """Steps ``theta_global`` with the workers' mean pseudo-gradient (per bucket; read, and
         kept as the gradient during the step) and returns it: the new parameters."""
         for b, mean in enumerate(mean_pseudo_gradients):
@@ -492,3 +309,27 @@ def _cloned(optimizer_state: dict[str, Any]) -> dict[str, Any]:
             for index, entry in optimizer_state["state"].items()
         },
     }
+
+
+def _plain_step(params: list[torch.Tensor]) -> torch.optim.Optimizer:
+    return torch.optim.SGD(params, lr=1.0)
+
+
+class GlobalAverage(OuterOptimizer):
+    """A plain average formed from differences: every worker keeps the model of the last average
+    (``theta_global``) and sends its difference from it (compressed or sparse messages, whose
+    error feedback is kept against it); the new model is ``theta_global`` minus their mean. That
+    is DiLoCo's outer step with plain SGD at learning rate 1, and is computed as one, bit for
+    bit; it has no optimizer for a user to schedule."""
+
+    state_key = "average"
+
+    def __init__(self, params, buckets: ParameterBuckets, device=None):
+        super().__init__(params, buckets, _plain_step, device)
+
+    @property
+    def optimizers(self) -> list[torch.optim.Optimizer]:
+        return []
+
+    def describe(self) -> str:
+        return "GlobalAverage"
