@@ -125,5 +125,5 @@ def load_foreign(model, foreign: ForeignCheckpoint, *, strict: bool, assign: boo
             for p in model.module.parameters():
                 p.div_(weight)
     model._mix.restore(0, 1.0 if model._mix.lazy_mixing else weight)
-    model._reset_rounds_check()
+    model._parameters_loaded()
     return result

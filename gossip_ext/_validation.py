@@ -190,6 +190,69 @@ BY_OPTIMIZER = "by register_optimizer() after optimizer.step()"
 BY_FORWARD = "by the forward (start_in_forward=True)"
 
 
+def parameter_versions(module: nn.Module) -> int:
+    """The sum of the parameters' version counters: it changes when anything writes them in
+    place, as every optimizer step does."""
+    return sum(p._version for p in module.parameters())
+
+
+class CallOrder:
+    """The order of a training step's calls, where a mistake would otherwise train silently
+    wrong: a second gossip round in one step (:func:`check_transfer`), and a loop whose optimizer
+    steps while ``transfer_params()`` is never called, which would train every worker alone.
+    Every rank tracks it alike, so that all raise alike."""
+
+    def __init__(self, module: nn.Module, overlap: bool, start_in_forward: bool):
+        self._module, self._overlap, self._start_in_forward = module, overlap, start_in_forward
+        self._caller: str | None = None  # who called transfer_params() in this step
+        # Parameter versions at the last training forward, until the first transfer_params().
+        self._versions: int | None = None
+
+    def forward(self, training: bool, steps: int) -> None:
+        """A forward begins a step; a training one first checks that the last optimizer step,
+        if any, was followed by ``transfer_params()``."""
+        if training:
+            self._check_rounds_started(steps)
+        self._caller = None
+        if training and steps == 0 and not self._start_in_forward:
+            self._versions = parameter_versions(self._module)
+
+    def transfer(self, caller: str) -> None:
+        """``transfer_params()`` is called by ``caller`` (BY_HAND, BY_OPTIMIZER, BY_FORWARD)."""
+        check_transfer(self._caller, caller, self._overlap)
+
+    def transferred(self, caller: str) -> None:
+        self._caller = caller
+
+    def step_finished(self) -> None:
+        """The step's round was finished on purpose (``sync_comms()``)."""
+        self._caller = None
+
+    def parameters_loaded(self) -> None:
+        """The parameters were loaded or handed over, not stepped."""
+        self._versions = None
+
+    def _check_rounds_started(self, steps: int) -> None:
+        """Checked only until the first transfer_params(): an optimizer step since the last
+        training forward with no round started means the loop never gossips."""
+        if steps or self._versions is None or self._start_in_forward:
+            return
+        if parameter_versions(self._module) != self._versions:
+            self._versions = None  # raise once
+            overlap = (
+                "; with overlap=True, start_in_forward=True starts every round from the forward "
+                "instead, as the reference SGP does"
+                if self._overlap
+                else ""
+            )
+            raise RuntimeError(
+                "GossipDataParallel: the parameters changed since the last forward (an optimizer "
+                "step) but transfer_params() was never called, so no gossip round ran and every "
+                "worker trains alone. Call model.transfer_params() after every optimizer.step(), "
+                f"or model.register_optimizer(optimizer) once{overlap}"
+            )
+
+
 def check_transfer(previous: str | None, now: str, overlap: bool) -> None:
     """A second round in one step (no forward since the last transfer_params()) is a bug when
     the step hook and a manual call both gossip, or under overlap=True, where it would absorb

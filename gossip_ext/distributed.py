@@ -17,15 +17,14 @@ from torch import nn
 from gossip_ext import _buffers, _checkpoint, _validation, algorithms, assembly
 from gossip_ext import flat_keywords as _flat
 from gossip_ext._gossip_view import GossipView
-from gossip_ext._membership_view import MembershipView
-from gossip_ext._step_end import StepEnd, parameter_versions
+from gossip_ext._outer_view import OuterView
 from gossip_ext.membership import runtime as membership_runtime
 from gossip_ext.sharded import replicas as sharded
 
 __all__ = ["GossipDataParallel"]
 
 
-class GossipDataParallel(nn.Module, GossipView, MembershipView, StepEnd):
+class GossipDataParallel(nn.Module, GossipView, OuterView):
     """Data-parallel training where workers average parameters with a few peers per step.
 
     Instead of an all-reduce of gradients every step (DistributedDataParallel), every worker
@@ -155,11 +154,7 @@ class GossipDataParallel(nn.Module, GossipView, MembershipView, StepEnd):
         # other processes have not received. Every process of the machine tracks it alike (it
         # changes with transfer_params() and the forward), so they agree on when to broadcast.
         self._node_behind = False
-        # Parameter versions at the last training forward, until the first transfer_params():
-        # a step taken without it is reported (see _check_rounds_started).
-        self._versions_at_forward: int | None = None
-        # Who called transfer_params() in this step, if anyone: a second caller is a bug.
-        self._transferred = None
+        self._order = _validation.CallOrder(module, config.overlap, config.start_in_forward)
         self._steps = 0  # transfer_params() calls: the clock of the outer steps
         # The last optimizer given to register_optimizer() or transfer_params(), whose learning
         # rates SlowMo reads. A weak reference: its step hook refers to this wrapper, and a cycle
@@ -194,9 +189,9 @@ class GossipDataParallel(nn.Module, GossipView, MembershipView, StepEnd):
         self._close_mix()
         self._outer = self.process_group = None
 
-    def _reset_rounds_check(self) -> None:
-        """The parameters were loaded or handed over, not stepped (``_check_rounds_started``)."""
-        self._versions_at_forward = None
+    def _parameters_loaded(self) -> None:
+        """The parameters were loaded or handed over, not stepped (``_validation.CallOrder``)."""
+        self._order.parameters_loaded()
 
     # ----------------------------------------------------------------------------- training
 
@@ -205,9 +200,7 @@ class GossipDataParallel(nn.Module, GossipView, MembershipView, StepEnd):
         if self._shard_group is not None:
             sharded.reshard(self.module)
         self._watch.check(self.module)
-        if self.training:
-            self._check_rounds_started()
-        self._transferred = None
+        self._order.forward(self.training, self._steps)
         self._members.guard(self._mix.before_forward, self.training)
         if self._hierarchy is not None:
             self._hierarchy.receive_parameters()
@@ -217,8 +210,6 @@ class GossipDataParallel(nn.Module, GossipView, MembershipView, StepEnd):
             self._buffer_policy.before_training_forward(self.process_group)
             if self.start_in_forward:
                 self._transfer(_validation.BY_FORWARD)
-            elif self._steps == 0:
-                self._versions_at_forward = parameter_versions(self.module)
         return self.module(*inputs, **kwargs)
 
     def transfer_params(self, optimizer: torch.optim.Optimizer | None = None) -> None:
@@ -252,14 +243,14 @@ class GossipDataParallel(nn.Module, GossipView, MembershipView, StepEnd):
         # A failed round or exact average, before this step counts; also where no round would
         # start (LocalSGD has no engine).
         self._members.guard(self._mix.raise_if_failed)
-        _validation.check_transfer(self._transferred, caller, self.overlap)
+        self._order.transfer(caller)
         if self._outer.needs_inner_lr:
             _validation.check_slowmo_optimizer(self._outer.sync_every, self._optimizer)
         self._members.at_step_boundary()  # where a membership change takes effect
         self._steps += 1
         self._members.guard(self._end_step)
         self._node_behind = True
-        self._transferred = caller
+        self._order.transferred(caller)
 
     def register_optimizer(self, optimizer: torch.optim.Optimizer):
         """Calls :meth:`transfer_params` after every ``optimizer.step()``; returns the hook's
@@ -293,7 +284,7 @@ class GossipDataParallel(nn.Module, GossipView, MembershipView, StepEnd):
         parameters are then the model with every message sent so far. Raises the error of a
         failed round (naming the peer and the round). With ``nprocs_per_node > 1`` the machine's
         other processes receive the result (collective over the machine)."""
-        self._transferred = None
+        self._order.step_finished()
         self._members.check_member()
         self._members.guard(self._mix.drain)
         if self._hierarchy is not None and self._node_behind:
@@ -309,6 +300,36 @@ class GossipDataParallel(nn.Module, GossipView, MembershipView, StepEnd):
         if not mode:
             self.sync_comms()
         return self
+
+    def _end_step(self) -> None:
+        """The gossip round, or the outer step in its place, that ends step ``self._steps``."""
+        self._mix.arm(self._steps)
+        if self._outer.end_step(self._steps, self._step_context):
+            self._mix.after_step()
+
+    # ----------------------------------------------------------------------------- membership
+
+    @property
+    def elastic(self) -> bool:
+        """Whether this worker belongs to an elastic job (``membership=Elastic(...)``)."""
+        return self.configuration.membership is not None
+
+    @property
+    def worker_id(self) -> int | None:
+        """This worker's id in an elastic job, in order of registration; None in a static one."""
+        return self._members.worker_id
+
+    @property
+    def epoch(self) -> int | None:
+        """The membership epoch this worker trains in; None in a static job."""
+        return self._members.epoch
+
+    def leave(self) -> None:
+        """Leaves an elastic job cleanly: this worker's last round is delivered, and the others
+        drop it at their next step boundary, without waiting for a timeout. Runs by itself when
+        the process exits or the wrapper is collected; after it, the wrapper no longer trains (its
+        module keeps the model)."""
+        self._members.leave()
 
     # ----------------------------------------------------------------------------- checkpoint
 

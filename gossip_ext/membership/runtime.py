@@ -226,7 +226,7 @@ class ElasticMembership:
             _elastic_worker.send_state(self._handoff(wrapper), joined, change.group)
         wrapper._outer.align_in_flight(wrapper._steps)
         self._holds_state = True
-        wrapper._reset_rounds_check()
+        wrapper._parameters_loaded()
 
     def _handoff(self, wrapper) -> dict[str, Any]:
         """What a joiner receives from its donor: the model (parameters and buffers), the step

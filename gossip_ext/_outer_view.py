@@ -1,7 +1,6 @@
-"""What ends an optimizer step of GossipDataParallel: this step's gossip round, or the outer step
-that takes its place (``outer_steps.OuterSteps.end_step``: a plain average, or the rule's step on
-its averaging's mean; or Streaming DiLoCo's prepares and applies); and what the outer steps show a
-user (``average_parameters()``, the outer optimizers, ``step_count``).
+"""What GossipDataParallel shows of its outer steps: ``average_parameters()``, the outer
+optimizers, whether their state started, ``step_count``; and the context it lends an outer step
+(``outer_steps.StepContext``).
 
 A mixin of the wrapper, reading its inner mix (``_mix``) and its outer steps (``_outer``).
 """
@@ -14,42 +13,8 @@ from gossip_ext import _validation
 from gossip_ext.outer import outer_steps
 
 
-def parameter_versions(module) -> int:
-    """The sum of the parameters' version counters: it changes when anything writes them in
-    place, as every optimizer step does."""
-    return sum(p._version for p in module.parameters())
-
-
-class StepEnd:
-    """The end of every optimizer step, and the outer steps' public face (see the module)."""
-
-    def _check_rounds_started(self) -> None:
-        """Raises if an optimizer step changed the parameters since the last training forward
-        while transfer_params() was never called: such a loop would train every worker alone
-        with no gossip at all. Checked only until the first transfer_params(), on every rank
-        alike (every rank steps its optimizer)."""
-        if self._steps or self._versions_at_forward is None or self.start_in_forward:
-            return
-        if parameter_versions(self.module) != self._versions_at_forward:
-            self._versions_at_forward = None  # raise once
-            overlap = (
-                "; with overlap=True, start_in_forward=True starts every round from the forward "
-                "instead, as the reference SGP does"
-                if self.overlap
-                else ""
-            )
-            raise RuntimeError(
-                "GossipDataParallel: the parameters changed since the last forward (an optimizer "
-                "step) but transfer_params() was never called, so no gossip round ran and every "
-                "worker trains alone. Call model.transfer_params() after every optimizer.step(), "
-                f"or model.register_optimizer(optimizer) once{overlap}"
-            )
-
-    def _end_step(self) -> None:
-        """The gossip round or outer step that ends optimizer step ``self._steps``."""
-        self._mix.arm(self._steps)
-        if self._outer.end_step(self._steps, self._step_context):
-            self._mix.after_step()
+class OuterView:
+    """The outer steps' public face (see the module)."""
 
     def _step_context(self) -> outer_steps.StepContext:
         # Only gossiping processes hold push-sum state; the others contribute nothing and receive
