@@ -1,7 +1,11 @@
 """Decentralized data-parallel training of a small MLP with gossip_ext, launched with torchrun.
 
     torchrun --standalone --nproc_per_node 4 examples/train.py --mode sgp
+    torchrun --standalone --nproc_per_node 4 examples/train.py --mode overlap --message-dtype int8
     torchrun --standalone --nproc_per_node 4 examples/train.py --mode async --synch-freq 2
+    torchrun --standalone --nproc_per_node 4 examples/train.py --mode diloco --sync-every 8
+    torchrun --standalone --nproc_per_node 4 examples/train.py --mode streaming --fragments 3
+    torchrun --standalone --nproc_per_node 4 examples/train.py --mode sparseloco
     torchrun --standalone --nproc_per_node 4 examples/train.py --mode sgp --nprocs-per-node 2
     torchrun --standalone --nproc_per_node 4 examples/train.py --mode ddp
 
@@ -18,11 +22,20 @@ clusters, so the classes are not linearly separable. By default everything runs 
 gloo.
 
 Modes:
-    sgp      Stochastic Gradient Push: push-sum over a directed graph, synchronous.
-    overlap  SGP whose round runs during the next forward, backward and step.
-    async    SGP with bounded asynchrony (--synch-freq forwards may skip a late round).
-    dpsgd    D-PSGD: push-pull averaging over a graph that pairs ranks symmetrically.
-    ddp      torch DistributedDataParallel (all-reduce of gradients), the baseline.
+    sgp         Stochastic Gradient Push: push-sum over a directed graph, synchronous.
+    overlap     SGP whose round runs during the next forward, backward and step.
+    async       SGP with bounded asynchrony (--synch-freq forwards may skip a late round).
+    dpsgd       D-PSGD: push-pull averaging over a graph that pairs ranks symmetrically.
+    diloco      DiLoCo: no gossip; every --sync-every steps an outer Nesterov step on the
+                averaged pseudo-gradient (its messages in --message-dtype).
+    streaming   Streaming DiLoCo: the same in --fragments fragments, each overlapped with one
+                step of training.
+    sparseloco  SparseLoCo's step: DiLoCo in sparse 2-bit messages with error feedback.
+    ddp         torch DistributedDataParallel (all-reduce of gradients), the baseline.
+
+--message-dtype compresses the gossip messages (the SGP modes) or the outer step's (the DiLoCo
+modes): bfloat16 and float16 halve them, int8 and float8 (float8_e4m3fn) send about a quarter,
+int4 an eighth, each with error feedback.
 
 Rank 0 prints its own mean loss every --log-interval steps and, at the end, the training loss
 and accuracy averaged over ranks, the time per step and the consensus distance
@@ -44,7 +57,8 @@ from torch import nn
 
 import gossip_ext
 
-MODES = ("sgp", "overlap", "async", "dpsgd", "ddp")
+MODES = ("sgp", "overlap", "async", "dpsgd", "diloco", "streaming", "sparseloco", "ddp")
+OUTER_MODES = ("diloco", "streaming", "sparseloco")
 # The graphs that need nothing but peers_per_itr (CustomGraph needs phone books).
 GRAPHS = {
     cls.__name__: cls
@@ -73,7 +87,14 @@ def make_dataset(seed: int) -> tuple[torch.Tensor, torch.Tensor]:
     return points, cluster // 2
 
 
-MESSAGE_DTYPES = {"float32": None, "bfloat16": torch.bfloat16, "float16": torch.float16}
+MESSAGE_DTYPES = {
+    "float32": None,
+    "bfloat16": torch.bfloat16,
+    "float16": torch.float16,
+    "int8": "int8",
+    "int4": "int4",
+    "float8": torch.float8_e4m3fn,
+}
 
 
 def make_model() -> nn.Module:
@@ -102,21 +123,59 @@ def wrap(args: argparse.Namespace, module: nn.Module, world_size: int) -> nn.Mod
         return nn.parallel.DistributedDataParallel(
             module, device_ids=[device.index] if device.type == "cuda" else None
         )
-    graph = make_graph(args, world_size // args.nprocs_per_node)
+    dtype = MESSAGE_DTYPES[args.message_dtype]
+    if args.mode in OUTER_MODES:
+        gossip, outer = None, make_diloco(args, dtype)
+    else:
+        kind = gossip_ext.PushPull if args.mode == "dpsgd" else gossip_ext.SGP
+        gossip = kind(
+            graph=make_graph(args, world_size // args.nprocs_per_node),
+            overlap=args.mode == "overlap",
+            synch_freq=args.synch_freq if args.mode == "async" else 0,
+            message_dtype=dtype,
+        )
+        outer = None
+        if args.slowmo_freq:
+            outer = gossip_ext.SlowMo(
+                every=args.slowmo_freq,
+                momentum=args.slowmo_momentum,
+                lr=args.slowmo_lr,
+                average_every=args.global_avg_freq or None,
+            )
+        elif args.global_avg_freq:
+            outer = gossip_ext.Average(every=args.global_avg_freq)
     return gossip_ext.GossipDataParallel(
         module,
-        graph=graph,
-        push_sum=args.mode != "dpsgd",
-        overlap=args.mode == "overlap",
-        synch_freq=args.synch_freq if args.mode == "async" else 0,
+        gossip,
+        outer,
         nprocs_per_node=args.nprocs_per_node,
         comm_device=args.comm_device,
-        message_dtype=MESSAGE_DTYPES[args.message_dtype],
-        global_avg_freq=args.global_avg_freq,
-        slowmo_freq=args.slowmo_freq,
-        slowmo_momentum=args.slowmo_momentum,
-        slowmo_lr=args.slowmo_lr,
         log_every=args.log_every,
+    )
+
+
+def make_diloco(args: argparse.Namespace, dtype) -> gossip_ext.DiLoCo:
+    """DiLoCo's outer step as the papers run it: SGD with Nesterov momentum 0.9 on the averaged
+    pseudo-gradient; Streaming DiLoCo in fragments, each averaged while one step trains;
+    SparseLoCo's step in TopK messages (1/32 of the values, 2 bits each, error feedback)."""
+
+    def outer_optimizer(params):
+        return torch.optim.SGD(params, lr=args.outer_lr, momentum=0.9, nesterov=True)
+
+    if args.mode == "sparseloco":
+        average = gossip_ext.ByCollective(
+            dtype=gossip_ext.TopK(density=1 / 32, bits=2, feedback_decay=0.95)
+        )
+    else:
+        average = gossip_ext.ByCollective(dtype=dtype)
+    streaming = args.mode == "streaming"
+    return gossip_ext.DiLoCo(
+        outer_optimizer,
+        every=args.sync_every,
+        average=average,
+        fragments=args.fragments if streaming else 1,
+        delay=1 if streaming else 0,
+        alpha=0.5 if streaming else 0.0,
     )
 
 
@@ -150,6 +209,8 @@ def train(args: argparse.Namespace, device: torch.device) -> None:
 
     if rank == 0:
         graph = repr(model.graph) if gossip else "all-reduce"
+        if args.mode in OUTER_MODES:
+            graph = f"none, an outer step every {args.sync_every} steps"
         where = f"{device} over {dist.get_backend()}"
         if args.comm_device is not None:
             where += f", comm_device={args.comm_device}"
@@ -197,8 +258,9 @@ def train(args: argparse.Namespace, device: torch.device) -> None:
     )
     # Exact, collective; DDP's replicas are identical by construction.
     consensus = model.consensus_distance(relative=True) if gossip else 0.0
-    # A collective (every rank takes part); DDP has no gossip counter.
-    sent = max_over_ranks(model.bytes_sent / args.steps, device) if gossip else None
+    # A collective (every rank takes part); DDP has no gossip counter, DiLoCo no gossip.
+    counted = gossip and args.mode not in OUTER_MODES
+    sent = max_over_ranks(model.bytes_sent / args.steps, device) if counted else None
     if rank == 0:
         print(f"final training loss {loss:.4f}  accuracy {accuracy:.4f}  (mean over ranks)")
         print(f"time per step {1000 * step_time:.2f} ms (slowest rank)")
@@ -213,7 +275,8 @@ def train(args: argparse.Namespace, device: torch.device) -> None:
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(
         description="Train an MLP on a synthetic data set with gossip (SGP, overlap SGP, bounded "
-        "asynchrony, D-PSGD) or DDP all-reduce. Launch with torchrun.",
+        "asynchrony, D-PSGD), DiLoCo (whole, streamed, SparseLoCo's sparse step) or DDP "
+        "all-reduce. Launch with torchrun.",
     )
     parser.add_argument(
         "--mode",
@@ -275,9 +338,30 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     parser.add_argument(
         "--message-dtype",
-        choices=sorted(MESSAGE_DTYPES),
+        choices=list(MESSAGE_DTYPES),
         default="float32",
-        help="dtype of gossip messages; 16 bits halve the bytes (default: %(default)s)",
+        help="what messages travel in: the gossip's (SGP modes) or the outer step's (DiLoCo "
+        "modes); 16 bits halve the bytes, int8 and float8 about a quarter, int4 an eighth "
+        "(default: %(default)s)",
+    )
+    parser.add_argument(
+        "--sync-every",
+        type=int,
+        default=8,
+        help="DiLoCo modes: inner steps between outer steps (default: %(default)s)",
+    )
+    parser.add_argument(
+        "--outer-lr",
+        type=float,
+        default=0.7,
+        help="DiLoCo modes: the outer Nesterov step's learning rate (default: %(default)s)",
+    )
+    parser.add_argument(
+        "--fragments",
+        type=int,
+        default=3,
+        help="--mode streaming: fragments of the model, each synchronised on its own step "
+        "(default: %(default)s)",
     )
     parser.add_argument(
         "--global-avg-freq",
@@ -317,6 +401,16 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
             parser.error(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
     if args.peers_per_itr is not None and args.peers_per_itr < 1:
         parser.error(f"--peers-per-itr must be >= 1, got {args.peers_per_itr}")
+    for name in ("sync_every", "fragments"):
+        if getattr(args, name) < 1:
+            parser.error(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
+    if args.mode == "sparseloco" and args.message_dtype != "float32":
+        parser.error("--mode sparseloco sends its own sparse messages; leave --message-dtype out")
+    if args.mode in OUTER_MODES and (args.global_avg_freq or args.slowmo_freq):
+        parser.error(f"--mode {args.mode} is DiLoCo's outer step; --global-avg-freq and "
+                     "--slowmo-freq are for the SGP modes")  # fmt: skip
+    if args.mode in OUTER_MODES and args.nprocs_per_node != 1:
+        parser.error(f"--mode {args.mode}: --nprocs-per-node is for the SGP modes")
     if args.mode == "async" and args.synch_freq < 1:
         parser.error(f"--synch-freq must be >= 1 with --mode async, got {args.synch_freq}")
     if args.mode == "ddp" and (args.graph, args.peers_per_itr) != (None, None):

@@ -50,6 +50,21 @@ def gossip_world_size(
 # ----------------------------------------------------------------------------- the module
 
 
+def check_module(module: nn.Module) -> None:
+    """An nn.Module, not already wrapped by another data-parallel wrapper: DDP's or FSDP's would
+    all-reduce every gradient, or shard the parameters, behind the gossip's back."""
+    check_type("module", module, nn.Module, "an nn.Module")
+    from torch.distributed.fsdp import FullyShardedDataParallel
+
+    wrappers = (nn.parallel.DistributedDataParallel, nn.DataParallel, FullyShardedDataParallel)
+    if isinstance(module, wrappers):
+        raise TypeError(
+            f"module is already wrapped in {type(module).__name__}, whose all-reduce would run "
+            "beside the gossip (every worker averaged twice, at all-reduce's cost): give "
+            "GossipDataParallel the model itself (module.module), not the wrapper"
+        )
+
+
 def check_parameters(module: nn.Module, named: list[tuple[str, torch.Tensor]]) -> torch.device:
     """Parameters the engine can flatten and gossip; returns their device.
 

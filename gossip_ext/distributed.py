@@ -113,7 +113,7 @@ class GossipDataParallel(nn.Module, GossipView, OuterView):
         **flat_keywords: Any,
     ):
         super().__init__()
-        _validation.check_type("module", module, nn.Module, "an nn.Module")
+        _validation.check_module(module)
         # The objects, given as objects or as flat keywords, and the settings every part shares:
         # all that the runtime reads, checked on every rank before any communication.
         config = _flat.configuration(

@@ -332,3 +332,56 @@ def test_the_engine_is_built_by_the_gossip_object_else_by_an_outer_steps_bygossi
     assert owner(None, A.DiLoCo(optimizer, every=4)) is None
     assert owner(None, A.Average(every=4)) is None
     assert owner(None, A.SlowMo(every=4)) is None
+
+
+# ----------------------------------------------------------------------------- the user's words
+
+
+@pytest.mark.parametrize(
+    "make, words",
+    [
+        (
+            lambda: A.DiLoCo(torch.optim.SGD, every=4),
+            [
+                "DiLoCo(optimizer=...): optimizer must build a configured optimizer",
+                "the class torch.optim.SGD",
+                "lambda params: torch.optim.SGD(params, lr=...)",
+            ],
+        ),
+        (  # the flat spelling: the same check, in the keyword the user wrote
+            lambda: gossip_ext.GossipDataParallel(
+                nn.Linear(2, 1), outer_optimizer=torch.optim.Adam, sync_every=4
+            ),
+            ["outer_optimizer must build a configured optimizer", "torch.optim.Adam"],
+        ),
+        (
+            lambda: gossip_ext.GossipDataParallel(
+                nn.parallel.DistributedDataParallel.__new__(nn.parallel.DistributedDataParallel)
+            ),
+            ["already wrapped in DistributedDataParallel", "module.module"],
+        ),
+    ],
+)
+def test_a_mistake_is_named_in_the_spelling_the_user_wrote(make, words):
+    with pytest.raises(TypeError) as raised:
+        make()
+    for word in words:
+        assert word in str(raised.value), str(raised.value)
+
+
+def _nothing_averages(rank: int, world_size: int, spelling: str) -> str:
+    kwargs = {"gossip": None} if spelling == "objects" else {"base_algorithm": "localsgd"}
+    try:
+        gossip_ext.GossipDataParallel(nn.Linear(2, 1), **kwargs)
+    except ValueError as error:
+        return str(error)
+    return ""
+
+
+def test_a_job_where_nothing_averages_is_refused_in_the_users_spelling():
+    by_objects = run_ranks(2, _nothing_averages, "objects")
+    by_flat = run_ranks(2, _nothing_averages, "flat")
+    for error in by_objects:
+        assert "gossip=None and outer=None" in error and "base_algorithm" not in error, error
+    for error in by_flat:
+        assert "base_algorithm='localsgd' runs no gossip" in error, error

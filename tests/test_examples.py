@@ -10,6 +10,7 @@ import sys
 import time
 from pathlib import Path
 
+import pytest
 from elastic_job import Job
 
 EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
@@ -20,11 +21,25 @@ def _accuracy(output: str) -> float:
     return float(re.search(r"accuracy (\d\.\d+)", output).group(1))
 
 
-def test_train_py_under_torchrun_learns_and_reports(tmp_path):
+@pytest.mark.parametrize(
+    "mode",
+    [
+        ["--mode", "sgp"],
+        # The headline's modes, as the README names them.
+        ["--mode", "overlap", "--message-dtype", "int8"],
+        ["--mode", "overlap", "--message-dtype", "float8"],
+        ["--mode", "diloco", "--message-dtype", "int8"],
+        ["--mode", "streaming"],
+        ["--mode", "sparseloco"],
+    ],
+    ids=lambda mode: "-".join(mode[1::2]),
+)
+def test_train_py_under_torchrun_learns_and_reports(tmp_path, mode):
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node",
-               "2", str(EXAMPLES / "train.py"), "--mode", "sgp", "--steps", "100"]  # fmt: skip
+               "2", str(EXAMPLES / "train.py"), *mode, "--steps", "100"]  # fmt: skip
     done = subprocess.run(command, capture_output=True, text=True, timeout=300, cwd=tmp_path)
     assert done.returncode == 0, (done.returncode, done.stdout[-2000:], done.stderr[-4000:])
+    assert f"mode={mode[1]}" in done.stdout, done.stdout
     assert "relative consensus distance" in done.stdout, done.stdout
     assert _accuracy(done.stdout) > 2 * CHANCE, done.stdout
 

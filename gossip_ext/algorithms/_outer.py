@@ -252,6 +252,20 @@ class DiLoCo(Algorithm):
     needs_inner_lr = False
 
     def __post_init__(self) -> None:
+        if isinstance(self.optimizer, type) and issubclass(self.optimizer, torch.optim.Optimizer):
+            cls = self.optimizer
+            name = cls.__name__
+            if getattr(torch.optim, name, None) is not cls:
+                name = f"{cls.__module__}.{cls.__qualname__}"
+            else:
+                name = f"torch.optim.{name}"
+            raise TypeError(
+                f"{where(self, 'optimizer')} must build a configured optimizer, got the class "
+                f"{name}, which would step at its default learning rate: give "
+                f"`lambda params: {name}(params, lr=...)` or functools.partial({name}, lr=...) "
+                "(DiLoCo's own: `lambda params: torch.optim.SGD(params, lr=0.7, momentum=0.9, "
+                "nesterov=True)`)"
+            )
         if not callable(self.optimizer):
             raise TypeError(
                 f"{where(self, 'optimizer')} must be a callable that builds a "
