@@ -229,6 +229,11 @@ class CallOrder:
         if training:
             self._check_rounds_started(steps)
         self._caller = None
+
+    def module_runs(self, training: bool, steps: int) -> None:
+        """The module's own forward is next: what the parameters are now is what the wrapper
+        made them (a round absorbed, a machine's leader's received), before the optimizer's
+        step."""
         if training and steps == 0 and not self._start_in_forward:
             self._versions = parameter_versions(self._module)
 

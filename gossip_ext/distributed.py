@@ -210,6 +210,7 @@ class GossipDataParallel(nn.Module, GossipView, OuterView):
             self._buffer_policy.before_training_forward(self.process_group)
             if self.start_in_forward:
                 self._transfer(_validation.BY_FORWARD)
+        self._order.module_runs(self.training, self._steps)
         return self.module(*inputs, **kwargs)
 
     def transfer_params(self, optimizer: torch.optim.Optimizer | None = None) -> None:
