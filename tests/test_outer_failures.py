@@ -53,6 +53,9 @@ AVERAGINGS = {
     "compressed_gossip": lambda: gossip_ext.DiLoCo(
         _outer_sgd, every=4, average=gossip_ext.ByCompressedGossip(_TOPK)
     ),
+    # The other rules on the other averagings: the contract is the averaging's, whatever rule.
+    "average_int8": lambda: gossip_ext.Average(every=4, average=gossip_ext.ByCollective("int8")),
+    "slowmo_by_gossip": lambda: gossip_ext.SlowMo(every=4, average=_by_gossip()),
 }
 STREAMED = {
     f"streamed_{name}": (

@@ -18,19 +18,34 @@ PYTHON=${PYTHON:-python3}
 export PIP_ROOT_USER_ACTION=ignore  # root in a container is the norm where this runs
 TORCH_VERSION=${GOSSIP_TORCH_VERSION:-2.13.0}
 
-# stage NAME: starts a stage; the previous one's time goes to the summary printed at the end.
+# stage BUDGET NAME: starts a stage, which should take at most BUDGET seconds on the 2-core
+# machine the tests run on (the budgets sum to 25 minutes, the whole command's); the previous
+# stage's time goes to the summary printed at the end, beside its budget. A stage over its budget
+# is named there, and does not fail the run: the budget tells a change that made the suite slower.
 stages=()
+over=()
 stage_name=""
+stage_budget=0
 stage_start=$SECONDS
 run_start=$SECONDS
+budget_total=0
+minutes() { printf '%2d min %02d s' $(($1 / 60)) $(($1 % 60)); }
 end_stage() {
-  [ -n "$stage_name" ] && stages+=("$(printf '%-80s %3d min %02d s' "$stage_name" \
-    $(((SECONDS - stage_start) / 60)) $(((SECONDS - stage_start) % 60)))")
+  [ -n "$stage_name" ] || return 0
+  local took=$((SECONDS - stage_start)) mark=""
+  if [ "$took" -gt "$stage_budget" ]; then
+    mark="  OVER"
+    over+=("$stage_name")
+  fi
+  stages+=("$(printf '%-78s %s  (budget %s)%s' "$stage_name" "$(minutes "$took")" \
+    "$(minutes "$stage_budget")" "$mark")")
   stage_name=""
 }
 stage() {
   end_stage
-  stage_name=$1
+  stage_budget=$1
+  stage_name=$2
+  budget_total=$((budget_total + stage_budget))
   stage_start=$SECONDS
   printf '\n== %s\n' "$stage_name"
 }
@@ -39,7 +54,13 @@ summary() {
   end_stage
   printf '\n== Time per stage\n'
   printf '%s\n' "${stages[@]}"
-  printf '%-80s %3d min %02d s\n' "all" $(((SECONDS - run_start) / 60)) $(((SECONDS - run_start) % 60))
+  printf '%-78s %s  (budget %s)\n' "all" "$(minutes $((SECONDS - run_start)))" \
+    "$(minutes "$budget_total")"
+  if [ ${#over[@]} -gt 0 ]; then
+    printf 'over budget: %s\n' "$(IFS=';'; echo "${over[*]}")"
+  else
+    echo "every stage within its budget"
+  fi
   # pytest's own closing line stays the last line of the run.
   [ -s build/pytest.log ] && tail -n 1 build/pytest.log
   return $status
@@ -48,7 +69,7 @@ trap summary EXIT
 mkdir -p build
 rm -f build/pytest.log
 
-stage "Python dependencies"
+stage 45 "Python dependencies"
 if ! "$PYTHON" -c "import torch, sys; sys.exit(torch.__version__.split('+')[0] != '$TORCH_VERSION')" 2>/dev/null; then
   "$PYTHON" -m pip install "torch==$TORCH_VERSION"
 fi
@@ -56,7 +77,7 @@ fi
 # (benchmark and test dependencies only: tests/test_compare_systems.py).
 "$PYTHON" -m pip install --quiet pytest pytest-timeout torchft==0.2.0 decent-dp==0.2.3
 
-stage "GoogleTest"
+stage 15 "GoogleTest"
 if [ ! -f /usr/include/gtest/gtest.h ]; then
   SUDO=""
   [ "$(id -u)" -eq 0 ] || SUDO="sudo"
@@ -64,27 +85,27 @@ if [ ! -f /usr/include/gtest/gtest.h ]; then
   $SUDO apt-get install -y -qq libgtest-dev cmake ninja-build
 fi
 
-stage "Build the extension (gossip_ext._C; reused when up to date)"
+stage 90 "Build the extension (gossip_ext._C; reused when up to date)"
 PYTHON="$PYTHON" bash tools/build.sh --demo
 
-stage "Build and run the C++ tests (ctest; linked from the extension's objects)"
+stage 60 "Build and run the C++ tests (ctest; linked from the extension's objects)"
 TORCH_CMAKE=$("$PYTHON" -c 'import torch; print(torch.utils.cmake_prefix_path)')
 cmake -S . -B build/cmake -G Ninja -DCMAKE_PREFIX_PATH="$TORCH_CMAKE" \
   -DGOSSIP_CORE_OBJECTS="$("$PYTHON" tools/sources.py --object-dir)" >/dev/null
 cmake --build build/cmake -j "$(nproc)"
 ctest --test-dir build/cmake --output-on-failure -j "$(nproc)"
 
-stage "C++ tests under ASan+UBSan (all of ctest)"
+stage 180 "C++ tests under ASan+UBSan (all of ctest)"
 bash tools/run_sanitizers.sh asan
 
-stage "C++ tests under TSan (the threaded transports: ctest -L inproc)"
+stage 90 "C++ tests under TSan (the threaded transports: ctest -L inproc)"
 bash tools/run_sanitizers.sh tsan
 
 # The rehearsals (tools/rehearse_build.sh): what each builds against.
 cuda_rehearsal=(GOSSIP_REHEARSAL_TORCH=2.11.0 GOSSIP_REHEARSAL_PYTHON=3.12 GOSSIP_REHEARSAL_CUDA=1)
 newest_rehearsal=(GOSSIP_REHEARSAL_TORCH=2.15.0 GOSSIP_REHEARSAL_PYTHON=3.12 GOSSIP_REHEARSAL_CUDA=0)
 
-stage "Rehearsal environments: torch 2.11 and 2.15 (10 GB of disk), side by side"
+stage 60 "Rehearsal environments: torch 2.11 and 2.15 (10 GB of disk), side by side"
 # Installing one is CPU-bound (unpacking and writing its files; the downloads do not hold it up)
 # and pip uses one core: the two install at once on two cores. Each keeps its log; both are
 # waited for, and shown, before a failure stops the run.
@@ -105,11 +126,11 @@ if [ "$environments" -ne 0 ]; then
   exit 1
 fi
 
-stage "Rehearsal: torch 2.11's CUDA build without a GPU (build, pytest -m extension)"
+stage 150 "Rehearsal: torch 2.11's CUDA build without a GPU (build, pytest -m extension)"
 env "${cuda_rehearsal[@]}" bash tools/rehearse_build.sh
 
-stage "Rehearsal: the newest torch, 2.15, a CPU build (build, pytest -m extension)"
+stage 120 "Rehearsal: the newest torch, 2.15, a CPU build (build, pytest -m extension)"
 env "${newest_rehearsal[@]}" bash tools/rehearse_build.sh
 
-stage "Python tests (pytest; the 20 slowest listed at the end)"
+stage 690 "Python tests (pytest; the 20 slowest listed at the end)"
 "$PYTHON" -m pytest tests -q --durations=20 | tee build/pytest.log
