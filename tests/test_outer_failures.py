@@ -119,12 +119,20 @@ def _a_worker_fails(rank: int, world_size: int, name: str, fault: str, sync_dir:
                 result["again"] = type(again).__name__
             break
     _touch(os.path.join(sync_dir, f"done{rank}"))
+    survivors = [r for r in range(world_size) if r != FAULTY or fault == "nan"]
     if fault == "stop":  # the last survivor to finish ends the stopped worker
-        survivors = [r for r in range(world_size) if r != FAULTY]
         if all(os.path.exists(os.path.join(sync_dir, f"done{r}")) for r in survivors):
             with open(os.path.join(sync_dir, "stopped_pid")) as f:
                 pid = int(f.read())
             os.kill(pid, signal.SIGKILL)
+    # A survivor stays until every survivor has raised, as a job's survivors do: one that exited
+    # at once would close its connections, and a survivor still waiting would name it instead of
+    # the faulty worker.
+    deadline = time.monotonic() + 2 * (TIMEOUT_S + SLACK_S)
+    while time.monotonic() < deadline and not all(
+        os.path.exists(os.path.join(sync_dir, f"done{r}")) for r in survivors
+    ):
+        time.sleep(0.05)
     return result
 
 
