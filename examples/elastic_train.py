@@ -111,7 +111,8 @@ def main(argv: list[str] | None = None) -> None:
         f"{held_loss:.4f} accuracy {accuracy:.4f}",
         flush=True,
     )
-    model.leave()  # the others drop this worker at their next step, without a timeout
+    # Nothing to call at the end: a worker whose script returns leaves as model.leave() would
+    # (its last round delivered; the others drop it at their next step, without a timeout).
 
 
 if __name__ == "__main__":

@@ -40,6 +40,13 @@ class StaticMembership:
             dist.group.WORLD if self._process_group is None else self._process_group
         )
         wrapper._build(initial=True)
+        # The engine's threads must not outlive the interpreter: at exit, it is let go of first.
+        weakref.finalize(wrapper, self._close_at_end)
+
+    def _close_at_end(self) -> None:
+        wrapper = self._wrapper()
+        if wrapper is not None:
+            wrapper._close_mix()
 
     def guard(self, fn: Callable, *args) -> Any:
         return fn(*args)
@@ -97,8 +104,9 @@ class ElasticMembership:
         del change
         if failure is not None:
             self._change_epoch(failure)  # the donor died during the handoff: another one
-        # Leaves when the process exits or the wrapper is collected, whichever is first.
-        weakref.finalize(self._wrapper(), self.worker.leave)
+        # Leaves when the process exits or the wrapper is collected, whichever is first, as
+        # leave() does: a script that returns without calling it is seen to leave, not to die.
+        weakref.finalize(self._wrapper(), self._leave_at_end)
 
     @property
     def worker_id(self) -> int:
@@ -160,6 +168,20 @@ class ElasticMembership:
         self.worker.leaving_epoch()
         wrapper._close_mix()
         self.worker.leave()
+
+    def _leave_at_end(self) -> None:
+        """The process exits, or the wrapper was collected, without leave(): leaves as leave()
+        does where the wrapper is still there to deliver its last round, and lets go of the
+        engine, whose threads must not outlive the interpreter; else only leaves."""
+        if self.worker.left:
+            return
+        if self._wrapper() is None:
+            self.worker.leave()
+            return
+        try:
+            self.leave()
+        finally:
+            self.worker.leave()  # whatever the drain met: leaving anyway
 
     # ----------------------------------------------------------------------------- epochs
 
