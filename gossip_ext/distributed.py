@@ -17,6 +17,7 @@ from torch import nn
 from gossip_ext import _buffers, _checkpoint, _validation, algorithms, assembly
 from gossip_ext import flat_keywords as _flat
 from gossip_ext._gossip_view import GossipView
+from gossip_ext._membership_view import MembershipView
 from gossip_ext._outer_view import OuterView
 from gossip_ext.membership import runtime as membership_runtime
 from gossip_ext.sharded import replicas as sharded
@@ -24,7 +25,7 @@ from gossip_ext.sharded import replicas as sharded
 __all__ = ["GossipDataParallel"]
 
 
-class GossipDataParallel(nn.Module, GossipView, OuterView):
+class GossipDataParallel(nn.Module, GossipView, MembershipView, OuterView):
     """Data-parallel training where workers average parameters with a few peers per step.
 
     Instead of an all-reduce of gradients every step (DistributedDataParallel), every worker
@@ -307,30 +308,6 @@ class GossipDataParallel(nn.Module, GossipView, OuterView):
         self._mix.arm(self._steps)
         if self._outer.end_step(self._steps, self._step_context):
             self._mix.after_step()
-
-    # ----------------------------------------------------------------------------- membership
-
-    @property
-    def elastic(self) -> bool:
-        """Whether this worker belongs to an elastic job (``membership=Elastic(...)``)."""
-        return self.configuration.membership is not None
-
-    @property
-    def worker_id(self) -> int | None:
-        """This worker's id in an elastic job, in order of registration; None in a static one."""
-        return self._members.worker_id
-
-    @property
-    def epoch(self) -> int | None:
-        """The membership epoch this worker trains in; None in a static job."""
-        return self._members.epoch
-
-    def leave(self) -> None:
-        """Leaves an elastic job cleanly: this worker's last round is delivered, and the others
-        drop it at their next step boundary, without waiting for a timeout. Runs by itself when
-        the process exits or the wrapper is collected; after it, the wrapper no longer trains (its
-        module keeps the model)."""
-        self._members.leave()
 
     # ----------------------------------------------------------------------------- checkpoint
 

@@ -87,6 +87,19 @@ def _digest(module: nn.Module) -> str:
     return digest.hexdigest()
 
 
+def train_steps(model: gossip_ext.GossipDataParallel, rank: int, steps: int) -> None:
+    """``steps`` optimizer steps of SGD on this rank's own regression batches, gossip and outer
+    steps through the optimizer's hook."""
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.05)
+    model.register_optimizer(optimizer)
+    for step in range(steps):
+        g = torch.Generator().manual_seed(1000 * step + rank)
+        x, y = torch.randn(8, 6, generator=g), torch.randn(8, 1, generator=g)
+        optimizer.zero_grad()
+        nn.functional.mse_loss(model(x), y).backward()
+        optimizer.step()
+
+
 def train_grid(rank: int, world_size: int) -> dict[str, str]:
     """Every configuration on this rank: name -> digest of the parameters and buffers."""
     digests = {}
@@ -95,14 +108,7 @@ def train_grid(rank: int, world_size: int) -> dict[str, str]:
         model = gossip_ext.GossipDataParallel(
             _net(), gossip=None if gossip is None else gossip(), outer=spec["outer"]()
         )
-        optimizer = torch.optim.SGD(model.parameters(), lr=0.05)
-        model.register_optimizer(optimizer)
-        for step in range(STEPS):
-            g = torch.Generator().manual_seed(1000 * step + rank)
-            x, y = torch.randn(8, 6, generator=g), torch.randn(8, 1, generator=g)
-            optimizer.zero_grad()
-            nn.functional.mse_loss(model(x), y).backward()
-            optimizer.step()
+        train_steps(model, rank, STEPS)
         model.sync_comms()
         digests[name] = _digest(model.module)
     return digests

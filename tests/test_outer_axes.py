@@ -16,6 +16,7 @@ from __future__ import annotations
 import pytest
 import torch
 from multiprocess import run_ranks
+from outer_grid import train_steps
 from torch import nn
 
 import gossip_ext
@@ -64,14 +65,7 @@ def _train(rank: int, world_size: int) -> dict[str, list[torch.Tensor]]:
     trained = {}
     for name, outer in _configurations().items():
         model = gossip_ext.GossipDataParallel(_net(), gossip=None, outer=outer())
-        optimizer = torch.optim.SGD(model.parameters(), lr=0.05)
-        model.register_optimizer(optimizer)
-        for step in range(STEPS):
-            g = torch.Generator().manual_seed(1000 * step + rank)
-            x, y = torch.randn(8, 6, generator=g), torch.randn(8, 1, generator=g)
-            optimizer.zero_grad()
-            nn.functional.mse_loss(model(x), y).backward()
-            optimizer.step()
+        train_steps(model, rank, STEPS)
         # After the last outer step (step 12), two inner steps: the ranks' models are apart.
         trained[name] = [p.detach().clone() for p in model.module.parameters()]
     return trained
