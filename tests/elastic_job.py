@@ -77,15 +77,18 @@ class ForkedProcess:
 
 
 class Job:
-    """A membership service and the workers of one job, in ``out``."""
+    """A membership service and the workers of one job, in ``out``. Workers are forked from the
+    forkserver, or by ``launch`` (tests/exiting_processes.py's, for processes that must exit as a
+    script does)."""
 
-    def __init__(self, out: Path):
+    def __init__(self, out: Path, launch=ForkedProcess):
         out.mkdir(exist_ok=True)
         self.out = out
         self.port = free_port()
         self.service = ForkedProcess(
             "gossip_ext.membership", ["--port", str(self.port)], out / "service.log"
         )
+        self._launch = launch
         self.workers: dict[str, ForkedProcess | subprocess.Popen] = {}
         end = time.monotonic() + 30.0
         while "membership service on" not in (out / "service.log").read_text():
@@ -95,7 +98,7 @@ class Job:
             time.sleep(0.02)
 
     def start(self, name: str, *args: str) -> ForkedProcess:
-        self.workers[name] = ForkedProcess(
+        self.workers[name] = self._launch(
             "elastic_worker",
             [
                 "--membership",

@@ -12,16 +12,18 @@ from __future__ import annotations
 
 import os
 import signal
+import threading
 import time
 from datetime import timedelta
 
 import pytest
 import torch
-from multiprocess import run_ranks_tolerating_deaths
+from multiprocess import run_ranks, run_ranks_tolerating_deaths
 from test_faults import _complete_graph, _touch
 from torch import nn
 
 import gossip_ext
+from gossip_ext.averagings import failures
 
 TIMEOUT_S = 2.0
 SLACK_S = 8.0  # on top of the timeout: two cores shared by three ranks and other jobs
@@ -183,3 +185,24 @@ def test_a_sparse_message_shows_a_nonfinite_value_in_its_chunk_scales(bad):
     shifted = torch.cat([torch.zeros(3, dtype=torch.uint8), message])[3:]
     assert codec.holds_nonfinite(message) == (bad is not None)
     assert codec.holds_nonfinite(shifted) == (bad is not None)
+
+
+def _given_up_while_waiting(rank: int, world_size: int) -> tuple[float, str] | None:
+    # Rank 1 never joins the all-reduce (a worker paired with no dead peer sees no connection
+    # close); rank 0's wait ends when its group is given up, long before the 60 s timeout.
+    group = torch.distributed.group.WORLD
+    if rank == 1:
+        time.sleep(1.0)
+        return None
+    work = torch.distributed.all_reduce(torch.ones(4), group=group, async_op=True)
+    threading.Timer(0.3, failures.give_up_waits_on, (group, "worker 1's heartbeat stopped")).start()
+    started = time.monotonic()
+    with pytest.raises(gossip_ext.PeerTimeoutError) as raised:
+        failures.wait_for_every_worker([work], "the mean", group, timedelta(seconds=60))
+    return time.monotonic() - started, str(raised.value)
+
+
+def test_a_wait_for_a_collective_ends_when_its_group_is_given_up():
+    waited_s, message = run_ranks(2, _given_up_while_waiting)[0]
+    assert 0.3 <= waited_s < 2.0, waited_s
+    assert "given up: worker 1's heartbeat stopped" in message, message

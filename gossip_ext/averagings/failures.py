@@ -17,6 +17,8 @@ from __future__ import annotations
 
 import datetime
 import threading
+import time
+import weakref
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
@@ -26,6 +28,19 @@ import torch.distributed as dist
 from gossip_ext.errors import NonFiniteError, PeerTimeoutError
 
 DEFAULT_TIMEOUT = datetime.timedelta(minutes=5)  # the wrapper's default
+# How often a wait for a collective looks whether its group was given up (give_up_waits_on).
+_GIVE_UP_POLL_S = 0.05
+# The groups whose collectives are given up, with why: weakly, as each elastic epoch's group
+# is dropped when the epoch ends.
+_given_up: weakref.WeakKeyDictionary[dist.ProcessGroup, str] = weakref.WeakKeyDictionary()
+
+
+def give_up_waits_on(group: dist.ProcessGroup, why: str) -> None:
+    """Fails every wait for a collective over ``group``, now and later, with ``why`` (any thread
+    may call it: an elastic worker's watch, when a member's heartbeat stopped). A collective over
+    every worker waits on whichever peers its algorithm pairs it with: a worker that is not paired
+    with the dead one sees no connection close and would wait out the whole timeout."""
+    _given_up[group] = why
 
 
 def transport_name(group: dist.ProcessGroup) -> str:
@@ -40,7 +55,7 @@ def wait_for_every_worker(
     failed or did not complete."""
     for work in works:
         try:
-            _wait_bounded(work, timeout)
+            _wait_bounded(work, timeout, group)
         except Exception as error:
             world_size = dist.get_world_size(group)
             raise PeerTimeoutError(
@@ -53,11 +68,12 @@ def wait_for_every_worker(
             ) from error
 
 
-def _wait_bounded(work: Any, timeout: datetime.timedelta) -> None:
-    """``work.wait()``, given up after ``timeout``. gloo's ``wait(timeout)`` is not woken by a
-    collective that fails (a peer's connection closing): it would wait out the whole timeout
-    where ``wait()`` raises at once. So the wait is on the work's future, which completes either
-    way, and ``wait()`` then returns or raises the collective's own error."""
+def _wait_bounded(work: Any, timeout: datetime.timedelta, group: dist.ProcessGroup) -> None:
+    """``work.wait()``, given up after ``timeout`` or once ``group`` is given up. gloo's
+    ``wait(timeout)`` is not woken by a collective that fails (a peer's connection closing): it
+    would wait out the whole timeout where ``wait()`` raises at once. So the wait is on the
+    work's future, which completes either way, and ``wait()`` then returns or raises the
+    collective's own error."""
     try:
         future = work.get_future()
     except RuntimeError:  # a work without a future: its own bounded wait
@@ -65,8 +81,13 @@ def _wait_bounded(work: Any, timeout: datetime.timedelta) -> None:
         return
     done = threading.Event()
     future.add_done_callback(lambda _: done.set())
-    if not done.wait(timeout.total_seconds()):
-        raise TimeoutError("the collective did not complete")
+    deadline = time.monotonic() + timeout.total_seconds()
+    while not done.wait(min(_GIVE_UP_POLL_S, max(0.0, deadline - time.monotonic()))):
+        why = _given_up.get(group)
+        if why is not None:
+            raise TimeoutError(f"given up: {why}")
+        if time.monotonic() >= deadline:
+            raise TimeoutError("the collective did not complete")
     work.wait()
 
 

@@ -25,6 +25,7 @@ import datetime
 import gc
 import io
 import logging
+import threading
 import time
 import weakref
 from collections.abc import Callable
@@ -197,7 +198,7 @@ class ElasticWorker:
         client.check_removed()
         if failure is not None and client.events() == previous.events:
             self._accuse(failure, previous)
-        self._release()
+        self._release(in_background=failure is not None)
         number, current = previous.number + 1, previous.members
         while True:
             members, events = client.candidate(current)
@@ -335,19 +336,34 @@ class ElasticWorker:
             if self.client.heartbeat is not None:
                 self.client.heartbeat.stop()
 
-    def _release(self) -> None:
+    def _release(self, *, in_background: bool = False) -> None:
         """Lets go of the epoch's group. Its connections close only when it is freed (gloo has
-        no close), which the peers still waiting on this worker must see now."""
+        no close), which the peers still waiting on this worker must see now. Freeing it waits
+        for its worker threads, and one still inside a collective that a failure left behind
+        waits there for the whole timeout (``abort()`` does not reach it): after a failure the
+        group is freed ``in_background``, so that the epoch change does not wait with it."""
         group, self.group = self.group, None
         if group is None:
             return
-        freed = weakref.ref(group)
-        epoch_group.release(group)
+        epoch_group.release(group)  # torch forgets it at once; freeing it may take longer
+        holder = [group]
         del group
-        if freed() is not None:
-            # A reference cycle still holds it (a traceback's frames): a full collection, which
-            # takes a tenth of a second in a process holding torch and a model, only then.
-            gc.collect()
+        if in_background:
+            # Not a daemon: the interpreter's exit waits for it, rather than finalize while it
+            # is inside torch's destructor.
+            threading.Thread(target=_free, args=(holder,), name="gossip_ext free group").start()
+        else:
+            _free(holder)
+
+
+def _free(holder: list[dist.ProcessGroup]) -> None:
+    """Drops the last reference to the group in ``holder``."""
+    freed = weakref.ref(holder[0])
+    holder.clear()
+    if freed() is not None:
+        # A reference cycle still holds it (a traceback's frames): a full collection, which
+        # takes a tenth of a second in a process holding torch and a model, only then.
+        gc.collect()
 
 
 # ----------------------------------------------------------------------------- the handoff

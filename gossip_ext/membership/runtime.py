@@ -18,6 +18,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from gossip_ext.averagings import failures
 from gossip_ext.gossip.transport import choose_transport
 from gossip_ext.membership import elastic as _elastic_worker
 from gossip_ext.outer import streaming
@@ -282,13 +283,17 @@ class ElasticMembership:
 
 def _abandon_rounds_of(model: weakref.ref) -> Callable[[str], None]:
     """What an elastic worker's watch calls, from its thread, when a member's heartbeat stopped:
-    the wrapper's round in flight fails at once (a TimeoutError saying why), instead of waiting
-    out the timeout for that member. Holds the wrapper weakly: the watch must not keep it alive."""
+    the wrapper's round in flight, and its outer step's collective, fail at once (a TimeoutError
+    saying why), instead of waiting out the timeout for that member. Holds the wrapper weakly:
+    the watch must not keep it alive."""
 
     def abandon(why: str) -> None:
         wrapper = model()
-        mix = None if wrapper is None else wrapper._mix
-        if mix is not None:
-            mix.abandon(why)
+        if wrapper is None:
+            return
+        if wrapper._mix is not None:
+            wrapper._mix.abandon(why)
+        # The outer steps' collectives over the epoch's group, in flight or still to come.
+        failures.give_up_waits_on(wrapper.process_group, why)
 
     return abandon
