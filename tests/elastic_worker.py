@@ -120,9 +120,6 @@ def main() -> int:
     if args.die_as_donor:
         die_during_handoff(os.path.join(args.out, "died_as_donor"))
     logging.basicConfig(level=logging.INFO, format=f"{args.name} %(message)s")
-    if os.environ.get("GX_DUMP"):
-        import faulthandler
-        faulthandler.dump_traceback_later(3.0, repeat=True)
     torch.set_num_threads(1)
     torch.manual_seed(args.init_seed)
     result: dict = {"steps": [], "error": None, "removed": None}
