@@ -12,7 +12,7 @@ from harness.compare import report, runner, systems
 BENCHMARKS = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks")
 
 
-def _row(name, times, bpbs, step_ms, lr=2e-3, wire=None):
+def _row(name, times, bpbs, step_ms, lr=2e-3, wire=None, steps=None):
     return {
         "system": name,
         "lr": lr,
@@ -21,7 +21,7 @@ def _row(name, times, bpbs, step_ms, lr=2e-3, wire=None):
         "final_bpb": bpbs[-1],
         "peak_rss_mib": 400.0,
         "history": {
-            "step": [10 * (i + 1) for i in range(len(times))],
+            "step": steps or [10 * (i + 1) for i in range(len(times))],
             "time": times,
             "heldout_bpb": bpbs,
         },
@@ -96,9 +96,12 @@ def _setting_rows(ours_times, peer_times, alone_ms=100):
             _row("ddp", [25.0, 50.0], [3.4, 3.0], step_ms=500),
             history={"step": [50, 100], "time": [25.0, 50.0], "heldout_bpb": [3.4, 3.0]},
         ),
-        "decent_dp": _row("decent_dp", peer_times, [3.3, 2.95], step_ms=200),
-        "overlap_sgp_bf16": _row("overlap_sgp_bf16", ours_times, [3.3, 2.9], step_ms=110),
-        "sgp": _row("sgp", [20.0, 40.0], [3.3, 2.9], step_ms=110),
+        # Each needs more steps than DDP to reach it, each step slower than alone's.
+        "decent_dp": _row("decent_dp", peer_times, [3.3, 2.95], step_ms=200, steps=[75, 150]),
+        "overlap_sgp_bf16": _row(
+            "overlap_sgp_bf16", ours_times, [3.3, 2.9], step_ms=110, steps=[50, 100]
+        ),
+        "sgp": _row("sgp", [20.0, 40.0], [3.3, 2.9], step_ms=110, steps=[180, 360]),
     }
 
 
@@ -295,3 +298,24 @@ def test_a_saved_diloco_run_is_reported_again(diloco_compare, tmp_path, capsys):
     out = capsys.readouterr().out
     assert "| diloco H=16 | 0.002 | 20 | 52 | CPU |" in out
     assert plot.stat().st_size > 10_000
+
+
+def test_the_bound_holds_for_every_row_whatever_the_steps_and_paces():
+    # sgp_int8 reaches DDP's final 3.0 in 10 steps, DDP in 20: the bound is 10 steps at the
+    # compute-alone pace (50 ms), not DDP's 20. powersgd_r4's steps up to it (12 ms each) were
+    # faster than alone's measured 50 ms: the bound takes that pace.
+    rows = {
+        "alone": _row("alone", [1.0, 2.0], [4.0, 3.8], step_ms=50),
+        "ddp": _row("ddp", [10.0, 20.0], [3.5, 3.0], step_ms=1000),
+        "sgp_int8": _row("sgp_int8", [0.6, 1.2], [2.9, 2.8], step_ms=60),
+        "powersgd_r4": _row("powersgd_r4", [0.12, 0.24, 0.36], [3.6, 3.1, 2.9], step_ms=12),
+    }
+    assert report.bound(rows) == pytest.approx(10 * 0.012)
+    floor = report.bound(rows)
+    for name, r in rows.items():
+        reached = report.time_to(r, 3.0)
+        assert reached is None or reached >= floor, (name, reached, floor)
+    assert (
+        report.steps_to(rows["powersgd_r4"], 3.0) == 30
+        and report.steps_to(rows["alone"], 3.0) is None
+    )

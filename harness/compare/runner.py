@@ -13,7 +13,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Mapping
 
 import torch.multiprocessing as mp
 
@@ -121,7 +121,8 @@ def run(config: worker.RunConfig, workers: int, rate: float | None, timeout: flo
 @dataclasses.dataclass(frozen=True)
 class Protocol:
     """How a comparison runs every system: the same model, batches, warmup and sync period; each
-    system at its own peak learning rate (``systems.PEAK_LR``) unless ``lr`` sets one for all.
+    system at its own peak learning rate (``peak_lr``: the comparison's sweep, systems.PEAK_LR,
+    unless a shorter run swept its own) unless ``lr`` sets one for all.
     DDP runs ``ddp_steps`` and its final held-out loss is the target; every other system runs
     ``steps``, more by default, so that one needing more steps than DDP can still reach it. Each
     schedule decays over its system's own steps."""
@@ -135,13 +136,15 @@ class Protocol:
     eval_every: int = 30
     eval_windows: int = 64
     lr: float | None = None
+    peak_lr: Mapping[str, float] = dataclasses.field(default_factory=lambda: systems.PEAK_LR)
+    peak_lr_source: str = "harness.compare.systems.PEAK_LR"
     outer_lr: float = systems.Recipe.outer_lr
     outer_momentum: float = systems.Recipe.outer_momentum
 
     def config(self, system: str) -> worker.RunConfig:
         recipe = systems.Recipe(
             steps=self.ddp_steps if system == "ddp" else self.steps,
-            lr=self.lr or systems.PEAK_LR[system],
+            lr=self.lr or self.peak_lr[system],
             warmup=self.warmup,
             local_steps=self.local_steps,
             outer_lr=self.outer_lr,
@@ -168,7 +171,7 @@ class Protocol:
             + (
                 f"peak learning rate {self.lr:g}"
                 if self.lr
-                else "each system's peak learning rate (`lr`: harness.compare.systems.PEAK_LR)"
+                else f"each system's peak learning rate (`lr`: {self.peak_lr_source})"
             )
             + f"; H = {self.local_steps} for LocalSGD, SlowMo and DiLoCo, DiLoCo's outer lr "
             f"{self.outer_lr:g} (momentum {self.outer_momentum:g}, Nesterov). Held-out bits per "
