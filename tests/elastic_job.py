@@ -1,5 +1,5 @@
 """An elastic job as tests launch one: a membership service (python -m gossip_ext.membership) and
-workers started each on its own (tests/elastic_worker.py), as a user starts them.
+workers started each on its own (tests/membership_worker.py), as a user starts them.
 
 Each worker is a process of its own, with no launcher between the workers: they meet only through
 the membership service, and the tests kill, stop and resume them by signal. The service and
@@ -99,7 +99,9 @@ class Job:
 
     def start(self, name: str, *args: str) -> ForkedProcess:
         self.workers[name] = self._launch(
-            "elastic_worker",
+            # Named apart from benchmarks/elastic_worker.py, which test_elastic_benchmark.py puts
+            # first on sys.path: a worker imports its module by name.
+            "membership_worker",
             [
                 "--membership",
                 f"127.0.0.1:{self.port}",

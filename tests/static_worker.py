@@ -17,7 +17,7 @@ from torch import nn
 import gossip_ext
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from elastic_worker import MODES, batch  # noqa: E402 - the elastic tests' modes and data
+from membership_worker import MODES, batch  # noqa: E402 - the elastic tests' modes and data
 
 
 def main() -> int:

@@ -1,8 +1,8 @@
 """Elastic jobs (membership="HOST:PORT"; gossip_ext.membership.elastic) with real processes over
 gloo: a membership service (python -m gossip_ext.membership) and workers launched each on its own
-(tests/elastic_worker.py), as a user launches them. Workers are killed, stopped, leave and join; the
-survivors must finish every step with a valid model, the newcomers must start from a live member's
-state."""
+(tests/membership_worker.py), as a user launches them. Workers are killed, stopped, leave and
+join; the survivors must finish every step with a valid model, the newcomers must start from a
+live member's state."""
 
 from __future__ import annotations
 
@@ -22,7 +22,7 @@ from gossip_ext.membership import elastic, epochs
 
 sys.path.insert(0, str(Path(__file__).parent))
 from elastic_job import STEPS, TIMEOUT_S, Job, free_port  # noqa: E402
-from elastic_worker import MODES, batch  # noqa: E402
+from membership_worker import MODES, batch  # noqa: E402
 
 WORKERS = 4  # the most workers of any test job
 
@@ -307,7 +307,7 @@ def test_a_worker_that_leaves_is_dropped_without_a_timeout(job):
 
 
 def _static(rank: int, world_size: int) -> list[torch.Tensor]:
-    """elastic_worker.py's loop as a static job: init_process_group, rank = worker id."""
+    """membership_worker.py's loop as a static job: init_process_group, rank = worker id."""
     torch.manual_seed(0)
     net = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 1))
     model = gossip_ext.GossipDataParallel(net, timeout=timedelta(seconds=TIMEOUT_S))

@@ -10,7 +10,7 @@ import signal
 import pytest
 import torch
 from elastic_job import STEPS, TIMEOUT_S, Job
-from elastic_worker import batch
+from membership_worker import batch
 from multiprocess import run_ranks
 from nccl_rounds import held_round
 from torch import nn

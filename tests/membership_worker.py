@@ -1,4 +1,4 @@
-"""One worker of an elastic job, launched on its own (``python tests/elastic_worker.py ...``) by
+"""One worker of an elastic job, launched on its own (``python tests/membership_worker.py ...``) by
 tests/test_elastic.py, as a user launches each worker: no init_process_group, no torchrun.
 
 It trains a small regression model on its own batches for ``--steps`` optimizer steps (a worker
