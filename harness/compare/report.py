@@ -7,10 +7,20 @@ from harness.compare import systems
 
 def time_to(result: dict, bpb: float) -> float | None:
     """Seconds of training until the held-out loss first reached ``bpb`` (at an evaluation)."""
+    return _when_reached(result, bpb, "time")
+
+
+def steps_to(result: dict, bpb: float) -> int | None:
+    """Steps of training until the held-out loss first reached ``bpb`` (at an evaluation)."""
+    return _when_reached(result, bpb, "step")
+
+
+def _when_reached(result: dict, bpb: float, measure: str):
+    """``measure`` ("time" or "step") of the first evaluation at or below ``bpb``, or None."""
     history = result["history"]
-    for t, b in zip(history["time"], history["heldout_bpb"]):
+    for value, b in zip(history[measure], history["heldout_bpb"]):
         if b <= bpb:
-            return t
+            return value
     return None
 
 
@@ -21,15 +31,6 @@ def _seconds(value: float | None) -> str:
 # A step within this factor of the same workers computing alone is limited by the machine's
 # cores, not by the network: its communication is hidden or small.
 CPU_BOUND = 1.3
-
-
-def steps_to(result: dict, bpb: float) -> int | None:
-    """Steps of training until the held-out loss first reached ``bpb`` (at an evaluation)."""
-    history = result["history"]
-    for step, b in zip(history["step"], history["heldout_bpb"]):
-        if b <= bpb:
-            return step
-    return None
 
 
 def bound(rows: dict[str, dict]) -> float | None:
