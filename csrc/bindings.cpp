@@ -238,6 +238,12 @@ void bind_engine(py::module_& m) {
         py::call_guard<py::gil_scoped_release>());
   m.def("cpu_kernels_isa", &cpu_kernels_isa);
   m.def("quantized_message_bytes", &quantized_message_bytes, py::arg("numel"), py::arg("format"));
+  // torch binds no abort() for a c10d Work; gloo's point-to-point work needs one, since its wait()
+  // is the only place it completes: a thread blocked there for a peer is released by this
+  // (gossip_ext.gossip.mailbox, when asynchronous push-sum lets a peer go).
+  m.def(
+      "abort_work", [](const c10::intrusive_ptr<c10d::Work>& work) { work->abort(); },
+      py::arg("work"));
 }
 
 }  // namespace

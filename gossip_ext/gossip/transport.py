@@ -61,6 +61,7 @@ def choose_transport(device: torch.device, comm_device, backend: str) -> str:
 
 # How many NCCL transports this process has built per group, keyed by the group's global ranks.
 _NCCL_TRANSPORTS: collections.Counter[tuple[int, ...]] = collections.Counter()
+_STORES: collections.Counter[tuple[str, tuple[int, ...]]] = collections.Counter()
 
 
 def make_transport(
@@ -83,6 +84,22 @@ def make_transport(
     if kind == HOST_STAGING:
         transport = _C.HostStagingTransport(transport)
     return transport
+
+
+def gossip_store(
+    group: dist.ProcessGroup, rendezvous: tuple[dist.Store, str] | None, purpose: str
+) -> dist.Store:
+    """A store of ``group``'s own for ``purpose``: under the rendezvous key where one is given
+    (an elastic epoch's), else in the default store under a key unique to the group and to this
+    use of it (as :func:`nccl_unique_id_key`'s)."""
+    if rendezvous is not None:
+        store, key = rendezvous
+        return dist.PrefixStore(f"{key}/{purpose}", store)
+    ranks = tuple(dist.get_global_rank(group, r) for r in range(dist.get_world_size(group)))
+    instance = _STORES[(purpose, ranks)]
+    _STORES[(purpose, ranks)] += 1
+    prefix = f"gossip_ext/{purpose}/ranks={','.join(map(str, ranks))}/{instance}"
+    return dist.PrefixStore(prefix, dist.distributed_c10d._get_default_store())
 
 
 def nccl_unique_id_key(group: dist.ProcessGroup) -> str:

@@ -1,0 +1,299 @@
+"""Asynchronous push-sum: each worker gossips at its own pace, and a slow worker costs its share.
+
+Push-sum de-biases whatever mass has arrived, whenever it arrived (docs/algorithms.md,
+"Asynchronous gossip"). Worker i holds its model z_i (the parameters) and a weight w_i. After
+each optimizer step it runs its round t_i, a counter of its own:
+
+1. *Send.* To each out-peer of round t_i (the graph's schedule, a pure function of the round) it
+   posts the share (w_i z_i / (k+1), w_i / (k+1)) and keeps one share: w_i <- w_i / (k+1). A
+   lossy message's rounding stays in the kept numerator (``messages.Codec``).
+2. *Absorb* every message that has arrived of sender rounds <= t_i + tau:
+   z_i <- (w_i z_i + sum x_m) / (w_i + sum w_m),  w_i <- w_i + sum w_m.
+3. *Bound.* If ``staleness`` tau is set, wait until every message of rounds <= t_i - tau that
+   this worker is owed has arrived, and every message it owes has been taken, absorbing as they
+   come. tau = 0 with equal speeds is synchronous SGP; tau = None never waits.
+
+A message that arrives late is absorbed late, never dropped, so the sums of x and of w over all
+workers and all messages in flight never change: at quiescence (:meth:`AsyncPushSum.settle`) the
+weights sum to the number of workers and the mean of the numerators is what the workers hold.
+The parameters hold the de-biased z at every moment a user can see them.
+
+Messages move on threads of their own (``mailbox``): a worker never waits for a peer's step,
+only, where tau says so, for a message. A peer whose message does not come within the timeout,
+or whose connection closes, raises a :class:`~gossip_ext.errors.PeerTimeoutError` naming it.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+from gossip_ext.errors import NonFiniteError, PeerTimeoutError
+from gossip_ext.gossip import mailbox, messages, transport
+from gossip_ext.graphs import GraphBase
+
+
+class AsyncPushSum:
+    """One worker's asynchronous push-sum over ``tensors`` (its floating-point parameters,
+    worked on in place) with the ranks of ``group`` (gloo) on ``graph``.
+
+    The call names follow the compiled engine's, so the wrapper's schedule drives either:
+    :meth:`start_round` after each optimizer step (send, absorb, bound), :meth:`finish_round`
+    before a forward (absorb what arrived, never waiting). ``record``: keep every send and
+    absorb in :attr:`history` (the tests replay it through a reference).
+    """
+
+    def __init__(
+        self,
+        tensors: Sequence[torch.Tensor],
+        group: dist.ProcessGroup,
+        graph: GraphBase,
+        *,
+        staleness: int | None,
+        message_dtype=None,
+        check_finite: bool = True,
+        timeout: timedelta = timedelta(minutes=5),
+        store: dist.Store | None = None,
+        record: bool = False,
+    ):
+        self._tensors = list(tensors)
+        self._group, self.graph = group, graph
+        self.staleness, self.check_finite, self.timeout = staleness, check_finite, timeout
+        self.rank, self.world_size = group.rank(), group.size()
+        wide = any(t.dtype == torch.float64 for t in self._tensors)
+        self._dtype = torch.float64 if wide else torch.float32
+        self._sizes = [t.numel() for t in self._tensors]
+        self._codec = messages.Codec(sum(self._sizes), self._dtype, message_dtype)
+        self._weight = 1.0
+        self._round = 0  # rounds sent
+        self._bytes_sent = 0
+        self._failure: BaseException | None = None
+        self.history: list[tuple] | None = [] if record else None
+        self._departures = mailbox.Departures(
+            transport.gossip_store(group, None, "async") if store is None else store
+        )
+        self._outboxes = self._open_outboxes(graph.phone_book(self.rank, self.world_size))
+        self._mailboxes = self._open_mailboxes([0] * self.world_size)
+
+    def _open_mailboxes(self, rounds: Sequence[int]) -> dict[int, mailbox.Mailbox]:
+        return {
+            peer: mailbox.Mailbox(
+                self._group,
+                self.graph,
+                peer,
+                self.rank,
+                self._codec.nbytes,
+                rounds[peer],
+                self.timeout,
+                self._departures,
+            )
+            for peer in mailbox.in_peers(self.graph, self.rank, self.world_size)
+        }
+
+    def _open_outboxes(self, peers: Sequence[int]) -> dict[int, mailbox.Outbox]:
+        return {
+            peer: mailbox.Outbox(self._group, peer, self.timeout, self._departures)
+            for peer in dict.fromkeys(peers)
+        }
+
+    # ------------------------------------------------------------------------- the rounds
+
+    def start_round(self) -> None:
+        """Sends this worker's round, absorbs what arrived, and waits where the bound says."""
+        self._guarded(self._send_absorb_bound)
+
+    def finish_round(self) -> None:
+        """Absorbs every message that has arrived within the bound; never waits."""
+        self._guarded(self._absorb)
+
+    def try_finish_round(self) -> bool:
+        self.finish_round()
+        return True
+
+    def synchronize(self) -> None:
+        self.finish_round()
+
+    def settle(self) -> None:
+        """Every worker together: waits until every message sent so far has been absorbed and
+        every send confirmed. Afterwards nothing is in flight: the weights sum to the number of
+        workers and the numerators to what they summed to at the start plus the steps taken."""
+        self._guarded(self._settle)
+
+    def _send_absorb_bound(self) -> None:
+        round_ = self._round
+        # A peer that left (finished its steps) is sent nothing more: its share stays here.
+        out_peers = [
+            peer
+            for peer in self.graph.out_peers(self.rank, self.world_size, round_)
+            if not self._outboxes[peer].ended
+        ]
+        if out_peers:
+            out_peers = self._send(round_, out_peers)
+        self._round = round_ + 1
+        if self.history is not None:
+            self.history.append(("send", round_, tuple(out_peers)))
+        if self.staleness is not None:
+            owed = round_ - self.staleness
+            for box in self._outboxes.values():
+                box.wait_until_past(owed)
+            for box in self._mailboxes.values():
+                box.wait_until_past(owed)
+        self._absorb()
+
+    def _send(self, round_: int, out_peers: list[int]) -> list[int]:
+        """Sends one share to each of ``out_peers`` and keeps one; returns the peers that were
+        sent theirs (a peer that left meanwhile gets none: its share is kept too)."""
+        share = 1.0 / (len(out_peers) + 1)
+        flat, weight = self._flat(), self._weight
+        message, read = self._codec.encode(flat * (weight * share), weight * share)
+        sent = [peer for peer in out_peers if self._outboxes[peer].post(round_, message)]
+        kept_weight = weight - len(sent) * (weight * share)
+        if not self._codec.lossless or len(sent) < len(out_peers):
+            # What was sent is exactly what left: a lossy message's rounding stays here (Note
+            # [Compressed messages] in csrc/engine/gossip_engine.h).
+            self._write((weight * flat - len(sent) * read) / kept_weight)
+        self._weight = kept_weight
+        self._bytes_sent += len(sent) * self._codec.nbytes
+        return sent
+
+    def _absorb(self) -> None:
+        through = math.inf if self.staleness is None else self._round - 1 + self.staleness
+        arrived = [
+            (peer, r, buf) for peer, box in self._mailboxes.items() for r, buf in box.take(through)
+        ]
+        if not arrived:
+            return
+        decoded = [self._codec.decode(buf) for _, _, buf in arrived]
+        weight = self._weight + sum(w for _, w in decoded)
+        total = self._weight * self._flat()
+        for numerators, _ in decoded:
+            total.add_(numerators)
+        mixed = total / weight
+        if self.check_finite and not bool(torch.isfinite(mixed).all()):
+            self._raise_nonfinite(arrived, decoded)
+        self._write(mixed)
+        self._weight = weight
+        if self.history is not None:
+            self.history.append(("absorb", tuple((peer, r) for peer, r, _ in arrived)))
+
+    def _settle(self) -> None:
+        sent = torch.tensor([self._round], dtype=torch.int64)
+        rounds = [torch.zeros_like(sent) for _ in range(self.world_size)]
+        dist.all_gather(rounds, sent, group=self._group)
+        for peer, box in self._mailboxes.items():
+            box.wait_until_past(int(rounds[peer]) - 1)
+        for box in self._outboxes.values():
+            box.wait_until_past(math.inf)
+        staleness, self.staleness = self.staleness, None  # take every round that arrived
+        try:
+            self._absorb()
+        finally:
+            self.staleness = staleness
+
+    def _raise_nonfinite(self, arrived, decoded) -> None:
+        senders = [
+            peer
+            for (peer, _, _), (x, w) in zip(arrived, decoded)
+            if not (math.isfinite(w) and bool(torch.isfinite(x).all()))
+        ]
+        whose = f"peers {senders}" if senders else f"rank {self.rank}'s own parameters"
+        raise NonFiniteError(
+            f"gossip_ext: rank {self.rank} absorbed NaN or Inf in its asynchronous round "
+            f"{self._round - 1}, from {whose}; the parameters keep the model before it",
+            peers=senders,
+            round=self._round - 1,
+            transport="process_group(gloo)",
+        )
+
+    # ------------------------------------------------------------------------- failures
+
+    def _guarded(self, body) -> None:
+        self.raise_if_failed()
+        try:
+            body()
+        except (PeerTimeoutError, NonFiniteError) as error:
+            self._failure = error
+            raise
+
+    def raise_if_failed(self) -> None:
+        if self._failure is not None:
+            raise self._failure.with_traceback(None)
+
+    def abandon(self, why: str) -> None:
+        """Leaves the gossip: says so to the peers (who then neither wait for this worker nor
+        take its silence for a failure), and fails whatever waits here with a PeerTimeoutError
+        saying ``why``. Any thread may call it; the wrapper does when the engine is dropped (the
+        job's end, an elastic epoch's). Messages in flight to or from this worker are given up:
+        their mass leaves with it, and every model stays de-biased."""
+        self._departures.announce(self.rank)
+        error = PeerTimeoutError(
+            f"gossip_ext: rank {self.rank} gave up its asynchronous gossip: {why}",
+            round=self._round,
+            transport="process_group(gloo)",
+        )
+        for box in [*self._mailboxes.values(), *self._outboxes.values()]:
+            box.fail(error)
+
+    def close(self) -> None:
+        """Leaves the gossip (:meth:`abandon`) at the end of training."""
+        self.abandon("it was closed")
+
+    # ------------------------------------------------------------------------- state
+
+    @property
+    def in_flight(self) -> bool:
+        """Always: a receive is posted for every in-peer's next message."""
+        return True
+
+    @property
+    def round(self) -> int:
+        return self._round
+
+    @property
+    def bytes_sent(self) -> int:
+        return self._bytes_sent
+
+    @property
+    def lazy_mixing(self) -> bool:
+        return False
+
+    def ps_weight(self) -> torch.Tensor:
+        return torch.tensor([self._weight], dtype=torch.float64)
+
+    def kept_ps_weight(self) -> torch.Tensor:
+        return self.ps_weight()
+
+    def restore(self, round: int, weight: float) -> None:  # noqa: A002 - as the engine's
+        """Every worker together: puts this worker at ``round`` with ``weight`` (a
+        checkpoint's) and re-opens its mailboxes at its peers' restored rounds. Messages that
+        were in flight are not in any checkpoint; the weights then sum to less than the number
+        of workers, which push-sum's de-biasing absorbs."""
+        for box in [*self._mailboxes.values(), *self._outboxes.values()]:
+            box.close()
+        mine = torch.tensor([int(round)], dtype=torch.int64)
+        rounds = [torch.zeros_like(mine) for _ in range(self.world_size)]
+        dist.all_gather(rounds, mine, group=self._group)
+        self._round, self._weight = int(round), float(weight)
+        self._outboxes = self._open_outboxes(list(self._outboxes))
+        self._mailboxes = self._open_mailboxes([int(r) for r in rounds])
+
+    def set_peers_per_itr(self, peers_per_itr: int) -> None:
+        raise ValueError(
+            f"AsyncSGP: the peers per round are fixed for the job (got peers_per_itr="
+            f"{peers_per_itr}): each worker's messages are numbered by its own rounds on one "
+            "schedule, which every receiver walks; construct the graph with the peers wanted"
+        )
+
+    # ------------------------------------------------------------------------- the model
+
+    def _flat(self) -> torch.Tensor:
+        return torch.cat([t.detach().reshape(-1).to(self._dtype) for t in self._tensors])
+
+    def _write(self, flat: torch.Tensor) -> None:
+        with torch.no_grad():
+            for tensor, values in zip(self._tensors, flat.split(self._sizes)):
+                tensor.copy_(values.view_as(tensor))

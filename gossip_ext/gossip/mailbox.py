@@ -1,0 +1,303 @@
+"""The threads that let asynchronous push-sum never wait for a peer: a :class:`Mailbox` per
+in-peer keeps a receive posted for that peer's next message and queues what arrives, and an
+:class:`Outbox` per out-peer confirms the sends in order and lets their buffers go.
+
+Gloo moves a point-to-point message only once its receiver has posted the receive, and it
+completes a send or a receive only inside ``wait()``; a training thread that posts and polls
+would hold every sender up until its next step. These threads post and wait instead, so messages
+move at the network's pace whatever the pace of either worker's steps.
+
+A peer's messages to this worker are numbered by the sender's own rounds: ``next_round`` walks
+the rounds in which the sender's schedule (a pure function of the graph and the round) names this
+worker, so no message says who it is for, and gloo's tags keep them apart. A receive that fails
+(the peer's connection closed) or waits longer than the timeout (the peer stopped) is kept as a
+:class:`~gossip_ext.errors.PeerTimeoutError` naming the peer and its round, raised to the
+training thread at its next call.
+"""
+
+from __future__ import annotations
+
+import collections
+import threading
+import time
+from datetime import timedelta
+
+import torch
+
+from gossip_ext._torch_check import _C
+from gossip_ext.errors import PeerTimeoutError
+from gossip_ext.graphs import GraphBase
+
+_TAG_BASE = 1 << 30  # apart from the compiled engine's round tags, which stay below it
+
+
+def tag(round: int) -> int:  # noqa: A002 - the sender's gossip round
+    return _TAG_BASE | (round % _TAG_BASE)
+
+
+def next_round(graph: GraphBase, sender: int, receiver: int, world_size: int, start: int):
+    """The first round >= ``start`` in which ``sender`` sends to ``receiver``; None if never."""
+    period = max(1, len(graph.phone_book(sender, world_size)))
+    for round_ in range(start, start + period):
+        if receiver in graph.out_peers(sender, world_size, round_):
+            return round_
+    return None
+
+
+def in_peers(graph: GraphBase, rank: int, world_size: int) -> list[int]:
+    """Every rank that sends to ``rank`` in some round."""
+    return [
+        peer
+        for peer in range(world_size)
+        if peer != rank and next_round(graph, peer, rank, world_size, 0) is not None
+    ]
+
+
+class Departures:
+    """Where the workers of one asynchronous gossip say they are leaving: keys in ``store``
+    (under a prefix of the group's). A worker says so before it lets its connections go, so a
+    peer that sees a connection close can tell a worker that finished from one that died."""
+
+    def __init__(self, store):
+        self._store = store
+
+    def announce(self, rank: int) -> None:
+        try:
+            self._store.set(f"left/{rank}", "1")
+        except Exception:  # noqa: BLE001 - a store gone with its host: peers then see a failure
+            pass
+
+    def has_left(self, rank: int) -> bool:
+        try:
+            return bool(self._store.check([f"left/{rank}"]))
+        except Exception:  # noqa: BLE001 - no store to ask: the peer is not known to have left
+            return False
+
+
+class _PeerThread:
+    """A daemon thread over one peer's messages, in round order, and the error that ended it;
+    or, where the peer said it was leaving, ``ended``."""
+
+    def __init__(self, peer: int, timeout: timedelta, departures: Departures, name: str):
+        self.peer, self.timeout, self._departures = peer, timeout, departures
+        self._changed = threading.Condition()
+        self._closing = False
+        self.ended = False
+        self._work = None  # the operation the thread waits in, for close() to abort
+        self.error: PeerTimeoutError | None = None
+        self._thread = threading.Thread(target=self._run_guarded, name=name, daemon=True)
+
+    def _wait(self, work, round_: int, what: str) -> bool:
+        """Waits for ``work``; False if close() aborted it. A failure becomes ``self.error``."""
+        with self._changed:
+            if self._closing:
+                _C.abort_work(work)
+                return False
+            self._work = work
+        try:
+            completed = work.wait(self.timeout)
+        except Exception as failure:  # noqa: BLE001 - gloo's error, kept typed for the caller
+            with self._changed:
+                if self._closing:
+                    return False
+            if self._departures.has_left(self.peer):
+                with self._changed:
+                    self.ended = True
+                    self._changed.notify_all()
+                return False
+            raise PeerTimeoutError(
+                f"gossip_ext: asynchronous push-sum failed to {what} peer {self.peer} (its "
+                f"round {round_}) within {self.timeout}; the peer may have died, stalled or "
+                f"left the training loop: {failure}",
+                peers=[self.peer],
+                round=round_,
+                transport="process_group(gloo)",
+            ) from failure
+        with self._changed:
+            self._work = None
+            return bool(completed) and not self._closing
+
+    def _run_guarded(self) -> None:
+        try:
+            self._run()
+        except PeerTimeoutError as error:
+            with self._changed:
+                self.error = error
+                self._changed.notify_all()
+
+    def fail(self, error: PeerTimeoutError) -> None:
+        """Ends the thread with ``error``, raised to whoever waits on it now or later (the
+        caller gave the peer up)."""
+        with self._changed:
+            if self.error is None:
+                self.error = error
+        self.close()
+
+    def _wait_a_little(self, left: float) -> None:
+        """Waits (holding ``_changed``) for a change, at most ``left`` seconds, and half a second
+        at a time to look whether the peer said it left (then ``ended``)."""
+        self._changed.wait(min(left, 0.5))
+        if self._departures.has_left(self.peer):
+            self.ended = True
+
+    def raise_if_failed(self) -> None:
+        with self._changed:
+            if self.error is not None:
+                raise self.error
+
+    def close(self) -> None:
+        """Aborts the operation in flight and lets the thread end (it is a daemon: a peer that
+        never answers cannot hold the process)."""
+        with self._changed:
+            self._closing = True
+            work = self._work
+            self._changed.notify_all()
+        if work is not None:
+            try:
+                _C.abort_work(work)
+            except Exception:  # noqa: BLE001 - an operation that already ended
+                pass
+        self._thread.join(timeout=1.0)
+
+
+class Mailbox(_PeerThread):
+    """Receives ``peer``'s messages to ``rank`` of ``nbytes`` each, from round ``start`` on."""
+
+    def __init__(
+        self,
+        group,
+        graph: GraphBase,
+        peer: int,
+        rank: int,
+        nbytes: int,
+        start: int,
+        timeout: timedelta,
+        departures: Departures,
+    ):
+        super().__init__(peer, timeout, departures, f"gossip_ext-mailbox-{peer}")
+        self._group, self._graph, self._rank, self._nbytes = group, graph, rank, nbytes
+        self._world_size = group.size()
+        self.expected = next_round(graph, peer, rank, self._world_size, start)
+        self._arrived: collections.deque[tuple[int, torch.Tensor, float]] = collections.deque()
+        self._thread.start()
+
+    def _run(self) -> None:
+        while True:
+            with self._changed:
+                if self._closing:
+                    return
+                round_ = self.expected
+            buffer = torch.empty(self._nbytes, dtype=torch.uint8)
+            if not self._wait(
+                self._group.recv([buffer], self.peer, tag(round_)), round_, "receive from"
+            ):
+                return
+            with self._changed:
+                self._arrived.append((round_, buffer, time.monotonic()))
+                self.expected = next_round(
+                    self._graph, self.peer, self._rank, self._world_size, round_ + 1
+                )
+                self._changed.notify_all()
+
+    def take(self, through: float) -> list[tuple[int, torch.Tensor]]:
+        """The messages that arrived of rounds <= ``through`` (math.inf: all), in round order."""
+        taken = []
+        with self._changed:
+            while self._arrived and self._arrived[0][0] <= through:
+                round_, buffer, _ = self._arrived.popleft()
+                taken.append((round_, buffer))
+            if not taken and self.error is not None and not self._arrived:
+                raise self.error
+        return taken
+
+    def wait_until_past(self, round_: int) -> None:
+        """Blocks until every message of rounds <= ``round_`` has arrived (taken or not)."""
+        deadline = time.monotonic() + self.timeout.total_seconds()
+        with self._changed:
+            while self.expected <= round_ and not self.ended:
+                if self.error is not None:
+                    raise self.error
+                left = deadline - time.monotonic()
+                if left <= 0 or self._closing:
+                    raise PeerTimeoutError(
+                        f"gossip_ext: asynchronous push-sum waited {self.timeout} for peer "
+                        f"{self.peer}'s message of its round {self.expected}; the peer may "
+                        "have died, stalled or left the training loop",
+                        peers=[self.peer],
+                        round=self.expected,
+                        transport="process_group(gloo)",
+                        timeout=self.timeout,
+                    )
+                self._wait_a_little(left)
+
+
+class Outbox(_PeerThread):
+    """Confirms this worker's sends to ``peer``, in the order they were posted."""
+
+    def __init__(self, group, peer: int, timeout: timedelta, departures: Departures):
+        super().__init__(peer, timeout, departures, f"gossip_ext-outbox-{peer}")
+        self._group = group
+        self._posted: collections.deque[tuple[int, torch.Tensor, object]] = collections.deque()
+        self._thread.start()
+
+    def post(self, round_: int, message: torch.Tensor) -> bool:
+        """Sends ``message`` as this worker's round ``round_``; never blocks. False: the peer
+        has left, and nothing was sent."""
+        self.raise_if_failed()
+        if self.ended:
+            return False
+        try:
+            work = self._group.send([message], self.peer, tag(round_))
+        except Exception as failure:  # noqa: BLE001 - gloo's error, kept typed for the caller
+            if self._departures.has_left(self.peer):
+                with self._changed:
+                    self.ended = True
+                return False
+            raise PeerTimeoutError(
+                f"gossip_ext: asynchronous push-sum failed to send to peer {self.peer} (round "
+                f"{round_}); the peer may have died or left the training loop: {failure}",
+                peers=[self.peer],
+                round=round_,
+                transport="process_group(gloo)",
+            ) from failure
+        with self._changed:
+            self._posted.append((round_, message, work))
+            self._changed.notify_all()
+        return True
+
+    def _run(self) -> None:
+        while True:
+            with self._changed:
+                while not self._posted and not self._closing:
+                    self._changed.wait()
+                if self._closing:
+                    return
+                round_, _, work = self._posted[0]
+            if not self._wait(work, round_, "send to"):
+                return
+            with self._changed:
+                self._posted.popleft()  # the buffer goes with it
+                self._changed.notify_all()
+
+    def wait_until_past(self, round_: float) -> None:
+        """Blocks until every send of rounds <= ``round_`` is confirmed."""
+        deadline = time.monotonic() + self.timeout.total_seconds()
+        with self._changed:
+            while self._posted and self._posted[0][0] <= round_ and not self.ended:
+                if self.error is not None:
+                    raise self.error
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    raise PeerTimeoutError(
+                        f"gossip_ext: asynchronous push-sum waited {self.timeout} for peer "
+                        f"{self.peer} to take this worker's message of round "
+                        f"{self._posted[0][0]}; the peer may have died, stalled or left the "
+                        "training loop",
+                        peers=[self.peer],
+                        round=self._posted[0][0],
+                        transport="process_group(gloo)",
+                        timeout=self.timeout,
+                    )
+                self._wait_a_little(left)
+            if self.error is not None:
+                raise self.error

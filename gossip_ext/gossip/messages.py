@@ -1,0 +1,94 @@
+"""The messages of asynchronous push-sum (``asynchronous.AsyncPushSum``): a share of a worker's
+numerator and of its weight, as one byte buffer of a size fixed for the job.
+
+Layout: ``[weight | numerators]``, the weight a float64 at the head (where every view of the
+bytes after it stays aligned), the whole of one size for the job, so that a receiver's posted
+buffer fits any message of its sender and the mass of the weights is conserved to float64
+rounding whatever the numerators travel in. The numerators travel in full precision, in 16 bits,
+or block-quantized (int8 or float8 e4m3fn, a float32 scale per block of 128 values: 0.258 of
+float32's bytes, as the compiled engine's messages). A lossy message's rounding stays with its
+sender (error feedback): the sender keeps its numerator minus what it really sent, so the sum of
+all numerators is conserved to the state's rounding and the error rides along in later messages.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+BLOCK = 128  # values per block scale, as in csrc/kernels/block_format.h
+_WEIGHT_BYTES = 8
+
+
+def _as_bytes(tensor: torch.Tensor) -> torch.Tensor:
+    return tensor.contiguous().view(torch.uint8).reshape(-1)
+
+
+class Codec:
+    """Writes and reads the messages of ``numel`` numerators held in ``dtype`` (float32 or
+    float64), travelling as ``message_dtype``: None (full precision), ``torch.bfloat16``,
+    ``torch.float16``, ``"int8"`` or ``torch.float8_e4m3fn``."""
+
+    def __init__(self, numel: int, dtype: torch.dtype, message_dtype=None):
+        self.numel, self.dtype, self.message_dtype = numel, dtype, message_dtype
+        self.blocks = math.ceil(numel / BLOCK)
+        if message_dtype is None:
+            body = numel * torch.empty((), dtype=dtype).element_size()
+        elif message_dtype in (torch.bfloat16, torch.float16):
+            body = numel * 2
+        elif message_dtype in ("int8", torch.float8_e4m3fn):
+            body = self.blocks * BLOCK + self.blocks * 4
+        else:
+            raise ValueError(
+                "message_dtype must be torch.bfloat16, torch.float16, 'int8', "
+                f"torch.float8_e4m3fn or None (full precision), got {message_dtype!r}"
+            )
+        self.nbytes = body + _WEIGHT_BYTES
+
+    @property
+    def lossless(self) -> bool:
+        return self.message_dtype is None
+
+    def encode(self, numerators: torch.Tensor, weight: float) -> tuple[torch.Tensor, torch.Tensor]:
+        """The message of ``numerators`` (a flat ``dtype`` tensor) and ``weight``, and the
+        numerators as the receiver will read them (the sender keeps the difference)."""
+        weight_bytes = _as_bytes(torch.tensor([weight], dtype=torch.float64))
+        kind = self.message_dtype
+        if kind is None:
+            return torch.cat([weight_bytes, _as_bytes(numerators)]), numerators
+        if kind in (torch.bfloat16, torch.float16):
+            rounded = numerators.to(kind)
+            return torch.cat([weight_bytes, _as_bytes(rounded)]), rounded.to(self.dtype)
+        padded = torch.zeros(self.blocks * BLOCK, dtype=torch.float32)
+        padded[: self.numel] = numerators
+        blocks = padded.view(self.blocks, BLOCK)
+        largest = blocks.abs().amax(dim=1, keepdim=True)
+        # A NaN or Inf travels as a NaN scale, which the receiver's finiteness check names.
+        finite = torch.isfinite(largest)
+        limit = 127.0 if kind == "int8" else 448.0
+        scales = torch.where(finite, largest / limit, torch.full_like(largest, math.nan))
+        safe = torch.where(scales > 0, scales, torch.ones_like(scales))
+        scaled = torch.where(finite, blocks / safe, torch.zeros_like(blocks))
+        if kind == "int8":
+            quantized = scaled.round().clamp_(-127, 127).to(torch.int8)
+        else:
+            quantized = scaled.to(torch.float8_e4m3fn)
+        read = (quantized.to(torch.float32) * scales).reshape(-1)[: self.numel]
+        message = torch.cat([weight_bytes, _as_bytes(quantized), _as_bytes(scales)])
+        return message, read.to(self.dtype)
+
+    def decode(self, message: torch.Tensor) -> tuple[torch.Tensor, float]:
+        """The numerators (``dtype``) and the weight a message carries."""
+        weight, body = message[:_WEIGHT_BYTES], message[_WEIGHT_BYTES:]
+        weight_value = float(weight.view(torch.float64)[0])
+        kind = self.message_dtype
+        if kind is None:
+            return body.view(self.dtype), weight_value
+        if kind in (torch.bfloat16, torch.float16):
+            return body.view(kind).to(self.dtype), weight_value
+        values = self.blocks * BLOCK
+        quantized = body[:values].view(torch.int8 if kind == "int8" else torch.float8_e4m3fn)
+        scales = body[values:].view(torch.float32).view(self.blocks, 1)
+        read = quantized.view(self.blocks, BLOCK).to(torch.float32) * scales
+        return read.reshape(-1)[: self.numel].to(self.dtype), weight_value

@@ -1,0 +1,241 @@
+"""Asynchronous push-sum (gossip_ext.gossip.asynchronous) on real gloo processes, against the
+references of async_reference.py: the same arrival order gives the same models, equal speeds and
+no staleness give synchronous SGP, the mass is conserved at quiescence whatever the speeds, a
+slow peer costs no error and a killed one is named."""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+from datetime import timedelta
+
+import pytest
+import torch
+import torch.distributed as dist
+from async_reference import quadratic_step, replay, synchronous_sgp
+from multiprocess import run_ranks, run_ranks_tolerating_deaths
+
+from gossip_ext.errors import PeerTimeoutError
+from gossip_ext.gossip.asynchronous import AsyncPushSum
+from gossip_ext.graphs import NPeerDynamicDirectedExponentialGraph
+
+LR = 0.3
+SIZE = 300  # three blocks of a quantized message, the last one partial
+
+
+def initial(rank: int) -> torch.Tensor:
+    return torch.linspace(-1.0, 1.0, SIZE) * (rank + 1) + rank
+
+
+def target(rank: int) -> torch.Tensor:
+    return torch.cos(torch.arange(SIZE, dtype=torch.float32) * (rank + 1))
+
+
+def _train(rank, world_size, *, steps=None, seconds=None, delays, staleness, message_dtype=None):
+    """Steps on a quadratic at this rank's pace (a sleep of ``delays[rank]`` before each step),
+    gossiping asynchronously after each, for ``steps`` steps or ``seconds`` seconds; then
+    settles. Returns what the assertions need: the history, z, w and the numerators added by
+    the local steps."""
+    param = torch.nn.Parameter(initial(rank))
+    engine = AsyncPushSum(
+        [param],
+        dist.group.WORLD,
+        NPeerDynamicDirectedExponentialGraph(),
+        staleness=staleness,
+        message_dtype=message_dtype,
+        timeout=timedelta(seconds=30),
+        record=True,
+    )
+    added = torch.zeros(SIZE, dtype=torch.float64)
+    begin, taken = time.monotonic(), 0
+    while (taken < steps) if steps is not None else (time.monotonic() - begin < seconds):
+        time.sleep(delays[rank])
+        weight = float(engine.ps_weight())
+        with torch.no_grad():
+            stepped = quadratic_step(param, target(rank), LR)
+            added += weight * (stepped.double() - param.double())
+            param.copy_(stepped)
+        engine.history.append(("step",))
+        engine.start_round()
+        taken += 1
+    engine.settle()
+    result = {
+        "history": engine.history,
+        "z": param.detach().clone(),
+        "w": float(engine.ps_weight()),
+        "added": added,
+        "steps": taken,
+    }
+    engine.close()
+    return result
+
+
+def test_with_equal_speeds_and_no_staleness_it_is_synchronous_sgp():
+    results = run_ranks(4, _train_fixed, 6, [0.0] * 4, 0)
+    expected = synchronous_sgp(
+        [initial(r) for r in range(4)],
+        [target(r) for r in range(4)],
+        LR,
+        6,
+        NPeerDynamicDirectedExponentialGraph(),
+    )
+    for rank, result in enumerate(results):
+        # Every absorb took exactly the round just sent, as the synchronous schedule does.
+        absorbed = [event[1] for event in result["history"] if event[0] == "absorb"]
+        assert [{r for _, r in a} for a in absorbed] == [{t} for t in range(6)], rank
+        torch.testing.assert_close(result["z"].double(), expected[rank], rtol=1e-5, atol=1e-5)
+        assert result["w"] == pytest.approx(1.0, abs=1e-12)
+
+
+def _train_fixed(rank, world_size, steps, delays, staleness, message_dtype=None):
+    return _train(
+        rank,
+        world_size,
+        steps=steps,
+        delays=delays,
+        staleness=staleness,
+        message_dtype=message_dtype,
+    )
+
+
+@pytest.mark.parametrize("staleness", [None, 2])
+def test_at_unequal_speeds_it_ends_where_the_reference_fed_the_same_arrivals_ends(staleness):
+    delays = [0.0, 0.01, 0.03, 0.0]  # rank 2 steps at a fraction of ranks 0 and 3's pace
+    results = run_ranks(4, _train_fixed, 12, delays, staleness)
+    z, w = replay(
+        [initial(r) for r in range(4)],
+        [target(r) for r in range(4)],
+        LR,
+        [result["history"] for result in results],
+    )
+    for rank, result in enumerate(results):
+        torch.testing.assert_close(result["z"].double(), z[rank], rtol=1e-5, atol=1e-5)
+        assert result["w"] == pytest.approx(w[rank], rel=1e-12)
+    _assert_mass_conserved(results)
+    # The run was asynchronous: some absorb took a round other than the receiver's own.
+    assert any(
+        r != event_round
+        for result in results
+        for event_round, event in _absorbs_with_own_round(result["history"])
+        for _, r in event[1]
+    )
+    if staleness is not None:
+        for result in results:  # no absorb ever took a round beyond its own + staleness
+            for own, event in _absorbs_with_own_round(result["history"]):
+                assert max(r for _, r in event[1]) <= own + staleness
+
+
+def _absorbs_with_own_round(history):
+    """Each absorb with the round its worker had sent last."""
+    own = -1
+    for event in history:
+        if event[0] == "send":
+            own = event[1]
+        elif event[0] == "absorb":
+            yield own, event
+
+
+def _assert_mass_conserved(results, rtol=1e-5):
+    world_size = len(results)
+    assert sum(result["w"] for result in results) == pytest.approx(world_size, abs=1e-9)
+    held = sum(result["w"] * result["z"].double() for result in results)
+    start = sum(initial(r).double() for r in range(world_size))
+    added = sum(result["added"] for result in results)
+    torch.testing.assert_close(held, start + added, rtol=rtol, atol=rtol)
+
+
+# What one message's rounding moves a model by, at most, after error feedback (measured over
+# ten steps at |z| <= 2: 0.004, 0.010 and 0.076), with room for the arrival order's variation.
+ROUNDING = {torch.bfloat16: 0.02, "int8": 0.04, torch.float8_e4m3fn: 0.25}
+
+
+@pytest.mark.parametrize("message_dtype", list(ROUNDING))
+def test_compressed_messages_conserve_the_mass_and_track_full_precision(message_dtype):
+    results = run_ranks(4, _train_fixed, 10, [0.0, 0.004, 0.0, 0.0], None, message_dtype)
+    _assert_mass_conserved(results)
+    # The same arrivals in full precision: the rounding stays within a message's.
+    z, _ = replay(
+        [initial(r) for r in range(4)],
+        [target(r) for r in range(4)],
+        LR,
+        [result["history"] for result in results],
+    )
+    for rank, result in enumerate(results):
+        torch.testing.assert_close(
+            result["z"].double(), z[rank], rtol=0, atol=ROUNDING[message_dtype]
+        )
+
+
+def _train_for(rank, world_size, seconds, delays):
+    return _train(rank, world_size, seconds=seconds, delays=delays, staleness=None)
+
+
+def test_a_peer_ten_times_slower_costs_no_error_no_mass_and_no_one_waits_for_it():
+    delays = [0.005, 0.05, 0.005, 0.005]
+    results = run_ranks(4, _train_for, 3.0, delays)
+    _assert_mass_conserved(results)
+    fast = min(results[r]["steps"] for r in (0, 2, 3))
+    assert fast >= 4 * results[1]["steps"], [r["steps"] for r in results]
+
+
+def _killed_midway(rank, world_size, sync_dir):
+    param = torch.nn.Parameter(initial(rank))
+    engine = AsyncPushSum(
+        [param],
+        dist.group.WORLD,
+        NPeerDynamicDirectedExponentialGraph(),
+        staleness=None,
+        timeout=timedelta(seconds=20),
+    )
+    for step in range(400):
+        if rank == 1 and step == 5:
+            with open(os.path.join(sync_dir, "killed_at"), "w") as f:
+                f.write(str(time.time()))
+            os.kill(os.getpid(), signal.SIGKILL)
+        time.sleep(0.01)
+        try:
+            engine.start_round()
+        except PeerTimeoutError as error:
+            engine.close()
+            return {"peers": error.peers, "raised_at": time.time(), "step": step}
+    engine.close()
+    return None
+
+
+def test_a_killed_peer_is_named_by_the_survivors_that_hear_from_it_or_send_to_it(tmp_path):
+    outcomes = run_ranks_tolerating_deaths(4, _killed_midway, str(tmp_path), deadline_s=90.0)
+    assert outcomes[1].exitcode == -signal.SIGKILL
+    killed_at = float((tmp_path / "killed_at").read_text())
+    for rank in (0, 2, 3):
+        outcome = outcomes[rank]
+        assert outcome.exitcode == 0, (rank, outcome)
+        # Each survivor sends to or hears from rank 1 (the 1-peer exponential graph on 4).
+        assert outcome.result is not None, rank
+        assert outcome.result["peers"] == (1,), (rank, outcome.result)
+        assert outcome.result["raised_at"] - killed_at < 20.0, rank
+
+
+def _one_finishes_early(rank, world_size):
+    param = torch.nn.Parameter(initial(rank))
+    engine = AsyncPushSum(
+        [param],
+        dist.group.WORLD,
+        NPeerDynamicDirectedExponentialGraph(),
+        staleness=None,
+        timeout=timedelta(seconds=20),
+    )
+    steps = 3 if rank == 0 else 40
+    for _ in range(steps):
+        time.sleep(0.01)
+        engine.start_round()
+    engine.close()
+    return steps
+
+
+def test_a_worker_that_finishes_first_is_let_go_without_an_error():
+    # Rank 0 leaves after 3 steps and its process exits; the others, which send to it and hear
+    # from it, take 37 more steps without waiting for it or taking its exit for a failure.
+    outcomes = run_ranks_tolerating_deaths(4, _one_finishes_early, deadline_s=60.0)
+    assert [o.exitcode for o in outcomes] == [0] * 4, outcomes
+    assert [o.result for o in outcomes] == [3, 40, 40, 40]
