@@ -14,11 +14,12 @@ The shape of a training step, and where each part lives::
 
 The package in layers, each importing only from those below it:
 
-- ``algorithms``: what the wrapper does, as objects (``gossip=SGP(...) | PushPull(...) | None``,
-  ``outer=Average(...) | SlowMo(...) | DiLoCo(..., average=ByCollective(...) | ByGossip(...) |
-  ByCompressedGossip(...)) | None``, ``membership=Elastic(...)``), each checking its own
-  arguments and building its runtime part; ``flat_keywords``: the flat keywords of earlier
-  releases (and of SGP and fairscale, through ``compat``) translated into them.
+- ``algorithms``: what the wrapper does, as objects (``gossip=SGP(...) | PushPull(...) |
+  AsyncSGP(...) | None``, ``outer=Average(...) | SlowMo(...) | DiLoCo(...,
+  average=ByCollective(...) | ByGossip(...) | ByCompressedGossip(...)) | None``,
+  ``membership=Elastic(...)``), each checking its own arguments and building its runtime
+  part; ``flat_keywords``: the flat keywords of earlier releases (and of SGP and fairscale,
+  through ``compat``) translated into them.
 - ``distributed``: the wrapper, what faces the module (forward, the optimizer hook, train/eval,
   the checkpoint); it composes the parts below (``assembly`` builds them) and holds no algorithm.
 - ``membership``: who trains with whom (a static process group, or an elastic job's epochs, its
@@ -49,6 +50,7 @@ import torch  # noqa: F401  (loads libtorch before the extension)
 from gossip_ext._torch_check import _C
 from gossip_ext.algorithms import (
     SGP,
+    AsyncSGP,
     Average,
     ByCollective,
     ByCompressedGossip,
@@ -97,6 +99,7 @@ def __getattr__(name: str):
 
 __all__ = [
     "SGP",
+    "AsyncSGP",
     "Average",
     "ByCollective",
     "ByCompressedGossip",

@@ -57,9 +57,10 @@ class GossipDataParallel(nn.Module, GossipView, MembershipView, OuterView):
 
     Args:
         module (nn.Module): the model; its parameters floating point, on one device.
-        gossip (SGP, PushPull or None): what happens between steps (default ``SGP()``: push-sum
-            over a 1-peer exponential graph, synchronous, full precision); None: no gossip
-            (LocalSGD, DiLoCo). See :mod:`gossip_ext.algorithms`.
+        gossip (SGP, PushPull, AsyncSGP or None): what happens between steps (default
+            ``SGP()``: push-sum over a 1-peer exponential graph, synchronous, full precision);
+            ``AsyncSGP()``: every worker at its own pace; None: no gossip (LocalSGD, DiLoCo).
+            See :mod:`gossip_ext.algorithms`.
         outer (Average, SlowMo, DiLoCo or None): what takes a round's place every few steps
             (default: nothing).
         membership (Elastic, optional): an elastic job: no ``init_process_group``; workers that
@@ -99,7 +100,7 @@ class GossipDataParallel(nn.Module, GossipView, MembershipView, OuterView):
     def __init__(
         self,
         module: nn.Module,
-        gossip: algorithms.SGP | None | object = _flat.DEFAULT_GOSSIP,
+        gossip: algorithms.Gossip | None | object = _flat.DEFAULT_GOSSIP,
         outer: algorithms.Average | algorithms.SlowMo | algorithms.DiLoCo | None = None,
         membership: algorithms.Elastic | str | None = None,
         *,

@@ -9,8 +9,9 @@
     )
 
 - ``gossip``: what happens between steps. :class:`SGP` (push-sum over a directed graph, the
-  default), :class:`PushPull` (D-PSGD: symmetric pairs, no weights), or ``None``: no gossip, the
-  workers train alone between outer steps (LocalSGD, DiLoCo).
+  default), :class:`PushPull` (D-PSGD: symmetric pairs, no weights), :class:`AsyncSGP` (push-sum
+  with every worker at its own pace), or ``None``: no gossip, the workers train alone between
+  outer steps (LocalSGD, DiLoCo).
 - ``outer``: what happens every few steps. :class:`Average` (an exact average), :class:`SlowMo`
   (SlowMo's heavy ball on the average), :class:`DiLoCo` (an outer optimizer on the averaged
   pseudo-gradient, streamed in fragments when ``fragments > 1``), or ``None``.
@@ -52,12 +53,13 @@ from gossip_ext.algorithms._averages import (
     OuterAverage,
 )
 from gossip_ext.algorithms._configuration import Configuration
-from gossip_ext.algorithms._gossip import SGP, PushPull, default_graph
+from gossip_ext.algorithms._gossip import SGP, AsyncSGP, Gossip, PushPull, default_graph
 from gossip_ext.algorithms._membership import Elastic
 from gossip_ext.algorithms._outer import Average, DiLoCo, SlowMo
 
 __all__ = [
     "SGP",
+    "AsyncSGP",
     "Average",
     "ByCollective",
     "ByCompressedGossip",
@@ -66,6 +68,7 @@ __all__ = [
     "DiLoCo",
     "Elastic",
     "Exact",
+    "Gossip",
     "OuterAverage",
     "PushPull",
     "SlowMo",

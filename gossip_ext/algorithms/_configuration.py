@@ -15,7 +15,7 @@ import torch.distributed as dist
 
 from gossip_ext.algorithms._averages import ByCollective, ByGossip, OuterAverage
 from gossip_ext.algorithms._base import Spelling, check_type, plain
-from gossip_ext.algorithms._gossip import SGP, default_graph
+from gossip_ext.algorithms._gossip import SGP, Gossip, default_graph
 from gossip_ext.algorithms._membership import Elastic
 from gossip_ext.algorithms._outer import Average, DiLoCo, SlowMo
 from gossip_ext.graphs import GraphBase
@@ -32,7 +32,7 @@ class Configuration:
     ``spelling``: how errors name what the user set (the objects, or the flat keywords that were
     translated into them); it is not part of the value."""
 
-    gossip: SGP | None
+    gossip: Gossip | None
     outer: Average | SlowMo | DiLoCo | None
     membership: Elastic | None = None
     nprocs_per_node: int = 1
@@ -47,7 +47,9 @@ class Configuration:
     def __post_init__(self) -> None:
         spell = self.spelling
         if self.gossip is not None:
-            check_type("gossip", self.gossip, SGP, "SGP(...), PushPull(...) or None")
+            check_type(
+                "gossip", self.gossip, Gossip, "SGP(...), PushPull(...), AsyncSGP(...) or None"
+            )
         if self.outer is not None:
             check_type(
                 "outer", self.outer, OUTER_STEPS, "Average(...), SlowMo(...), DiLoCo(...) or None"
@@ -78,6 +80,8 @@ class Configuration:
             )
         if self.membership is not None:
             self._check_elastic(average)
+        if self.gossip is not None:
+            self.gossip.check_combination(self.outer, self.membership, spell)
 
     def _check_common(self) -> None:
         """The wrapper's own settings, each on its own, then together."""

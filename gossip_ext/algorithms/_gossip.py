@@ -1,5 +1,5 @@
-"""What happens between optimizer steps: gossip rounds (SGP, D-PSGD), each object building its
-engine (``mix``)."""
+"""What happens between optimizer steps: gossip rounds (SGP, D-PSGD, asynchronous push-sum), each
+object building its engine (``mix``)."""
 
 from __future__ import annotations
 
@@ -25,8 +25,19 @@ def default_graph() -> GraphBase:
     return NPeerDynamicDirectedExponentialGraph()
 
 
+class Gossip(Algorithm):
+    """What every gossip object is: its runtime part is ``mix(named, link, graph)``, an
+    ``inner.InnerMix``; ``push_sum`` says whether its rounds carry weights."""
+
+    push_sum = True
+
+    def check_combination(self, outer, membership, spelling) -> None:
+        """Raises ValueError, in the user's ``spelling``, if this gossip cannot run beside the
+        ``outer`` step or the ``membership`` given with it (None: none)."""
+
+
 @dataclasses.dataclass(frozen=True)
-class SGP(Algorithm):
+class SGP(Gossip):
     """Stochastic Gradient Push (Assran et al., ICML 2019): after every optimizer step, a
     push-sum round over a rotating graph.
 
@@ -136,3 +147,85 @@ class PushPull(SGP):
     :class:`SGP`."""
 
     push_sum = False
+
+
+@dataclasses.dataclass(frozen=True)
+class AsyncSGP(Gossip):
+    """Asynchronous push-sum: every worker gossips at its own pace, so a slow worker costs its
+    share of the work, not every worker's time (docs/algorithms.md, "Asynchronous gossip").
+
+    After each optimizer step a worker sends push-sum shares of its round (a counter of its
+    own) to the graph's out-peers and absorbs every message that has arrived; it never waits for
+    a peer's step. Messages move on threads of their own; push-sum's weights de-bias whatever
+    mass arrived, whenever it arrived. Runs over gloo with CPU parameters.
+
+    Args:
+        graph (GraphBase, optional): who a round sends to (default:
+            ``NPeerDynamicDirectedExponentialGraph(peers_per_itr=1)``); fixed for the job.
+        staleness (int, optional): tau: absorb no message of a round beyond this worker's own +
+            tau, and wait, before the next forward, for every message of rounds up to its own -
+            tau that it is owed or owes. ``0`` with equal speeds is synchronous SGP; None never
+            waits, so no worker ever waits for another (default: None).
+        message_dtype (torch.dtype or str, optional): ``torch.bfloat16``, ``torch.float16``,
+            ``"int8"``, ``"int4"`` or ``torch.float8_e4m3fn`` send the numerators compressed,
+            their rounding kept in the sender (error feedback); the weight travels in float64.
+            None: full precision (default).
+        check_finite (bool): raise naming the senders when an absorb would take NaN or Inf;
+            the parameters then keep the model before it (default: True).
+    """
+
+    graph: GraphBase | None = None
+    staleness: int | None = None
+    message_dtype: torch.dtype | str | None = None
+    check_finite: bool = True
+
+    def __post_init__(self) -> None:
+        if self.graph is not None:
+            check_argument(self, "graph", self.graph, GraphBase, "a gossip_ext graph (a GraphBase)")
+        if self.staleness is not None:
+            check_argument(self, "staleness", self.staleness, int, "an int or None")
+            if self.staleness < 0:
+                raise ValueError(
+                    f"{where(self, 'staleness')} must be >= 0 (rounds) or None, got "
+                    f"{self.staleness}"
+                )
+        check_argument(self, "check_finite", self.check_finite, bool, "a bool")
+        check_dtype_argument(self, "message_dtype", self.message_dtype)
+
+    def check_combination(self, outer, membership, spelling) -> None:
+        # Both would need every worker at the same step or round, which asynchronous workers
+        # never share: an outer step's collective, an elastic epoch's fresh start.
+        gossip = spelling.object(self, "gossip")
+        if outer is not None:
+            raise ValueError(
+                f"{gossip} with outer={outer!r}: an outer step averages every worker at the "
+                "same step, which asynchronous workers never share; use outer=None (the "
+                "gossip alone averages) or SGP(...) with an outer step"
+            )
+        if membership is not None:
+            raise ValueError(
+                f"{gossip} with {spelling.object(membership, 'membership')}: an elastic job's "
+                "epochs restart every worker at one round; use SGP(...) in elastic jobs"
+            )
+
+    def describe(self) -> dict[str, Any]:
+        described = super().describe()
+        del described["check_finite"]  # each rank's own, as SGP's
+        return dict(described, graph=plain(self.graph or default_graph()))
+
+    def mix(self, named, link: inner.Link, graph: GraphBase) -> inner.InnerMix:
+        """Its runtime part: an ``asynchronous.AsyncPushSum`` over ``named`` on ``graph``."""
+        return inner.InnerMix.asynchronous(
+            named,
+            link,
+            graph=graph,
+            staleness=self.staleness,
+            message_dtype=self.message_dtype,
+            check_finite=self.check_finite,
+        )
+
+    def flat(self) -> dict[str, Any]:
+        raise TypeError(
+            "AsyncSGP has no flat keywords: earlier releases had no asynchronous gossip; "
+            "give gossip=AsyncSGP(...)"
+        )

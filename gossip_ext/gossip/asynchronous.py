@@ -9,6 +9,8 @@ each optimizer step it runs its round t_i, a counter of its own:
    lossy message's rounding stays in the kept numerator (``messages.Codec``).
 2. *Absorb* every message that has arrived of sender rounds <= t_i + tau:
    z_i <- (w_i z_i + sum x_m) / (w_i + sum w_m),  w_i <- w_i + sum w_m.
+   A peer that has not yet taken this worker's last two messages is skipped in this round (its
+   share kept), so a slow link or a stopped peer never makes a queue or a wait.
 3. *Bound.* If ``staleness`` tau is set, wait until every message of rounds <= t_i - tau that
    this worker is owed has arrived, and every message it owes has been taken, absorbing as they
    come. tau = 0 with equal speeds is synchronous SGP; tau = None never waits.
@@ -35,6 +37,10 @@ import torch.distributed as dist
 from gossip_ext.errors import NonFiniteError, PeerTimeoutError
 from gossip_ext.gossip import mailbox, messages, transport
 from gossip_ext.graphs import GraphBase
+
+# Messages to one peer posted and not yet taken by it beyond which a round skips that peer: one
+# moving on the link and one behind it keep the link busy; more would only wait there, staler.
+MAX_BACKLOG = 2
 
 
 class AsyncPushSum:
@@ -125,11 +131,13 @@ class AsyncPushSum:
 
     def _send_absorb_bound(self) -> None:
         round_ = self._round
-        # A peer that left (finished its steps) is sent nothing more: its share stays here.
+        # A peer that left (finished its steps) is sent nothing more, and one that has not taken
+        # this worker's last messages yet (a slow link, a stopped process) is skipped this round
+        # rather than waited for or queued for: its share stays here.
         out_peers = [
             peer
             for peer in self.graph.out_peers(self.rank, self.world_size, round_)
-            if not self._outboxes[peer].ended
+            if not self._outboxes[peer].ended and self._outboxes[peer].backlog < MAX_BACKLOG
         ]
         if out_peers:
             out_peers = self._send(round_, out_peers)

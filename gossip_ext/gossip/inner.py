@@ -24,7 +24,7 @@ import torch
 import torch.distributed as dist
 
 from gossip_ext._torch_check import _C
-from gossip_ext.gossip import consensus, schedule, transport
+from gossip_ext.gossip import asynchronous, consensus, schedule, transport
 from gossip_ext.graphs import GraphBase
 from gossip_ext.mixing import MixingBase
 from gossip_ext.sharded import replicas as sharded
@@ -131,6 +131,45 @@ class InnerMix:
             synch_freq=synch_freq,
             every_step=every_step,
             verbose=link.verbose,
+        )
+
+    @classmethod
+    def asynchronous(
+        cls,
+        named: Sequence[tuple[str, torch.Tensor]],
+        link: Link,
+        *,
+        graph: GraphBase,
+        staleness: int | None,
+        message_dtype: torch.dtype | str | None,
+        check_finite: bool,
+    ) -> InnerMix:
+        """Asynchronous push-sum (``asynchronous.AsyncPushSum``) over the ``named`` tensors,
+        worked on in place, a round after every step (built by ``algorithms.AsyncSGP.mix``).
+        The synchronous schedule drives it: its start sends and absorbs, its finish absorbs
+        what arrived and never waits."""
+        if link.transport_kind != transport.PROCESS_GROUP:
+            raise ValueError(
+                f"AsyncSGP runs over gloo with CPU parameters; these travel by "
+                f"{link.transport_kind!r} (CUDA parameters): use SGP(overlap=True) on GPUs"
+            )
+        if link.log_every > 0:
+            raise ValueError(
+                f"log_every={link.log_every}: the consensus estimate measures a synchronous "
+                "round's absorb, which AsyncSGP has not; use log_every=0 with AsyncSGP"
+            )
+        engine = asynchronous.AsyncPushSum(
+            [t for _, t in named],
+            link.group,
+            graph,
+            staleness=staleness,
+            message_dtype=message_dtype,
+            check_finite=check_finite,
+            timeout=link.timeout,
+            store=transport.gossip_store(link.group, link.rendezvous, "async"),
+        )
+        return cls(
+            engine, graph, overlap=False, synch_freq=0, every_step=True, verbose=link.verbose
         )
 
     # ----------------------------------------------------------------------------- rounds

@@ -279,6 +279,12 @@ class Outbox(_PeerThread):
                 self._posted.popleft()  # the buffer goes with it
                 self._changed.notify_all()
 
+    @property
+    def backlog(self) -> int:
+        """Sends posted and not yet confirmed."""
+        with self._changed:
+            return len(self._posted)
+
     def wait_until_past(self, round_: float) -> None:
         """Blocks until every send of rounds <= ``round_`` is confirmed."""
         deadline = time.monotonic() + self.timeout.total_seconds()

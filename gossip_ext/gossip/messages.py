@@ -5,10 +5,11 @@ Layout: ``[weight | numerators]``, the weight a float64 at the head (where every
 bytes after it stays aligned), the whole of one size for the job, so that a receiver's posted
 buffer fits any message of its sender and the mass of the weights is conserved to float64
 rounding whatever the numerators travel in. The numerators travel in full precision, in 16 bits,
-or block-quantized (int8 or float8 e4m3fn, a float32 scale per block of 128 values: 0.258 of
-float32's bytes, as the compiled engine's messages). A lossy message's rounding stays with its
-sender (error feedback): the sender keeps its numerator minus what it really sent, so the sum of
-all numerators is conserved to the state's rounding and the error rides along in later messages.
+or block-quantized (int8, int4 or float8 e4m3fn, a float32 scale per block of 128 values: 0.258,
+0.133 and 0.258 of float32's bytes, as the compiled engine's messages). A lossy message's rounding
+stays with its sender (error feedback): the sender keeps its numerator minus what it really sent,
+so the sum of all numerators is conserved to the state's rounding and the error rides along in
+later messages.
 """
 
 from __future__ import annotations
@@ -39,9 +40,11 @@ class Codec:
             body = numel * 2
         elif message_dtype in ("int8", torch.float8_e4m3fn):
             body = self.blocks * BLOCK + self.blocks * 4
+        elif message_dtype == "int4":
+            body = self.blocks * BLOCK // 2 + self.blocks * 4
         else:
             raise ValueError(
-                "message_dtype must be torch.bfloat16, torch.float16, 'int8', "
+                "message_dtype must be torch.bfloat16, torch.float16, 'int8', 'int4', "
                 f"torch.float8_e4m3fn or None (full precision), got {message_dtype!r}"
             )
         self.nbytes = body + _WEIGHT_BYTES
@@ -66,16 +69,17 @@ class Codec:
         largest = blocks.abs().amax(dim=1, keepdim=True)
         # A NaN or Inf travels as a NaN scale, which the receiver's finiteness check names.
         finite = torch.isfinite(largest)
-        limit = 127.0 if kind == "int8" else 448.0
+        limit = {"int8": 127.0, "int4": 7.0}.get(kind, 448.0)
         scales = torch.where(finite, largest / limit, torch.full_like(largest, math.nan))
         safe = torch.where(scales > 0, scales, torch.ones_like(scales))
         scaled = torch.where(finite, blocks / safe, torch.zeros_like(blocks))
-        if kind == "int8":
-            quantized = scaled.round().clamp_(-127, 127).to(torch.int8)
+        if kind in ("int8", "int4"):
+            quantized = scaled.round().clamp_(-limit, limit).to(torch.int8)
         else:
             quantized = scaled.to(torch.float8_e4m3fn)
         read = (quantized.to(torch.float32) * scales).reshape(-1)[: self.numel]
-        message = torch.cat([weight_bytes, _as_bytes(quantized), _as_bytes(scales)])
+        packed = _pack_nibbles(quantized) if kind == "int4" else quantized
+        message = torch.cat([weight_bytes, _as_bytes(packed), _as_bytes(scales)])
         return message, read.to(self.dtype)
 
     def decode(self, message: torch.Tensor) -> tuple[torch.Tensor, float]:
@@ -87,8 +91,23 @@ class Codec:
             return body.view(self.dtype), weight_value
         if kind in (torch.bfloat16, torch.float16):
             return body.view(kind).to(self.dtype), weight_value
-        values = self.blocks * BLOCK
-        quantized = body[:values].view(torch.int8 if kind == "int8" else torch.float8_e4m3fn)
+        values = self.blocks * BLOCK // (2 if kind == "int4" else 1)
+        if kind == "int4":
+            quantized = _unpack_nibbles(body[:values])
+        else:
+            quantized = body[:values].view(torch.int8 if kind == "int8" else torch.float8_e4m3fn)
         scales = body[values:].view(torch.float32).view(self.blocks, 1)
         read = quantized.view(self.blocks, BLOCK).to(torch.float32) * scales
         return read.reshape(-1)[: self.numel].to(self.dtype), weight_value
+
+
+def _pack_nibbles(values: torch.Tensor) -> torch.Tensor:
+    """int8 values in [-7, 7], two to a byte (offset by 8), the even-indexed in the low half."""
+    biased = (values.reshape(-1, 2).to(torch.int16) + 8).to(torch.uint8)
+    return biased[:, 0] | (biased[:, 1] << 4)
+
+
+def _unpack_nibbles(packed: torch.Tensor) -> torch.Tensor:
+    low = (packed & 0x0F).to(torch.int8) - 8
+    high = (packed >> 4).to(torch.int8) - 8
+    return torch.stack([low, high], dim=1).reshape(-1)
