@@ -191,7 +191,9 @@ def test_the_wrapper_refuses_objects_beside_flat_keywords_and_unknown_keywords()
         gossip_ext.GossipDataParallel(net, outer=A.Average(4), sync_every=4)
     with pytest.raises(TypeError, match=r"unexpected keyword arguments \['overlapp'\]"):
         gossip_ext.GossipDataParallel(net, overlapp=True)
-    with pytest.raises(TypeError, match=r"gossip must be SGP\(...\), PushPull\(...\), AsyncSGP\(...\) or None"):
+    with pytest.raises(
+        TypeError, match=r"gossip must be SGP\(...\), PushPull\(...\), AsyncSGP\(...\) or None"
+    ):
         gossip_ext.GossipDataParallel(net, gossip="sgp")
     with pytest.raises(TypeError, match=r"outer must be Average"):
         gossip_ext.GossipDataParallel(net, outer=A.Exact())
