@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import importlib
 import os
 import pickle
 import subprocess
@@ -24,11 +25,17 @@ from harness.tasks.byte_lm import ByteLMConfig
 _LIGHTHOUSE_PORT = 29510  # in rank 0's namespace on the emulated network
 
 
-def _entry(rank: int, world_size: int, init_file: str, out_dir: str, config) -> None:
+# What a worker process runs: ``module:function``(rank, world_size, init_method, config).
+WORKER = "harness.compare.worker:train"
+
+
+def _entry(rank: int, world_size: int, init_file: str, out_dir: str, config, target: str) -> None:
     # torchft's servers log every quorum unless told otherwise, read when a worker imports it; a
     # worker forked from a forkserver does not see what the parent set after the server started.
     os.environ.setdefault("RUST_LOG", "warn")
-    result = worker.train(rank, world_size, f"file://{init_file}", config)
+    module, function = target.split(":")
+    train = getattr(importlib.import_module(module), function)
+    result = train(rank, world_size, f"file://{init_file}", config)
     with open(os.path.join(out_dir, f"rank{rank}.pkl"), "wb") as f:
         pickle.dump(result, f)
     # Leave without interpreter finalization: torch's gloo threads can abort a finalizing process
@@ -54,7 +61,9 @@ def lighthouse(workers: int) -> Iterator[str]:
         server.shutdown()
 
 
-def run_local(config: worker.RunConfig, workers: int, start_method: str = "spawn") -> dict:
+def run_local(
+    config: worker.RunConfig, workers: int, start_method: str = "spawn", target: str = WORKER
+) -> dict:
     """``config`` on ``workers`` processes of this machine (loopback); rank 0's result.
 
     Each worker starts a fresh interpreter (``"spawn"``), so that its peak memory is its own;
@@ -62,14 +71,12 @@ def run_local(config: worker.RunConfig, workers: int, start_method: str = "spawn
     server (``"forkserver"``)."""
     with contextlib.ExitStack() as stack:
         if config.system.startswith("torchft"):
-            config = dataclasses.replace(
-                config, lighthouse=stack.enter_context(lighthouse(workers))
-            )
+            config = config.with_lighthouse(stack.enter_context(lighthouse(workers)))
         out_dir = stack.enter_context(tempfile.TemporaryDirectory())
         init_file = os.path.join(out_dir, "store")
         mp.start_processes(
             _entry,
-            args=(workers, init_file, out_dir, config),
+            args=(workers, init_file, out_dir, config, target),
             nprocs=workers,
             join=True,
             start_method=start_method,
@@ -105,17 +112,23 @@ def _lighthouse_in(cluster: netns.EmulatedCluster):
         proc.wait()
 
 
-def run(config: worker.RunConfig, workers: int, rate: float | None, timeout: float) -> dict:
-    """``config`` on ``workers`` processes: local if ``rate`` is None, else on an emulated cluster
-    whose NICs are capped at ``rate`` bits/s (needs root)."""
+def run(
+    config: worker.RunConfig,
+    workers: int,
+    rate: float | None,
+    timeout: float,
+    target: str = WORKER,
+) -> dict:
+    """``config`` on ``workers`` processes running ``target`` (a worker's ``module:function``):
+    local if ``rate`` is None, else on an emulated cluster whose NICs are capped at ``rate``
+    bits/s (needs root)."""
     if rate is None:
-        return run_local(config, workers)
+        return run_local(config, workers, target=target)
     with netns.EmulatedCluster(workers, rate) as cluster:
         with contextlib.ExitStack() as stack:
             if config.system.startswith("torchft"):
-                address = stack.enter_context(_lighthouse_in(cluster))
-                config = dataclasses.replace(config, lighthouse=address)
-            return cluster.run("harness.compare.worker:train", config, timeout)
+                config = config.with_lighthouse(stack.enter_context(_lighthouse_in(cluster)))
+            return cluster.run(target, config, timeout)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -17,6 +17,8 @@ torchft_diloco      torchft 0.2.0 DiLoCo: every ``local_steps`` steps, an outer 
 sgp, overlap_sgp    gossip_ext SGP, synchronous or one step stale; ``_bf16``: bfloat16 messages;
                     ``_int8``, ``_fp8``: int8 or float8 (e4m3) blocks of 128 values with a
                     float32 scale each (GOSSIP_MESSAGES)
+async_sgp           gossip_ext AsyncSGP: push-sum with every worker at its own pace, no
+                    staleness bound; ``_int8``: int8 blocks, as overlap_sgp_int8's
 dpsgd               gossip_ext D-PSGD (push-pull on the bipartite exponential graph)
 localsgd, slowmo    gossip_ext LocalSGD and SlowMo, exact average every ``local_steps`` steps
 diloco              gossip_ext DiLoCo: torchft_diloco's outer step (the same outer SGD), no
@@ -74,6 +76,8 @@ GOSSIP = (
     "overlap_sgp_int8",
     "sgp_fp8",
     "overlap_sgp_fp8",
+    "async_sgp",
+    "async_sgp_int8",
     "dpsgd",
     "localsgd",
     "slowmo",
@@ -241,6 +245,15 @@ class _Ddp(_OptimizerStep):
             )
             model.register_comm_hook(state, powerSGD_hook.powerSGD_hook)
         super().__init__(module, recipe, model)
+
+
+class _AsyncGossip(_OptimizerStep):
+    def __init__(self, module: nn.Module, recipe: Recipe, system: str) -> None:
+        suffix = system.removeprefix("async_sgp").removeprefix("_")
+        gossip = gossip_ext.AsyncSGP(message_dtype=GOSSIP_MESSAGES.get(suffix))
+        model = gossip_ext.GossipDataParallel(module, gossip=gossip, timeout=recipe.timeout)
+        super().__init__(module, recipe, model)
+        model.register_optimizer(self.opt)
 
 
 class _Gossip(_OptimizerStep):
@@ -445,4 +458,6 @@ def make(system: str, module: nn.Module, recipe: Recipe, lighthouse: str | None 
         if lighthouse is None:
             raise ValueError(f"{system} needs the address of a torchft lighthouse")
         return _Torchft(module, recipe, system, lighthouse)
+    if system.startswith("async_sgp"):
+        return _AsyncGossip(module, recipe, system)
     return _Gossip(module, recipe, system)

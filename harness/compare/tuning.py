@@ -48,6 +48,9 @@ PEAK_LR = {
     "overlap_sgp_int8": 8e-3,
     "sgp_fp8": 4e-3,
     "overlap_sgp_fp8": 8e-3,
+    # Not swept yet: overlap_sgp_int8's rate, the closest synchronous mode.
+    "async_sgp": 8e-3,
+    "async_sgp_int8": 8e-3,
     "dpsgd": 8e-3,
     "localsgd": 4e-3,
     "slowmo": 4e-3,

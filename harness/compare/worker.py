@@ -38,6 +38,9 @@ class RunConfig:
     threads: int = 1  # torch threads per worker: workers share the machine's cores
     lighthouse: str | None = None  # torchft's, started by the runner
 
+    def with_lighthouse(self, address: str) -> RunConfig:
+        return dataclasses.replace(self, lighthouse=address)
+
 
 def _mean_over_workers(value: float) -> float:
     t = torch.tensor([value], dtype=torch.float64)
