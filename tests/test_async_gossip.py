@@ -103,12 +103,7 @@ def _train_fixed(rank, world_size, steps, delays, staleness, message_dtype=None)
 def test_at_unequal_speeds_it_ends_where_the_reference_fed_the_same_arrivals_ends(staleness):
     delays = [0.0, 0.01, 0.03, 0.0]  # rank 2 steps at a fraction of ranks 0 and 3's pace
     results = run_ranks(4, _train_fixed, 12, delays, staleness)
-    z, w = replay(
-        [initial(r) for r in range(4)],
-        [target(r) for r in range(4)],
-        LR,
-        [result["history"] for result in results],
-    )
+    z, w = _replayed(results)
     for rank, result in enumerate(results):
         torch.testing.assert_close(result["z"].double(), z[rank], rtol=1e-5, atol=1e-5)
         assert result["w"] == pytest.approx(w[rank], rel=1e-12)
@@ -124,6 +119,17 @@ def test_at_unequal_speeds_it_ends_where_the_reference_fed_the_same_arrivals_end
         for result in results:  # no absorb ever took a round beyond its own + staleness
             for own, event in _absorbs_with_own_round(result["history"]):
                 assert max(r for _, r in event[1]) <= own + staleness
+
+
+def _replayed(results):
+    """The reference's (z, w) of every worker, fed the run's arrivals."""
+    world_size = len(results)
+    return replay(
+        [initial(r) for r in range(world_size)],
+        [target(r) for r in range(world_size)],
+        LR,
+        [result["history"] for result in results],
+    )
 
 
 def _absorbs_with_own_round(history):
@@ -155,12 +161,7 @@ def test_compressed_messages_conserve_the_mass_and_track_full_precision(message_
     results = run_ranks(4, _train_fixed, 10, [0.0, 0.004, 0.0, 0.0], None, message_dtype)
     _assert_mass_conserved(results)
     # The same arrivals in full precision: the rounding stays within a message's.
-    z, _ = replay(
-        [initial(r) for r in range(4)],
-        [target(r) for r in range(4)],
-        LR,
-        [result["history"] for result in results],
-    )
+    z, _ = _replayed(results)
     for rank, result in enumerate(results):
         torch.testing.assert_close(
             result["z"].double(), z[rank], rtol=0, atol=ROUNDING[message_dtype]
@@ -239,3 +240,33 @@ def test_a_worker_that_finishes_first_is_let_go_without_an_error():
     outcomes = run_ranks_tolerating_deaths(4, _one_finishes_early, deadline_s=60.0)
     assert [o.exitcode for o in outcomes] == [0] * 4, outcomes
     assert [o.result for o in outcomes] == [3, 40, 40, 40]
+
+
+def _hears_from_nobody(rank, world_size, rounds):
+    param = torch.nn.Parameter(initial(rank))
+    engine = AsyncPushSum(
+        [param],
+        dist.group.WORLD,
+        NPeerDynamicDirectedExponentialGraph(),
+        staleness=None,
+        message_dtype="int8",
+        timeout=timedelta(seconds=30),
+    )
+    if rank == 1:  # rank 0 stopped stepping but lives on, taking messages and sending none
+        while engine.round < rounds and float(engine.ps_weight()) >= 1e-46:
+            time.sleep(0.001)  # a step's compute
+            engine.start_round()
+    dist.barrier()
+    result = (param.detach().clone(), float(engine.ps_weight()), engine.round)
+    engine.close()
+    return result
+
+
+def test_a_worker_whose_weight_underflows_keeps_a_finite_model():
+    # Each round halves rank 1's weight and nothing comes back: past 150 rounds it is below
+    # what float32 holds, which scaled values would have underflowed with. Its model stays what
+    # it was: z is never scaled by the weight (Note [Scale-free shares]).
+    _, (z, weight, rounds) = run_ranks(2, _hears_from_nobody, 4000)
+    assert weight < 1e-46, (weight, rounds)  # reached before the 4,000th round
+    assert torch.isfinite(z).all()
+    torch.testing.assert_close(z, initial(1), rtol=0, atol=0.05)  # int8 rounding, fed back

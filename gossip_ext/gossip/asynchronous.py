@@ -5,8 +5,9 @@ Push-sum de-biases whatever mass has arrived, whenever it arrived (docs/algorith
 each optimizer step it runs its round t_i, a counter of its own:
 
 1. *Send.* To each out-peer of round t_i (the graph's schedule, a pure function of the round) it
-   posts the share (w_i z_i / (k+1), w_i / (k+1)) and keeps one share: w_i <- w_i / (k+1). A
-   lossy message's rounding stays in the kept numerator (``messages.Codec``).
+   posts the share (w_i z_i / (k+1), w_i / (k+1)), as z_i and the share's weight (Note
+   [Scale-free shares]), and keeps one share: w_i <- w_i / (k+1). A lossy message's rounding
+   stays in the kept numerator (``messages.Codec``).
 2. *Absorb* every message that has arrived of sender rounds <= t_i + tau:
    z_i <- (w_i z_i + sum x_m) / (w_i + sum w_m),  w_i <- w_i + sum w_m.
    A peer that has not yet taken this worker's last two messages is skipped in this round (its
@@ -76,6 +77,7 @@ class AsyncPushSum:
         self._codec = messages.Codec(sum(self._sizes), self._dtype, message_dtype)
         self._weight = 1.0
         self._round = 0  # rounds sent
+        self._generation = 0  # restores so far: messages of an earlier one are never matched
         self._bytes_sent = 0
         self._failure: BaseException | None = None
         self.history: list[tuple] | None = [] if record else None
@@ -96,13 +98,16 @@ class AsyncPushSum:
                 rounds[peer],
                 self.timeout,
                 self._departures,
+                self._generation,
             )
             for peer in mailbox.in_peers(self.graph, self.rank, self.world_size)
         }
 
     def _open_outboxes(self, peers: Sequence[int]) -> dict[int, mailbox.Outbox]:
         return {
-            peer: mailbox.Outbox(self._group, peer, self.timeout, self._departures)
+            peer: mailbox.Outbox(
+                self._group, peer, self.timeout, self._departures, self._generation
+            )
             for peer in dict.fromkeys(peers)
         }
 
@@ -131,13 +136,15 @@ class AsyncPushSum:
 
     def _send_absorb_bound(self) -> None:
         round_ = self._round
-        # A peer that left (finished its steps) is sent nothing more, and one that has not taken
-        # this worker's last messages yet (a slow link, a stopped process) is skipped this round
-        # rather than waited for or queued for: its share stays here.
+        # A peer that left (finished its steps) is sent nothing more, and, with no staleness
+        # bound, one that has not taken this worker's last messages yet (a slow link, a stopped
+        # process) is skipped this round rather than waited for or queued for: its share stays
+        # here. (A bound instead waits for it, tau rounds later.)
         out_peers = [
             peer
             for peer in self.graph.out_peers(self.rank, self.world_size, round_)
-            if not self._outboxes[peer].ended and self._outboxes[peer].backlog < MAX_BACKLOG
+            if not self._outboxes[peer].ended
+            and (self.staleness is not None or self._outboxes[peer].backlog < MAX_BACKLOG)
         ]
         if out_peers:
             out_peers = self._send(round_, out_peers)
@@ -154,17 +161,27 @@ class AsyncPushSum:
 
     def _send(self, round_: int, out_peers: list[int]) -> list[int]:
         """Sends one share to each of ``out_peers`` and keeps one; returns the peers that were
-        sent theirs (a peer that left meanwhile gets none: its share is kept too)."""
-        share = 1.0 / (len(out_peers) + 1)
-        flat, weight = self._flat(), self._weight
-        message, read = self._codec.encode(flat * (weight * share), weight * share)
+        sent theirs (a peer that left meanwhile gets none: its share is kept too).
+
+        Note [Scale-free shares]: a message carries the sender's de-biased z (not w z) and the
+        weight of its share, and every update below mixes models with coefficients that are
+        ratios of weights. A worker that hears from nobody for many rounds (its peers finished
+        first) halves its weight each round; its weight may get as small as float64 allows,
+        and no float32 value is ever scaled by it."""
+        flat = self._flat()
+        if self.check_finite and not bool(torch.isfinite(flat).all()):
+            self._raise_nonfinite([], [])
+        weight = self._weight
+        share = weight / (len(out_peers) + 1)
+        message, read = self._codec.encode(flat, share, round_)
         sent = [peer for peer in out_peers if self._outboxes[peer].post(round_, message)]
-        kept_weight = weight - len(sent) * (weight * share)
-        if not self._codec.lossless or len(sent) < len(out_peers):
-            # What was sent is exactly what left: a lossy message's rounding stays here (Note
-            # [Compressed messages] in csrc/engine/gossip_engine.h).
-            self._write((weight * flat - len(sent) * read) / kept_weight)
-        self._weight = kept_weight
+        kept = weight - len(sent) * share
+        if sent and kept > 0 and not self._codec.lossless:
+            # What left is what was sent: a lossy message's rounding stays here, (w z - s share q)
+            # / kept = z + (s share / kept) (z - q) (Note [Compressed messages] in
+            # csrc/engine/gossip_engine.h).
+            self._write(flat + (len(sent) * share / kept) * (flat - read))
+        self._weight = kept
         self._bytes_sent += len(sent) * self._codec.nbytes
         return sent
 
@@ -177,10 +194,12 @@ class AsyncPushSum:
             return
         decoded = [self._codec.decode(buf) for _, _, buf in arrived]
         weight = self._weight + sum(w for _, w in decoded)
-        total = self._weight * self._flat()
-        for numerators, _ in decoded:
-            total.add_(numerators)
-        mixed = total / weight
+        if weight == 0.0:  # shares of workers whose weight underflowed: no mass, nothing to mix
+            return
+        # z <- (w z + sum w_m z_m) / (w + sum w_m), as ratios (Note [Scale-free shares]).
+        mixed = self._flat().mul_(self._weight / weight)
+        for values, share in decoded:
+            mixed.add_(values, alpha=share / weight)
         if self.check_finite and not bool(torch.isfinite(mixed).all()):
             self._raise_nonfinite(arrived, decoded)
         self._write(mixed)
@@ -189,11 +208,14 @@ class AsyncPushSum:
             self.history.append(("absorb", tuple((peer, r) for peer, r, _ in arrived)))
 
     def _settle(self) -> None:
-        sent = torch.tensor([self._round], dtype=torch.int64)
-        rounds = [torch.zeros_like(sent) for _ in range(self.world_size)]
-        dist.all_gather(rounds, sent, group=self._group)
+        # What each worker sent each other one: a receiver waits for as many messages.
+        sent = torch.zeros(self.world_size, dtype=torch.int64)
+        for peer, box in self._outboxes.items():
+            sent[peer] = box.sent
+        counts = [torch.zeros_like(sent) for _ in range(self.world_size)]
+        dist.all_gather(counts, sent, group=self._group)
         for peer, box in self._mailboxes.items():
-            box.wait_until_past(int(rounds[peer]) - 1)
+            box.wait_for(int(counts[peer][self.rank]))
         for box in self._outboxes.values():
             box.wait_until_past(math.inf)
         staleness, self.staleness = self.staleness, None  # take every round that arrived
@@ -208,12 +230,13 @@ class AsyncPushSum:
             for (peer, _, _), (x, w) in zip(arrived, decoded)
             if not (math.isfinite(w) and bool(torch.isfinite(x).all()))
         ]
-        whose = f"peers {senders}" if senders else f"rank {self.rank}'s own parameters"
+        whose = f"from peers {senders}" if senders else f"in rank {self.rank}'s own parameters"
         raise NonFiniteError(
-            f"gossip_ext: rank {self.rank} absorbed NaN or Inf in its asynchronous round "
-            f"{self._round - 1}, from {whose}; the parameters keep the model before it",
+            f"gossip_ext: rank {self.rank} found NaN or Inf in its asynchronous round "
+            f"{self._round}, {whose}; push-sum would spread them, so no round goes on, and the "
+            "parameters keep the model they hold",
             peers=senders,
-            round=self._round - 1,
+            round=self._round,
             transport="process_group(gloo)",
         )
 
@@ -286,6 +309,7 @@ class AsyncPushSum:
         rounds = [torch.zeros_like(mine) for _ in range(self.world_size)]
         dist.all_gather(rounds, mine, group=self._group)
         self._round, self._weight = int(round), float(weight)
+        self._generation += 1
         self._outboxes = self._open_outboxes(list(self._outboxes))
         self._mailboxes = self._open_mailboxes([int(r) for r in rounds])
 

@@ -7,9 +7,10 @@ completes a send or a receive only inside ``wait()``; a training thread that pos
 would hold every sender up until its next step. These threads post and wait instead, so messages
 move at the network's pace whatever the pace of either worker's steps.
 
-A peer's messages to this worker are numbered by the sender's own rounds: ``next_round`` walks
-the rounds in which the sender's schedule (a pure function of the graph and the round) names this
-worker, so no message says who it is for, and gloo's tags keep them apart. A receive that fails
+A peer's messages to this worker are numbered in the order it sent them (``tag``), and each
+carries the sender's round; ``next_round`` walks the rounds in which the sender's schedule (a
+pure function of the graph and the round) names this worker, which is the round a receiver waits
+for when a staleness bound says it must. A receive that fails
 (the peer's connection closed) or waits longer than the timeout (the peer stopped) is kept as a
 :class:`~gossip_ext.errors.PeerTimeoutError` naming the peer and its round, raised to the
 training thread at its next call.
@@ -26,13 +27,20 @@ import torch
 
 from gossip_ext._torch_check import _C
 from gossip_ext.errors import PeerTimeoutError
+from gossip_ext.gossip import messages
 from gossip_ext.graphs import GraphBase
 
 _TAG_BASE = 1 << 30  # apart from the compiled engine's round tags, which stay below it
 
 
-def tag(round: int) -> int:  # noqa: A002 - the sender's gossip round
-    return _TAG_BASE | (round % _TAG_BASE)
+def tag(generation: int, sequence: int) -> int:
+    """The gloo tag of the ``sequence``-th message from one worker to another since the
+    ``generation``-th (re)start of their gossip. Messages between two workers are numbered, not
+    named by round: a sender may skip a round's message to a peer (``AsyncPushSum``), and a
+    receive posted for a round that never comes would hold every later message. The round
+    travels in the message (``messages.round_of``). Sequences wrap at 2^24: at most a few
+    messages to one peer are in flight."""
+    return _TAG_BASE | ((generation % 64) << 24) | (sequence % (1 << 24))
 
 
 def next_round(graph: GraphBase, sender: int, receiver: int, world_size: int, start: int):
@@ -100,22 +108,28 @@ class _PeerThread:
             with self._changed:
                 if self._closing:
                     return False
-            if self._departures.has_left(self.peer):
-                with self._changed:
-                    self.ended = True
-                    self._changed.notify_all()
-                return False
-            raise PeerTimeoutError(
-                f"gossip_ext: asynchronous push-sum failed to {what} peer {self.peer} (its "
-                f"round {round_}) within {self.timeout}; the peer may have died, stalled or "
-                f"left the training loop: {failure}",
-                peers=[self.peer],
-                round=round_,
-                transport="process_group(gloo)",
-            ) from failure
+            self._raise_unless_left(failure, round_, what)
+            return False
         with self._changed:
             self._work = None
             return bool(completed) and not self._closing
+
+    def _raise_unless_left(self, failure: Exception, round_: int, what: str) -> None:
+        """After gloo's ``failure`` to ``what`` the peer: ``ended`` if the peer said it was
+        leaving, else a PeerTimeoutError naming it and its round."""
+        if self._departures.has_left(self.peer):
+            with self._changed:
+                self.ended = True
+                self._changed.notify_all()
+            return
+        raise PeerTimeoutError(
+            f"gossip_ext: asynchronous push-sum failed to {what} peer {self.peer} (its round "
+            f"{round_}) within {self.timeout}; the peer may have died, stalled or left the "
+            f"training loop: {failure}",
+            peers=[self.peer],
+            round=round_,
+            transport="process_group(gloo)",
+        ) from failure
 
     def _run_guarded(self) -> None:
         try:
@@ -173,10 +187,12 @@ class Mailbox(_PeerThread):
         start: int,
         timeout: timedelta,
         departures: Departures,
+        generation: int = 0,
     ):
         super().__init__(peer, timeout, departures, f"gossip_ext-mailbox-{peer}")
         self._group, self._graph, self._rank, self._nbytes = group, graph, rank, nbytes
-        self._world_size = group.size()
+        self._world_size, self._generation = group.size(), generation
+        self.received = 0  # messages arrived, taken or not
         self.expected = next_round(graph, peer, rank, self._world_size, start)
         self._arrived: collections.deque[tuple[int, torch.Tensor, float]] = collections.deque()
         self._thread.start()
@@ -186,14 +202,15 @@ class Mailbox(_PeerThread):
             with self._changed:
                 if self._closing:
                     return
-                round_ = self.expected
+                expected, sequence = self.expected, self.received
             buffer = torch.empty(self._nbytes, dtype=torch.uint8)
-            if not self._wait(
-                self._group.recv([buffer], self.peer, tag(round_)), round_, "receive from"
-            ):
+            posted = self._group.recv([buffer], self.peer, tag(self._generation, sequence))
+            if not self._wait(posted, expected, "receive from"):
                 return
+            round_ = messages.round_of(buffer)
             with self._changed:
                 self._arrived.append((round_, buffer, time.monotonic()))
+                self.received += 1
                 self.expected = next_round(
                     self._graph, self.peer, self._rank, self._world_size, round_ + 1
                 )
@@ -211,10 +228,18 @@ class Mailbox(_PeerThread):
         return taken
 
     def wait_until_past(self, round_: int) -> None:
-        """Blocks until every message of rounds <= ``round_`` has arrived (taken or not)."""
+        """Blocks until every message of rounds <= ``round_`` has arrived (taken or not), where
+        the sender skips no round (a staleness bound)."""
+        self._wait_until(lambda: self.expected > round_)
+
+    def wait_for(self, count: int) -> None:
+        """Blocks until ``count`` messages in all have arrived (taken or not)."""
+        self._wait_until(lambda: self.received >= count)
+
+    def _wait_until(self, done) -> None:
         deadline = time.monotonic() + self.timeout.total_seconds()
         with self._changed:
-            while self.expected <= round_ and not self.ended:
+            while not done() and not self.ended:
                 if self.error is not None:
                     raise self.error
                 left = deadline - time.monotonic()
@@ -234,9 +259,12 @@ class Mailbox(_PeerThread):
 class Outbox(_PeerThread):
     """Confirms this worker's sends to ``peer``, in the order they were posted."""
 
-    def __init__(self, group, peer: int, timeout: timedelta, departures: Departures):
+    def __init__(
+        self, group, peer: int, timeout: timedelta, departures: Departures, generation: int = 0
+    ):
         super().__init__(peer, timeout, departures, f"gossip_ext-outbox-{peer}")
-        self._group = group
+        self._group, self._generation = group, generation
+        self.sent = 0  # messages posted
         self._posted: collections.deque[tuple[int, torch.Tensor, object]] = collections.deque()
         self._thread.start()
 
@@ -247,21 +275,13 @@ class Outbox(_PeerThread):
         if self.ended:
             return False
         try:
-            work = self._group.send([message], self.peer, tag(round_))
+            work = self._group.send([message], self.peer, tag(self._generation, self.sent))
         except Exception as failure:  # noqa: BLE001 - gloo's error, kept typed for the caller
-            if self._departures.has_left(self.peer):
-                with self._changed:
-                    self.ended = True
-                return False
-            raise PeerTimeoutError(
-                f"gossip_ext: asynchronous push-sum failed to send to peer {self.peer} (round "
-                f"{round_}); the peer may have died or left the training loop: {failure}",
-                peers=[self.peer],
-                round=round_,
-                transport="process_group(gloo)",
-            ) from failure
+            self._raise_unless_left(failure, round_, "send to")
+            return False
         with self._changed:
             self._posted.append((round_, message, work))
+            self.sent += 1
             self._changed.notify_all()
         return True
 

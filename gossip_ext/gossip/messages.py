@@ -1,14 +1,16 @@
-"""The messages of asynchronous push-sum (``asynchronous.AsyncPushSum``): a share of a worker's
-numerator and of its weight, as one byte buffer of a size fixed for the job.
+"""The messages of asynchronous push-sum (``asynchronous.AsyncPushSum``): a worker's de-biased
+model and the weight of the share it stands for, as one byte buffer of a size fixed for the job.
 
-Layout: ``[weight | numerators]``, the weight a float64 at the head (where every view of the
-bytes after it stays aligned), the whole of one size for the job, so that a receiver's posted
+Layout: ``[weight | round | values]``, the weight a float64 and the sender's round an int64 at
+the head (where every view of the bytes after it stays aligned), the whole of one size for the
+job, so that a receiver's posted
 buffer fits any message of its sender and the mass of the weights is conserved to float64
-rounding whatever the numerators travel in. The numerators travel in full precision, in 16 bits,
+rounding whatever the values travel in. The values travel in full precision, in 16 bits,
 or block-quantized (int8, int4 or float8 e4m3fn, a float32 scale per block of 128 values: 0.258,
 0.133 and 0.258 of float32's bytes, as the compiled engine's messages). A lossy message's rounding
 stays with its sender (error feedback): the sender keeps its numerator minus what it really sent,
-so the sum of all numerators is conserved to the state's rounding and the error rides along in
+so the sum of all numerators (weight times values) is conserved to the state's rounding and the
+error rides along in
 later messages.
 """
 
@@ -19,7 +21,7 @@ import math
 import torch
 
 BLOCK = 128  # values per block scale, as in csrc/kernels/block_format.h
-_WEIGHT_BYTES = 8
+_HEADER_BYTES = 16  # the weight (float64), then the sender's round (int64)
 
 
 def _as_bytes(tensor: torch.Tensor) -> torch.Tensor:
@@ -27,7 +29,7 @@ def _as_bytes(tensor: torch.Tensor) -> torch.Tensor:
 
 
 class Codec:
-    """Writes and reads the messages of ``numel`` numerators held in ``dtype`` (float32 or
+    """Writes and reads the messages of ``numel`` values held in ``dtype`` (float32 or
     float64), travelling as ``message_dtype``: None (full precision), ``torch.bfloat16``,
     ``torch.float16``, ``"int8"`` or ``torch.float8_e4m3fn``."""
 
@@ -47,24 +49,35 @@ class Codec:
                 "message_dtype must be torch.bfloat16, torch.float16, 'int8', 'int4', "
                 f"torch.float8_e4m3fn or None (full precision), got {message_dtype!r}"
             )
-        self.nbytes = body + _WEIGHT_BYTES
+        self.nbytes = body + _HEADER_BYTES
 
     @property
     def lossless(self) -> bool:
         return self.message_dtype is None
 
-    def encode(self, numerators: torch.Tensor, weight: float) -> tuple[torch.Tensor, torch.Tensor]:
-        """The message of ``numerators`` (a flat ``dtype`` tensor) and ``weight``, and the
-        numerators as the receiver will read them (the sender keeps the difference)."""
-        weight_bytes = _as_bytes(torch.tensor([weight], dtype=torch.float64))
+    def encode(
+        self,
+        values: torch.Tensor,
+        weight: float,
+        round: int,  # noqa: A002 - the sender's round
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The message of ``values`` (a flat ``dtype`` tensor) and ``weight`` from the sender's
+        ``round``, and the values as the receiver will read them (the sender keeps the
+        difference)."""
+        header = torch.cat(
+            [
+                _as_bytes(torch.tensor([weight], dtype=torch.float64)),
+                _as_bytes(torch.tensor([round], dtype=torch.int64)),
+            ]
+        )
         kind = self.message_dtype
         if kind is None:
-            return torch.cat([weight_bytes, _as_bytes(numerators)]), numerators
+            return torch.cat([header, _as_bytes(values)]), values
         if kind in (torch.bfloat16, torch.float16):
-            rounded = numerators.to(kind)
-            return torch.cat([weight_bytes, _as_bytes(rounded)]), rounded.to(self.dtype)
+            rounded = values.to(kind)
+            return torch.cat([header, _as_bytes(rounded)]), rounded.to(self.dtype)
         padded = torch.zeros(self.blocks * BLOCK, dtype=torch.float32)
-        padded[: self.numel] = numerators
+        padded[: self.numel] = values
         blocks = padded.view(self.blocks, BLOCK)
         largest = blocks.abs().amax(dim=1, keepdim=True)
         # A NaN or Inf travels as a NaN scale, which the receiver's finiteness check names.
@@ -79,13 +92,13 @@ class Codec:
             quantized = scaled.to(torch.float8_e4m3fn)
         read = (quantized.to(torch.float32) * scales).reshape(-1)[: self.numel]
         packed = _pack_nibbles(quantized) if kind == "int4" else quantized
-        message = torch.cat([weight_bytes, _as_bytes(packed), _as_bytes(scales)])
+        message = torch.cat([header, _as_bytes(packed), _as_bytes(scales)])
         return message, read.to(self.dtype)
 
     def decode(self, message: torch.Tensor) -> tuple[torch.Tensor, float]:
-        """The numerators (``dtype``) and the weight a message carries."""
-        weight, body = message[:_WEIGHT_BYTES], message[_WEIGHT_BYTES:]
-        weight_value = float(weight.view(torch.float64)[0])
+        """The values (``dtype``) and the weight a message carries."""
+        body = message[_HEADER_BYTES:]
+        weight_value = float(message[:8].view(torch.float64)[0])
         kind = self.message_dtype
         if kind is None:
             return body.view(self.dtype), weight_value
@@ -99,6 +112,11 @@ class Codec:
         scales = body[values:].view(torch.float32).view(self.blocks, 1)
         read = quantized.view(self.blocks, BLOCK).to(torch.float32) * scales
         return read.reshape(-1)[: self.numel].to(self.dtype), weight_value
+
+
+def round_of(message: torch.Tensor) -> int:
+    """The sender's round a message (of any codec) carries."""
+    return int(message[8:_HEADER_BYTES].view(torch.int64)[0])
 
 
 def _pack_nibbles(values: torch.Tensor) -> torch.Tensor:

@@ -1,13 +1,14 @@
 """One worker of a run on a cluster whose workers do not all compute at the same pace: the
-comparison's task and systems (``worker``, ``systems``), with one worker made slower and every
-worker on its own clock.
+comparison's task and systems (``worker``, ``systems``), with one worker made slower, or stalled
+now and then, and every worker on its own clock.
 
 The slow worker is slowed honestly, as a slower device would be: before training, every worker
 times a few forward and backward passes of the model at once (the compute a step needs with the
 machine shared as in training); after each step the slow worker sleeps ``slowdown - 1`` times its
 own median, so its step takes ``slowdown`` times the compute and the other workers' CPU is
 untouched. The ``alone`` system measures what that gives: the slow worker's step at ``slowdown``
-times the others'.
+times the others'. A stalled worker is stopped whole (SIGSTOP, its communication threads too) for
+1 to 3 seconds at random times by a process of its own (``staller``), as a machine that stalls.
 
 Nothing during training waits for a collective the system does not make itself: each worker
 evaluates its own model every ``eval_every`` of its own steps, off its own clock, and the workers
@@ -20,7 +21,10 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import os
 import statistics
+import subprocess
+import sys
 import time
 import warnings
 from datetime import timedelta
@@ -43,6 +47,10 @@ class UnevenRun:
     run: worker.RunConfig
     slow_rank: int | None = None
     slowdown: float = 2.0
+    # Worker stall_rank (None: none) is stopped for 1 to 3 s at random times, about
+    # stall_fraction of the run in all (harness.compare.staller).
+    stall_rank: int | None = None
+    stall_fraction: float = 0.05
 
     @property
     def system(self) -> str:
@@ -57,7 +65,10 @@ def train(rank: int, world_size: int, init_method: str, config: UnevenRun) -> di
     torch.set_num_threads(config.run.threads)
     warnings.filterwarnings("ignore", message=".*one gossiping process.*")
     dist.init_process_group(
-        "gloo", init_method=init_method, rank=rank, world_size=world_size,
+        "gloo",
+        init_method=init_method,
+        rank=rank,
+        world_size=world_size,
         timeout=timedelta(minutes=5),
     )
     try:
@@ -78,6 +89,29 @@ def _compute_seconds(module: torch.nn.Module, data: StdlibText, run: worker.RunC
     return statistics.median(times[2:])
 
 
+def _start_staller(fraction: float, seed: int) -> subprocess.Popen:
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    path = os.pathsep.join(p for p in (root, os.environ.get("PYTHONPATH")) if p)
+    return subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "harness.compare.staller",
+            str(os.getpid()),
+            str(fraction),
+            str(seed),
+        ],
+        env=dict(os.environ, PYTHONPATH=path),
+    )
+
+
+def _stop(staller: subprocess.Popen | None) -> None:
+    """Ends the staller, which continues this process if it had stopped it."""
+    if staller is not None and staller.poll() is None:
+        staller.terminate()
+        staller.wait()
+
+
 def _train(rank: int, world_size: int, config: UnevenRun) -> dict:
     run = config.run
     data = StdlibText.load()
@@ -93,8 +127,11 @@ def _train(rank: int, world_size: int, config: UnevenRun) -> dict:
     step_times: list[float] = []
     evaluations: list[tuple[float, int, float]] = []  # (own clock, step, held-out bpb)
     paused = 0.0
+    staller = None
     try:
         dist.barrier()
+        if rank == config.stall_rank:
+            staller = _start_staller(config.stall_fraction, run.seed + rank)
         start = time.perf_counter()
         for step in range(steps):
             inputs, targets = data.batch(step, rank, run.batch_size, run.model.context, run.seed)
@@ -109,9 +146,10 @@ def _train(rank: int, world_size: int, config: UnevenRun) -> dict:
                 bpb = byte_lm.heldout_bits_per_byte(system.module, windows)
                 evaluations.append((step_times[-1], step + 1, bpb))
                 paused += time.perf_counter() - sampled
+        _stop(staller)
         record = {
             "rank": rank,
-            "slow": slow,
+            "slow": slow or rank == config.stall_rank,
             "compute_ms": 1000 * compute,
             "extra_ms": 1000 * extra,
             "step_times": step_times,
@@ -120,6 +158,7 @@ def _train(rank: int, world_size: int, config: UnevenRun) -> dict:
         records: list[dict | None] = [None] * world_size
         dist.all_gather_object(records, record)
     finally:
+        _stop(staller)
         system.close()
     return {
         "system": run.system,
