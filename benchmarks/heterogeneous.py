@@ -264,7 +264,8 @@ def main(argv=None) -> dict:
         "measured compute after each step); on the stalling one it is stopped whole (SIGSTOP) "
         f"for 1 to 3 s at random times, about {STALL_FRACTION:.0%} of the run. Each worker "
         f"evaluates its own model every {args.eval_every} of its own steps, off its own clock; "
-        "held-out loss at a time is the mean over workers of each one's latest. Target: the "
+        "held-out loss at a time is the mean over workers of each one's latest, and the time to "
+        "a target is where it crosses it, linear between evaluations. Target: the "
         f"uniform cluster's DDP's final held-out loss, {target:.3f} bits per byte. Goodput: the "
         "steps taken over the steps the workers could have taken computing alone (`alone` on "
         "the same cluster), up to the first worker's last step.\n\n"
@@ -272,8 +273,23 @@ def main(argv=None) -> dict:
         + "\n"
     )
     if not args.no_record:
+        # The command that reproduces the run, not the one that reported a saved run again.
+        sys.argv = _without(sys.argv, ("--from-rows", "--rows", "--plot"))
         results.record(TITLE, body)
     return rows
+
+
+def _without(argv: list[str], options: tuple[str, ...]) -> list[str]:
+    """``argv`` without ``options`` and the value after each."""
+    kept, skip = [], False
+    for arg in argv:
+        if skip:
+            skip = False
+        elif arg in options:
+            skip = True
+        elif not arg.startswith(tuple(f"{o}=" for o in options)):
+            kept.append(arg)
+    return kept
 
 
 if __name__ == "__main__":

@@ -34,7 +34,8 @@ def test_quality_at_a_time_is_the_mean_of_each_worker_s_latest_evaluation():
     # At 1.0 s worker 1 has no evaluation yet: the curve starts when both have one.
     assert measure.curve(records) == [(1.5, 3.5), (2.0, 2.5)]
     assert measure.time_to(records, 3.5) == 1.5
-    assert measure.time_to(records, 3.0) == 2.0
+    assert measure.time_to(records, 3.0) == pytest.approx(1.75)  # halfway from 3.5 to 2.5
+    assert measure.time_to(records, 2.5) == 2.0
     assert measure.time_to(records, 2.0) is None
     assert measure.final(records) == 2.5
 

@@ -3,7 +3,8 @@ the time to a target, and goodput.
 
 - *Quality at time t*: the mean over workers of each worker's latest evaluated held-out loss at
   t, on its own clock (a worker not yet evaluated at t leaves t out).
-- *Time to a target*: the first evaluation time at which that mean is at or below the target.
+- *Time to a target*: when that mean first reaches the target, linear between the evaluations
+  either side of the crossing.
 - *Goodput at time t*: the steps the workers took by t over the steps they could have taken
   computing alone (each at its own step time in the ``alone`` system's run of the same cluster):
   1.0 when nobody waits for anybody, 2 / 3.5 = 0.57 for four workers in lockstep with one at half
@@ -29,7 +30,18 @@ def curve(records: list[dict]) -> list[tuple[float, float]]:
 
 
 def time_to(records: list[dict], target: float) -> float | None:
-    return next((t for t, bpb in curve(records) if bpb <= target), None)
+    """When the curve first reaches ``target``, linear between the evaluations either side of
+    the crossing (evaluations come every ``eval_every`` steps, seconds apart: the first one at
+    or below the target would round every time up by up to that)."""
+    before = None
+    for t, bpb in curve(records):
+        if bpb <= target:
+            if before is None or before[1] == bpb:
+                return t
+            t0, bpb0 = before
+            return t0 + (t - t0) * (bpb0 - target) / (bpb0 - bpb)
+        before = (t, bpb)
+    return None
 
 
 def final(records: list[dict]) -> float:
