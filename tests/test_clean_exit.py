@@ -87,3 +87,25 @@ def test_static_workers_exit_0_with_and_without_destroy_process_group(
         log = (tmp_path / f"rank{rank}.log").read_text()[-3000:]
         assert (tmp_path / f"rank{rank}.done").read_text() == "finite=True\n", (mode, rank, log)
         assert status == 0, (mode, rank, status, log)
+
+
+@pytest.mark.parametrize("destroy", [True, False], ids=["destroy_process_group", "no_destroy"])
+def test_asynchronous_workers_exit_0_when_one_finishes_long_before_the_others(
+    parent, tmp_path, destroy
+):
+    # AsyncSGP: rank 0 takes 3 steps and its interpreter exits while the others take 40, with no
+    # barrier. Its engine, dropped when main() returns, says it left before its connections
+    # close and ends its threads (a thread inside gloo when the interpreter finalizes aborts
+    # it), so the others, which send to it and hear from it, go on without an error.
+    argv = ["--init-file", str(tmp_path / "init"), "--out", str(tmp_path), "--mode", "async"]
+    argv += ["--world-size", str(WORKERS), "--steps", "40", "--rank0-steps", "3"]
+    argv += ["--destroy"] if destroy else []
+    workers = [
+        parent.start("static_worker", [*argv, "--rank", str(rank)], tmp_path / f"rank{rank}.log")
+        for rank in range(WORKERS)
+    ]
+    for rank, worker in enumerate(workers):
+        status = worker.wait(timeout=50)
+        log = (tmp_path / f"rank{rank}.log").read_text()[-3000:]
+        assert (tmp_path / f"rank{rank}.done").read_text() == "finite=True\n", (rank, log)
+        assert status == 0, (rank, status, log)

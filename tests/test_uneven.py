@@ -73,18 +73,20 @@ def test_the_slow_worker_steps_at_the_pace_asked_and_the_others_keep_theirs(syst
         eval_windows=4,
     )
     result = runner.run_local(
-        UnevenRun(run, slow_rank=1, slowdown=4.0),
+        UnevenRun(run, slow_rank=1, slowdown=9.0),
         workers=2,
         start_method="forkserver",
         target="harness.compare.uneven:train",
     )
     fast, slow = result["records"]
     assert slow["slow"] and not fast["slow"]
-    assert slow["extra_ms"] == pytest.approx(3 * slow["compute_ms"])
-    # The slow worker's steps took its compute and three times it more; the fast one's did not
-    # wait for them.
-    assert slow["step_times"][-1] > 12 * slow["extra_ms"] / 1000
-    assert fast["step_times"][-1] < 0.6 * slow["step_times"][-1], (fast, slow)
+    assert slow["extra_ms"] == pytest.approx(8 * slow["compute_ms"])
+    # The slow worker's steps took its compute and eight times it more (a tiny model's step is
+    # mostly the optimizer and Python, which the calibration leaves out); the fast one did not
+    # wait out those sleeps.
+    sleeps = 12 * slow["extra_ms"] / 1000
+    assert slow["step_times"][-1] > sleeps
+    assert fast["step_times"][-1] < slow["step_times"][-1] - 0.8 * sleeps, (fast, slow)
     assert [e[1] for e in fast["evaluations"]] == [6, 12]
     assert all(0 < bpb < 9 for _, _, bpb in fast["evaluations"] + slow["evaluations"])
 

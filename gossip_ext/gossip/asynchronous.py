@@ -29,6 +29,7 @@ or whose connection closes, raises a :class:`~gossip_ext.errors.PeerTimeoutError
 from __future__ import annotations
 
 import math
+import weakref
 from collections.abc import Sequence
 from datetime import timedelta
 
@@ -84,11 +85,19 @@ class AsyncPushSum:
         self._departures = mailbox.Departures(
             transport.gossip_store(group, None, "async") if store is None else store
         )
+        # Every peer thread open now. The threads hold their boxes, not this engine, so a
+        # dropped engine is collected, and its finalizer (or the interpreter's exit, whichever
+        # comes first) lets them go: a thread still inside gloo when the interpreter finalizes
+        # aborts the process.
+        self._boxes: list[mailbox.Mailbox | mailbox.Outbox] = []
         self._outboxes = self._open_outboxes(graph.phone_book(self.rank, self.world_size))
         self._mailboxes = self._open_mailboxes([0] * self.world_size)
+        self._finalizer = weakref.finalize(
+            self, _leave, self._departures, self.rank, self._boxes, "the engine was dropped"
+        )
 
     def _open_mailboxes(self, rounds: Sequence[int]) -> dict[int, mailbox.Mailbox]:
-        return {
+        boxes = {
             peer: mailbox.Mailbox(
                 self._group,
                 self.graph,
@@ -102,14 +111,18 @@ class AsyncPushSum:
             )
             for peer in mailbox.in_peers(self.graph, self.rank, self.world_size)
         }
+        self._boxes.extend(boxes.values())
+        return boxes
 
     def _open_outboxes(self, peers: Sequence[int]) -> dict[int, mailbox.Outbox]:
-        return {
+        boxes = {
             peer: mailbox.Outbox(
                 self._group, peer, self.timeout, self._departures, self._generation
             )
             for peer in dict.fromkeys(peers)
         }
+        self._boxes.extend(boxes.values())
+        return boxes
 
     # ------------------------------------------------------------------------- the rounds
 
@@ -260,14 +273,8 @@ class AsyncPushSum:
         saying ``why``. Any thread may call it; the wrapper does when the engine is dropped (the
         job's end, an elastic epoch's). Messages in flight to or from this worker are given up:
         their mass leaves with it, and every model stays de-biased."""
-        self._departures.announce(self.rank)
-        error = PeerTimeoutError(
-            f"gossip_ext: rank {self.rank} gave up its asynchronous gossip: {why}",
-            round=self._round,
-            transport="process_group(gloo)",
-        )
-        for box in [*self._mailboxes.values(), *self._outboxes.values()]:
-            box.fail(error)
+        self._finalizer.detach()
+        _leave(self._departures, self.rank, self._boxes, why, self._round)
 
     def close(self) -> None:
         """Leaves the gossip (:meth:`abandon`) at the end of training."""
@@ -303,8 +310,9 @@ class AsyncPushSum:
         checkpoint's) and re-opens its mailboxes at its peers' restored rounds. Messages that
         were in flight are not in any checkpoint; the weights then sum to less than the number
         of workers, which push-sum's de-biasing absorbs."""
-        for box in [*self._mailboxes.values(), *self._outboxes.values()]:
+        for box in self._boxes:
             box.close()
+        self._boxes.clear()
         mine = torch.tensor([int(round)], dtype=torch.int64)
         rounds = [torch.zeros_like(mine) for _ in range(self.world_size)]
         dist.all_gather(rounds, mine, group=self._group)
@@ -329,3 +337,16 @@ class AsyncPushSum:
         with torch.no_grad():
             for tensor, values in zip(self._tensors, flat.split(self._sizes)):
                 tensor.copy_(values.view_as(tensor))
+
+
+def _leave(departures, rank: int, boxes, why: str, round: int | None = None) -> None:  # noqa: A002
+    """Says that ``rank`` leaves, then fails and ends every thread of ``boxes`` with a
+    PeerTimeoutError saying ``why`` (an engine's abandon, or its finalizer)."""
+    departures.announce(rank)
+    error = PeerTimeoutError(
+        f"gossip_ext: rank {rank} gave up its asynchronous gossip: {why}",
+        round=round,
+        transport="process_group(gloo)",
+    )
+    for box in boxes:
+        box.fail(error)

@@ -299,6 +299,18 @@ class Outbox(_PeerThread):
                 self._posted.popleft()  # the buffer goes with it
                 self._changed.notify_all()
 
+    def close(self) -> None:
+        """Aborts every send not yet confirmed, then ends the thread: no gloo operation of this
+        worker's outlives its gossip."""
+        with self._changed:
+            posted = [work for _, _, work in self._posted]
+        for work in posted:
+            try:
+                _C.abort_work(work)
+            except Exception:  # noqa: BLE001 - an operation that already ended
+                pass
+        super().close()
+
     @property
     def backlog(self) -> int:
         """Sends posted and not yet confirmed."""
