@@ -46,7 +46,9 @@ def main() -> int:
     )
     torch.manual_seed(0)
     net = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 1))
-    model = gossip_ext.GossipDataParallel(net, timeout=timedelta(seconds=10), **STATIC_MODES[args.mode])
+    model = gossip_ext.GossipDataParallel(
+        net, timeout=timedelta(seconds=10), **STATIC_MODES[args.mode]
+    )
     opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
     model.register_optimizer(opt)
     steps = args.rank0_steps if args.rank == 0 and args.rank0_steps is not None else args.steps
