@@ -32,16 +32,21 @@ def target(rank: int) -> torch.Tensor:
     return torch.cos(torch.arange(SIZE, dtype=torch.float32) * (rank + 1))
 
 
+def _engine(param, **options) -> AsyncPushSum:
+    """This rank's asynchronous push-sum over ``param`` on the default group and graph."""
+    return AsyncPushSum(
+        [param], dist.group.WORLD, NPeerDynamicDirectedExponentialGraph(), **options
+    )
+
+
 def _train(rank, world_size, *, steps=None, seconds=None, delays, staleness, message_dtype=None):
     """Steps on a quadratic at this rank's pace (a sleep of ``delays[rank]`` before each step),
     gossiping asynchronously after each, for ``steps`` steps or ``seconds`` seconds; then
     settles. Returns what the assertions need: the history, z, w and the numerators added by
     the local steps."""
     param = torch.nn.Parameter(initial(rank))
-    engine = AsyncPushSum(
-        [param],
-        dist.group.WORLD,
-        NPeerDynamicDirectedExponentialGraph(),
+    engine = _engine(
+        param,
         staleness=staleness,
         message_dtype=message_dtype,
         timeout=timedelta(seconds=30),
@@ -182,13 +187,7 @@ def test_a_peer_ten_times_slower_costs_no_error_no_mass_and_no_one_waits_for_it(
 
 def _killed_midway(rank, world_size, sync_dir):
     param = torch.nn.Parameter(initial(rank))
-    engine = AsyncPushSum(
-        [param],
-        dist.group.WORLD,
-        NPeerDynamicDirectedExponentialGraph(),
-        staleness=None,
-        timeout=timedelta(seconds=20),
-    )
+    engine = _engine(param, staleness=None, timeout=timedelta(seconds=20))
     for step in range(400):
         if rank == 1 and step == 5:
             with open(os.path.join(sync_dir, "killed_at"), "w") as f:
@@ -219,13 +218,7 @@ def test_a_killed_peer_is_named_by_the_survivors_that_hear_from_it_or_send_to_it
 
 def _one_finishes_early(rank, world_size):
     param = torch.nn.Parameter(initial(rank))
-    engine = AsyncPushSum(
-        [param],
-        dist.group.WORLD,
-        NPeerDynamicDirectedExponentialGraph(),
-        staleness=None,
-        timeout=timedelta(seconds=20),
-    )
+    engine = _engine(param, staleness=None, timeout=timedelta(seconds=20))
     steps = 3 if rank == 0 else 40
     for _ in range(steps):
         time.sleep(0.01)
@@ -244,14 +237,7 @@ def test_a_worker_that_finishes_first_is_let_go_without_an_error():
 
 def _hears_from_nobody(rank, world_size, rounds):
     param = torch.nn.Parameter(initial(rank))
-    engine = AsyncPushSum(
-        [param],
-        dist.group.WORLD,
-        NPeerDynamicDirectedExponentialGraph(),
-        staleness=None,
-        message_dtype="int8",
-        timeout=timedelta(seconds=30),
-    )
+    engine = _engine(param, staleness=None, message_dtype="int8", timeout=timedelta(seconds=30))
     if rank == 1:  # rank 0 stopped stepping but lives on, taking messages and sending none
         while engine.round < rounds and float(engine.ps_weight()) >= 1e-46:
             time.sleep(0.001)  # a step's compute

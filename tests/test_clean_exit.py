@@ -70,14 +70,9 @@ def test_elastic_workers_that_return_without_leave_exit_0(parent, tmp_path, job)
     _elastic_job(parent, tmp_path, EXIT_MODES[job % len(EXIT_MODES)])
 
 
-@pytest.mark.parametrize("job", range(STATIC_JOBS))
-@pytest.mark.parametrize("destroy", [True, False], ids=["destroy_process_group", "no_destroy"])
-def test_static_workers_exit_0_with_and_without_destroy_process_group(
-    parent, tmp_path, destroy, job
-):
-    mode = EXIT_MODES[job % len(EXIT_MODES)]
-    argv = ["--init-file", str(tmp_path / "init"), "--out", str(tmp_path)]
-    argv += ["--world-size", str(WORKERS), "--mode", mode, *(["--destroy"] if destroy else [])]
+def _static_job_exits_0(parent, tmp_path: Path, argv: list[str], mode: str) -> None:
+    """Runs WORKERS static workers with ``argv``; each ends its work with a finite model and its
+    interpreter exits 0."""
     workers = [
         parent.start("static_worker", [*argv, "--rank", str(rank)], tmp_path / f"rank{rank}.log")
         for rank in range(WORKERS)
@@ -87,6 +82,17 @@ def test_static_workers_exit_0_with_and_without_destroy_process_group(
         log = (tmp_path / f"rank{rank}.log").read_text()[-3000:]
         assert (tmp_path / f"rank{rank}.done").read_text() == "finite=True\n", (mode, rank, log)
         assert status == 0, (mode, rank, status, log)
+
+
+@pytest.mark.parametrize("job", range(STATIC_JOBS))
+@pytest.mark.parametrize("destroy", [True, False], ids=["destroy_process_group", "no_destroy"])
+def test_static_workers_exit_0_with_and_without_destroy_process_group(
+    parent, tmp_path, destroy, job
+):
+    mode = EXIT_MODES[job % len(EXIT_MODES)]
+    argv = ["--init-file", str(tmp_path / "init"), "--out", str(tmp_path)]
+    argv += ["--world-size", str(WORKERS), "--mode", mode, *(["--destroy"] if destroy else [])]
+    _static_job_exits_0(parent, tmp_path, argv, mode)
 
 
 @pytest.mark.parametrize("destroy", [True, False], ids=["destroy_process_group", "no_destroy"])
@@ -100,12 +106,4 @@ def test_asynchronous_workers_exit_0_when_one_finishes_long_before_the_others(
     argv = ["--init-file", str(tmp_path / "init"), "--out", str(tmp_path), "--mode", "async"]
     argv += ["--world-size", str(WORKERS), "--steps", "40", "--rank0-steps", "3"]
     argv += ["--destroy"] if destroy else []
-    workers = [
-        parent.start("static_worker", [*argv, "--rank", str(rank)], tmp_path / f"rank{rank}.log")
-        for rank in range(WORKERS)
-    ]
-    for rank, worker in enumerate(workers):
-        status = worker.wait(timeout=50)
-        log = (tmp_path / f"rank{rank}.log").read_text()[-3000:]
-        assert (tmp_path / f"rank{rank}.done").read_text() == "finite=True\n", (rank, log)
-        assert status == 0, (rank, status, log)
+    _static_job_exits_0(parent, tmp_path, argv, "async")
