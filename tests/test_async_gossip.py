@@ -16,7 +16,7 @@ import torch.distributed as dist
 from async_reference import quadratic_step, replay, synchronous_sgp
 from multiprocess import run_ranks, run_ranks_tolerating_deaths
 
-from gossip_ext.errors import PeerTimeoutError
+from gossip_ext.errors import NonFiniteError, PeerTimeoutError
 from gossip_ext.gossip.asynchronous import AsyncPushSum
 from gossip_ext.graphs import NPeerDynamicDirectedExponentialGraph
 
@@ -256,3 +256,27 @@ def test_a_worker_whose_weight_underflows_keeps_a_finite_model():
     assert weight < 1e-46, (weight, rounds)  # reached before the 4,000th round
     assert torch.isfinite(z).all()
     torch.testing.assert_close(z, initial(1), rtol=0, atol=0.05)  # int8 rounding, fed back
+
+
+def _a_nan_arrives(rank, world_size):
+    param = torch.nn.Parameter(initial(rank))
+    engine = _engine(param, staleness=0, timeout=timedelta(seconds=20))
+    if rank == 1:
+        with torch.no_grad():
+            param[7] = float("nan")
+    errors = []
+    for _ in range(2):  # the error is named once and stays raised
+        try:
+            engine.start_round()
+        except NonFiniteError as error:
+            errors.append((error.peers, error.round))
+    before = param.detach().clone()
+    engine.close()
+    return errors, before
+
+
+def test_a_nan_is_named_by_its_owner_and_never_sent():
+    (errors0, model0), (errors1, _) = run_ranks(2, _a_nan_arrives)
+    # Rank 1 names its own parameters before it sends them; nothing non-finite reaches rank 0.
+    assert errors1 == [((), 0), ((), 0)]
+    assert torch.isfinite(model0).all()
