@@ -16,7 +16,8 @@ The package in layers, each importing only from those below it:
 
 - ``algorithms``: what the wrapper does, as objects (``gossip=SGP(...) | PushPull(...) |
   AsyncSGP(...) | None``, ``outer=Average(...) | SlowMo(...) | DiLoCo(...,
-  average=ByCollective(...) | ByGossip(...) | ByCompressedGossip(...)) | None``,
+  average=ByCollective(...) | ByGossip(...) | ByCompressedGossip(...)) | AsyncDiLoCo(...) |
+  None``,
   ``membership=Elastic(...)``), each checking its own arguments and building its runtime
   part; ``flat_keywords``: the flat keywords of earlier releases (and of SGP and fairscale,
   through ``compat``) translated into them.
@@ -26,7 +27,8 @@ The package in layers, each importing only from those below it:
   service, its protocol and the handoff to a joining worker).
 - ``outer``: the outer steps, every few steps: the one place where a rule (``outer.rules``: a
   plain average, SlowMo's heavy ball, DiLoCo's outer optimizer) meets an averaging, and
-  Streaming DiLoCo's fragments.
+  Streaming DiLoCo's fragments; and asynchronous DiLoCo's (``outer.asynchronous``), each
+  worker's at its own pace.
 - ``averagings``: how an outer step forms the mean over workers, one interface (start, finish,
   commit) and its failure contract, implemented by every way there is; a user's own is a
   subclass (``OuterAverage`` builds it).
@@ -50,6 +52,7 @@ import torch  # noqa: F401  (loads libtorch before the extension)
 from gossip_ext._torch_check import _C
 from gossip_ext.algorithms import (
     SGP,
+    AsyncDiLoCo,
     AsyncSGP,
     Average,
     ByCollective,
@@ -99,6 +102,7 @@ def __getattr__(name: str):
 
 __all__ = [
     "SGP",
+    "AsyncDiLoCo",
     "AsyncSGP",
     "Average",
     "ByCollective",

@@ -14,7 +14,8 @@
   outer steps (LocalSGD, DiLoCo).
 - ``outer``: what happens every few steps. :class:`Average` (an exact average), :class:`SlowMo`
   (SlowMo's heavy ball on the average), :class:`DiLoCo` (an outer optimizer on the averaged
-  pseudo-gradient, streamed in fragments when ``fragments > 1``), or ``None``.
+  pseudo-gradient, streamed in fragments when ``fragments > 1``), :class:`AsyncDiLoCo` (each
+  worker's outer step at its own pace, on the pseudo-gradients that reached it), or ``None``.
   :class:`ByCollective` (``Exact``, its former name), :class:`ByGossip` and
   :class:`ByCompressedGossip` say how an outer step averages; an :class:`OuterAverage` of one's
   own can say it too.
@@ -38,13 +39,14 @@ engine and its schedule, an ``inner.InnerMix``). Every object describes itself (
 for the check that every rank was configured alike.
 
 Adding an algorithm: a new frozen class here (an ``algorithms._base.Algorithm``; a way to mix in
-``_gossip``, an outer step in ``_outer``, a way to average in ``_averages``, registered in
-``__all__``) with its checks (``where(self, name)`` names an argument in the user's spelling) and
-its runtime part. Translate its flat spelling, if one exists, in ``flat_keywords``.
+``_gossip``, an outer step in ``_outer`` (an ``Outer``), a way to average in ``_averages``,
+registered in ``__all__``) with its checks (``where(self, name)`` names an argument in the user's
+spelling) and its runtime part. Translate its flat spelling, if one exists, in ``flat_keywords``.
 """
 
 from __future__ import annotations
 
+from gossip_ext.algorithms._async_outer import AsyncDiLoCo
 from gossip_ext.algorithms._averages import (
     ByCollective,
     ByCompressedGossip,
@@ -55,10 +57,11 @@ from gossip_ext.algorithms._averages import (
 from gossip_ext.algorithms._configuration import Configuration
 from gossip_ext.algorithms._gossip import SGP, AsyncSGP, Gossip, PushPull, default_graph
 from gossip_ext.algorithms._membership import Elastic
-from gossip_ext.algorithms._outer import Average, DiLoCo, SlowMo
+from gossip_ext.algorithms._outer import Average, DiLoCo, Outer, SlowMo
 
 __all__ = [
     "SGP",
+    "AsyncDiLoCo",
     "AsyncSGP",
     "Average",
     "ByCollective",
@@ -69,6 +72,7 @@ __all__ = [
     "Elastic",
     "Exact",
     "Gossip",
+    "Outer",
     "OuterAverage",
     "PushPull",
     "SlowMo",

@@ -17,12 +17,10 @@ from gossip_ext.algorithms._averages import ByCollective, ByGossip, OuterAverage
 from gossip_ext.algorithms._base import Spelling, check_type, plain
 from gossip_ext.algorithms._gossip import SGP, Gossip, default_graph
 from gossip_ext.algorithms._membership import Elastic
-from gossip_ext.algorithms._outer import Average, DiLoCo, SlowMo
+from gossip_ext.algorithms._outer import Outer
 from gossip_ext.graphs import GraphBase
 from gossip_ext.mixing import MixingBase, UniformMixing
 from gossip_ext.outer import outer_steps as _outer_steps
-
-OUTER_STEPS = (Average, SlowMo, DiLoCo)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -33,7 +31,7 @@ class Configuration:
     translated into them); it is not part of the value."""
 
     gossip: Gossip | None
-    outer: Average | SlowMo | DiLoCo | None
+    outer: Outer | None
     membership: Elastic | None = None
     nprocs_per_node: int = 1
     comm_device: torch.device | str | None = None
@@ -52,7 +50,10 @@ class Configuration:
             )
         if self.outer is not None:
             check_type(
-                "outer", self.outer, OUTER_STEPS, "Average(...), SlowMo(...), DiLoCo(...) or None"
+                "outer",
+                self.outer,
+                Outer,
+                "Average(...), SlowMo(...), DiLoCo(...), AsyncDiLoCo(...) or None",
             )
         if self.membership is not None:
             check_type("membership", self.membership, Elastic, "Elastic(...) or None")
@@ -82,6 +83,8 @@ class Configuration:
             self._check_elastic(average)
         if self.gossip is not None:
             self.gossip.check_combination(self.outer, self.membership, spell)
+        if self.outer is not None:
+            self.outer.check_combination(self.gossip, self.membership, self.nprocs_per_node, spell)
 
     def _check_common(self) -> None:
         """The wrapper's own settings, each on its own, then together."""

@@ -200,7 +200,8 @@ class AsyncSGP(Gossip):
             raise ValueError(
                 f"{gossip} with outer={outer!r}: an outer step averages every worker at the "
                 "same step, which asynchronous workers never share; use outer=None (the "
-                "gossip alone averages) or SGP(...) with an outer step"
+                "gossip alone averages), gossip=None with outer=AsyncDiLoCo(...), or SGP(...) "
+                "with an outer step"
             )
         if membership is not None:
             raise ValueError(

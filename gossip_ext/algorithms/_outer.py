@@ -27,6 +27,18 @@ from gossip_ext.outer import rules as outer_rules
 from gossip_ext.outer.streaming import StreamingOuter
 
 
+class Outer(Algorithm):
+    """What every outer step is: its runtime part is ``steps(params, buffers, group, ...)``;
+    ``needs_inner_lr`` says whether it reads the inner optimizer's learning rates."""
+
+    needs_inner_lr = False
+
+    def check_combination(self, gossip, membership, nprocs_per_node: int, spelling) -> None:
+        """Raises ValueError, in the user's ``spelling``, if this outer step cannot run beside
+        the ``gossip`` and ``membership`` given with it (None: none), or with
+        ``nprocs_per_node`` processes a machine."""
+
+
 def check_average(obj: Any) -> None:
     check_argument(
         obj,
@@ -54,7 +66,7 @@ def averaging_of(average: OuterAverage, params, group, *, graph, mixing, timeout
 
 
 @dataclasses.dataclass(frozen=True)
-class Average(Algorithm):
+class Average(Outer):
     """Every ``every`` optimizer steps (counted by ``transfer_params()`` calls), the workers'
     average in place of that step's gossip round. With gossip: SGP's global averaging; with
     ``gossip=None``: LocalSGD (Lin et al., ICLR 2020), every worker alone in between.
@@ -112,7 +124,7 @@ class Average(Algorithm):
 
 
 @dataclasses.dataclass(frozen=True)
-class SlowMo(Algorithm):
+class SlowMo(Outer):
     """SlowMo (Wang et al., ICLR 2020): every ``every`` steps, the exact average ``x_avg``, then
     the slow momentum step ``u <- momentum * u + (x_slow - x_avg) / lr_inner``, ``x_slow <-
     x_slow - lr * lr_inner * u``, and every rank's parameters become ``x_slow``; ``lr_inner`` is
@@ -217,7 +229,7 @@ class SlowMo(Algorithm):
 
 
 @dataclasses.dataclass(frozen=True)
-class DiLoCo(Algorithm):
+class DiLoCo(Outer):
     """DiLoCo (Douillard et al., 2023): every ``every`` inner steps (its H) the workers average
     their pseudo-gradients ``theta_global - theta_i``, an outer optimizer steps ``theta_global``
     with that average as its gradient, and every worker goes on from ``theta_global``, which

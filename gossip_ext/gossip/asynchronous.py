@@ -83,7 +83,8 @@ class AsyncPushSum:
         self._failure: BaseException | None = None
         self.history: list[tuple] | None = [] if record else None
         self._departures = mailbox.Departures(
-            transport.gossip_store(group, None, "async") if store is None else store
+            transport.gossip_store(group, None, "async") if store is None else store,
+            self.rank,
         )
         # Every peer thread open now. The threads hold their boxes, not this engine, so a
         # dropped engine is collected, and its finalizer (or the interpreter's exit, whichever
@@ -93,7 +94,7 @@ class AsyncPushSum:
         self._outboxes = self._open_outboxes(graph.phone_book(self.rank, self.world_size))
         self._mailboxes = self._open_mailboxes([0] * self.world_size)
         self._finalizer = weakref.finalize(
-            self, _leave, self._departures, self.rank, self._boxes, "the engine was dropped"
+            self, mailbox.leave, self._departures, self.rank, self._boxes, "the engine was dropped"
         )
 
     def _open_mailboxes(self, rounds: Sequence[int]) -> dict[int, mailbox.Mailbox]:
@@ -274,7 +275,7 @@ class AsyncPushSum:
         job's end, an elastic epoch's). Messages in flight to or from this worker are given up:
         their mass leaves with it, and every model stays de-biased."""
         self._finalizer.detach()
-        _leave(self._departures, self.rank, self._boxes, why, self._round)
+        mailbox.leave(self._departures, self.rank, self._boxes, why, self._round)
 
     def close(self) -> None:
         """Leaves the gossip (:meth:`abandon`) at the end of training."""
@@ -337,16 +338,3 @@ class AsyncPushSum:
         with torch.no_grad():
             for tensor, values in zip(self._tensors, flat.split(self._sizes)):
                 tensor.copy_(values.view_as(tensor))
-
-
-def _leave(departures, rank: int, boxes, why: str, round: int | None = None) -> None:  # noqa: A002
-    """Says that ``rank`` leaves, then fails and ends every thread of ``boxes`` with a
-    PeerTimeoutError saying ``why`` (an engine's abandon, or its finalizer)."""
-    departures.announce(rank)
-    error = PeerTimeoutError(
-        f"gossip_ext: rank {rank} gave up its asynchronous gossip: {why}",
-        round=round,
-        transport="process_group(gloo)",
-    )
-    for box in boxes:
-        box.fail(error)

@@ -1,4 +1,5 @@
-"""The threads that let asynchronous push-sum never wait for a peer: a :class:`Mailbox` per
+"""The threads that let asynchronous gossip (push-sum's, ``asynchronous.AsyncPushSum``, and outer
+steps', ``outer.asynchronous``) never wait for a peer: a :class:`Mailbox` per
 in-peer keeps a receive posted for that peer's next message and queues what arrives, and an
 :class:`Outbox` per out-peer confirms the sends in order and lets their buffers go.
 
@@ -61,13 +62,35 @@ def in_peers(graph: GraphBase, rank: int, world_size: int) -> list[int]:
     ]
 
 
+class Everyone:
+    """The schedule of a message every worker sends to every other one in every round (an
+    asynchronous outer step's pseudo-gradient), as a graph's ``phone_book``/``out_peers``."""
+
+    def phone_book(self, rank: int, world_size: int) -> list[int]:
+        return [peer for peer in range(world_size) if peer != rank]
+
+    def out_peers(self, rank: int, world_size: int, round_: int) -> list[int]:
+        return self.phone_book(rank, world_size)
+
+
 class Departures:
     """Where the workers of one asynchronous gossip say they are leaving: keys in ``store``
-    (under a prefix of the group's). A worker says so before it lets its connections go, so a
-    peer that sees a connection close can tell a worker that finished from one that died."""
+    (under a prefix of the group's). A worker says so before it lets its connections go, and
+    when a peer's failure ends its part (``rank``: this worker), so that a peer that sees a
+    connection close can tell a worker that finished, or that gave up on a third, from one that
+    died.
 
-    def __init__(self, store):
-        self._store = store
+    Note [A failure closes more than its pair]: gloo closes a worker's connections when one of
+    its operations times out, so the peers of a worker that timed out on a stopped peer see
+    their connections to it close, not the stopped one's silence. The worker that timed out says
+    here that it leaves, and a peer that sees a connection close looks for that word for a
+    moment (``LEAVE_GRACE_S``) before it names the peer as failed: each names the one that
+    stopped."""
+
+    LEAVE_GRACE_S = 1.0
+
+    def __init__(self, store, rank: int | None = None):
+        self._store, self.rank = store, rank
 
     def announce(self, rank: int) -> None:
         try:
@@ -75,11 +98,26 @@ class Departures:
         except Exception:  # noqa: BLE001 - a store gone with its host: peers then see a failure
             pass
 
+    def leaving(self) -> None:
+        """This worker leaves (a peer's failure ended its part)."""
+        if self.rank is not None:
+            self.announce(self.rank)
+
     def has_left(self, rank: int) -> bool:
         try:
             return bool(self._store.check([f"left/{rank}"]))
         except Exception:  # noqa: BLE001 - no store to ask: the peer is not known to have left
             return False
+
+    def has_left_soon(self, rank: int) -> bool:
+        """Whether ``rank`` says it left, within ``LEAVE_GRACE_S`` (Note [A failure closes more
+        than its pair])."""
+        deadline = time.monotonic() + self.LEAVE_GRACE_S
+        while not self.has_left(rank):
+            if time.monotonic() >= deadline:
+                return False
+            time.sleep(0.05)
+        return True
 
 
 class _PeerThread:
@@ -116,14 +154,15 @@ class _PeerThread:
 
     def _raise_unless_left(self, failure: Exception, round_: int, what: str) -> None:
         """After gloo's ``failure`` to ``what`` the peer: ``ended`` if the peer said it was
-        leaving, else a PeerTimeoutError naming it and its round."""
-        if self._departures.has_left(self.peer):
+        leaving, else a PeerTimeoutError naming it and its round (and this worker leaves)."""
+        if self._departures.has_left_soon(self.peer):
             with self._changed:
                 self.ended = True
                 self._changed.notify_all()
             return
+        self._departures.leaving()
         raise PeerTimeoutError(
-            f"gossip_ext: asynchronous push-sum failed to {what} peer {self.peer} (its round "
+            f"gossip_ext: asynchronous gossip failed to {what} peer {self.peer} (its round "
             f"{round_}) within {self.timeout}; the peer may have died, stalled or left the "
             f"training loop: {failure}",
             peers=[self.peer],
@@ -236,6 +275,20 @@ class Mailbox(_PeerThread):
         """Blocks until ``count`` messages in all have arrived (taken or not)."""
         self._wait_until(lambda: self.received >= count)
 
+    def wait_for_before(self, count: int, deadline: float) -> bool:
+        """Waits until ``count`` messages in all have arrived (taken or not), or the peer left,
+        or ``time.monotonic()`` passes ``deadline``; whether they arrived. Raises the peer's
+        failure."""
+        with self._changed:
+            while self.received < count and not self.ended:
+                if self.error is not None:
+                    raise self.error
+                left = deadline - time.monotonic()
+                if left <= 0 or self._closing:
+                    return False
+                self._wait_a_little(left)
+            return self.received >= count
+
     def _wait_until(self, done) -> None:
         deadline = time.monotonic() + self.timeout.total_seconds()
         with self._changed:
@@ -245,7 +298,7 @@ class Mailbox(_PeerThread):
                 left = deadline - time.monotonic()
                 if left <= 0 or self._closing:
                     raise PeerTimeoutError(
-                        f"gossip_ext: asynchronous push-sum waited {self.timeout} for peer "
+                        f"gossip_ext: asynchronous gossip waited {self.timeout} for peer "
                         f"{self.peer}'s message of its round {self.expected}; the peer may "
                         "have died, stalled or left the training loop",
                         peers=[self.peer],
@@ -327,7 +380,7 @@ class Outbox(_PeerThread):
                 left = deadline - time.monotonic()
                 if left <= 0:
                     raise PeerTimeoutError(
-                        f"gossip_ext: asynchronous push-sum waited {self.timeout} for peer "
+                        f"gossip_ext: asynchronous gossip waited {self.timeout} for peer "
                         f"{self.peer} to take this worker's message of round "
                         f"{self._posted[0][0]}; the peer may have died, stalled or left the "
                         "training loop",
@@ -339,3 +392,16 @@ class Outbox(_PeerThread):
                 self._wait_a_little(left)
             if self.error is not None:
                 raise self.error
+
+
+def leave(departures: Departures, rank: int, boxes, why: str, round_: int | None = None) -> None:
+    """Says that ``rank`` leaves, then fails and ends every thread of ``boxes`` with a
+    PeerTimeoutError saying ``why`` (an engine's ``abandon``, or its finalizer)."""
+    departures.announce(rank)
+    error = PeerTimeoutError(
+        f"gossip_ext: rank {rank} gave up its asynchronous gossip: {why}",
+        round=round_,
+        transport="process_group(gloo)",
+    )
+    for box in boxes:
+        box.fail(error)

@@ -1,11 +1,14 @@
-"""The messages of asynchronous push-sum (``asynchronous.AsyncPushSum``): a worker's de-biased
-model and the weight of the share it stands for, as one byte buffer of a size fixed for the job.
+"""The messages of asynchronous push-sum (``asynchronous.AsyncPushSum``: a worker's de-biased
+model and the weight of the share it stands for) and of asynchronous outer steps
+(``outer.asynchronous``: a pseudo-gradient and the inner steps behind it), as one byte buffer of a
+size fixed for the job.
 
-Layout: ``[weight | round | values]``, the weight a float64 and the sender's round an int64 at
-the head (where every view of the bytes after it stays aligned), the whole of one size for the
-job, so that a receiver's posted
-buffer fits any message of its sender and the mass of the weights is conserved to float64
-rounding whatever the values travel in. The values travel in full precision, in 16 bits,
+Layout: ``[weight | round | aux | values]``, the weight a float64, the sender's round an int64 and
+one more float64 of the sender's (an outer step's: its seconds per inner step) at the head, where
+every view of the bytes after it stays aligned; the whole of one size for the job, so that a
+receiver's posted buffer fits any message of its sender and the mass of the weights is
+conserved to float64 rounding whatever the values travel in. The values travel in full
+precision, in 16 bits,
 or block-quantized (int8, int4 or float8 e4m3fn, a float32 scale per block of 128 values: 0.258,
 0.133 and 0.258 of float32's bytes, as the compiled engine's messages). A lossy message's rounding
 stays with its sender (error feedback): the sender keeps its numerator minus what it really sent,
@@ -21,7 +24,7 @@ import math
 import torch
 
 BLOCK = 128  # values per block scale, as in csrc/kernels/block_format.h
-_HEADER_BYTES = 16  # the weight (float64), then the sender's round (int64)
+_HEADER_BYTES = 24  # the weight (float64), the sender's round (int64), aux (float64)
 
 
 def _as_bytes(tensor: torch.Tensor) -> torch.Tensor:
@@ -60,14 +63,16 @@ class Codec:
         values: torch.Tensor,
         weight: float,
         round: int,  # noqa: A002 - the sender's round
+        aux: float = 0.0,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """The message of ``values`` (a flat ``dtype`` tensor) and ``weight`` from the sender's
-        ``round``, and the values as the receiver will read them (the sender keeps the
+        """The message of ``values`` (a flat ``dtype`` tensor), ``weight`` and ``aux`` from the
+        sender's ``round``, and the values as the receiver will read them (the sender keeps the
         difference)."""
         header = torch.cat(
             [
                 _as_bytes(torch.tensor([weight], dtype=torch.float64)),
                 _as_bytes(torch.tensor([round], dtype=torch.int64)),
+                _as_bytes(torch.tensor([aux], dtype=torch.float64)),
             ]
         )
         kind = self.message_dtype
@@ -116,7 +121,12 @@ class Codec:
 
 def round_of(message: torch.Tensor) -> int:
     """The sender's round a message (of any codec) carries."""
-    return int(message[8:_HEADER_BYTES].view(torch.int64)[0])
+    return int(message[8:16].view(torch.int64)[0])
+
+
+def aux_of(message: torch.Tensor) -> float:
+    """The sender's ``aux`` value a message (of any codec) carries."""
+    return float(message[16:_HEADER_BYTES].view(torch.float64)[0])
 
 
 def _pack_nibbles(values: torch.Tensor) -> torch.Tensor:

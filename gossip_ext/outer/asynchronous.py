@@ -1,0 +1,397 @@
+"""Asynchronous outer steps: every worker takes its outer step at its own pace, on the
+pseudo-gradients that have reached it, and no step waits for every worker (docs/algorithms.md,
+"Asynchronous outer steps").
+
+Worker i holds its parameters, its own copy of ``theta_global`` and the outer rule's state
+(``delayed_nesterov.NesterovOuter``). After its ``H_i``-th inner step since its last outer step:
+
+1. *Send.* Its pseudo-gradient ``g = theta_global - theta_i`` (plus what earlier messages failed
+   to carry, where they are lossy), with the inner steps behind it, goes to every other worker.
+   It keeps the values as they will be read, so that every worker applies the same ``g``.
+2. *Grace.* It waits, at most ``grace`` seconds, until every other live worker's pseudo-gradient
+   has arrived since its last merge; never longer, and not at all with ``grace=0``.
+3. *Merge* whatever has arrived, its own included: ``G = sum_j g_j / K`` over K workers (a
+   pseudo-gradient is the sum of its inner steps' updates, so each enters in proportion to the
+   samples behind it; K pseudo-gradients of ``every`` steps make synchronous DiLoCo's mean).
+   The outer rule steps ``theta_global`` with ``G``; the parameters become ``theta_global``.
+
+A pseudo-gradient that arrives late is merged late, never dropped: each is applied exactly once by
+every worker, in whatever grouping it arrived, and the rule is linear in them, so the copies of
+``theta_global`` agree once the momentum has forgotten the timing (at once without momentum).
+``H_i`` is ``every``, or, ``paced``, as many steps as the slowest worker's ``every`` take (each
+message carries its sender's seconds per inner step), so that a faster worker takes more.
+
+A peer whose connection closes, or that is silent for longer than the timeout, raises a
+:class:`~gossip_ext.errors.PeerTimeoutError` naming it; a peer that finished its training says so
+and is let go. A NaN or Inf in this worker's parameters raises a
+:class:`~gossip_ext.errors.NonFiniteError` before anything is sent, and one in a peer's message
+before it is merged, naming the peer; the parameters keep the model they held.
+"""
+
+from __future__ import annotations
+
+import time
+import weakref
+from collections.abc import Sequence
+from datetime import timedelta
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from gossip_ext.errors import NonFiniteError, PeerTimeoutError
+from gossip_ext.gossip import mailbox, messages, transport
+from gossip_ext.outer.delayed_nesterov import NesterovOuter
+
+_EVERYONE = mailbox.Everyone()
+
+
+class _Rule:
+    """What the wrapper reads of an outer step's rule (``_outer_view``): no torch optimizer to
+    schedule, and the rule's description for the ranks' agreement."""
+
+    needs_inner_lr = False
+
+    def __init__(self, outer: NesterovOuter):
+        self._outer = outer
+
+    @property
+    def optimizers(self) -> list[torch.optim.Optimizer]:
+        return []
+
+    def describe(self) -> dict[str, Any]:
+        return self._outer.describe()
+
+
+class AsyncOuterSteps:
+    """One worker's asynchronous outer steps over ``params`` and the floating-point ``buffers``
+    (CPU tensors, worked on in place) with the ranks of ``group`` (gloo), as the wrapper drives
+    an ``outer_steps.OuterSteps``: :meth:`end_step` after every optimizer step.
+
+    ``every``: H, the inner steps between outer steps (of the slowest worker, ``paced``);
+    ``lr``, ``momentum``, ``delayed``: the outer rule; ``grace``: the seconds a merge waits for
+    the others' pseudo-gradients; ``record``: keep every send and merge in :attr:`history` (the
+    tests replay it through a reference)."""
+
+    needs_inner_lr = False
+    sync_every = 0
+
+    def __init__(
+        self,
+        params: Sequence[torch.Tensor],
+        buffers: Sequence[torch.Tensor],
+        group: dist.ProcessGroup,
+        *,
+        every: int,
+        lr: float,
+        momentum: float,
+        delayed: bool,
+        grace: float,
+        paced: bool,
+        message_dtype=None,
+        check_finite: bool = True,
+        timeout: timedelta = timedelta(minutes=5),
+        store: dist.Store | None = None,
+        record: bool = False,
+    ):
+        self._params, self._buffers = list(params), list(buffers)
+        for tensor in self._params + self._buffers:
+            if tensor.device.type != "cpu":
+                raise ValueError(
+                    f"AsyncDiLoCo runs over gloo with CPU parameters, got a tensor on "
+                    f"{tensor.device}: use DiLoCo(...) on GPUs"
+                )
+        self._group, self.rank, self.world_size = group, group.rank(), group.size()
+        self.every, self.grace, self.paced = every, grace, paced
+        self.check_finite, self.timeout = check_finite, timeout
+        wide = any(t.dtype == torch.float64 for t in self._params + self._buffers)
+        self._dtype = torch.float64 if wide else torch.float32
+        self._sizes = [t.numel() for t in self._params]
+        self._buffer_sizes = [t.numel() for t in self._buffers]
+        self._numel = sum(self._sizes)
+        self._codec = messages.Codec(
+            self._numel + sum(self._buffer_sizes), self._dtype, message_dtype
+        )
+        self.outer = NesterovOuter(
+            self._numel,
+            self._dtype,
+            lr=lr,
+            momentum=momentum,
+            delayed=delayed,
+            round_samples=every * self.world_size,
+        )
+        self.rule = _Rule(self.outer)
+        self._residual = torch.zeros(self._numel, dtype=self._dtype)  # what messages lost
+        self.started = False
+        self._start_at_forward = True
+        self._period = 0  # pseudo-gradients sent
+        self._steps_in_period = 0
+        self._period_steps = every
+        self._period_began = time.monotonic()
+        self._step_seconds = {self.rank: 0.0}  # each worker's seconds per inner step
+        self._merged = dict.fromkeys(range(self.world_size), 0)  # messages merged, per peer
+        self._failure: BaseException | None = None
+        self.history: list[tuple] | None = [] if record else None
+        self._departures = mailbox.Departures(
+            transport.gossip_store(group, None, "async-outer") if store is None else store,
+            self.rank,
+        )
+        self._generation = 0
+        self._boxes: list[mailbox.Mailbox | mailbox.Outbox] = []
+        self._open_boxes()
+        # The threads hold their boxes, not these steps, so dropped steps are collected and the
+        # finalizer (or the interpreter's exit) lets the threads go, as AsyncPushSum's.
+        self._finalizer = weakref.finalize(
+            self, mailbox.leave, self._departures, self.rank, self._boxes, "it was dropped"
+        )
+
+    def _open_boxes(self) -> None:
+        peers = _EVERYONE.phone_book(self.rank, self.world_size)
+        self._outboxes = {
+            peer: mailbox.Outbox(
+                self._group, peer, self.timeout, self._departures, self._generation
+            )
+            for peer in peers
+        }
+        self._mailboxes = {
+            peer: mailbox.Mailbox(
+                self._group,
+                _EVERYONE,
+                peer,
+                self.rank,
+                self._codec.nbytes,
+                0,
+                self.timeout,
+                self._departures,
+                self._generation,
+            )
+            for peer in peers
+        }
+        self._boxes.extend([*self._outboxes.values(), *self._mailboxes.values()])
+
+    # ------------------------------------------------------------------------- starting
+
+    def start_eagerly(self) -> None:
+        """At construction, once every rank holds the same parameters."""
+        self.start()
+        self._start_at_forward = True
+
+    def before_forward(self) -> None:
+        if self._start_at_forward:
+            self.start()
+
+    def start(self) -> None:
+        """``theta_global`` starts at the current parameters, the momentum at rest."""
+        self.outer.start(self._flat(self._params))
+        self._residual.zero_()
+        self._period_began = time.monotonic()
+        self._steps_in_period = 0
+        self.started = True
+        self._start_at_forward = False
+
+    # ------------------------------------------------------------------------- steps
+
+    def end_step(self, step: int, make_context) -> bool:
+        """After the ``step``-th optimizer step: the outer step, once this worker's period is
+        done. Never waits for a peer beyond ``grace``. Returns whether the step's gossip round
+        runs (there is none beside an asynchronous outer step)."""
+        self._steps_in_period += 1
+        if self._steps_in_period < self._period_steps:
+            return True
+        self._guarded(make_context().mix, self._outer_step)
+        return False
+
+    def average_now(self, step: int, context) -> None:
+        """Every worker together: an outer step on every pseudo-gradient sent so far, then the
+        workers' ``theta_global`` averaged exactly (one model, for evaluation or a checkpoint)."""
+
+        def everything():
+            self._outer_step(settle=True)
+            theta = self.outer.theta.clone()
+            dist.all_reduce(theta, group=self._group)
+            theta /= self.world_size
+            self.outer.theta.copy_(theta)
+            self._write(self._params, theta)
+
+        self._guarded(context.mix, everything)
+
+    def _outer_step(self, settle: bool = False) -> None:
+        self.raise_if_failed()
+        own = self._send()
+        if settle:
+            self._settle()
+        else:
+            self._wait_grace()
+        arrived = [(self.rank, self._period - 1, own)]
+        for peer, box in self._mailboxes.items():
+            taken = box.take(float("inf"))
+            self._merged[peer] += len(taken)
+            arrived.extend((peer, period, buffer) for period, buffer in taken)
+        arrived.sort(key=lambda item: (item[0], item[1]))
+        self._merge(arrived)
+        self._next_period()
+
+    def _send(self) -> torch.Tensor:
+        """Posts this worker's pseudo-gradient to every live peer; returns its message."""
+        flat = self._flat(self._params)
+        if self.check_finite and not bool(torch.isfinite(flat).all()):
+            self._raise_nonfinite([])
+        pseudo = self.outer.theta - flat + self._residual
+        values = torch.cat([pseudo, self._flat(self._buffers)]) if self._buffers else pseudo
+        seconds = (time.monotonic() - self._period_began) / max(1, self._steps_in_period)
+        self._step_seconds[self.rank] = seconds
+        message, read = self._codec.encode(values, self._steps_in_period, self._period, seconds)
+        if not self._codec.lossless:
+            self._residual = pseudo - read[: self._numel]  # sent with the next one
+        for box in self._outboxes.values():
+            box.post(self._period, message)  # a peer that left is sent nothing
+        if self.history is not None:
+            self.history.append(
+                ("send", self._period, read[: self._numel].clone(), self._steps_in_period)
+            )
+        self._period += 1
+        return message
+
+    def _wait_grace(self) -> None:
+        if self.grace <= 0:
+            return
+        deadline = time.monotonic() + self.grace
+        for peer, box in self._mailboxes.items():
+            box.wait_for_before(self._merged[peer] + 1, deadline)
+
+    def _settle(self) -> None:
+        """Every worker together: waits until every pseudo-gradient sent so far has arrived."""
+        sent = torch.zeros(self.world_size, dtype=torch.int64)
+        for peer, box in self._outboxes.items():
+            sent[peer] = box.sent
+        counts = [torch.zeros_like(sent) for _ in range(self.world_size)]
+        dist.all_gather(counts, sent, group=self._group)
+        for peer, box in self._mailboxes.items():
+            box.wait_for(int(counts[peer][self.rank]))
+        for box in self._outboxes.values():
+            box.wait_until_past(float("inf"))
+
+    def _merge(self, arrived: list[tuple[int, int, torch.Tensor]]) -> None:
+        """The outer rule on the mean of the pseudo-gradients ``arrived`` (rank, period,
+        message), in (rank, period) order on every worker; the buffers become the mean of the
+        latest ones, weighted by the steps behind them. Writes only once all were read."""
+        decoded = [self._codec.decode(buffer) for _, _, buffer in arrived]
+        if self.check_finite:
+            bad = [
+                peer
+                for (peer, _, _), (values, steps) in zip(arrived, decoded)
+                if peer != self.rank and not bool(torch.isfinite(values).all())
+            ]
+            if bad:
+                self._raise_nonfinite(bad)
+        merged = torch.zeros(self._numel, dtype=self._dtype)
+        for values, _ in decoded:
+            merged.add_(values[: self._numel])
+        merged /= self.world_size
+        samples = int(sum(steps for _, steps in decoded))
+        for peer, _, buffer in arrived:
+            self._step_seconds[peer] = messages.aux_of(buffer)
+        self.outer.step(merged, samples)
+        self._write(self._params, self.outer.theta)
+        if self._buffers:
+            latest = {peer: values for (peer, _, _), (values, _) in zip(arrived, decoded)}
+            weights = {peer: steps for (peer, _, _), (_, steps) in zip(arrived, decoded)}
+            total = sum(weights[peer] for peer in latest)
+            mean = sum(latest[peer][self._numel :] * (weights[peer] / total) for peer in latest)
+            self._write(self._buffers, mean)
+        if self.history is not None:
+            self.history.append(
+                ("merge", tuple((peer, period) for peer, period, _ in arrived), samples)
+            )
+
+    def _next_period(self) -> None:
+        """The next period's inner steps: ``every``, or, paced, as many as the slowest
+        worker's ``every`` steps take at this worker's pace."""
+        if self.paced and self._step_seconds[self.rank] > 0:
+            slowest = max(self._step_seconds.values())
+            self._period_steps = max(1, round(self.every * slowest / self._step_seconds[self.rank]))
+        self._steps_in_period = 0
+        self._period_began = time.monotonic()
+
+    def _raise_nonfinite(self, senders: list[int]) -> None:
+        whose = f"from peers {senders}" if senders else f"in rank {self.rank}'s own parameters"
+        raise NonFiniteError(
+            f"gossip_ext: rank {self.rank} found NaN or Inf in its asynchronous outer step "
+            f"{self._period}, {whose}; the outer step would spread them, so none goes on, and "
+            "the parameters keep the model they hold",
+            peers=senders,
+            round=self._period,
+            transport="process_group(gloo)",
+        )
+
+    # ------------------------------------------------------------------------- failures
+
+    def _guarded(self, mix, body) -> None:
+        """``body()``; an error it raises stays raised by every later call of the wrapper."""
+        self.raise_if_failed()
+        try:
+            body()
+        except (PeerTimeoutError, NonFiniteError) as error:
+            self._failure = error
+            mix.fail(error)
+            raise
+
+    def raise_if_failed(self) -> None:
+        if self._failure is not None:
+            raise self._failure.with_traceback(None)
+
+    def close(self) -> None:
+        """Leaves: says so to the peers, who then neither wait for this worker nor take its
+        silence for a failure, and ends the message threads."""
+        self._finalizer.detach()
+        mailbox.leave(self._departures, self.rank, self._boxes, "it was closed", self._period)
+
+    def align_in_flight(self, step: int) -> None:
+        """Never called: an elastic job refuses asynchronous outer steps."""
+
+    # ------------------------------------------------------------------------- checkpoint
+
+    @property
+    def period(self) -> int:
+        """Pseudo-gradients this worker has sent."""
+        return self._period
+
+    @property
+    def period_steps(self) -> int:
+        """The inner steps of this worker's current period (H_i)."""
+        return self._period_steps
+
+    def state_dict(self) -> dict[str, Any]:
+        """The rule's state and this worker's residual; messages in flight are in no
+        checkpoint (each worker's own copy of ``theta_global`` holds what it merged)."""
+        state = self.outer.state_dict()
+        state.update(residual=self._residual.clone(), period_steps=self._period_steps)
+        return {self.outer.state_key: state}
+
+    def load_state_dict(self, state, members_changed: bool = False) -> None:
+        saved = state.get(self.outer.state_key)
+        if saved is None:
+            self._start_at_forward = True
+            return
+        self.outer.load_state_dict(saved)
+        self._residual.copy_(saved["residual"])
+        self._period_steps = int(saved["period_steps"])
+        self._steps_in_period = 0
+        self.started, self._start_at_forward = True, False
+
+    def per_parameter_state(self) -> None:
+        return None  # one flat state for the whole model
+
+    def load_per_parameter_state(self, state) -> None:
+        raise NotImplementedError("AsyncDiLoCo keeps no per-parameter state")
+
+    # ------------------------------------------------------------------------- the model
+
+    def _flat(self, tensors: Sequence[torch.Tensor]) -> torch.Tensor:
+        return torch.cat([t.detach().reshape(-1).to(self._dtype) for t in tensors])
+
+    def _write(self, tensors: Sequence[torch.Tensor], flat: torch.Tensor) -> None:
+        sizes = [t.numel() for t in tensors]
+        with torch.no_grad():
+            for tensor, values in zip(tensors, flat.split(sizes)):
+                tensor.copy_(values.view_as(tensor))
