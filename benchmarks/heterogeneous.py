@@ -1,5 +1,6 @@
 """A slow worker costs its share, or the job: time to the same held-out quality on a cluster where
-one worker computes at half speed, or stalls now and then, beside the same cluster uniform.
+one worker computes at half speed, sits behind a slower link, or stalls now and then, beside the
+same cluster uniform.
 
 Every system trains lm_compare's task with its protocol (harness.compare.runner.Protocol: the
 byte-level transformer, the same batches, schedule and peak learning rates; DDP runs --ddp-steps,
@@ -8,7 +9,9 @@ evaluates its own model every --eval-every of its own steps, off its clock, so t
 the system's own communication holds a worker back. On the slow cluster, worker --slow-rank
 computes at 1 / --slowdown the pace: after each step it sleeps the rest of what a slower device
 would take (its own compute time, measured before training, times --slowdown - 1); the ``alone``
-system measures the result. On the stalling cluster the same worker is stopped whole (SIGSTOP)
+system measures the result. On the slow-link cluster the same worker's NIC runs at 1 /
+--nic-slowdown of the others' rate (needs --bandwidth). On the stalling cluster it is stopped
+whole (SIGSTOP)
 for 1 to 3 s at random times, about 5% of the run (harness.compare.staller). The target is the
 uniform cluster's DDP's final held-out loss.
 
@@ -54,14 +57,17 @@ SYSTEMS = (
     "torchft_diloco",
     "overlap_sgp_int8",
     "async_sgp_int8",
+    "async_diloco_int8",
 )
-ASYNCHRONOUS = ("async_sgp", "async_sgp_int8")
-# The clusters, each beside the uniform one: one worker at half speed; one worker stopped for 1
-# to 3 s at random times, about STALL_FRACTION of the run.
-SETTINGS = ("uniform", "slow", "stalls")
+ASYNCHRONOUS = ("async_sgp", "async_sgp_int8", "async_diloco", "async_diloco_int8")
+# The clusters, each beside the uniform one: one worker at half speed; one worker's NIC at a
+# tenth of the others' rate (on the emulated network only); one worker stopped for 1 to 3 s at
+# random times, about STALL_FRACTION of the run.
+SETTINGS = ("uniform", "slow", "slow_nic", "stalls")
 NAMES = {
     "uniform": "uniform",
     "slow": "one worker at half speed",
+    "slow_nic": "one worker behind a slower link",
     "stalls": "one worker stalling",
 }
 STALL_FRACTION = 0.05
@@ -82,6 +88,7 @@ def parse_args(argv=None):
     p.add_argument("--eval-every", type=int, default=40)
     p.add_argument("--eval-windows", type=int, default=32)
     p.add_argument("--slowdown", type=float, default=2.0)
+    p.add_argument("--nic-slowdown", type=float, default=10.0)
     p.add_argument("--slow-rank", type=int, default=None, help="default: the last worker")
     p.add_argument("--timeout", type=float, default=1800, help="seconds per run")
     p.add_argument("--rows", default="/tmp/gossip_heterogeneous.json")
@@ -98,6 +105,8 @@ def parse_args(argv=None):
     if "uniform" not in args.settings:
         p.error("--settings needs uniform (the target, and every ratio's denominator)")
     args.rate = netns.parse_rate(args.bandwidth) if args.bandwidth else None
+    if args.rate is None and "slow_nic" in args.settings:
+        args.settings.remove("slow_nic")  # a slower link needs the emulated network
     args.slow_rank = args.workers - 1 if args.slow_rank is None else args.slow_rank
     return args
 
@@ -108,6 +117,8 @@ def uneven_run(args, protocol: runner.Protocol, setting: str, system: str) -> Un
         return UnevenRun(config, slow_rank=args.slow_rank, slowdown=args.slowdown)
     if setting == "stalls":
         return UnevenRun(config, stall_rank=args.slow_rank, stall_fraction=STALL_FRACTION)
+    if setting == "slow_nic":
+        return UnevenRun(config, slow_link_rank=args.slow_rank)
     return UnevenRun(config)
 
 
@@ -123,12 +134,16 @@ def run_all(args, protocol: runner.Protocol, rows) -> dict[str, dict[str, dict]]
                 print(f"left out: {why_not}", flush=True)
                 continue
             started = time.monotonic()
+            rates = None
+            if setting == "slow_nic":
+                rates = {args.slow_rank: args.rate / args.nic_slowdown}
             rows[setting][system] = runner.run(
                 uneven_run(args, protocol, setting, system),
                 args.workers,
                 args.rate,
                 args.timeout,
                 "harness.compare.uneven:train",
+                rates,
             )
             records = rows[setting][system]["records"]
             print(
@@ -157,10 +172,14 @@ def table(rows: dict[str, dict[str, dict]], setting: str, target: float) -> str:
         lines.append(
             f"| {system} | {_seconds(uniform)} | {_seconds(uneven)} | {ratio} "
             f"| {measure.goodput(records, alone):.2f} "
-            f"| {measure.step_ms(records, False):.0f} / {measure.step_ms(records, True):.0f} "
+            f"| {_ms(measure.step_ms(records, False))} / {_ms(measure.step_ms(records, True))} "
             f"| {measure.final(records):.3f} |"
         )
     return "\n".join(lines)
+
+
+def _ms(t: float | None) -> str:
+    return "-" if t is None else f"{t:.0f}"
 
 
 def _seconds(t: float | None) -> str:

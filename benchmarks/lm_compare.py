@@ -47,12 +47,12 @@ from harness.tasks.byte_lm import ByteLMConfig  # noqa: E402
 TITLE = "Time to the same held-out quality: gossip_ext beside DDP, PowerSGD, decent-dp, torchft"
 # What this comparison runs unless --systems says otherwise: every system but the DiLoCos that
 # diloco_compare.py and streaming_compare.py run at their own H (torchft's DiLoCo stays, at
-# H = 4: the bar for gossip_ext's own) and the asynchronous gossip that heterogeneous.py runs
+# H = 4: the bar for gossip_ext's own) and the asynchronous modes that heterogeneous.py runs
 # beside the lockstep systems, on a uniform cluster too.
 SYSTEMS = tuple(
     s
     for s in systems.ALL
-    if not s.startswith(("diloco", "streaming_diloco", "torchft_streaming", "async_sgp"))
+    if not s.startswith(("diloco", "streaming_diloco", "torchft_streaming", "async_"))
 )
 # The goals, on every setting: gossip_ext's best system to DDP's final held-out loss within
 # GOAL_OF_BOUND of the communication-free bound (report.bound) and within GOAL_OF_PEER of the best

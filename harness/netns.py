@@ -140,18 +140,25 @@ class _SignalsRaise:
 
 
 class EmulatedCluster:
-    """`workers` namespaces on one bridge, each worker's NIC capped at `rate` bits/s both ways.
+    """`workers` namespaces on one bridge, each worker's NIC capped at `rate` bits/s both ways
+    (`rates`: another rate for some ranks, {rank: bits/s}: a machine behind a slower link).
 
     Use as a context manager: the namespaces (and with them every veth and the bridge) are
     deleted on exit, on an error and on Ctrl-C or SIGTERM.
     """
 
-    def __init__(self, workers: int, rate: float):
+    def __init__(self, workers: int, rate: float, rates: dict[int, float] | None = None):
         global _counter
         if not 2 <= workers <= _MAX_WORKERS:
             raise ValueError(f"workers must be in [2, {_MAX_WORKERS}], got {workers}")
-        if rate <= 0:
-            raise ValueError(f"rate must be > 0 bits/s, got {rate}")
+        self.rates = dict.fromkeys(range(workers), rate)
+        for rank, value in (rates or {}).items():
+            if rank not in self.rates:
+                raise ValueError(f"rates: rank {rank} is not one of the {workers} workers")
+            self.rates[rank] = value
+        for rank, value in self.rates.items():
+            if value <= 0:
+                raise ValueError(f"rate must be > 0 bits/s, got {value} (rank {rank})")
         self.workers, self.rate = workers, rate
         _counter += 1
         self._base = f"{PREFIX}-{os.getpid()}-{_counter}"
@@ -164,15 +171,15 @@ class EmulatedCluster:
     def address(self, rank: int) -> str:
         return f"{_SUBNET}.{rank + 1}"
 
-    def _tbf(self, namespace: str, device: str) -> None:
-        bytes_per_s = self.rate / 8
+    def _tbf(self, namespace: str, device: str, rate: float) -> None:
+        bytes_per_s = rate / 8
         # The bucket must hold a whole 64 KiB GSO segment and about 2 ms at the rate; the queue
         # is long enough that bursts from several senders are delayed, not dropped (a drop costs
         # a TCP retransmission timeout, which no real switch port of this speed would add).
         burst = max(256 * 1024, int(bytes_per_s * 0.002))
         _run(
             "tc", "-n", namespace, "qdisc", "add", "dev", device, "root", "tbf",
-            "rate", f"{int(self.rate)}bit", "burst", str(burst), "latency", "200ms",
+            "rate", f"{int(rate)}bit", "burst", str(burst), "latency", "200ms",
         )  # fmt: skip
 
     def __enter__(self) -> EmulatedCluster:
@@ -194,8 +201,8 @@ class EmulatedCluster:
                 _run("ip", "-n", ns, "addr", "add", f"{self.address(rank)}/24", "dev", IFNAME)
                 _run("ip", "-n", ns, "link", "set", IFNAME, "up")
                 _run("ip", "-n", ns, "link", "set", "lo", "up")
-                self._tbf(ns, IFNAME)  # the worker's upload
-                self._tbf(self.hub, port)  # its download
+                self._tbf(ns, IFNAME, self.rates[rank])  # the worker's upload
+                self._tbf(self.hub, port, self.rates[rank])  # its download
         except BaseException:
             self.__exit__(*sys.exc_info())
             raise

@@ -155,6 +155,10 @@ class _PeerThread:
     def _raise_unless_left(self, failure: Exception, round_: int, what: str) -> None:
         """After gloo's ``failure`` to ``what`` the peer: ``ended`` if the peer said it was
         leaving, else a PeerTimeoutError naming it and its round (and this worker leaves)."""
+        if "Timed out waiting" in str(failure):
+            # This worker's own wait ran out: gloo closes its connections now, and the peers
+            # that see them close must find it gone (Note [A failure closes more than its pair]).
+            self._departures.leaving()
         if self._departures.has_left_soon(self.peer):
             with self._changed:
                 self.ended = True

@@ -5,9 +5,9 @@ pseudo-gradients that have reached it, and no step waits for every worker (docs/
 Worker i holds its parameters, its own copy of ``theta_global`` and the outer rule's state
 (``delayed_nesterov.NesterovOuter``). After its ``H_i``-th inner step since its last outer step:
 
-1. *Send.* Its pseudo-gradient ``g = theta_global - theta_i`` (plus what earlier messages failed
-   to carry, where they are lossy), with the inner steps behind it, goes to every other worker.
-   It keeps the values as they will be read, so that every worker applies the same ``g``.
+1. *Send.* Its pseudo-gradient ``g = theta_global - theta_i``, with the inner steps behind it,
+   is owed to every other worker, and sent to each whose link is free (Note [Owed
+   pseudo-gradients]).
 2. *Grace.* It waits, at most ``grace`` seconds, until every other live worker's pseudo-gradient
    has arrived since its last merge; never longer, and not at all with ``grace=0``.
 3. *Merge* whatever has arrived, its own included: ``G = sum_j g_j / K`` over K workers (a
@@ -20,6 +20,14 @@ every worker, in whatever grouping it arrived, and the rule is linear in them, s
 ``theta_global`` agree once the momentum has forgotten the timing (at once without momentum).
 ``H_i`` is ``every``, or, ``paced``, as many steps as the slowest worker's ``every`` take (each
 message carries its sender's seconds per inner step), so that a faster worker takes more.
+
+Note [Owed pseudo-gradients]: a worker applies its own pseudo-gradient exactly, and owes every
+other worker the same. What it owes a peer is one sum; each message sends the whole sum and keeps
+what the message failed to carry (a lossy message's rounding). A peer that has not yet taken the
+last message (a slow link, a stopped process) is sent nothing this time: its sum grows, and one
+message carries it later. So a slow link carries at most its own rate's worth, never a queue
+that ages, and each pseudo-gradient still reaches every worker once (the rule is linear: a sum
+merged is its terms merged). The price is memory: up to a model copy per peer.
 
 A peer whose connection closes, or that is silent for longer than the timeout, raises a
 :class:`~gossip_ext.errors.PeerTimeoutError` naming it; a peer that finished its training says so
@@ -44,6 +52,9 @@ from gossip_ext.gossip import mailbox, messages, transport
 from gossip_ext.outer.delayed_nesterov import NesterovOuter
 
 _EVERYONE = mailbox.Everyone()
+# Messages to one peer posted and not yet taken by it beyond which what it is owed waits and
+# grows (Note [Owed pseudo-gradients]).
+MAX_BACKLOG = 1
 
 
 class _Rule:
@@ -121,7 +132,11 @@ class AsyncOuterSteps:
             round_samples=every * self.world_size,
         )
         self.rule = _Rule(self.outer)
-        self._residual = torch.zeros(self._numel, dtype=self._dtype)  # what messages lost
+        # What each peer is owed and not yet sent: pseudo-gradients this worker applied
+        # itself, and the rounding of lossy messages (Note [Owed pseudo-gradients]).
+        peers = [peer for peer in range(self.world_size) if peer != self.rank]
+        self._owed = {peer: torch.zeros(self._numel, dtype=self._dtype) for peer in peers}
+        self._owed_steps = dict.fromkeys(peers, 0)
         self.started = False
         self._start_at_forward = True
         self._period = 0  # pseudo-gradients sent
@@ -183,7 +198,8 @@ class AsyncOuterSteps:
     def start(self) -> None:
         """``theta_global`` starts at the current parameters, the momentum at rest."""
         self.outer.start(self._flat(self._params))
-        self._residual.zero_()
+        for owed in self._owed.values():
+            owed.zero_()
         self._period_began = time.monotonic()
         self._steps_in_period = 0
         self.started = True
@@ -217,40 +233,54 @@ class AsyncOuterSteps:
 
     def _outer_step(self, settle: bool = False) -> None:
         self.raise_if_failed()
-        own = self._send()
+        arrived = [self._send()]
         if settle:
             self._settle()
         else:
             self._wait_grace()
-        arrived = [(self.rank, self._period - 1, own)]
         for peer, box in self._mailboxes.items():
             taken = box.take(float("inf"))
             self._merged[peer] += len(taken)
-            arrived.extend((peer, period, buffer) for period, buffer in taken)
+            for period, buffer in taken:
+                values, steps = self._codec.decode(buffer)
+                self._step_seconds[peer] = messages.aux_of(buffer)
+                arrived.append((peer, period, values, int(steps)))
         arrived.sort(key=lambda item: (item[0], item[1]))
         self._merge(arrived)
         self._next_period()
 
-    def _send(self) -> torch.Tensor:
-        """Posts this worker's pseudo-gradient to every live peer; returns its message."""
+    def _send(self) -> tuple[int, int, torch.Tensor, int]:
+        """Adds this worker's pseudo-gradient to what it owes each live peer and posts what a
+        peer is owed where its link is free; returns its own contribution, as an arrival."""
         flat = self._flat(self._params)
         if self.check_finite and not bool(torch.isfinite(flat).all()):
             self._raise_nonfinite([])
-        pseudo = self.outer.theta - flat + self._residual
-        values = torch.cat([pseudo, self._flat(self._buffers)]) if self._buffers else pseudo
-        seconds = (time.monotonic() - self._period_began) / max(1, self._steps_in_period)
+        pseudo = self.outer.theta - flat
+        buffers = self._flat(self._buffers) if self._buffers else None
+        steps, period = self._steps_in_period, self._period
+        seconds = (time.monotonic() - self._period_began) / max(1, steps)
         self._step_seconds[self.rank] = seconds
-        message, read = self._codec.encode(values, self._steps_in_period, self._period, seconds)
-        if not self._codec.lossless:
-            self._residual = pseudo - read[: self._numel]  # sent with the next one
-        for box in self._outboxes.values():
-            box.post(self._period, message)  # a peer that left is sent nothing
+        for peer, box in self._outboxes.items():
+            if box.ended:  # a peer that left is owed nothing more
+                continue
+            self._owed[peer].add_(pseudo)
+            self._owed_steps[peer] += steps
+            if box.backlog < MAX_BACKLOG:
+                self._post(peer, buffers, seconds)
         if self.history is not None:
-            self.history.append(
-                ("send", self._period, read[: self._numel].clone(), self._steps_in_period)
-            )
+            self.history.append(("send", period, pseudo.clone(), steps))
         self._period += 1
-        return message
+        own = pseudo if buffers is None else torch.cat([pseudo, buffers])
+        return (self.rank, period, own, steps)
+
+    def _post(self, peer: int, buffers: torch.Tensor | None, seconds: float) -> None:
+        """Sends ``peer`` all it is owed, as one message (Note [Owed pseudo-gradients])."""
+        owed = self._owed[peer]
+        values = owed if buffers is None else torch.cat([owed, buffers])
+        message, read = self._codec.encode(values, self._owed_steps[peer], self._period, seconds)
+        if self._outboxes[peer].post(self._period, message):
+            owed.sub_(read[: self._numel])  # a lossy message's rounding stays owed
+            self._owed_steps[peer] = 0
 
     def _wait_grace(self) -> None:
         if self.grace <= 0:
@@ -260,7 +290,12 @@ class AsyncOuterSteps:
             box.wait_for_before(self._merged[peer] + 1, deadline)
 
     def _settle(self) -> None:
-        """Every worker together: waits until every pseudo-gradient sent so far has arrived."""
+        """Every worker together: sends every peer all it is owed, then waits until every
+        message sent so far has arrived."""
+        buffers = self._flat(self._buffers) if self._buffers else None
+        for peer, box in self._outboxes.items():
+            if not box.ended and (self._owed_steps[peer] or bool(self._owed[peer].any())):
+                self._post(peer, buffers, self._step_seconds[self.rank])
         sent = torch.zeros(self.world_size, dtype=torch.int64)
         for peer, box in self._outboxes.items():
             sent[peer] = box.sent
@@ -271,37 +306,38 @@ class AsyncOuterSteps:
         for box in self._outboxes.values():
             box.wait_until_past(float("inf"))
 
-    def _merge(self, arrived: list[tuple[int, int, torch.Tensor]]) -> None:
-        """The outer rule on the mean of the pseudo-gradients ``arrived`` (rank, period,
-        message), in (rank, period) order on every worker; the buffers become the mean of the
-        latest ones, weighted by the steps behind them. Writes only once all were read."""
-        decoded = [self._codec.decode(buffer) for _, _, buffer in arrived]
+    def _merge(self, arrived: list[tuple[int, int, torch.Tensor, int]]) -> None:
+        """The outer rule on the mean of the pseudo-gradients ``arrived`` (rank, period, values,
+        inner steps), in (rank, period) order on every worker; the buffers become the mean of
+        the latest ones, weighted by the steps behind them. Writes only once all were read."""
         if self.check_finite:
             bad = [
                 peer
-                for (peer, _, _), (values, steps) in zip(arrived, decoded)
+                for peer, _, values, _ in arrived
                 if peer != self.rank and not bool(torch.isfinite(values).all())
             ]
             if bad:
                 self._raise_nonfinite(bad)
         merged = torch.zeros(self._numel, dtype=self._dtype)
-        for values, _ in decoded:
+        for _, _, values, _ in arrived:
             merged.add_(values[: self._numel])
         merged /= self.world_size
-        samples = int(sum(steps for _, steps in decoded))
-        for peer, _, buffer in arrived:
-            self._step_seconds[peer] = messages.aux_of(buffer)
+        samples = sum(steps for _, _, _, steps in arrived)
         self.outer.step(merged, samples)
         self._write(self._params, self.outer.theta)
         if self._buffers:
-            latest = {peer: values for (peer, _, _), (values, _) in zip(arrived, decoded)}
-            weights = {peer: steps for (peer, _, _), (_, steps) in zip(arrived, decoded)}
-            total = sum(weights[peer] for peer in latest)
-            mean = sum(latest[peer][self._numel :] * (weights[peer] / total) for peer in latest)
+            latest = {peer: (values, steps) for peer, _, values, steps in arrived}
+            total = sum(steps for _, steps in latest.values()) or 1
+            mean = sum(v[self._numel :] * (max(n, 0) / total) for v, n in latest.values())
             self._write(self._buffers, mean)
         if self.history is not None:
             self.history.append(
-                ("merge", tuple((peer, period) for peer, period, _ in arrived), samples)
+                (
+                    "merge",
+                    tuple((peer, period) for peer, period, _, _ in arrived),
+                    samples,
+                    [values[: self._numel].clone() for _, _, values, _ in arrived],
+                )
             )
 
     def _next_period(self) -> None:
@@ -362,10 +398,10 @@ class AsyncOuterSteps:
         return self._period_steps
 
     def state_dict(self) -> dict[str, Any]:
-        """The rule's state and this worker's residual; messages in flight are in no
+        """The rule's state. Messages in flight, and what is owed to peers, are in no
         checkpoint (each worker's own copy of ``theta_global`` holds what it merged)."""
         state = self.outer.state_dict()
-        state.update(residual=self._residual.clone(), period_steps=self._period_steps)
+        state.update(period_steps=self._period_steps)
         return {self.outer.state_key: state}
 
     def load_state_dict(self, state, members_changed: bool = False) -> None:
@@ -374,7 +410,6 @@ class AsyncOuterSteps:
             self._start_at_forward = True
             return
         self.outer.load_state_dict(saved)
-        self._residual.copy_(saved["residual"])
         self._period_steps = int(saved["period_steps"])
         self._steps_in_period = 0
         self.started, self._start_at_forward = True, False

@@ -118,13 +118,14 @@ def run(
     rate: float | None,
     timeout: float,
     target: str = WORKER,
+    rates: dict[int, float] | None = None,
 ) -> dict:
     """``config`` on ``workers`` processes running ``target`` (a worker's ``module:function``):
     local if ``rate`` is None, else on an emulated cluster whose NICs are capped at ``rate``
-    bits/s (needs root)."""
+    bits/s (``rates``: another rate for some ranks; needs root)."""
     if rate is None:
         return run_local(config, workers, target=target)
-    with netns.EmulatedCluster(workers, rate) as cluster:
+    with netns.EmulatedCluster(workers, rate, rates) as cluster:
         with contextlib.ExitStack() as stack:
             if config.system.startswith("torchft"):
                 config = config.with_lighthouse(stack.enter_context(_lighthouse_in(cluster)))

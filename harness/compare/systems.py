@@ -19,6 +19,9 @@ sgp, overlap_sgp    gossip_ext SGP, synchronous or one step stale; ``_bf16``: bf
                     float32 scale each (GOSSIP_MESSAGES)
 async_sgp           gossip_ext AsyncSGP: push-sum with every worker at its own pace, no
                     staleness bound; ``_int8``: int8 blocks, as overlap_sgp_int8's
+async_diloco        gossip_ext AsyncDiLoCo: diloco's outer step (the same outer lr and
+                    momentum, delayed), each worker's at its own pace on the pseudo-gradients
+                    that reached it, no grace; ``_int8``: in int8 blocks
 dpsgd               gossip_ext D-PSGD (push-pull on the bipartite exponential graph)
 localsgd, slowmo    gossip_ext LocalSGD and SlowMo, exact average every ``local_steps`` steps
 diloco              gossip_ext DiLoCo: torchft_diloco's outer step (the same outer SGD), no
@@ -78,6 +81,8 @@ GOSSIP = (
     "overlap_sgp_fp8",
     "async_sgp",
     "async_sgp_int8",
+    "async_diloco",
+    "async_diloco_int8",
     "dpsgd",
     "localsgd",
     "slowmo",
@@ -252,6 +257,22 @@ class _AsyncGossip(_OptimizerStep):
         suffix = system.removeprefix("async_sgp").removeprefix("_")
         gossip = gossip_ext.AsyncSGP(message_dtype=GOSSIP_MESSAGES.get(suffix))
         model = gossip_ext.GossipDataParallel(module, gossip=gossip, timeout=recipe.timeout)
+        super().__init__(module, recipe, model)
+        model.register_optimizer(self.opt)
+
+
+class _AsyncOuter(_OptimizerStep):
+    def __init__(self, module: nn.Module, recipe: Recipe, system: str) -> None:
+        suffix = system.removeprefix("async_diloco").removeprefix("_")
+        outer = gossip_ext.AsyncDiLoCo(
+            every=recipe.local_steps,
+            lr=recipe.outer_lr,
+            momentum=recipe.outer_momentum,
+            message_dtype=GOSSIP_MESSAGES.get(suffix),
+        )
+        model = gossip_ext.GossipDataParallel(
+            module, gossip=None, outer=outer, timeout=recipe.timeout
+        )
         super().__init__(module, recipe, model)
         model.register_optimizer(self.opt)
 
@@ -460,4 +481,6 @@ def make(system: str, module: nn.Module, recipe: Recipe, lighthouse: str | None 
         return _Torchft(module, recipe, system, lighthouse)
     if system.startswith("async_sgp"):
         return _AsyncGossip(module, recipe, system)
+    if system.startswith("async_diloco"):
+        return _AsyncOuter(module, recipe, system)
     return _Gossip(module, recipe, system)

@@ -51,6 +51,9 @@ PEAK_LR = {
     # Not swept yet: overlap_sgp_int8's rate, the closest synchronous mode.
     "async_sgp": 8e-3,
     "async_sgp_int8": 8e-3,
+    # Not swept yet: diloco's rate, the same outer step.
+    "async_diloco": 4e-3,
+    "async_diloco_int8": 4e-3,
     "dpsgd": 8e-3,
     "localsgd": 4e-3,
     "slowmo": 4e-3,

@@ -51,6 +51,9 @@ class UnevenRun:
     # stall_fraction of the run in all (harness.compare.staller).
     stall_rank: int | None = None
     stall_fraction: float = 0.05
+    # Worker slow_link_rank (None: none) sits behind a slower NIC, which the emulated cluster
+    # sets (runner.run's ``rates``); here it is only reported as the odd one.
+    slow_link_rank: int | None = None
 
     @property
     def system(self) -> str:
@@ -149,7 +152,7 @@ def _train(rank: int, world_size: int, config: UnevenRun) -> dict:
         _stop(staller)
         record = {
             "rank": rank,
-            "slow": slow or rank == config.stall_rank,
+            "slow": slow or rank in (config.stall_rank, config.slow_link_rank),
             "compute_ms": 1000 * compute,
             "extra_ms": 1000 * extra,
             "step_times": step_times,
