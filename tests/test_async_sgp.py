@@ -84,7 +84,7 @@ def test_with_a_slow_worker_the_others_keep_their_pace_and_every_model_is_valid(
     for result in results:
         assert all(torch.isfinite(v).all() for v in result["state"].values())
         # Trained: measured 1.6-6.2 against 20-22 untrained (1.8 for synchronous SGP).
-        assert result["loss"] < 0.4 * before, (result["loss"], before)
+        assert result["loss"] < 0.4 * before, ([r["loss"] for r in results], before)
         assert result["weight"] > 0
 
 
