@@ -157,33 +157,13 @@ def run_all(args, protocol: runner.Protocol, rows) -> dict[str, dict[str, dict]]
 
 
 def table(rows: dict[str, dict[str, dict]], setting: str, target: float) -> str:
-    """The table of every system on ``setting`` beside the uniform cluster."""
-    alone = measure.alone_step_seconds(rows[setting]["alone"]["records"])
-    lines = [
-        f"| system | uniform: time to target | {NAMES[setting]}: time to target | ratio "
-        "| goodput | step ms, the other workers / this one | final held-out bpb |",
-        "|---|---|---|---|---|---|---|",
-    ]
-    for system, result in rows[setting].items():
-        uniform = measure.time_to(rows["uniform"][system]["records"], target)
-        records = result["records"]
-        uneven = measure.time_to(records, target)
-        ratio = f"{uneven / uniform:.2f}x" if uniform and uneven else "-"
-        lines.append(
-            f"| {system} | {_seconds(uniform)} | {_seconds(uneven)} | {ratio} "
-            f"| {measure.goodput(records, alone):.2f} "
-            f"| {_ms(measure.step_ms(records, False))} / {_ms(measure.step_ms(records, True))} "
-            f"| {measure.final(records):.3f} |"
-        )
-    return "\n".join(lines)
-
-
-def _ms(t: float | None) -> str:
-    return "-" if t is None else f"{t:.0f}"
-
-
-def _seconds(t: float | None) -> str:
-    return "not reached" if t is None else f"{t:.1f} s"
+    """The table of every system on ``setting`` beside the uniform cluster, and the systems
+    this cluster left out (a shorter run of a slow setting)."""
+    text = measure.table(rows[setting], target, NAMES[setting], rows["uniform"])
+    missing = [s for s in rows["uniform"] if s not in rows[setting]]
+    if missing:
+        text += f"\n\nNot run on this cluster: {', '.join(missing)}."
+    return text
 
 
 def goals(rows: dict[str, dict[str, dict]], target: float) -> list[str]:
@@ -222,31 +202,9 @@ def goals(rows: dict[str, dict[str, dict]], target: float) -> list[str]:
 
 
 def plot(rows: dict[str, dict[str, dict]], target: float, path: str) -> None:
-    """Held-out loss against each cluster's time, a panel per cluster: the lockstep systems'
-    curves stretch on the slow cluster, the asynchronous ones' should not."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    settings = list(rows)
-    fig, axes = plt.subplots(1, len(settings), figsize=(6.5 * len(settings), 5), sharey=True)
-    for ax, setting in zip(axes, settings):
-        for system, result in rows[setting].items():
-            points = measure.curve(result["records"])
-            style = "-" if system in ASYNCHRONOUS else ("--" if system != "alone" else ":")
-            ax.plot(*zip(*points), style, label=system)
-        ax.axhline(target, color="grey", linestyle=":", linewidth=1)
-        ax.set_title(NAMES[setting])
-        ax.set_xlabel("wall-clock seconds of training")
-        ax.set_ylim(top=4.5)
-        ax.set_xlim(left=0)
-        ax.grid(alpha=0.3)
-        ax.legend(fontsize=8, loc="upper right")
-    axes[0].set_ylabel("held-out bits per byte (mean over workers)")
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    print(f"plot written to {path}")
+    """Held-out loss against each cluster's time, a panel per cluster."""
+    clusters = {NAMES[setting]: rows[setting] for setting in rows}
+    measure.plot(clusters, target, path, ASYNCHRONOUS)
 
 
 def main(argv=None) -> dict:

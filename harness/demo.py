@@ -3,6 +3,7 @@
     python -m harness.demo                          # as root: each worker behind a 100 Mbit/s NIC
     python -m harness.demo --bandwidth loopback     # on loopback, where a message is a memory copy
     python -m harness.demo --systems all            # every system, not the default few
+    python -m harness.demo --slow-worker            # one worker at half speed: who waits for it
 
 Where an emulated cluster can be built (root, Linux, ``ip`` and ``tc``: harness.netns), every
 worker runs in its own network namespace behind a 100 Mbit/s NIC, and the first line printed says
@@ -23,6 +24,16 @@ byte against wall-clock time. The bound is the fewest steps any system needed to
 target at the pace of the workers computing alone (harness.compare.report.bound): no system can
 come out below it.
 
+With ``--slow-worker`` the last worker computes at half speed (after each step it sleeps its own
+measured compute time, as a device half as fast would take: harness.compare.uneven), every worker
+keeps its own clock and evaluates its own model, and the asynchronous modes (AsyncSGP,
+AsyncDiLoCo) join the default systems. The table then gives each system's time to DDP's final
+held-out loss on that cluster, its goodput (the steps the workers took over those they could have
+taken computing alone) and the step times of the other workers and of the slow one; the plot
+shows the lockstep systems' curves stretch to the slow worker's pace while the asynchronous ones
+keep the fast workers'. The full measurement beside the uniform cluster:
+benchmarks/heterogeneous.py.
+
 For the full measurement, at 4 and 8 workers and long enough for the order not to be noise:
 benchmarks/lm_compare.py. The quick MLP demo is python -m harness.demo_mlp.
 """
@@ -36,6 +47,8 @@ import tempfile
 
 from harness import netns
 from harness.compare import report, runner, systems, tuning
+from harness.compare import uneven_report as uneven_measure
+from harness.compare.uneven import UnevenRun
 
 # What the demo runs unless --systems says otherwise: the workers computing alone (the floor), the
 # peers a user would pick instead, and gossip_ext's fastest modes at 100 Mbit/s, within a few
@@ -60,6 +73,9 @@ DEFAULT_RATE = 1e8  # each worker's NIC where the emulated cluster can be built
 # its best rate), and a target that training without communication reaches shows nothing.
 # Every system runs at its peak rate for this length (tuning.DEMO_LR).
 STEPS = 180
+# What --slow-worker adds: the modes that let the fast workers keep their pace.
+ASYNCHRONOUS = ("async_sgp_int8", "async_diloco_int8")
+SLOWDOWN = 2.0  # the slow worker's pace, as a fraction of the others': 1 / SLOWDOWN
 
 
 def ddp_steps(steps: int) -> int:
@@ -111,6 +127,11 @@ def parse_args(argv=None):
         "(default: 100mbit where the emulated cluster can be built, else loopback)",
     )
     parser.add_argument(
+        "--slow-worker",
+        action="store_true",
+        help="the last worker computes at half speed; the asynchronous modes join the systems",
+    )
+    parser.add_argument(
         "--plot",
         default=os.path.join(tempfile.gettempdir(), "gossip_demo.png"),
         help="where to write the PNG plot (default: %(default)s)",
@@ -122,7 +143,7 @@ def parse_args(argv=None):
     if args.steps <= 20:
         parser.error(f"--steps must be > 20 (twice the warmup), got {args.steps}")
     if args.systems is None:
-        args.systems = list(SYSTEMS)
+        args.systems = list(SYSTEMS) + (list(ASYNCHRONOUS) if args.slow_worker else [])
     elif "all" in args.systems:
         args.systems = [s for s in systems.ALL if not systems.schedule_problem(s, args.sync_every)]
     for name in args.systems:
@@ -180,6 +201,8 @@ def main(argv=None) -> dict:
         peak_lr=tuning.DEMO_LR,
         peak_lr_source="harness.compare.tuning.DEMO_LR",
     )
+    if args.slow_worker:
+        return _with_a_slow_worker(args, protocol, rate)
     rows = runner.run_systems(args.systems, protocol, args.workers, rate, timeout=3600)
     setting = f"{args.workers} workers, " + (
         "loopback" if rate is None else f"{netns.format_rate(rate)} NICs"
@@ -188,6 +211,40 @@ def main(argv=None) -> dict:
     for line in verdict(rows):
         print(line)
     report.plot({setting: rows}, args.plot)
+    return rows
+
+
+def _with_a_slow_worker(args, protocol: runner.Protocol, rate: float | None) -> dict:
+    """Every system on the cluster whose last worker computes at half speed, each worker on its
+    own clock: the table, who reached DDP's final held-out loss first, and the plot."""
+    if "alone" not in args.systems or "ddp" not in args.systems:
+        sys.exit("--slow-worker needs alone (goodput's reference) and ddp (the target)")
+    slow = args.workers - 1
+    rows = {}
+    for name in args.systems:
+        why_not = systems.available(name)
+        if why_not:
+            print(f"left out: {why_not}", flush=True)
+            continue
+        run = UnevenRun(protocol.config(name), slow_rank=slow, slowdown=SLOWDOWN)
+        rows[name] = runner.run(run, args.workers, rate, 3600, "harness.compare.uneven:train")
+        print(f"{name:>17}: {uneven_measure.final(rows[name]['records']):.3f} bits per byte")
+    target = uneven_measure.final(rows["ddp"]["records"])
+    name = f"worker {slow} at 1/{SLOWDOWN:g} speed"
+    print(f"\n{args.workers} workers, {name}\n")
+    print(uneven_measure.table(rows, target, name) + "\n")
+    reached = {
+        system: t
+        for system, result in rows.items()
+        if system != "alone" and (t := uneven_measure.time_to(result["records"], target))
+    }
+    if reached:
+        first = min(reached, key=reached.get)
+        print(
+            f"fastest to DDP's final held-out loss ({target:.3f} bits per byte) with a slow "
+            f"worker: {first}, in {reached[first]:.1f} s of training"
+        )
+    uneven_measure.plot({name: rows}, target, args.plot, ASYNCHRONOUS)
     return rows
 
 

@@ -155,6 +155,21 @@ def test_paced_a_faster_worker_takes_more_inner_steps_between_outer_steps():
         assert sends[-1][3] == results[rank]["period_steps"] or sends[-1][3] >= 2 * EVERY
 
 
+def test_a_learned_grace_makes_merges_whole_at_equal_speeds_and_never_waits_for_a_slow_peer():
+    # Equal speeds: once each peer's pace is learned, an outer step waits for the peers whose
+    # message is due and merges whole rounds.
+    results = run_ranks(4, _train, 60, [0.01] * 4, {"grace": "learned"})
+    for result in results:
+        merges = [keys for kind, keys, *_ in result["history"] if kind == "merge"]
+        whole = sum(len({peer for peer, _ in keys}) == 4 for keys in merges[6:])
+        assert whole >= 0.6 * len(merges[6:]), merges
+    # A peer four times slower is due far later than half a fast worker's period: no one waits.
+    delays = [0.01, 0.01, 0.04, 0.01]
+    results = run_ranks(4, _train, 36, delays, {"grace": "learned"})
+    slow = results[2]["elapsed"]
+    assert max(results[r]["elapsed"] for r in (0, 1, 3)) < 0.6 * slow, results
+
+
 def _fails_midway(rank, world_size, sync_dir, how):
     param = torch.nn.Parameter(initial())
     engine = _engine(param, timeout=timedelta(seconds=3))

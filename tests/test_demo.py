@@ -151,3 +151,28 @@ def test_the_demo_as_a_user_runs_it_prints_no_warning(tmp_path):
         assert "100 Mbit/s NICs\n| system |" in done.stdout
     else:
         assert first.startswith("4 workers on loopback, where a message is a memory copy"), first
+
+
+def test_the_demo_with_a_slow_worker_shows_the_lockstep_systems_wait_and_the_asynchronous_do_not(
+    tmp_path,
+):
+    plot = tmp_path / "slow.png"
+    command = [sys.executable, "-m", "harness.demo", "--slow-worker", "--bandwidth", "loopback"]
+    command += ["--systems", "alone", "ddp", "async_diloco_int8", "--steps", "30"]
+    command += ["--eval-every", "10", "--plot", str(plot)]
+    done = subprocess.run(command, capture_output=True, text=True, timeout=300, cwd=ROOT)
+    assert done.returncode == 0, done.stderr
+    assert "4 workers, worker 3 at 1/2 speed" in done.stdout
+    steps = {}
+    for line in done.stdout.splitlines():
+        cells = [c.strip() for c in line.strip("|").split("|")]
+        if len(cells) == 5 and cells[0] in ("alone", "ddp", "async_diloco_int8"):
+            others, slow = (float(x) for x in cells[3].split(" / "))
+            steps[cells[0]] = (others, slow)
+    assert set(steps) == {"alone", "ddp", "async_diloco_int8"}, done.stdout
+    # The slow worker takes about twice the others' step alone; under DDP every worker takes the
+    # slow one's; under AsyncDiLoCo the others keep well under it.
+    assert steps["alone"][1] > 1.6 * steps["alone"][0], steps
+    assert steps["ddp"][0] > 0.8 * steps["ddp"][1], steps
+    assert steps["async_diloco_int8"][0] < 0.7 * steps["async_diloco_int8"][1], steps
+    assert plot.exists()

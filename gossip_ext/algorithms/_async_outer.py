@@ -34,8 +34,12 @@ class AsyncDiLoCo(Outer):
             gradient term at once, and the momentum takes what was merged once per round's worth
             of inner steps (every worker's ``every``), as the synchronous step it replaces
             (default: True). False: every merge is a full Nesterov step.
-        grace (float): the seconds a worker's outer step waits for the other workers'
-            pseudo-gradients since its last one; 0 never waits (default: 0.0).
+        grace (float or "learned"): the seconds a worker's outer step waits for the other
+            workers' pseudo-gradients since its last one; 0 never waits (default: 0.0).
+            ``"learned"``: it waits for each peer until that peer's next message is due, learned
+            from its arrival times (the median interval plus three median absolute deviations),
+            where that comes within half this worker's own period; a later message counts at
+            the next outer step.
         paced (bool): each worker's H is as many inner steps as the slowest worker's ``every``
             take, learned from the seconds per step every message carries, so that a faster
             worker takes more steps between outer steps (default: False).
@@ -51,15 +55,17 @@ class AsyncDiLoCo(Outer):
     lr: float = 0.7
     momentum: float = 0.9
     delayed: bool = True
-    grace: float = 0.0
+    grace: float | str = 0.0
     paced: bool = False
     message_dtype: torch.dtype | str | None = None
     check_finite: bool = True
 
     def __post_init__(self) -> None:
         check_every(self, self.every)
-        for name in ("lr", "momentum", "grace"):
+        for name in ("lr", "momentum"):
             check_argument(self, name, getattr(self, name), (int, float), "a float")
+        if self.grace != "learned":
+            check_argument(self, "grace", self.grace, (int, float), 'a float or "learned"')
         for name in ("delayed", "paced", "check_finite"):
             check_argument(self, name, getattr(self, name), bool, "a bool")
         check_dtype_argument(self, "message_dtype", self.message_dtype)
@@ -67,7 +73,7 @@ class AsyncDiLoCo(Outer):
             raise ValueError(f"{where(self, 'lr')} must be positive and finite, got {self.lr}")
         if not 0.0 <= self.momentum < 1.0:
             raise ValueError(f"{where(self, 'momentum')} must be in [0, 1), got {self.momentum}")
-        if not 0.0 <= self.grace < math.inf:
+        if self.grace != "learned" and not 0.0 <= self.grace < math.inf:
             raise ValueError(
                 f"{where(self, 'grace')} must be >= 0 seconds and finite, got {self.grace}"
             )
@@ -107,7 +113,7 @@ class AsyncDiLoCo(Outer):
             lr=float(self.lr),
             momentum=float(self.momentum),
             delayed=self.delayed,
-            grace=float(self.grace),
+            grace=self.grace if self.grace == "learned" else float(self.grace),
             paced=self.paced,
             message_dtype=self.message_dtype,
             check_finite=self.check_finite,

@@ -31,6 +31,7 @@ from gossip_ext.errors import PeerTimeoutError
 from gossip_ext.gossip import messages
 from gossip_ext.graphs import GraphBase
 
+ARRIVALS_KEPT = 16  # arrival times a mailbox keeps, for a deadline learned from them
 _TAG_BASE = 1 << 30  # apart from the compiled engine's round tags, which stay below it
 
 
@@ -236,6 +237,8 @@ class Mailbox(_PeerThread):
         self._group, self._graph, self._rank, self._nbytes = group, graph, rank, nbytes
         self._world_size, self._generation = group.size(), generation
         self.received = 0  # messages arrived, taken or not
+        # When the latest messages arrived (time.monotonic()), for deadlines learned from them.
+        self._arrival_times: collections.deque[float] = collections.deque(maxlen=ARRIVALS_KEPT)
         self.expected = next_round(graph, peer, rank, self._world_size, start)
         self._arrived: collections.deque[tuple[int, torch.Tensor, float]] = collections.deque()
         self._thread.start()
@@ -252,7 +255,9 @@ class Mailbox(_PeerThread):
                 return
             round_ = messages.round_of(buffer)
             with self._changed:
-                self._arrived.append((round_, buffer, time.monotonic()))
+                now = time.monotonic()
+                self._arrived.append((round_, buffer, now))
+                self._arrival_times.append(now)
                 self.received += 1
                 self.expected = next_round(
                     self._graph, self.peer, self._rank, self._world_size, round_ + 1
@@ -269,6 +274,11 @@ class Mailbox(_PeerThread):
             if not taken and self.error is not None and not self._arrived:
                 raise self.error
         return taken
+
+    def arrival_times(self) -> list[float]:
+        """When the latest messages (at most ARRIVALS_KEPT) arrived, oldest first."""
+        with self._changed:
+            return list(self._arrival_times)
 
     def wait_until_past(self, round_: int) -> None:
         """Blocks until every message of rounds <= ``round_`` has arrived (taken or not), where

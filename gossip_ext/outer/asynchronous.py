@@ -48,13 +48,16 @@ import torch
 import torch.distributed as dist
 
 from gossip_ext.errors import NonFiniteError, PeerTimeoutError
-from gossip_ext.gossip import mailbox, messages, transport
+from gossip_ext.gossip import deadlines, mailbox, messages, transport
 from gossip_ext.outer.delayed_nesterov import NesterovOuter
 
 _EVERYONE = mailbox.Everyone()
 # Messages to one peer posted and not yet taken by it beyond which what it is owed waits and
 # grows (Note [Owed pseudo-gradients]).
 MAX_BACKLOG = 1
+# A learned grace waits for a peer whose message is due within this share of the worker's own
+# period, and no longer: a peer much slower than this worker is never waited for.
+LEARNED_GRACE_SHARE = 0.5
 
 
 class _Rule:
@@ -81,8 +84,9 @@ class AsyncOuterSteps:
 
     ``every``: H, the inner steps between outer steps (of the slowest worker, ``paced``);
     ``lr``, ``momentum``, ``delayed``: the outer rule; ``grace``: the seconds a merge waits for
-    the others' pseudo-gradients; ``record``: keep every send and merge in :attr:`history` (the
-    tests replay it through a reference)."""
+    the others' pseudo-gradients, or ``"learned"`` (each peer until its message is due);
+    ``record``: keep every send and merge in :attr:`history` (the tests replay it through a
+    reference)."""
 
     needs_inner_lr = False
     sync_every = 0
@@ -97,7 +101,7 @@ class AsyncOuterSteps:
         lr: float,
         momentum: float,
         delayed: bool,
-        grace: float,
+        grace: float | str,
         paced: bool,
         message_dtype=None,
         check_finite: bool = True,
@@ -283,6 +287,17 @@ class AsyncOuterSteps:
             self._owed_steps[peer] = 0
 
     def _wait_grace(self) -> None:
+        """Waits for the peers' pseudo-gradients since the last merge: up to ``grace`` seconds,
+        or, ``"learned"``, for each peer until its next message is due (``deadlines``) where
+        that is soon enough (LEARNED_GRACE_SHARE of this worker's period)."""
+        if self.grace == "learned":
+            now = time.monotonic()
+            soon = now + LEARNED_GRACE_SHARE * (now - self._period_began)
+            for peer, box in self._mailboxes.items():
+                due = deadlines.next_due(box.arrival_times())
+                if due is not None and due <= soon:
+                    box.wait_for_before(self._merged[peer] + 1, due)
+            return
         if self.grace <= 0:
             return
         deadline = time.monotonic() + self.grace

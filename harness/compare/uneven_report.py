@@ -72,3 +72,70 @@ def step_ms(records: list[dict], slow: bool) -> float | None:
     """The mean step time of the slow worker (``slow``) or of the others, in ms."""
     times = [r["step_times"][-1] / len(r["step_times"]) for r in records if r["slow"] == slow]
     return 1000 * statistics.fmean(times) if times else None
+
+
+def table(rows: dict[str, dict], target: float, name: str, uniform: dict | None = None) -> str:
+    """A markdown table of every system of ``rows`` (system -> run) on the cluster ``name``:
+    its time to ``target`` (beside the ``uniform`` cluster's and their ratio, where given), its
+    goodput against the ``alone`` row, the step times of the other workers and of the odd one,
+    its final held-out loss."""
+    alone = alone_step_seconds(rows["alone"]["records"])
+    beside = uniform is not None
+    head = "| system | " + ("uniform: time to target | " if beside else "")
+    head += f"{name}: time to target | " + ("ratio | " if beside else "")
+    head += "goodput | step ms, the other workers / the odd one | final held-out bpb |"
+    lines = [head, "|" + "---|" * (head.count("|") - 1)]
+    for system, result in rows.items():
+        records = result["records"]
+        uneven = time_to(records, target)
+        cells = [system]
+        if beside:
+            before = time_to(uniform[system]["records"], target) if system in uniform else None
+            ratio = f"{uneven / before:.2f}x" if before and uneven else "-"
+            cells += [_seconds(before), _seconds(uneven), ratio]
+        else:
+            cells.append(_seconds(uneven))
+        cells += [
+            f"{goodput(records, alone):.2f}",
+            f"{_ms(step_ms(records, False))} / {_ms(step_ms(records, True))}",
+            f"{final(records):.3f}",
+        ]
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def _ms(t: float | None) -> str:
+    return "-" if t is None else f"{t:.0f}"
+
+
+def _seconds(t: float | None) -> str:
+    return "not reached" if t is None else f"{t:.1f} s"
+
+
+def plot(clusters: dict[str, dict[str, dict]], target: float, path: str, asynchronous) -> None:
+    """Held-out loss against each cluster's time, a panel per cluster (name -> system -> run):
+    the lockstep systems' curves stretch where a worker is slow, the ``asynchronous`` ones'
+    (solid lines) should not."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, len(clusters), figsize=(6.5 * len(clusters), 5), sharey=True)
+    axes = axes if len(clusters) > 1 else [axes]
+    for ax, (name, rows) in zip(axes, clusters.items()):
+        for system, result in rows.items():
+            points = curve(result["records"])
+            style = "-" if system in asynchronous else ("--" if system != "alone" else ":")
+            ax.plot(*zip(*points), style, label=system)
+        ax.axhline(target, color="grey", linestyle=":", linewidth=1)
+        ax.set_title(name)
+        ax.set_xlabel("wall-clock seconds of training")
+        ax.set_ylim(top=4.5)
+        ax.set_xlim(left=0)
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=8, loc="upper right")
+    axes[0].set_ylabel("held-out bits per byte (mean over workers)")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    print(f"plot written to {path}")
