@@ -78,7 +78,9 @@ class AsyncPushSum:
         self._codec = messages.Codec(sum(self._sizes), self._dtype, message_dtype)
         self._weight = 1.0
         self._round = 0  # rounds sent
-        self._generation = 0  # restores so far: messages of an earlier one are never matched
+        # Tells this engine's messages from those of another asynchronous engine on the same
+        # ranks, and of an earlier restore: they are never matched (mailbox.tag).
+        self._generation = transport.next_instance(group, "async-tags") * 8
         self._bytes_sent = 0
         self._failure: BaseException | None = None
         self.history: list[tuple] | None = [] if record else None

@@ -36,8 +36,9 @@ _TAG_BASE = 1 << 30  # apart from the compiled engine's round tags, which stay b
 
 
 def tag(generation: int, sequence: int) -> int:
-    """The gloo tag of the ``sequence``-th message from one worker to another since the
-    ``generation``-th (re)start of their gossip. Messages between two workers are numbered, not
+    """The gloo tag of the ``sequence``-th message from one worker to another in the
+    ``generation`` of their gossip (an engine's instance on these ranks, eight restores apart:
+    ``transport.next_instance``). Messages between two workers are numbered, not
     named by round: a sender may skip a round's message to a peer (``AsyncPushSum``), and a
     receive posted for a round that never comes would hold every later message. The round
     travels in the message (``messages.round_of``). Sequences wrap at 2^24: at most a few

@@ -102,6 +102,16 @@ def gossip_store(
     return dist.PrefixStore(prefix, dist.distributed_c10d._get_default_store())
 
 
+def next_instance(group: dist.ProcessGroup, purpose: str) -> int:
+    """How many times this process asked before for ``purpose`` on ``group``'s ranks: the same
+    on every rank of the group, since construction is collective (every rank builds its wrappers
+    in the same order)."""
+    ranks = tuple(dist.get_global_rank(group, r) for r in range(dist.get_world_size(group)))
+    instance = _STORES[(f"instance/{purpose}", ranks)]
+    _STORES[(f"instance/{purpose}", ranks)] += 1
+    return instance
+
+
 def nccl_unique_id_key(group: dist.ProcessGroup) -> str:
     """The store key under which ``group``'s next NCCL transport publishes its unique id.
 

@@ -155,7 +155,8 @@ class AsyncOuterSteps:
             transport.gossip_store(group, None, "async-outer") if store is None else store,
             self.rank,
         )
-        self._generation = 0
+        # Tells these steps' messages from another asynchronous engine's on the same ranks.
+        self._generation = transport.next_instance(group, "async-tags") * 8
         self._boxes: list[mailbox.Mailbox | mailbox.Outbox] = []
         self._open_boxes()
         # The threads hold their boxes, not these steps, so dropped steps are collected and the

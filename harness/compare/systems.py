@@ -21,7 +21,8 @@ async_sgp           gossip_ext AsyncSGP: push-sum with every worker at its own p
                     staleness bound; ``_int8``: int8 blocks, as overlap_sgp_int8's
 async_diloco        gossip_ext AsyncDiLoCo: diloco's outer step (the same outer lr and
                     momentum, delayed), each worker's at its own pace on the pseudo-gradients
-                    that reached it, no grace; ``_int8``: in int8 blocks
+                    that reached it, waiting for a peer only until its message is due
+                    (grace="learned"); ``_int8``: in int8 blocks
 dpsgd               gossip_ext D-PSGD (push-pull on the bipartite exponential graph)
 localsgd, slowmo    gossip_ext LocalSGD and SlowMo, exact average every ``local_steps`` steps
 diloco              gossip_ext DiLoCo: torchft_diloco's outer step (the same outer SGD), no
@@ -268,6 +269,7 @@ class _AsyncOuter(_OptimizerStep):
             every=recipe.local_steps,
             lr=recipe.outer_lr,
             momentum=recipe.outer_momentum,
+            grace="learned",
             message_dtype=GOSSIP_MESSAGES.get(suffix),
         )
         model = gossip_ext.GossipDataParallel(
