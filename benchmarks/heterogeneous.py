@@ -242,7 +242,9 @@ def main(argv=None) -> dict:
         protocol.describe(params)
         + f" {args.workers} workers, {network}. On the slow cluster worker {args.slow_rank} "
         f"computes at 1/{args.slowdown:g} the pace (it sleeps {args.slowdown - 1:g}x its own "
-        "measured compute after each step); on the stalling one it is stopped whole (SIGSTOP) "
+        "measured compute after each step); on the slow-link one its NIC runs at "
+        f"1/{args.nic_slowdown:g} of the others' rate; on the stalling one it is stopped whole "
+        "(SIGSTOP) "
         f"for 1 to 3 s at random times, about {STALL_FRACTION:.0%} of the run. Each worker "
         f"evaluates its own model every {args.eval_every} of its own steps, off its own clock; "
         "held-out loss at a time is the mean over workers of each one's latest, and the time to "
@@ -251,8 +253,12 @@ def main(argv=None) -> dict:
         "steps taken over the steps the workers could have taken computing alone (`alone` on "
         "the same cluster), up to the first worker's last step."
         + _saved_rows_note(rows, args.systems)
+        + " Per cluster: the time to the target (its ratio to the same system's uniform time) "
+        "and the goodput; the step times of each worker are in the command's output.\n\n"
+        + "### Goals\n\n"
+        + "\n".join(f"- {g}" for g in said)
         + "\n\n"
-        + "\n\n".join(["### Goals\n\n" + "\n".join(f"- {g}" for g in said)] + tables)
+        + summary(rows, target)
         + "\n"
     )
     if not args.no_record:
@@ -260,6 +266,29 @@ def main(argv=None) -> dict:
         sys.argv = _without(sys.argv, ("--from-rows", "--rows", "--plot"))
         results.record(TITLE, body)
     return rows
+
+
+def summary(rows: dict[str, dict[str, dict]], target: float) -> str:
+    """One table of every system on every cluster: its time to ``target`` on the uniform
+    cluster, and on each other one that time, its ratio to the uniform one and the goodput."""
+    settings = [setting for setting in rows if setting != "uniform"]
+    head = "| system | uniform | " + " | ".join(NAMES[s] for s in settings) + " |"
+    lines = [head, "|---|---|" + "---|" * len(settings)]
+    for system, result in rows["uniform"].items():
+        uniform = measure.time_to(result["records"], target)
+        cells = [system, measure.seconds(uniform)]
+        for setting in settings:
+            if system not in rows[setting]:
+                cells.append("not run")
+                continue
+            records = rows[setting][system]["records"]
+            alone = measure.alone_step_seconds(rows[setting]["alone"]["records"])
+            uneven = measure.time_to(records, target)
+            ratio = f" ({uneven / uniform:.2f}x)" if uniform and uneven else ""
+            good = measure.goodput(records, alone)
+            cells.append(f"{measure.seconds(uneven)}{ratio}, goodput {good:.2f}")
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)
 
 
 def _saved_rows_note(rows: dict[str, dict[str, dict]], asked: list[str]) -> str:

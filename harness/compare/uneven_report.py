@@ -92,23 +92,23 @@ def table(rows: dict[str, dict], target: float, name: str, uniform: dict | None 
         if beside:
             before = time_to(uniform[system]["records"], target) if system in uniform else None
             ratio = f"{uneven / before:.2f}x" if before and uneven else "-"
-            cells += [_seconds(before), _seconds(uneven), ratio]
+            cells += [seconds(before), seconds(uneven), ratio]
         else:
-            cells.append(_seconds(uneven))
+            cells.append(seconds(uneven))
         cells += [
             f"{goodput(records, alone):.2f}",
-            f"{_ms(step_ms(records, False))} / {_ms(step_ms(records, True))}",
+            f"{ms(step_ms(records, False))} / {ms(step_ms(records, True))}",
             f"{final(records):.3f}",
         ]
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
 
-def _ms(t: float | None) -> str:
+def ms(t: float | None) -> str:
     return "-" if t is None else f"{t:.0f}"
 
 
-def _seconds(t: float | None) -> str:
+def seconds(t: float | None) -> str:
     return "not reached" if t is None else f"{t:.1f} s"
 
 
