@@ -82,13 +82,16 @@ def _both(rank, world_size, steps, delayed):
         steps,
         [0.0] * world_size,
     )
-    # A grace long enough to hear every worker: each outer step merges one whole round.
+    # A grace long enough to hear every worker: each outer step merges one whole round, as long
+    # as no worker finishes its next period before a peer heard the last of this one. Equal
+    # speeds, then, means steps (20 ms here) much longer than a message's trip under load: with
+    # steps of a millisecond a worker may run a period ahead and merge two at once.
     asynchronous = _train(
         rank,
         world_size,
         gossip_ext.AsyncDiLoCo(every=EVERY, lr=0.7, momentum=0.9, delayed=delayed, grace=30.0),
         steps,
-        [0.0] * world_size,
+        [0.02] * world_size,
     )
     return synchronous, asynchronous
 
