@@ -16,25 +16,14 @@ import pytest
 import torch
 import torch.distributed as dist
 from multiprocess import run_ranks, run_ranks_tolerating_deaths
+from test_async_sgp import _batch, _net  # the same task, as the wrapper's AsyncSGP tests
 from torch import nn
 
 import gossip_ext
 from gossip_ext.errors import PeerTimeoutError
 
-D = 6
 INNER_LR = 0.05
 EVERY = 4
-
-
-def _batch(rank: int, step: int) -> tuple[torch.Tensor, torch.Tensor]:
-    g = torch.Generator().manual_seed(1000 * step + rank)
-    x = torch.randn(8, D, generator=g)
-    return x, x.sum(dim=1, keepdim=True) * (1 + 0.2 * rank)
-
-
-def _net() -> nn.Module:
-    torch.manual_seed(0)
-    return nn.Sequential(nn.Linear(D, 8), nn.ReLU(), nn.Linear(8, 1))
 
 
 def _step(model, opt, rank, step) -> None:

@@ -184,7 +184,7 @@ class AsyncPushSum:
         ratios of weights. A worker that hears from nobody for many rounds (its peers finished
         first) halves its weight each round; its weight may get as small as float64 allows,
         and no float32 value is ever scaled by it."""
-        flat = self._flat()
+        flat = messages.flatten(self._tensors, self._dtype)
         if self.check_finite and not bool(torch.isfinite(flat).all()):
             self._raise_nonfinite([], [])
         weight = self._weight
@@ -196,7 +196,7 @@ class AsyncPushSum:
             # What left is what was sent: a lossy message's rounding stays here, (w z - s share q)
             # / kept = z + (s share / kept) (z - q) (Note [Compressed messages] in
             # csrc/engine/gossip_engine.h).
-            self._write(flat + (len(sent) * share / kept) * (flat - read))
+            messages.write_flat(self._tensors, flat + (len(sent) * share / kept) * (flat - read))
         self._weight = kept
         self._bytes_sent += len(sent) * self._codec.nbytes
         return sent
@@ -213,12 +213,12 @@ class AsyncPushSum:
         if weight == 0.0:  # shares of workers whose weight underflowed: no mass, nothing to mix
             return
         # z <- (w z + sum w_m z_m) / (w + sum w_m), as ratios (Note [Scale-free shares]).
-        mixed = self._flat().mul_(self._weight / weight)
+        mixed = messages.flatten(self._tensors, self._dtype).mul_(self._weight / weight)
         for values, share in decoded:
             mixed.add_(values, alpha=share / weight)
         if self.check_finite and not bool(torch.isfinite(mixed).all()):
             self._raise_nonfinite(arrived, decoded)
-        self._write(mixed)
+        messages.write_flat(self._tensors, mixed)
         self._weight = weight
         if self.history is not None:
             self.history.append(("absorb", tuple((peer, r) for peer, r, _ in arrived)))
@@ -330,13 +330,3 @@ class AsyncPushSum:
             f"{peers_per_itr}): each worker's messages are numbered by its own rounds on one "
             "schedule, which every receiver walks; construct the graph with the peers wanted"
         )
-
-    # ------------------------------------------------------------------------- the model
-
-    def _flat(self) -> torch.Tensor:
-        return torch.cat([t.detach().reshape(-1).to(self._dtype) for t in self._tensors])
-
-    def _write(self, flat: torch.Tensor) -> None:
-        with torch.no_grad():
-            for tensor, values in zip(self._tensors, flat.split(self._sizes)):
-                tensor.copy_(values.view_as(tensor))

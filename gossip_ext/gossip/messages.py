@@ -119,6 +119,18 @@ class Codec:
         return read.reshape(-1)[: self.numel].to(self.dtype), weight_value
 
 
+def flatten(tensors, dtype: torch.dtype) -> torch.Tensor:
+    """``tensors`` as one flat ``dtype`` copy, in order: the values a message is made of."""
+    return torch.cat([t.detach().reshape(-1).to(dtype) for t in tensors])
+
+
+def write_flat(tensors, flat: torch.Tensor) -> None:
+    """Writes ``flat`` (as :func:`flatten` laid it out) back into ``tensors``, in place."""
+    with torch.no_grad():
+        for tensor, values in zip(tensors, flat.split([t.numel() for t in tensors])):
+            tensor.copy_(values.view_as(tensor))
+
+
 def round_of(message: torch.Tensor) -> int:
     """The sender's round a message (of any codec) carries."""
     return int(message[8:16].view(torch.int64)[0])

@@ -202,7 +202,7 @@ class AsyncOuterSteps:
 
     def start(self) -> None:
         """``theta_global`` starts at the current parameters, the momentum at rest."""
-        self.outer.start(self._flat(self._params))
+        self.outer.start(messages.flatten(self._params, self._dtype))
         for owed in self._owed.values():
             owed.zero_()
         self._period_began = time.monotonic()
@@ -232,7 +232,7 @@ class AsyncOuterSteps:
             dist.all_reduce(theta, group=self._group)
             theta /= self.world_size
             self.outer.theta.copy_(theta)
-            self._write(self._params, theta)
+            messages.write_flat(self._params, theta)
 
         self._guarded(context.mix, everything)
 
@@ -257,11 +257,11 @@ class AsyncOuterSteps:
     def _send(self) -> tuple[int, int, torch.Tensor, int]:
         """Adds this worker's pseudo-gradient to what it owes each live peer and posts what a
         peer is owed where its link is free; returns its own contribution, as an arrival."""
-        flat = self._flat(self._params)
+        flat = messages.flatten(self._params, self._dtype)
         if self.check_finite and not bool(torch.isfinite(flat).all()):
             self._raise_nonfinite([])
         pseudo = self.outer.theta - flat
-        buffers = self._flat(self._buffers) if self._buffers else None
+        buffers = messages.flatten(self._buffers, self._dtype) if self._buffers else None
         steps, period = self._steps_in_period, self._period
         seconds = (time.monotonic() - self._period_began) / max(1, steps)
         self._step_seconds[self.rank] = seconds
@@ -308,7 +308,7 @@ class AsyncOuterSteps:
     def _settle(self) -> None:
         """Every worker together: sends every peer all it is owed, then waits until every
         message sent so far has arrived."""
-        buffers = self._flat(self._buffers) if self._buffers else None
+        buffers = messages.flatten(self._buffers, self._dtype) if self._buffers else None
         for peer, box in self._outboxes.items():
             if not box.ended and (self._owed_steps[peer] or bool(self._owed[peer].any())):
                 self._post(peer, buffers, self._step_seconds[self.rank])
@@ -340,12 +340,12 @@ class AsyncOuterSteps:
         merged /= self.world_size
         samples = sum(steps for _, _, _, steps in arrived)
         self.outer.step(merged, samples)
-        self._write(self._params, self.outer.theta)
+        messages.write_flat(self._params, self.outer.theta)
         if self._buffers:
             latest = {peer: (values, steps) for peer, _, values, steps in arrived}
             total = sum(steps for _, steps in latest.values()) or 1
             mean = sum(v[self._numel :] * (max(n, 0) / total) for v, n in latest.values())
-            self._write(self._buffers, mean)
+            messages.write_flat(self._buffers, mean)
         if self.history is not None:
             self.history.append(
                 (
@@ -435,14 +435,3 @@ class AsyncOuterSteps:
 
     def load_per_parameter_state(self, state) -> None:
         raise NotImplementedError("AsyncDiLoCo keeps no per-parameter state")
-
-    # ------------------------------------------------------------------------- the model
-
-    def _flat(self, tensors: Sequence[torch.Tensor]) -> torch.Tensor:
-        return torch.cat([t.detach().reshape(-1).to(self._dtype) for t in tensors])
-
-    def _write(self, tensors: Sequence[torch.Tensor], flat: torch.Tensor) -> None:
-        sizes = [t.numel() for t in tensors]
-        with torch.no_grad():
-            for tensor, values in zip(tensors, flat.split(sizes)):
-                tensor.copy_(values.view_as(tensor))
