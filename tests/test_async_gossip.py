@@ -280,3 +280,61 @@ def test_a_nan_is_named_by_its_owner_and_never_sent():
     # Rank 1 names its own parameters before it sends them; nothing non-finite reaches rank 0.
     assert errors1 == [((), 0), ((), 0)]
     assert torch.isfinite(model0).all()
+
+
+def _a_nan_is_sent(rank, world_size, message_dtype):
+    # Rank 1 does not check its own parameters, so its NaN travels; rank 0 must catch it.
+    param = torch.nn.Parameter(initial(rank))
+    engine = _engine(
+        param,
+        staleness=0,
+        message_dtype=message_dtype,
+        check_finite=rank == 0,
+        timeout=timedelta(seconds=20),
+    )
+    if rank == 1:
+        with torch.no_grad():
+            param[200] = float("inf")
+    error = None
+    try:
+        engine.start_round()
+    except NonFiniteError as caught:
+        error = (caught.peers, caught.round)
+    before = param.detach().clone()
+    engine.close()
+    return error, before
+
+
+@pytest.mark.parametrize("message_dtype", [None, torch.bfloat16, "int8"])
+def test_a_peers_nan_is_named_by_its_receiver_which_keeps_its_model(message_dtype):
+    (error0, model0), (error1, _) = run_ranks(2, _a_nan_is_sent, message_dtype)
+    assert error0 == ((1,), 1), error0
+    assert error1 is None
+    # What rank 0 held after its own send: its own model, untouched by the absorb it refused.
+    assert torch.isfinite(model0).all()
+    assert (model0 - initial(0)).abs().max() < 0.05  # its own send's rounding, kept
+
+
+def _a_peer_leaves_while_its_share_is_sent(rank, world_size, message_dtype):
+    param = torch.nn.Parameter(initial(rank))
+    engine = _engine(
+        param, staleness=None, message_dtype=message_dtype, timeout=timedelta(seconds=20)
+    )
+    if rank == 0:
+        # The peer leaves between the round's look at its outbox and the send: the outbox
+        # then refuses the message, as Outbox.post does for a peer that has left.
+        engine._outboxes[1].post = lambda round_, message: False  # noqa: SLF001
+        engine.start_round()
+    result = (param.detach().clone(), float(engine.ps_weight()))
+    dist.barrier()
+    engine.close()
+    return result
+
+
+@pytest.mark.parametrize("message_dtype", [None, "int8"])
+def test_a_share_that_could_not_be_sent_stays_with_its_sender(message_dtype):
+    # Rank 0 kept half its weight for the send, and the lossy message's rounding with it; a
+    # share not sent comes back whole: the weight and the model are what they were.
+    (z, weight), _ = run_ranks(2, _a_peer_leaves_while_its_share_is_sent, message_dtype)
+    assert weight == 1.0
+    torch.testing.assert_close(z, initial(0), rtol=0, atol=1e-6)

@@ -185,19 +185,22 @@ class AsyncPushSum:
         first) halves its weight each round; its weight may get as small as float64 allows,
         and no float32 value is ever scaled by it."""
         flat = messages.flatten(self._tensors, self._dtype)
-        if self.check_finite and not bool(torch.isfinite(flat).all()):
-            self._raise_nonfinite([], [])
-        weight = self._weight
-        share = weight / (len(out_peers) + 1)
-        message, read = self._codec.encode(flat, share, round_)
+        share = self._weight / (len(out_peers) + 1)
+        # One pass sends the share and keeps its rounding here: with every peer sent one,
+        # (w z - s share q) / share = z + s (z - q) (Note [Compressed messages] in
+        # csrc/engine/gossip_engine.h), so ``flat`` is then the kept z.
+        message = self._codec.encode(flat, share, round_, feedback=len(out_peers))
+        if self.check_finite and not self._codec.values_finite(message, flat):
+            self._raise_nonfinite([])
         sent = [peer for peer in out_peers if self._outboxes[peer].post(round_, message)]
-        kept = weight - len(sent) * share
-        if sent and kept > 0 and not self._codec.lossless:
-            # What left is what was sent: a lossy message's rounding stays here, (w z - s share q)
-            # / kept = z + (s share / kept) (z - q) (Note [Compressed messages] in
-            # csrc/engine/gossip_engine.h).
-            messages.write_flat(self._tensors, flat + (len(sent) * share / kept) * (flat - read))
-        self._weight = kept
+        unsent = len(out_peers) - len(sent)
+        if unsent:
+            # A share not sent (its peer left meanwhile) is kept: absorbed back as a message
+            # of weight unsent * share, z <- (share z + unsent share q) / ((1 + unsent) share).
+            self._codec.absorb(flat, message, 1.0 / unsent, (1 + unsent) / unsent)
+        if unsent or not self._codec.lossless:
+            messages.write_flat(self._tensors, flat)
+        self._weight = share * (1 + unsent)
         self._bytes_sent += len(sent) * self._codec.nbytes
         return sent
 
@@ -208,16 +211,22 @@ class AsyncPushSum:
         ]
         if not arrived:
             return
-        decoded = [self._codec.decode(buf) for _, _, buf in arrived]
-        weight = self._weight + sum(w for _, w in decoded)
-        if weight == 0.0:  # shares of workers whose weight underflowed: no mass, nothing to mix
-            return
-        # z <- (w z + sum w_m z_m) / (w + sum w_m), as ratios (Note [Scale-free shares]).
-        mixed = messages.flatten(self._tensors, self._dtype).mul_(self._weight / weight)
-        for values, share in decoded:
-            mixed.add_(values, alpha=share / weight)
-        if self.check_finite and not bool(torch.isfinite(mixed).all()):
-            self._raise_nonfinite(arrived, decoded)
+        mixed = messages.flatten(self._tensors, self._dtype)
+        nonfinite = torch.zeros(1, dtype=torch.int32) if self.check_finite else None
+        weight = self._weight
+        for _, _, message in arrived:
+            share = messages.weight_of(message)
+            if self.check_finite and not math.isfinite(share):
+                self._raise_nonfinite(arrived)
+            total = weight + share
+            # z <- (w z + w_m z_m) / (w + w_m) as (alpha z + z_m) / new_weight, in ratios of
+            # weights (Note [Scale-free shares]). A share below 1e-30 of the weight moves z
+            # by less than any float's resolution (and its ratio would overflow float32).
+            if share > 0.0 and share >= 1e-30 * weight:
+                self._codec.absorb(mixed, message, weight / share, total / share, nonfinite)
+            weight = total
+        if nonfinite is not None and bool(nonfinite.item()):
+            self._raise_nonfinite(arrived)
         messages.write_flat(self._tensors, mixed)
         self._weight = weight
         if self.history is not None:
@@ -240,11 +249,14 @@ class AsyncPushSum:
         finally:
             self.staleness = staleness
 
-    def _raise_nonfinite(self, arrived, decoded) -> None:
+    def _raise_nonfinite(self, arrived) -> None:
         senders = [
             peer
-            for (peer, _, _), (x, w) in zip(arrived, decoded)
-            if not (math.isfinite(w) and bool(torch.isfinite(x).all()))
+            for peer, _, message in arrived
+            if not (
+                math.isfinite(messages.weight_of(message))
+                and bool(torch.isfinite(self._codec.read(message)).all())
+            )
         ]
         whose = f"from peers {senders}" if senders else f"in rank {self.rank}'s own parameters"
         raise NonFiniteError(

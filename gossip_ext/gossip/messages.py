@@ -8,13 +8,17 @@ one more float64 of the sender's (an outer step's: its seconds per inner step) a
 every view of the bytes after it stays aligned; the whole of one size for the job, so that a
 receiver's posted buffer fits any message of its sender and the mass of the weights is
 conserved to float64 rounding whatever the values travel in. The values travel in full
-precision, in 16 bits,
-or block-quantized (int8, int4 or float8 e4m3fn, a float32 scale per block of 128 values: 0.258,
-0.133 and 0.258 of float32's bytes, as the compiled engine's messages). A lossy message's rounding
-stays with its sender (error feedback): the sender keeps its numerator minus what it really sent,
-so the sum of all numerators (weight times values) is conserved to the state's rounding and the
-error rides along in
-later messages.
+precision, in 16 bits, or block-quantized (int8, int4 or float8 e4m3fn: the compiled engine's
+messages, Note [Quantized messages] in csrc/kernels/block_format.h, 0.258, 0.133 and 0.258 of
+float32's bytes). A lossy message's rounding stays with its sender (error feedback): the sender
+keeps its numerator minus what it really sent, so the sum of all numerators (weight times values)
+is conserved to the state's rounding and the error rides along in later messages.
+
+Every pass over the values is one of the compiled engine's fused kernels (``torch.ops.gossip_ext``:
+a send is one ``quantize_into_`` or ``compress_into_`` that also keeps the rounding, an absorb one
+``absorb_`` or ``absorb_quantized_`` that also checks finiteness), as in the synchronous rounds: a
+worker spends its time on its steps, not on its messages (docs/performance.md, "Asynchronous
+gossip").
 """
 
 from __future__ import annotations
@@ -23,30 +27,28 @@ import math
 
 import torch
 
-BLOCK = 128  # values per block scale, as in csrc/kernels/block_format.h
+from gossip_ext._torch_check import _C
+
+BLOCK = 128  # values per block scale, as kQuantBlock in csrc/kernels/block_format.h
 _HEADER_BYTES = 24  # the weight (float64), the sender's round (int64), aux (float64)
-
-
-def _as_bytes(tensor: torch.Tensor) -> torch.Tensor:
-    return tensor.contiguous().view(torch.uint8).reshape(-1)
+_QUANTIZED = {"int8": "int8", "int4": "int4", torch.float8_e4m3fn: "float8_e4m3fn"}
+_SIXTEEN_BITS = (torch.bfloat16, torch.float16)
 
 
 class Codec:
     """Writes and reads the messages of ``numel`` values held in ``dtype`` (float32 or
     float64), travelling as ``message_dtype``: None (full precision), ``torch.bfloat16``,
-    ``torch.float16``, ``"int8"`` or ``torch.float8_e4m3fn``."""
+    ``torch.float16``, ``"int8"``, ``"int4"`` or ``torch.float8_e4m3fn``."""
 
     def __init__(self, numel: int, dtype: torch.dtype, message_dtype=None):
         self.numel, self.dtype, self.message_dtype = numel, dtype, message_dtype
-        self.blocks = math.ceil(numel / BLOCK)
+        self._format = _QUANTIZED.get(message_dtype) if _hashable(message_dtype) else None
         if message_dtype is None:
             body = numel * torch.empty((), dtype=dtype).element_size()
-        elif message_dtype in (torch.bfloat16, torch.float16):
+        elif message_dtype in _SIXTEEN_BITS:
             body = numel * 2
-        elif message_dtype in ("int8", torch.float8_e4m3fn):
-            body = self.blocks * BLOCK + self.blocks * 4
-        elif message_dtype == "int4":
-            body = self.blocks * BLOCK // 2 + self.blocks * 4
+        elif self._format is not None:
+            body = _C.quantized_message_bytes(numel, self._format)
         else:
             raise ValueError(
                 "message_dtype must be torch.bfloat16, torch.float16, 'int8', 'int4', "
@@ -64,59 +66,78 @@ class Codec:
         weight: float,
         round: int,  # noqa: A002 - the sender's round
         aux: float = 0.0,
-    ) -> tuple[torch.Tensor, torch.Tensor]:
+        feedback: float = 0.0,
+    ) -> torch.Tensor:
         """The message of ``values`` (a flat ``dtype`` tensor), ``weight`` and ``aux`` from the
-        sender's ``round``, and the values as the receiver will read them (the sender keeps the
-        difference)."""
-        header = torch.cat(
-            [
-                _as_bytes(torch.tensor([weight], dtype=torch.float64)),
-                _as_bytes(torch.tensor([round], dtype=torch.int64)),
-                _as_bytes(torch.tensor([aux], dtype=torch.float64)),
-            ]
-        )
-        kind = self.message_dtype
-        if kind is None:
-            return torch.cat([header, _as_bytes(values)]), values
-        if kind in (torch.bfloat16, torch.float16):
-            rounded = values.to(kind)
-            return torch.cat([header, _as_bytes(rounded)]), rounded.to(self.dtype)
-        padded = torch.zeros(self.blocks * BLOCK, dtype=torch.float32)
-        padded[: self.numel] = values
-        blocks = padded.view(self.blocks, BLOCK)
-        largest = blocks.abs().amax(dim=1, keepdim=True)
-        # A NaN or Inf travels as a NaN scale, which the receiver's finiteness check names.
-        finite = torch.isfinite(largest)
-        limit = {"int8": 127.0, "int4": 7.0}.get(kind, 448.0)
-        scales = torch.where(finite, largest / limit, torch.full_like(largest, math.nan))
-        safe = torch.where(scales > 0, scales, torch.ones_like(scales))
-        scaled = torch.where(finite, blocks / safe, torch.zeros_like(blocks))
-        if kind in ("int8", "int4"):
-            quantized = scaled.round().clamp_(-limit, limit).to(torch.int8)
-        else:
-            quantized = scaled.to(torch.float8_e4m3fn)
-        read = (quantized.to(torch.float32) * scales).reshape(-1)[: self.numel]
-        packed = _pack_nibbles(quantized) if kind == "int4" else quantized
-        message = torch.cat([header, _as_bytes(packed), _as_bytes(scales)])
-        return message, read.to(self.dtype)
-
-    def decode(self, message: torch.Tensor) -> tuple[torch.Tensor, float]:
-        """The values (``dtype``) and the weight a message carries."""
+        sender's ``round``. A lossy message also keeps ``feedback`` times its rounding in
+        ``values``, in the same pass: ``values += feedback * (values - read)``, where ``read``
+        is what the receiver will read (:meth:`read`)."""
+        message = torch.empty(self.nbytes, dtype=torch.uint8)
+        message[:8].view(torch.float64)[0] = weight
+        message[8:16].view(torch.int64)[0] = round
+        message[16:_HEADER_BYTES].view(torch.float64)[0] = aux
         body = message[_HEADER_BYTES:]
-        weight_value = float(message[:8].view(torch.float64)[0])
-        kind = self.message_dtype
-        if kind is None:
-            return body.view(self.dtype), weight_value
-        if kind in (torch.bfloat16, torch.float16):
-            return body.view(kind).to(self.dtype), weight_value
-        values = self.blocks * BLOCK // (2 if kind == "int4" else 1)
-        if kind == "int4":
-            quantized = _unpack_nibbles(body[:values])
+        if self.message_dtype is None:
+            body.view(self.dtype).copy_(values)
+        elif self._format is None:
+            torch.ops.gossip_ext.compress_into_(
+                values, body.view(self.message_dtype), 1.0, None, feedback
+            )
         else:
-            quantized = body[:values].view(torch.int8 if kind == "int8" else torch.float8_e4m3fn)
-        scales = body[values:].view(torch.float32).view(self.blocks, 1)
-        read = quantized.view(self.blocks, BLOCK).to(torch.float32) * scales
-        return read.reshape(-1)[: self.numel].to(self.dtype), weight_value
+            torch.ops.gossip_ext.quantize_into_(values, body, self._format, 1.0, None, feedback)
+        return message
+
+    def read(self, message: torch.Tensor) -> torch.Tensor:
+        """The values a message carries, as ``dtype`` (a view of the message where they
+        travel in ``dtype``)."""
+        body = message[_HEADER_BYTES:]
+        if self.message_dtype is None:
+            return body.view(self.dtype)
+        if self._format is None:
+            return body.view(self.message_dtype).to(self.dtype)
+        values = torch.zeros(self.numel, dtype=self.dtype)
+        torch.ops.gossip_ext.absorb_quantized_(values, [body], self._format, 1.0)
+        return values
+
+    def absorb(
+        self,
+        x: torch.Tensor,
+        message: torch.Tensor,
+        alpha: float,
+        new_weight: float,
+        nonfinite: torch.Tensor | None = None,
+    ) -> None:
+        """``x = (alpha * x + values) / new_weight`` in one pass, with ``values`` the message's
+        as :meth:`read` gives them; ``nonfinite`` (a one-element int32 tensor) is set where
+        ``x`` or the values hold a NaN or an Inf."""
+        body = message[_HEADER_BYTES:]
+        divisor = torch.tensor([new_weight], dtype=torch.float64)
+        if self._format is None:
+            values = body.view(self.dtype if self.message_dtype is None else self.message_dtype)
+            torch.ops.gossip_ext.absorb_(x, [values], alpha, None, divisor, nonfinite)
+        else:
+            torch.ops.gossip_ext.absorb_quantized_(
+                x, [body], self._format, alpha, None, divisor, nonfinite
+            )
+
+    def values_finite(self, message: torch.Tensor, values: torch.Tensor) -> bool:
+        """Whether ``values``, which ``message`` was just encoded from, hold no NaN or Inf. A
+        block-quantized message answers from its scales alone (a block holding one has a NaN
+        scale); otherwise one reduction over the values, which a NaN or an Inf turns to one."""
+        if self._format is not None:
+            blocks = math.ceil(self.numel / BLOCK)
+            scales = message[_HEADER_BYTES : _HEADER_BYTES + 4 * blocks].view(torch.float32)
+            return bool(torch.isfinite(scales).all())
+        # A float64 sum of float32 values cannot overflow; of float64 ones only near 1e300.
+        return math.isfinite(float(values.sum(dtype=torch.float64)))
+
+
+def _hashable(value) -> bool:
+    try:
+        hash(value)
+    except TypeError:
+        return False
+    return True
 
 
 def flatten(tensors, dtype: torch.dtype) -> torch.Tensor:
@@ -136,18 +157,11 @@ def round_of(message: torch.Tensor) -> int:
     return int(message[8:16].view(torch.int64)[0])
 
 
+def weight_of(message: torch.Tensor) -> float:
+    """The weight a message (of any codec) carries."""
+    return float(message[:8].view(torch.float64)[0])
+
+
 def aux_of(message: torch.Tensor) -> float:
     """The sender's ``aux`` value a message (of any codec) carries."""
     return float(message[16:_HEADER_BYTES].view(torch.float64)[0])
-
-
-def _pack_nibbles(values: torch.Tensor) -> torch.Tensor:
-    """int8 values in [-7, 7], two to a byte (offset by 8), the even-indexed in the low half."""
-    biased = (values.reshape(-1, 2).to(torch.int16) + 8).to(torch.uint8)
-    return biased[:, 0] | (biased[:, 1] << 4)
-
-
-def _unpack_nibbles(packed: torch.Tensor) -> torch.Tensor:
-    low = (packed & 0x0F).to(torch.int8) - 8
-    high = (packed >> 4).to(torch.int8) - 8
-    return torch.stack([low, high], dim=1).reshape(-1)

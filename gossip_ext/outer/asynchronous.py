@@ -247,9 +247,9 @@ class AsyncOuterSteps:
             taken = box.take(float("inf"))
             self._merged[peer] += len(taken)
             for period, buffer in taken:
-                values, steps = self._codec.decode(buffer)
+                steps = int(messages.weight_of(buffer))
                 self._step_seconds[peer] = messages.aux_of(buffer)
-                arrived.append((peer, period, values, int(steps)))
+                arrived.append((peer, period, self._codec.read(buffer), steps))
         arrived.sort(key=lambda item: (item[0], item[1]))
         self._merge(arrived)
         self._next_period()
@@ -282,9 +282,10 @@ class AsyncOuterSteps:
         """Sends ``peer`` all it is owed, as one message (Note [Owed pseudo-gradients])."""
         owed = self._owed[peer]
         values = owed if buffers is None else torch.cat([owed, buffers])
-        message, read = self._codec.encode(values, self._owed_steps[peer], self._period, seconds)
+        message = self._codec.encode(values, self._owed_steps[peer], self._period, seconds)
         if self._outboxes[peer].post(self._period, message):
-            owed.sub_(read[: self._numel])  # a lossy message's rounding stays owed
+            # What was sent is paid; a lossy message's rounding stays owed.
+            owed.sub_(self._codec.read(message)[: self._numel])
             self._owed_steps[peer] = 0
 
     def _wait_grace(self) -> None:
