@@ -188,7 +188,9 @@ class Protocol:
                 else f"each system's peak learning rate (`lr`: {self.peak_lr_source})"
             )
             + f"; H = {self.local_steps} for LocalSGD, SlowMo and DiLoCo, DiLoCo's outer lr "
-            f"{self.outer_lr:g} (momentum {self.outer_momentum:g}, Nesterov). Held-out bits per "
+            f"{self.outer_lr:g} (momentum {self.outer_momentum:g}, Nesterov), AsyncDiLoCo's "
+            f"{systems.ASYNC_OUTER_LR:g} (momentum {systems.ASYNC_OUTER_MOMENTUM:g}, delayed). "
+            "Held-out bits per "
             f"byte every {self.eval_every} steps (the mean over workers of each worker's own "
             f"model), off the clock."
         )

@@ -19,8 +19,9 @@ sgp, overlap_sgp    gossip_ext SGP, synchronous or one step stale; ``_bf16``: bf
                     float32 scale each (GOSSIP_MESSAGES)
 async_sgp           gossip_ext AsyncSGP: push-sum with every worker at its own pace, no
                     staleness bound; ``_int8``: int8 blocks, as overlap_sgp_int8's
-async_diloco        gossip_ext AsyncDiLoCo: diloco's outer step (the same outer lr and
-                    momentum, delayed), each worker's at its own pace on the pseudo-gradients
+async_diloco        gossip_ext AsyncDiLoCo: an outer Nesterov step (delayed momentum; outer lr
+                    and momentum ASYNC_OUTER_LR and ASYNC_OUTER_MOMENTUM, whose sweep is in
+                    tuning.py), each worker's at its own pace on the pseudo-gradients
                     that reached it, waiting for a peer only until its message is due
                     (grace="learned"); ``_int8``: in int8 blocks
 dpsgd               gossip_ext D-PSGD (push-pull on the bipartite exponential graph)
@@ -63,6 +64,8 @@ from torch import nn
 import gossip_ext
 from gossip_ext.outer.streaming import fragment_bounds
 from harness.compare.tuning import (  # noqa: F401  (PEAK_LR: read as systems.PEAK_LR)
+    ASYNC_OUTER_LR,
+    ASYNC_OUTER_MOMENTUM,
     PEAK_LR,
     SLOWMO_MOMENTUM,
     SPARSE_DENSITY,
@@ -267,8 +270,8 @@ class _AsyncOuter(_OptimizerStep):
         suffix = system.removeprefix("async_diloco").removeprefix("_")
         outer = gossip_ext.AsyncDiLoCo(
             every=recipe.local_steps,
-            lr=recipe.outer_lr,
-            momentum=recipe.outer_momentum,
+            lr=ASYNC_OUTER_LR,
+            momentum=ASYNC_OUTER_MOMENTUM,
             grace="learned",
             message_dtype=GOSSIP_MESSAGES.get(suffix),
         )

@@ -23,6 +23,9 @@ them; benchmarks/lm_compare.py's --lr and --systems run a sweep's cells again)."
 #   slowmo            4e-3 (3.737)  8e-3 (3.782)  at slow momentum 0.5 (fairscale's default);
 #                     at 4e-3: momentum 0.2 (3.152), 0.0 (3.047, the SGP average alone);
 #                     2e-3 at 0.5 (3.755), slow lr 0.5 at 0.5 (3.384)
+#   async_diloco_int8 at 4e-3 (AsyncDiLoCo's merge, delayed Nesterov), outer lr and momentum:
+#                     0.1 and 0.9 (3.715, diloco's), 0.5 and 0.5 (3.370), 1.0 and 0 (3.357)
+#                     (--outer-lr and --outer-momentum, which async_diloco read then)
 # (each cell: benchmarks/lm_compare.py --workers 4 --steps 480 --ddp-steps 480 --lr LR
 # [--outer-lr OUTER] --systems SYSTEM --no-record). Systems whose workers each step AdamW on
 # their own batch and then average models (gossip, decent-dp, LocalSGD) want a larger rate than
@@ -31,7 +34,9 @@ them; benchmarks/lm_compare.py's --lr and --systems run a sweep's cells again)."
 # modes take their bfloat16 twins' rate. ``alone`` is not tuned: its row is the compute floor.
 # SlowMo's slow momentum only hurts at H = 4 under AdamW (each inner step is already normalized;
 # momentum on 4-step pseudo-gradients overshoots), so it runs at the smallest momentum tried that
-# is still SlowMo, 0.2.
+# is still SlowMo, 0.2. AsyncDiLoCo's merges come a few at a time and stale: momentum 0.9 on them
+# overshoots as SlowMo's does, so it runs at the momentum tried that keeps one, 0.5 (outer lr 0.5:
+# the same step as 1.0 without momentum, lr / (1 - momentum)).
 PEAK_LR = {
     "alone": 2e-3,
     "ddp": 2e-3,
@@ -74,6 +79,7 @@ PEAK_LR = {
     "streaming_diloco_t2_int4": 4e-3,
 }
 SLOWMO_MOMENTUM = 0.2
+ASYNC_OUTER_LR, ASYNC_OUTER_MOMENTUM = 0.5, 0.5  # AsyncDiLoCo's outer step (the sweep above)
 # SparseLoCo's message, from final bits per byte after 480 steps of diloco_topk2 (4 workers,
 # loopback, H = 4, inner lr 4e-3, outer SGD lr 1): at density 1/64, feedback decay 1 (3.311),
 # 0.95 (3.232), 0.8 (3.257); at decay 0.95, density 1/32 (3.169), 1/16 (3.155). 4 bits for 2:
