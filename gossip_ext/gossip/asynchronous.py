@@ -46,8 +46,9 @@ MAX_BACKLOG = 2
 
 
 class AsyncPushSum:
-    """One worker's asynchronous push-sum over ``tensors`` (its floating-point parameters,
-    worked on in place) with the ranks of ``group`` (gloo) on ``graph``.
+    """One worker's asynchronous push-sum over ``tensors`` (its floating-point parameters, on
+    one device, CPU or CUDA, worked on in place) with the ranks of ``group`` (gloo: Note
+    [Asynchronous gossip on GPUs] in ``messages``) on ``graph``.
 
     The call names follow the compiled engine's, so the wrapper's schedule drives either:
     :meth:`start_round` after each optimizer step (send, absorb, bound), :meth:`finish_round`
@@ -74,8 +75,9 @@ class AsyncPushSum:
         self.rank, self.world_size = group.rank(), group.size()
         wide = any(t.dtype == torch.float64 for t in self._tensors)
         self._dtype = torch.float64 if wide else torch.float32
+        self._device = transport.host_messages_device(self._tensors, "AsyncSGP", group)
         self._sizes = [t.numel() for t in self._tensors]
-        self._codec = messages.Codec(sum(self._sizes), self._dtype, message_dtype)
+        self._codec = messages.Codec(sum(self._sizes), self._dtype, message_dtype, self._device)
         self._weight = 1.0
         self._round = 0  # rounds sent
         # Tells this engine's messages from those of another asynchronous engine on the same
@@ -212,7 +214,9 @@ class AsyncPushSum:
         if not arrived:
             return
         mixed = messages.flatten(self._tensors, self._dtype)
-        nonfinite = torch.zeros(1, dtype=torch.int32) if self.check_finite else None
+        nonfinite = None
+        if self.check_finite:
+            nonfinite = torch.zeros(1, dtype=torch.int32, device=self._device)
         weight = self._weight
         for _, _, message in arrived:
             share = messages.weight_of(message)

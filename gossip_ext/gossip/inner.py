@@ -148,11 +148,6 @@ class InnerMix:
         worked on in place, a round after every step (built by ``algorithms.AsyncSGP.mix``).
         The synchronous schedule drives it: its start sends and absorbs, its finish absorbs
         what arrived and never waits."""
-        if link.transport_kind != transport.PROCESS_GROUP:
-            raise ValueError(
-                f"AsyncSGP runs over gloo with CPU parameters; these travel by "
-                f"{link.transport_kind!r} (CUDA parameters): use SGP(overlap=True) on GPUs"
-            )
         if link.log_every > 0:
             raise ValueError(
                 f"log_every={link.log_every}: the consensus estimate measures a synchronous "

@@ -19,6 +19,18 @@ a send is one ``quantize_into_`` or ``compress_into_`` that also keeps the round
 ``absorb_`` or ``absorb_quantized_`` that also checks finiteness), as in the synchronous rounds: a
 worker spends its time on its steps, not on its messages (docs/performance.md, "Asynchronous
 gossip").
+
+Note [Asynchronous gossip on GPUs]
+~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+Asynchronous messages travel over gloo from host memory, also between GPUs, by design rather
+than NCCL's point-to-point calls: an NCCL receive is matched and stream-ordered, so a worker that
+keeps one posted for each peer's next message (what never waiting takes) would hold a kernel
+resident on the GPU per peer until that peer sends, stall every later call on the communicator
+behind it, and could be released from a stopped peer only by aborting the communicator. Over gloo
+a posted receive costs a host thread, and a timeout names the peer. What crosses PCIe is the
+message, not the model: values are encoded and absorbed on the GPU by the same kernels as the
+synchronous NCCL rounds, so an int8 message moves a quarter of the parameters' bytes each way,
+where the network asynchronous gossip is for is the slower link.
 """
 
 from __future__ import annotations
@@ -37,11 +49,16 @@ _SIXTEEN_BITS = (torch.bfloat16, torch.float16)
 
 class Codec:
     """Writes and reads the messages of ``numel`` values held in ``dtype`` (float32 or
-    float64), travelling as ``message_dtype``: None (full precision), ``torch.bfloat16``,
-    ``torch.float16``, ``"int8"``, ``"int4"`` or ``torch.float8_e4m3fn``."""
+    float64) on ``device``, travelling as ``message_dtype``: None (full precision),
+    ``torch.bfloat16``, ``torch.float16``, ``"int8"``, ``"int4"`` or ``torch.float8_e4m3fn``.
 
-    def __init__(self, numel: int, dtype: torch.dtype, message_dtype=None):
+    Messages are host tensors wherever the values live: they travel over gloo. Values on a GPU
+    are encoded and absorbed there by the kernels' CUDA twins, and only the message's bytes
+    cross to the host and back (Note [Asynchronous gossip on GPUs])."""
+
+    def __init__(self, numel: int, dtype: torch.dtype, message_dtype=None, device="cpu"):
         self.numel, self.dtype, self.message_dtype = numel, dtype, message_dtype
+        self.device = torch.device(device)
         self._format = _QUANTIZED.get(message_dtype) if _hashable(message_dtype) else None
         if message_dtype is None:
             body = numel * torch.empty((), dtype=dtype).element_size()
@@ -76,7 +93,8 @@ class Codec:
         message[:8].view(torch.float64)[0] = weight
         message[8:16].view(torch.int64)[0] = round
         message[16:_HEADER_BYTES].view(torch.float64)[0] = aux
-        body = message[_HEADER_BYTES:]
+        host = message[_HEADER_BYTES:]
+        body = host if self.device.type == "cpu" else torch.empty_like(host, device=self.device)
         if self.message_dtype is None:
             body.view(self.dtype).copy_(values)
         elif self._format is None:
@@ -85,17 +103,19 @@ class Codec:
             )
         else:
             torch.ops.gossip_ext.quantize_into_(values, body, self._format, 1.0, None, feedback)
+        if body is not host:
+            host.copy_(body)  # waits for the kernel: the bytes must be whole before gloo sends
         return message
 
     def read(self, message: torch.Tensor) -> torch.Tensor:
         """The values a message carries, as ``dtype`` (a view of the message where they
         travel in ``dtype``)."""
-        body = message[_HEADER_BYTES:]
+        body = self._body(message)
         if self.message_dtype is None:
             return body.view(self.dtype)
         if self._format is None:
             return body.view(self.message_dtype).to(self.dtype)
-        values = torch.zeros(self.numel, dtype=self.dtype)
+        values = torch.zeros(self.numel, dtype=self.dtype, device=self.device)
         torch.ops.gossip_ext.absorb_quantized_(values, [body], self._format, 1.0)
         return values
 
@@ -110,8 +130,8 @@ class Codec:
         """``x = (alpha * x + values) / new_weight`` in one pass, with ``values`` the message's
         as :meth:`read` gives them; ``nonfinite`` (a one-element int32 tensor) is set where
         ``x`` or the values hold a NaN or an Inf."""
-        body = message[_HEADER_BYTES:]
-        divisor = torch.tensor([new_weight], dtype=torch.float64)
+        body = self._body(message)
+        divisor = torch.tensor([new_weight], dtype=torch.float64, device=self.device)
         if self._format is None:
             values = body.view(self.dtype if self.message_dtype is None else self.message_dtype)
             torch.ops.gossip_ext.absorb_(x, [values], alpha, None, divisor, nonfinite)
@@ -130,6 +150,10 @@ class Codec:
             return bool(torch.isfinite(scales).all())
         # A float64 sum of float32 values cannot overflow; of float64 ones only near 1e300.
         return math.isfinite(float(values.sum(dtype=torch.float64)))
+
+    def _body(self, message: torch.Tensor) -> torch.Tensor:
+        """The bytes after a (host) message's header, on the values' device."""
+        return message[_HEADER_BYTES:].to(self.device)
 
 
 def _hashable(value) -> bool:

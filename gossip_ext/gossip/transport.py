@@ -59,6 +59,30 @@ def choose_transport(device: torch.device, comm_device, backend: str) -> str:
     return kind
 
 
+def host_messages_device(tensors, who: str, group: dist.ProcessGroup) -> torch.device:
+    """The one device of ``tensors``, which ``who`` (an asynchronous algorithm's name, for
+    errors) gossips in messages from host memory over ``group``: its backend must carry host
+    tensors, gloo in practice (Note [Asynchronous gossip on GPUs] in ``messages``)."""
+    devices = {t.device for t in tensors}
+    if len(devices) > 1:
+        raise ValueError(
+            f"{who}: the parameters are on several devices, {sorted(map(str, devices))}"
+        )
+    device = devices.pop() if devices else torch.device("cpu")
+    if device.type not in ("cpu", "cuda"):
+        raise ValueError(f"{who}: parameters on {device}; gossip_ext supports CPU and CUDA")
+    backend = dist.get_backend(group)
+    if backend == "nccl":
+        raise ValueError(
+            f"{who} sends its messages from host memory over the process group, whose backend "
+            f"{backend!r} cannot carry them (Note [Asynchronous gossip on GPUs] in "
+            "gossip_ext/gossip/messages.py); initialize it with "
+            "init_process_group('cpu:gloo,cuda:nccl') or pass "
+            "process_group=dist.new_group(backend='gloo')"
+        )
+    return device
+
+
 # How many NCCL transports this process has built per group, keyed by the group's global ranks.
 _NCCL_TRANSPORTS: collections.Counter[tuple[int, ...]] = collections.Counter()
 _STORES: collections.Counter[tuple[str, tuple[int, ...]]] = collections.Counter()

@@ -79,7 +79,8 @@ class _Rule:
 
 class AsyncOuterSteps:
     """One worker's asynchronous outer steps over ``params`` and the floating-point ``buffers``
-    (CPU tensors, worked on in place) with the ranks of ``group`` (gloo), as the wrapper drives
+    (on one device, CPU or CUDA, worked on in place) with the ranks of ``group`` (gloo, Note
+    [Asynchronous gossip on GPUs] in ``gossip.messages``), as the wrapper drives
     an ``outer_steps.OuterSteps``: :meth:`end_step` after every optimizer step.
 
     ``every``: H, the inner steps between outer steps (of the slowest worker, ``paced``);
@@ -110,12 +111,9 @@ class AsyncOuterSteps:
         record: bool = False,
     ):
         self._params, self._buffers = list(params), list(buffers)
-        for tensor in self._params + self._buffers:
-            if tensor.device.type != "cpu":
-                raise ValueError(
-                    f"AsyncDiLoCo runs over gloo with CPU parameters, got a tensor on "
-                    f"{tensor.device}: use DiLoCo(...) on GPUs"
-                )
+        self._device = transport.host_messages_device(
+            self._params + self._buffers, "AsyncDiLoCo", group
+        )
         self._group, self.rank, self.world_size = group, group.rank(), group.size()
         self.every, self.grace, self.paced = every, grace, paced
         self.check_finite, self.timeout = check_finite, timeout
@@ -125,7 +123,7 @@ class AsyncOuterSteps:
         self._buffer_sizes = [t.numel() for t in self._buffers]
         self._numel = sum(self._sizes)
         self._codec = messages.Codec(
-            self._numel + sum(self._buffer_sizes), self._dtype, message_dtype
+            self._numel + sum(self._buffer_sizes), self._dtype, message_dtype, self._device
         )
         self.outer = NesterovOuter(
             self._numel,
@@ -134,12 +132,15 @@ class AsyncOuterSteps:
             momentum=momentum,
             delayed=delayed,
             round_samples=every * self.world_size,
+            device=self._device,
         )
         self.rule = _Rule(self.outer)
         # What each peer is owed and not yet sent: pseudo-gradients this worker applied
         # itself, and the rounding of lossy messages (Note [Owed pseudo-gradients]).
         peers = [peer for peer in range(self.world_size) if peer != self.rank]
-        self._owed = {peer: torch.zeros(self._numel, dtype=self._dtype) for peer in peers}
+        self._owed = {
+            peer: torch.zeros(self._numel, dtype=self._dtype, device=self._device) for peer in peers
+        }
         self._owed_steps = dict.fromkeys(peers, 0)
         self.started = False
         self._start_at_forward = True
@@ -335,7 +336,7 @@ class AsyncOuterSteps:
             ]
             if bad:
                 self._raise_nonfinite(bad)
-        merged = torch.zeros(self._numel, dtype=self._dtype)
+        merged = torch.zeros(self._numel, dtype=self._dtype, device=self._device)
         for _, _, values, _ in arrived:
             merged.add_(values[: self._numel])
         merged /= self.world_size

@@ -28,7 +28,8 @@ import torch
 
 
 class NesterovOuter:
-    """``theta_global`` (one flat tensor of ``dtype``) and the outer step's state on it.
+    """``theta_global`` (one flat tensor of ``dtype`` on ``device``) and the outer step's state
+    on it.
 
     ``round_samples``: the samples of one synchronous round (every worker's ``every`` steps),
     the unit of the momentum's delay; samples are counted in inner steps."""
@@ -44,12 +45,13 @@ class NesterovOuter:
         momentum: float,
         delayed: bool,
         round_samples: int,
+        device: torch.device | str = "cpu",
     ):
         self.lr, self.momentum, self.delayed = lr, momentum, delayed
         self.round_samples = round_samples
-        self.theta = torch.zeros(numel, dtype=dtype)
-        self.velocity = torch.zeros(numel, dtype=dtype)
-        self.accumulated = torch.zeros(numel, dtype=dtype)
+        self.theta = torch.zeros(numel, dtype=dtype, device=device)
+        self.velocity = torch.zeros(numel, dtype=dtype, device=device)
+        self.accumulated = torch.zeros(numel, dtype=dtype, device=device)
         self.samples_accumulated = 0
         self.steps = 0  # merges applied
 
