@@ -90,6 +90,13 @@ def parse_args(argv=None):
     p.add_argument("--slowdown", type=float, default=2.0)
     p.add_argument("--nic-slowdown", type=float, default=10.0)
     p.add_argument("--slow-rank", type=int, default=None, help="default: the last worker")
+    p.add_argument(
+        "--cpu-per-worker",
+        type=float,
+        default=None,
+        help="hold each worker to this many cores' time (cgroup; needs --bandwidth), e.g. 0.25 "
+        "for 8 workers on 2 cores; default: they share the cores",
+    )
     p.add_argument("--timeout", type=float, default=1800, help="seconds per run")
     p.add_argument("--rows", default="/tmp/gossip_heterogeneous.json")
     p.add_argument("--plot", default="/tmp/gossip_heterogeneous.png", help="'' for none")
@@ -105,6 +112,8 @@ def parse_args(argv=None):
     if "uniform" not in args.settings:
         p.error("--settings needs uniform (the target, and every ratio's denominator)")
     args.rate = netns.parse_rate(args.bandwidth) if args.bandwidth else None
+    if args.rate is None and args.cpu_per_worker is not None:
+        p.error("--cpu-per-worker needs --bandwidth (the caps hold the emulated cluster's workers)")
     if args.rate is None and "slow_nic" in args.settings:
         args.settings.remove("slow_nic")  # a slower link needs the emulated network
     args.slow_rank = args.workers - 1 if args.slow_rank is None else args.slow_rank
@@ -144,6 +153,7 @@ def run_all(args, protocol: runner.Protocol, rows) -> dict[str, dict[str, dict]]
                 args.timeout,
                 "harness.compare.uneven:train",
                 rates,
+                args.cpu_per_worker,
             )
             records = rows[setting][system]["records"]
             print(
@@ -237,6 +247,8 @@ def main(argv=None) -> dict:
     if args.plot:
         plot(rows, target, args.plot)
     network = "loopback" if args.rate is None else f"{netns.format_rate(args.rate)} NICs"
+    if args.cpu_per_worker is not None:
+        network += f", each worker held to {args.cpu_per_worker:g} cores' time (a cgroup's cap)"
     params = rows["uniform"]["ddp"]["params"]
     body = (
         protocol.describe(params)
@@ -264,7 +276,8 @@ def main(argv=None) -> dict:
     if not args.no_record:
         # The command that reproduces the run, not the one that reported a saved run again.
         sys.argv = _without(sys.argv, ("--from-rows", "--rows", "--plot"))
-        results.record(TITLE, body)
+        # A run of another size is a section of its own, beside the 4 workers' one.
+        results.record(TITLE if args.workers == 4 else f"{TITLE}, {args.workers} workers", body)
     return rows
 
 

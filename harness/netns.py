@@ -27,6 +27,8 @@ import tempfile
 import threading
 import time
 
+from harness import cpu_caps
+
 PREFIX = "gossipx"
 IFNAME = "eth0"  # the worker's NIC inside its namespace: GLOO_SOCKET_IFNAME
 STORE_PORT = 29500
@@ -141,13 +143,21 @@ class _SignalsRaise:
 
 class EmulatedCluster:
     """`workers` namespaces on one bridge, each worker's NIC capped at `rate` bits/s both ways
-    (`rates`: another rate for some ranks, {rank: bits/s}: a machine behind a slower link).
+    (`rates`: another rate for some ranks, {rank: bits/s}: a machine behind a slower link);
+    `cpu_cores`: each worker process held to that many cores' time (``cpu_caps.CpuCaps``), as
+    if each had a machine of its own; None lets them share the cores as the scheduler does.
 
     Use as a context manager: the namespaces (and with them every veth and the bridge) are
     deleted on exit, on an error and on Ctrl-C or SIGTERM.
     """
 
-    def __init__(self, workers: int, rate: float, rates: dict[int, float] | None = None):
+    def __init__(
+        self,
+        workers: int,
+        rate: float,
+        rates: dict[int, float] | None = None,
+        cpu_cores: float | None = None,
+    ):
         global _counter
         if not 2 <= workers <= _MAX_WORKERS:
             raise ValueError(f"workers must be in [2, {_MAX_WORKERS}], got {workers}")
@@ -159,7 +169,7 @@ class EmulatedCluster:
         for rank, value in self.rates.items():
             if value <= 0:
                 raise ValueError(f"rate must be > 0 bits/s, got {value} (rank {rank})")
-        self.workers, self.rate = workers, rate
+        self.workers, self.rate, self.cpu_cores = workers, rate, cpu_cores
         _counter += 1
         self._base = f"{PREFIX}-{os.getpid()}-{_counter}"
         self.hub = f"{self._base}-hub"
@@ -241,37 +251,48 @@ class EmulatedCluster:
                 pickle.dump((target, payload, sys_path), f)
             path = os.pathsep.join(d for d in (_ROOT, os.environ.get("PYTHONPATH")) if d)
             env = dict(os.environ, GLOO_SOCKET_IFNAME=IFNAME, PYTHONUNBUFFERED="1", PYTHONPATH=path)
-            init = f"tcp://{self.address(0)}:{STORE_PORT}"
-            procs, logs = [], []
-            try:
-                for rank in range(world_size):
-                    machine = rank // per_namespace
-                    log = open(os.path.join(tmp, f"rank{rank}.log"), "w+")
-                    logs.append(log)
-                    argv = [sys.executable, "-m", "harness.netns", spec, str(rank)]
-                    argv += [str(world_size), init, os.path.join(tmp, "out.pkl")]
-                    procs.append(
-                        subprocess.Popen(
-                            ["ip", "netns", "exec", self.namespace(machine), *argv],
-                            # The worker's own address, for servers it tells its peers about.
-                            env=dict(env, GOSSIP_EXT_HOST=self.address(machine)),
-                            # Rank 0 shows its progress; the others' output is kept for errors.
-                            stdout=None if rank == 0 else log,
-                            stderr=log,
-                        )
+            caps = None if self.cpu_cores is None else cpu_caps.CpuCaps(world_size, self.cpu_cores)
+            with caps or contextlib.nullcontext():
+                return self._run_workers(spec, tmp, env, per_namespace, caps, timeout)
+
+    def _run_workers(self, spec, tmp, env, per_namespace, caps, timeout):
+        """Starts every worker process (each in its group of ``caps``, a ``cpu_caps.CpuCaps``,
+        where given), waits for them, and returns rank 0's result; ends them all."""
+        world_size = self.workers * per_namespace
+        init = f"tcp://{self.address(0)}:{STORE_PORT}"
+        procs, logs = [], []
+        try:
+            for rank in range(world_size):
+                machine = rank // per_namespace
+                log = open(os.path.join(tmp, f"rank{rank}.log"), "w+")
+                logs.append(log)
+                argv = [sys.executable, "-m", "harness.netns", spec, str(rank)]
+                argv += [str(world_size), init, os.path.join(tmp, "out.pkl")]
+                procs.append(
+                    subprocess.Popen(
+                        ["ip", "netns", "exec", self.namespace(machine), *argv],
+                        # The worker's own address, for servers it tells its peers about.
+                        env=dict(env, GOSSIP_EXT_HOST=self.address(machine)),
+                        # Rank 0 shows its progress; the others' output is kept for errors.
+                        stdout=None if rank == 0 else log,
+                        stderr=log,
                     )
-                _wait_all(procs, logs, timeout)
-                with open(os.path.join(tmp, "out.pkl"), "rb") as f:
-                    return pickle.load(f)
-            finally:
-                for p in procs:
-                    if p.poll() is None:
-                        p.kill()
-                for p in procs:
-                    with contextlib.suppress(subprocess.TimeoutExpired):
-                        p.wait(timeout=30)
-                for log in logs:
-                    log.close()
+                )
+                if caps is not None:
+                    # `ip netns exec` becomes the worker (it execs), so its pid is the worker's.
+                    caps.place(rank, procs[-1].pid)
+            _wait_all(procs, logs, timeout)
+            with open(os.path.join(tmp, "out.pkl"), "rb") as f:
+                return pickle.load(f)
+        finally:
+            for p in procs:
+                if p.poll() is None:
+                    p.kill()
+            for p in procs:
+                with contextlib.suppress(subprocess.TimeoutExpired):
+                    p.wait(timeout=30)
+            for log in logs:
+                log.close()
 
 
 def _wait_all(procs, logs, timeout: float) -> None:

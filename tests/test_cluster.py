@@ -5,7 +5,7 @@ import sys
 
 import pytest
 
-from harness import netns
+from harness import cpu_caps, netns
 
 REASON = netns.unavailable()
 BENCHMARKS = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks")
@@ -57,3 +57,29 @@ def test_rates_parse_like_tc():
     for bad in ("fast", "1gbps", "-1gbit", "0mbit"):
         with pytest.raises(ValueError, match="bandwidth"):
             netns.parse_rate(bad)
+
+
+def spin_for(rank, world_size, init_method, seconds):
+    """A worker of the test below: computes for ``seconds`` of wall time, returns its CPU time
+    (rank 0's: the cluster returns rank 0's result)."""
+    import time
+
+    began, cpu = time.monotonic(), time.process_time()
+    while time.monotonic() - began < seconds:
+        sum(i * i for i in range(1000))
+    return time.process_time() - cpu
+
+
+CAPS_REASON = REASON or cpu_caps.unavailable()
+
+
+@pytest.mark.skipif(CAPS_REASON is not None, reason=f"CPU caps unavailable: {CAPS_REASON}")
+def test_a_capped_worker_computes_within_its_share_and_the_groups_go():
+    # Two workers on (at least) two cores would each take a whole core; capped at a quarter of
+    # one, each gets a quarter of its wall time, whatever the other does.
+    tests = os.path.dirname(os.path.abspath(__file__))
+    with netns.EmulatedCluster(2, 1e9, cpu_cores=0.25) as cluster:
+        cpu = cluster.run("test_cluster:spin_for", 2.0, timeout=60, sys_path=tests)
+    assert 0.3 < cpu < 0.65, cpu  # 0.5 s of CPU in 2 s, with the scheduler's slack
+    assert not [n for n in os.listdir(cpu_caps.MOUNT) if n.startswith(f"gossipx-{os.getpid()}-")]
+    assert netns.leftovers() == []

@@ -119,13 +119,17 @@ def run(
     timeout: float,
     target: str = WORKER,
     rates: dict[int, float] | None = None,
+    cpu_cores: float | None = None,
 ) -> dict:
     """``config`` on ``workers`` processes running ``target`` (a worker's ``module:function``):
     local if ``rate`` is None, else on an emulated cluster whose NICs are capped at ``rate``
-    bits/s (``rates``: another rate for some ranks; needs root)."""
+    bits/s (``rates``: another rate for some ranks; ``cpu_cores``: each worker held to that many
+    cores' time; needs root)."""
     if rate is None:
+        if cpu_cores is not None:
+            raise ValueError(f"cpu_cores={cpu_cores}: CPU caps need the emulated cluster (a rate)")
         return run_local(config, workers, target=target)
-    with netns.EmulatedCluster(workers, rate, rates) as cluster:
+    with netns.EmulatedCluster(workers, rate, rates, cpu_cores) as cluster:
         with contextlib.ExitStack() as stack:
             if config.system.startswith("torchft"):
                 config = config.with_lighthouse(stack.enter_context(_lighthouse_in(cluster)))
