@@ -6,17 +6,11 @@ visibly, without a GPU."""
 import pytest
 import torch
 from multiprocess import run_ranks
-from torch import nn
+from small_task import assert_runs_agree, needs_gpu, net, train
 
 import gossip_ext
 
-pytestmark = [
-    pytest.mark.extension,
-    pytest.mark.skipif(
-        not torch.cuda.is_available(),
-        reason="needs a CUDA GPU (sharded replicas with CUDA parameters)",
-    ),
-]
+pytestmark = needs_gpu("sharded replicas with CUDA parameters")
 
 STEPS = 6
 
@@ -46,35 +40,23 @@ def _train(rank: int, world_size: int, device: str, algorithm: str) -> dict:
         )
     else:
         mesh = init_device_mesh("cpu", (2, 1), mesh_dim_names=("replicate", "shard"))
-    torch.manual_seed(0)
-    net = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 1)).to(device)
-    fully_shard(net, mesh=mesh["shard"])
+    module = net(device)
+    fully_shard(module, mesh=mesh["shard"])
     model = gossip_ext.GossipDataParallel(
-        net,
+        module,
         process_group=mesh["replicate"].get_group(),
         comm_device="cpu" if device == "cuda" else None,
         **ALGORITHMS[algorithm](),
     )
-    opt = torch.optim.SGD(model.parameters(), lr=0.05)
-    model.register_optimizer(opt)
-    generator = torch.Generator().manual_seed(rank)
-    for _ in range(STEPS):
-        x = torch.randn(32, 8, generator=generator).to(device)
-        y = x.sum(dim=1, keepdim=True).sin()
-        loss = ((model(x) - y) ** 2).mean()
-        opt.zero_grad()
-        loss.backward()
-        opt.step()
+    train(model, rank, device, STEPS)
     model.sync_comms()
-    net.reshard()
-    return {"params": [p.full_tensor().detach().cpu().double() for p in net.parameters()]}
+    module.reshard()
+    return {"params": [p.full_tensor().detach().cpu().double() for p in module.parameters()]}
 
 
 @pytest.mark.parametrize("algorithm", list(ALGORITHMS))
 def test_sharded_cuda_replicas_train_like_cpu_ones(algorithm):
     on_gpu = run_ranks(2, _train, "cuda", algorithm)
     on_cpu = run_ranks(2, _train, "cpu", algorithm)
-    for rank, (gpu, cpu) in enumerate(zip(on_gpu, on_cpu)):
-        for got, want in zip(gpu["params"], cpu["params"]):
-            # Only the GPU's matmul rounding separates the two runs.
-            torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5, msg=f"rank {rank}")
+    # Only the GPU's matmul rounding separates the two runs.
+    assert_runs_agree(on_gpu, on_cpu, rtol=1e-4, atol=1e-5)
