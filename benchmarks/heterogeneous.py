@@ -48,6 +48,7 @@ from harness.compare import runner, systems  # noqa: E402
 from harness.compare import uneven_report as measure  # noqa: E402
 from harness.compare.uneven import UnevenRun  # noqa: E402
 
+DEFAULT_WORKERS = 4
 TITLE = "A slow or stalling worker: time to the same held-out quality beside a uniform cluster"
 SYSTEMS = (
     "alone",
@@ -81,7 +82,7 @@ def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--systems", nargs="+", default=list(SYSTEMS), choices=systems.ALL)
     p.add_argument("--settings", nargs="+", default=list(SETTINGS), choices=SETTINGS)
-    p.add_argument("--workers", type=int, default=4)
+    p.add_argument("--workers", type=int, default=DEFAULT_WORKERS)
     p.add_argument("--bandwidth", default=None, help="each NIC's rate, e.g. 100mbit (as root)")
     p.add_argument("--steps", type=int, default=480)
     p.add_argument("--ddp-steps", type=int, default=240)
@@ -210,7 +211,7 @@ def goals(rows: dict[str, dict[str, dict]], target: float) -> list[str]:
             said.append(
                 f"Random stalls, goodput at least {GOAL_GOODPUT} (of the asynchronous modes "
                 f"that reached the target): {best} at "
-                f"{goodputs[best]:.2f}, {met}."
+                f"{goodputs[best]:.3f}, {met}."
             )
     return said
 
@@ -250,8 +251,12 @@ def main(argv=None) -> dict:
     if args.cpu_per_worker is not None:
         network += f", each worker held to {args.cpu_per_worker:g} cores' time (a cgroup's cap)"
     params = rows["uniform"]["ddp"]["params"]
+    described = protocol.describe(params)
+    if args.workers != DEFAULT_WORKERS:
+        # The protocol is the 4 workers' section's: said once, in that section.
+        described = "The protocol of the section above, at another size."
     body = (
-        protocol.describe(params)
+        described
         + f" {args.workers} workers, {network}. On the slow cluster worker {args.slow_rank} "
         f"computes at 1/{args.slowdown:g} the pace (it sleeps {args.slowdown - 1:g}x its own "
         "measured compute after each step); on the slow-link one its NIC runs at "
@@ -267,8 +272,8 @@ def main(argv=None) -> dict:
         + _saved_rows_note(rows, args.systems)
         + " Per cluster: the time to the target (its ratio to the same system's uniform time) "
         "and the goodput; the step times of each worker are in the command's output.\n\n"
-        + "### Goals\n\n"
-        + "\n".join(f"- {g}" for g in said)
+        + "Goals: "
+        + " ".join(said)
         + "\n\n"
         + summary(rows, target)
         + "\n"
@@ -277,7 +282,8 @@ def main(argv=None) -> dict:
         # The command that reproduces the run, not the one that reported a saved run again.
         sys.argv = _without(sys.argv, ("--from-rows", "--rows", "--plot"))
         # A run of another size is a section of its own, beside the 4 workers' one.
-        results.record(TITLE if args.workers == 4 else f"{TITLE}, {args.workers} workers", body)
+        title = TITLE if args.workers == DEFAULT_WORKERS else f"{TITLE}, {args.workers} workers"
+        results.record(title, body)
     return rows
 
 
