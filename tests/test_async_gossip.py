@@ -18,6 +18,7 @@ from multiprocess import run_ranks, run_ranks_tolerating_deaths
 
 from gossip_ext.errors import NonFiniteError, PeerTimeoutError
 from gossip_ext.gossip.asynchronous import AsyncPushSum
+from gossip_ext.gossip.messages import Codec, aux_of, round_of, weight_of
 from gossip_ext.graphs import NPeerDynamicDirectedExponentialGraph
 
 LR = 0.3
@@ -338,3 +339,31 @@ def test_a_share_that_could_not_be_sent_stays_with_its_sender(message_dtype):
     (z, weight), _ = run_ranks(2, _a_peer_leaves_while_its_share_is_sent, message_dtype)
     assert weight == 1.0
     torch.testing.assert_close(z, initial(0), rtol=0, atol=1e-6)
+
+
+@pytest.mark.extension
+@pytest.mark.parametrize("message_dtype", [None, torch.bfloat16, torch.float16, "int8", "int4"])
+def test_every_codec_keeps_its_rounding_and_absorbs_as_its_formula_says(message_dtype):
+    # The compiled kernels behind the asynchronous messages, against their formulas on what the
+    # receiver reads: a send keeps f (v - q) in v; an absorb is (a x + q) / w'.
+    codec = Codec(SIZE, torch.float32, message_dtype)
+    values = torch.linspace(-3.0, 2.0, SIZE)
+    kept = values.clone()
+    message = codec.encode(kept, 0.25, 7, aux=1.5, feedback=2.0)
+    assert message.numel() == codec.nbytes
+    assert (weight_of(message), round_of(message), aux_of(message)) == (0.25, 7, 1.5)
+    read = codec.read(message)
+    torch.testing.assert_close(kept, values + 2.0 * (values - read), rtol=0, atol=1e-6)
+    # Half a level of the largest block's scale (|v| <= 3): 3 / 14 for int4, 3 / 254 for int8.
+    assert (read - values).abs().max() <= (3 / 14 if message_dtype == "int4" else 0.012) + 1e-6
+    x = initial(0)
+    flag = torch.zeros(1, dtype=torch.int32)
+    expected = (3.0 * x + read) / 4.0
+    codec.absorb(x, message, 3.0, 4.0, flag)
+    torch.testing.assert_close(x, expected, rtol=0, atol=1e-6)
+    assert int(flag) == 0 and codec.values_finite(message, kept)
+    values[5] = float("nan")
+    message = codec.encode(values.clone(), 1.0, 0)
+    assert not codec.values_finite(message, values)
+    codec.absorb(x, message, 1.0, 2.0, flag)
+    assert int(flag) == 1
