@@ -15,6 +15,8 @@ from __future__ import annotations
 import os
 import re
 
+from harness import owners
+
 MOUNT = "/sys/fs/cgroup/cpu"
 PREFIX = "gossipx"
 _PERIOD_US = 100_000
@@ -28,16 +30,6 @@ def unavailable() -> str | None:
     if not os.access(MOUNT, os.W_OK):
         return f"{MOUNT} is not writable (needs root)"
     return None
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
 
 
 def _remove(folder: str) -> None:
@@ -54,7 +46,7 @@ def remove_stale() -> list[str]:
     removed = []
     for name in os.listdir(MOUNT):
         match = re.fullmatch(rf"{PREFIX}-(\d+)-\d+", name)
-        if match and not _alive(int(match.group(1))):
+        if match and not owners.alive(int(match.group(1))):
             _remove(os.path.join(MOUNT, name))
             removed.append(name)
     return removed

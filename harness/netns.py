@@ -27,7 +27,7 @@ import tempfile
 import threading
 import time
 
-from harness import cpu_caps
+from harness import cpu_caps, owners
 
 PREFIX = "gossipx"
 IFNAME = "eth0"  # the worker's NIC inside its namespace: GLOO_SOCKET_IFNAME
@@ -95,22 +95,12 @@ def _namespaces() -> list[str]:
     return [line.split()[0] for line in out.stdout.splitlines() if line.strip()]
 
 
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
-
-
 def remove_stale() -> list[str]:
     """Deletes the namespaces of clusters whose owning process is gone; returns their names."""
     removed = []
     for name in _namespaces():
         match = re.fullmatch(rf"{PREFIX}-(\d+)-\d+-\w+", name)
-        if match and not _alive(int(match.group(1))):
+        if match and not owners.alive(int(match.group(1))):
             subprocess.run(["ip", "netns", "del", name], capture_output=True, timeout=30)
             removed.append(name)
     return removed
