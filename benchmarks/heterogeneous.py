@@ -55,6 +55,7 @@ SYSTEMS = (
     "ddp",
     "powersgd_r4",
     "decent_dp",
+    "torchft_localsgd",
     "torchft_diloco",
     "overlap_sgp_int8",
     "async_sgp_int8",

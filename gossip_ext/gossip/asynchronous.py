@@ -78,6 +78,11 @@ class AsyncPushSum:
         self._device = transport.host_messages_device(self._tensors, "AsyncSGP", group)
         self._sizes = [t.numel() for t in self._tensors]
         self._codec = messages.Codec(sum(self._sizes), self._dtype, message_dtype, self._device)
+        # The parameters as one flat copy, gathered once a round: sent, then mixed, then
+        # written back. Parameters of a narrower dtype round on the way back, so their flat
+        # copy is gathered again before a mix.
+        self._flat = torch.empty(sum(self._sizes), dtype=self._dtype, device=self._device)
+        self._flat_is_exact = all(t.dtype == self._dtype for t in self._tensors)
         self._weight = 1.0
         self._round = 0  # rounds sent
         # Tells this engine's messages from those of another asynchronous engine on the same
@@ -164,8 +169,9 @@ class AsyncPushSum:
             if not self._outboxes[peer].ended
             and (self.staleness is not None or self._outboxes[peer].backlog < MAX_BACKLOG)
         ]
+        flat = messages.flatten(self._tensors, self._dtype, self._flat)
         if out_peers:
-            out_peers = self._send(round_, out_peers)
+            out_peers = self._send(round_, out_peers, flat)
         self._round = round_ + 1
         if self.history is not None:
             self.history.append(("send", round_, tuple(out_peers)))
@@ -175,18 +181,19 @@ class AsyncPushSum:
                 box.wait_until_past(owed)
             for box in self._mailboxes.values():
                 box.wait_until_past(owed)
-        self._absorb()
+        # The parameters are ``flat`` still: nothing stepped meanwhile.
+        self._absorb(flat if self._flat_is_exact else None)
 
-    def _send(self, round_: int, out_peers: list[int]) -> list[int]:
+    def _send(self, round_: int, out_peers: list[int], flat: torch.Tensor) -> list[int]:
         """Sends one share to each of ``out_peers`` and keeps one; returns the peers that were
-        sent theirs (a peer that left meanwhile gets none: its share is kept too).
+        sent theirs (a peer that left meanwhile gets none: its share is kept too). ``flat``: the
+        parameters, flattened; afterwards what they hold.
 
         Note [Scale-free shares]: a message carries the sender's de-biased z (not w z) and the
         weight of its share, and every update below mixes models with coefficients that are
         ratios of weights. A worker that hears from nobody for many rounds (its peers finished
         first) halves its weight each round; its weight may get as small as float64 allows,
         and no float32 value is ever scaled by it."""
-        flat = messages.flatten(self._tensors, self._dtype)
         share = self._weight / (len(out_peers) + 1)
         # One pass sends the share and keeps its rounding here: with every peer sent one,
         # (w z - s share q) / share = z + s (z - q) (Note [Compressed messages] in
@@ -206,14 +213,16 @@ class AsyncPushSum:
         self._bytes_sent += len(sent) * self._codec.nbytes
         return sent
 
-    def _absorb(self) -> None:
+    def _absorb(self, flat: torch.Tensor | None = None) -> None:
+        """Mixes in every message that arrived within the bound; ``flat``: the parameters,
+        already flattened."""
         through = math.inf if self.staleness is None else self._round - 1 + self.staleness
         arrived = [
             (peer, r, buf) for peer, box in self._mailboxes.items() for r, buf in box.take(through)
         ]
         if not arrived:
             return
-        mixed = messages.flatten(self._tensors, self._dtype)
+        mixed = messages.flatten(self._tensors, self._dtype, self._flat) if flat is None else flat
         nonfinite = None
         if self.check_finite:
             nonfinite = torch.zeros(1, dtype=torch.int32, device=self._device)

@@ -59,7 +59,8 @@ class Codec:
     def __init__(self, numel: int, dtype: torch.dtype, message_dtype=None, device="cpu"):
         self.numel, self.dtype, self.message_dtype = numel, dtype, message_dtype
         self.device = torch.device(device)
-        self._format = _QUANTIZED.get(message_dtype) if _hashable(message_dtype) else None
+        # Compared, not looked up: an unhashable value gets the error below, not a TypeError.
+        self._format = next((f for key, f in _QUANTIZED.items() if key == message_dtype), None)
         if message_dtype is None:
             body = numel * torch.empty((), dtype=dtype).element_size()
         elif message_dtype in _SIXTEEN_BITS:
@@ -72,6 +73,9 @@ class Codec:
                 f"torch.float8_e4m3fn or None (full precision), got {message_dtype!r}"
             )
         self.nbytes = body + _HEADER_BYTES
+        # An absorb's 1 / new weight, refilled on the values' device rather than made anew:
+        # on a GPU a fill is queued on the stream, where a new tensor would copy from the host.
+        self._divisor = torch.empty(1, dtype=torch.float64, device=self.device)
 
     @property
     def lossless(self) -> bool:
@@ -131,7 +135,7 @@ class Codec:
         as :meth:`read` gives them; ``nonfinite`` (a one-element int32 tensor) is set where
         ``x`` or the values hold a NaN or an Inf."""
         body = self._body(message)
-        divisor = torch.tensor([new_weight], dtype=torch.float64, device=self.device)
+        divisor = self._divisor.fill_(new_weight)
         if self._format is None:
             values = body.view(self.dtype if self.message_dtype is None else self.message_dtype)
             torch.ops.gossip_ext.absorb_(x, [values], alpha, None, divisor, nonfinite)
@@ -156,17 +160,18 @@ class Codec:
         return message[_HEADER_BYTES:].to(self.device)
 
 
-def _hashable(value) -> bool:
-    try:
-        hash(value)
-    except TypeError:
-        return False
-    return True
-
-
-def flatten(tensors, dtype: torch.dtype) -> torch.Tensor:
-    """``tensors`` as one flat ``dtype`` copy, in order: the values a message is made of."""
-    return torch.cat([t.detach().reshape(-1).to(dtype) for t in tensors])
+def flatten(tensors, dtype: torch.dtype, out: torch.Tensor | None = None) -> torch.Tensor:
+    """``tensors`` as one flat ``dtype`` copy, in order: the values a message is made of. Into
+    ``out`` where given (a worker's buffer for every step: a fresh one each time costs ten times
+    the copy, in the page faults of its first touch)."""
+    flat = [t.detach().reshape(-1) for t in tensors]
+    if out is None:
+        return torch.cat([t.to(dtype) for t in flat])
+    if all(t.dtype == out.dtype for t in flat):
+        return torch.cat(flat, out=out)
+    for values, t in zip(out.split([t.numel() for t in flat]), flat):
+        values.copy_(t)
+    return out
 
 
 def write_flat(tensors, flat: torch.Tensor) -> None:
