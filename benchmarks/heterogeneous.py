@@ -24,6 +24,10 @@ other workers and of the slow or stalling one.
     python benchmarks/heterogeneous.py                          # loopback, 4 workers
     python benchmarks/heterogeneous.py --bandwidth 100mbit     # as root: the emulated network
 
+Each asynchronous mode runs --repeats times on every cluster (3 by default), reported by the
+median over its runs: the order its messages arrive in, and so its mixing, differs from run to
+run, and two single runs of AsyncSGP's time to the target on the same cluster were 13% apart.
+
 Rewrites this benchmark's section of benchmarks/RESULTS.md unless --no-record and writes a plot
 (--plot); --rows keeps every worker's record (JSON), and --from-rows FILE starts from a saved
 run, running only the systems and settings it lacks (give it the run's other options: they are the
@@ -99,6 +103,13 @@ def parse_args(argv=None):
         help="hold each worker to this many cores' time (cgroup; needs --bandwidth), e.g. 0.25 "
         "for 8 workers on 2 cores; default: they share the cores",
     )
+    p.add_argument(
+        "--repeats",
+        type=int,
+        default=3,
+        help="runs of each asynchronous mode on each cluster, reported by their median (its "
+        "arrivals, and so its mixing, differ from run to run)",
+    )
     p.add_argument("--timeout", type=float, default=1800, help="seconds per run")
     p.add_argument("--rows", default="/tmp/gossip_heterogeneous.json")
     p.add_argument("--plot", default="/tmp/gossip_heterogeneous.png", help="'' for none")
@@ -113,6 +124,8 @@ def parse_args(argv=None):
         p.error("--systems needs alone (goodput's reference) and ddp (the target)")
     if "uniform" not in args.settings:
         p.error("--settings needs uniform (the target, and every ratio's denominator)")
+    if args.repeats < 1:
+        p.error(f"--repeats must be >= 1, got {args.repeats}")
     args.rate = netns.parse_rate(args.bandwidth) if args.bandwidth else None
     if args.rate is None and args.cpu_per_worker is not None:
         p.error("--cpu-per-worker needs --bandwidth (the caps hold the emulated cluster's workers)")
@@ -134,38 +147,64 @@ def uneven_run(args, protocol: runner.Protocol, setting: str, system: str) -> Un
 
 
 def run_all(args, protocol: runner.Protocol, rows) -> dict[str, dict[str, dict]]:
-    """Every system on each setting that ``rows`` lacks: {setting: {system: result}}."""
+    """Every system on each setting that ``rows`` lacks, each asynchronous mode as many times
+    as ``--repeats`` asks (the first run's result holds the others' records in ``repeats``):
+    {setting: {system: result}}."""
     for setting in args.settings:
         rows.setdefault(setting, {})
         for system in args.systems:
-            if system in rows[setting]:
+            wanted = args.repeats if system in ASYNCHRONOUS else 1
+            done = len(measure.runs(rows[setting][system])) if system in rows[setting] else 0
+            if done >= wanted:
                 continue
             why_not = systems.available(system)
             if why_not:
                 print(f"left out: {why_not}", flush=True)
                 continue
-            started = time.monotonic()
-            rates = None
-            if setting == "slow_nic":
-                rates = {args.slow_rank: args.rate / args.nic_slowdown}
-            rows[setting][system] = runner.run(
-                uneven_run(args, protocol, setting, system),
-                args.workers,
-                args.rate,
-                args.timeout,
-                "harness.compare.uneven:train",
-                rates,
-                args.cpu_per_worker,
-            )
-            records = rows[setting][system]["records"]
-            print(
-                f"{setting:>8} {system:>17}: final {measure.final(records):.3f} bits per byte "
-                f"({time.monotonic() - started:.0f} s)",
-                flush=True,
-            )
-        with open(args.rows, "w") as f:
-            json.dump(rows, f)
+            for _ in range(wanted - done):
+                started = time.monotonic()
+                result = run_one(args, protocol, setting, system)
+                if system in rows[setting]:
+                    rows[setting][system].setdefault("repeats", []).append(result["records"])
+                else:
+                    rows[setting][system] = result
+                print(
+                    f"{setting:>8} {system:>17}: final {measure.final(result['records']):.3f} "
+                    f"bits per byte ({time.monotonic() - started:.0f} s)",
+                    flush=True,
+                )
+                with open(args.rows, "w") as f:
+                    json.dump(rows, f)
     return rows
+
+
+def in_order(rows: dict[str, dict[str, dict]]) -> dict[str, dict[str, dict]]:
+    """``rows`` with the clusters and the systems in SETTINGS' and SYSTEMS' order (a saved run
+    that a later one completed has them in the order they ran)."""
+
+    def rank(name: str, order: tuple[str, ...]) -> int:
+        return order.index(name) if name in order else len(order)
+
+    ordered = {}
+    for setting in sorted(rows, key=lambda setting: rank(setting, SETTINGS)):
+        names = sorted(rows[setting], key=lambda system: rank(system, SYSTEMS))
+        ordered[setting] = {system: rows[setting][system] for system in names}
+    return ordered
+
+
+def run_one(args, protocol: runner.Protocol, setting: str, system: str) -> dict:
+    rates = None
+    if setting == "slow_nic":
+        rates = {args.slow_rank: args.rate / args.nic_slowdown}
+    return runner.run(
+        uneven_run(args, protocol, setting, system),
+        args.workers,
+        args.rate,
+        args.timeout,
+        "harness.compare.uneven:train",
+        rates,
+        args.cpu_per_worker,
+    )
 
 
 def table(rows: dict[str, dict[str, dict]], setting: str, target: float) -> str:
@@ -185,8 +224,8 @@ def goals(rows: dict[str, dict[str, dict]], target: float) -> list[str]:
         ratios = {}
         for system in ASYNCHRONOUS:
             if system in rows["slow"]:
-                uniform = measure.time_to(rows["uniform"][system]["records"], target)
-                slow = measure.time_to(rows["slow"][system]["records"], target)
+                uniform = measure.median_time_to(rows["uniform"][system], target)
+                slow = measure.median_time_to(rows["slow"][system], target)
                 if uniform and slow:
                     ratios[system] = slow / uniform
         if ratios:
@@ -201,10 +240,9 @@ def goals(rows: dict[str, dict[str, dict]], target: float) -> list[str]:
         # A mode's goodput counts where it reached the target: steps that never reach the
         # quality are not worth their pace.
         goodputs = {
-            system: measure.goodput(rows["stalls"][system]["records"], alone)
+            system: measure.median_goodput(rows["stalls"][system], alone)
             for system in ASYNCHRONOUS
-            if system in rows["stalls"]
-            and measure.time_to(rows["stalls"][system]["records"], target)
+            if system in rows["stalls"] and measure.median_time_to(rows["stalls"][system], target)
         }
         if goodputs:
             best = max(goodputs, key=goodputs.get)
@@ -237,7 +275,7 @@ def main(argv=None) -> dict:
     if args.from_rows:
         with open(args.from_rows) as f:
             rows = json.load(f)
-    rows = run_all(args, protocol, rows)
+    rows = in_order(run_all(args, protocol, rows))
     target = measure.final(rows["uniform"]["ddp"]["records"])
     tables = [
         f"### {NAMES[setting].capitalize()}\n\n{table(rows, setting, target)}"
@@ -271,6 +309,13 @@ def main(argv=None) -> dict:
         "steps taken over the steps the workers could have taken computing alone (`alone` on "
         "the same cluster), up to the first worker's last step."
         + _saved_rows_note(rows, args.systems)
+        + (
+            f" Each asynchronous mode ran {args.repeats} times on every cluster (its arrivals, "
+            "and so its mixing, differ from run to run) and its figures are the medians over "
+            "its runs; the plot shows its first."
+            if args.repeats > 1
+            else ""
+        )
         + " Per cluster: the time to the target (its ratio to the same system's uniform time) "
         "and the goodput; the step times of each worker are in the command's output.\n\n"
         + "Goals: "
@@ -295,17 +340,16 @@ def summary(rows: dict[str, dict[str, dict]], target: float) -> str:
     head = "| system | uniform | " + " | ".join(NAMES[s] for s in settings) + " |"
     lines = [head, "|---|---|" + "---|" * len(settings)]
     for system, result in rows["uniform"].items():
-        uniform = measure.time_to(result["records"], target)
-        cells = [system, measure.seconds(uniform)]
+        uniform = measure.median_time_to(result, target)
+        cells = [measure.label(system, result), measure.seconds(uniform)]
         for setting in settings:
             if system not in rows[setting]:
                 cells.append("not run")
                 continue
-            records = rows[setting][system]["records"]
             alone = measure.alone_step_seconds(rows[setting]["alone"]["records"])
-            uneven = measure.time_to(records, target)
+            uneven = measure.median_time_to(rows[setting][system], target)
             ratio = f" ({uneven / uniform:.2f}x)" if uniform and uneven else ""
-            good = measure.goodput(records, alone)
+            good = measure.median_goodput(rows[setting][system], alone)
             cells.append(f"{measure.seconds(uneven)}{ratio}, goodput {good:.2f}")
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)

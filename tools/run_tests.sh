@@ -133,4 +133,6 @@ stage 120 "Rehearsal: the newest torch, 2.15, a CPU build (build, pytest -m exte
 env "${newest_rehearsal[@]}" bash tools/rehearse_build.sh
 
 stage 690 "Python tests (pytest; the 20 slowest listed at the end)"
-"$PYTHON" -m pytest tests -q --durations=20 | tee build/pytest.log
+# Every test's time stays in build/pytest-times.xml (JUnit's format), to see where the suite's
+# time goes beyond the slowest 20.
+"$PYTHON" -m pytest tests -q --durations=20 --junitxml=build/pytest-times.xml | tee build/pytest.log

@@ -9,11 +9,15 @@ the time to a target, and goodput.
   computing alone (each at its own step time in the ``alone`` system's run of the same cluster):
   1.0 when nobody waits for anybody, 2 / 3.5 = 0.57 for four workers in lockstep with one at half
   speed.
+- *Repeated runs*: a system run more than once on a cluster (its result's ``repeats``: the other
+  runs' records) is reported by the median of each measure over its runs, a run that never
+  reached the target counting as the latest.
 """
 
 from __future__ import annotations
 
 import bisect
+import math
 import statistics
 
 
@@ -48,6 +52,33 @@ def final(records: list[dict]) -> float:
     return curve(records)[-1][1]
 
 
+def runs(result: dict) -> list[list[dict]]:
+    """Every run's records of one system on one cluster: the first, then its repeats."""
+    return [result["records"], *result.get("repeats", [])]
+
+
+def median_time_to(result: dict, target: float) -> float | None:
+    """The median over ``result``'s runs of the time to ``target``; None where the median run
+    never reached it."""
+    times = [time_to(records, target) for records in runs(result)]
+    middle = statistics.median(math.inf if t is None else t for t in times)
+    return None if math.isinf(middle) else middle
+
+
+def median_final(result: dict) -> float:
+    return statistics.median(final(records) for records in runs(result))
+
+
+def median_goodput(result: dict, alone: dict[int, float]) -> float:
+    return statistics.median(goodput(records, alone) for records in runs(result))
+
+
+def label(system: str, result: dict) -> str:
+    """The system's name, and how many runs its figures are the median of where more than one."""
+    count = len(runs(result))
+    return system if count == 1 else f"{system} (median of {count} runs)"
+
+
 def alone_step_seconds(records: list[dict]) -> dict[int, float]:
     """Each worker's mean step time in a run (the ``alone`` system's: compute alone) while every
     worker was still stepping: a worker left alone on the machine steps faster."""
@@ -77,8 +108,8 @@ def step_ms(records: list[dict], slow: bool) -> float | None:
 def table(rows: dict[str, dict], target: float, name: str, uniform: dict | None = None) -> str:
     """A markdown table of every system of ``rows`` (system -> run) on the cluster ``name``:
     its time to ``target`` (beside the ``uniform`` cluster's and their ratio, where given), its
-    goodput against the ``alone`` row, the step times of the other workers and of the odd one,
-    its final held-out loss."""
+    goodput against the ``alone`` row, the step times of the other workers and of the odd one
+    (its first run's), its final held-out loss; medians over a system's repeated runs."""
     alone = alone_step_seconds(rows["alone"]["records"])
     beside = uniform is not None
     head = "| system | " + ("uniform: time to target | " if beside else "")
@@ -87,18 +118,18 @@ def table(rows: dict[str, dict], target: float, name: str, uniform: dict | None 
     lines = [head, "|" + "---|" * (head.count("|") - 1)]
     for system, result in rows.items():
         records = result["records"]
-        uneven = time_to(records, target)
-        cells = [system]
+        uneven = median_time_to(result, target)
+        cells = [label(system, result)]
         if beside:
-            before = time_to(uniform[system]["records"], target) if system in uniform else None
+            before = median_time_to(uniform[system], target) if system in uniform else None
             ratio = f"{uneven / before:.2f}x" if before and uneven else "-"
             cells += [seconds(before), seconds(uneven), ratio]
         else:
             cells.append(seconds(uneven))
         cells += [
-            f"{goodput(records, alone):.2f}",
+            f"{median_goodput(result, alone):.2f}",
             f"{ms(step_ms(records, False))} / {ms(step_ms(records, True))}",
-            f"{final(records):.3f}",
+            f"{median_final(result):.3f}",
         ]
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
