@@ -308,7 +308,7 @@ def main(argv=None) -> dict:
         f"uniform cluster's DDP's final held-out loss, {target:.3f} bits per byte. Goodput: the "
         "steps taken over the steps the workers could have taken computing alone (`alone` on "
         "the same cluster), up to the first worker's last step."
-        + _saved_rows_note(rows, args.systems)
+        + _saved_rows_note(rows, args.systems, bool(args.from_rows))
         + (
             f" Each asynchronous mode ran {args.repeats} times on every cluster (its arrivals, "
             "and so its mixing, differ from run to run) and its figures are the medians over "
@@ -355,14 +355,15 @@ def summary(rows: dict[str, dict[str, dict]], target: float) -> str:
     return "\n".join(lines)
 
 
-def _saved_rows_note(rows: dict[str, dict[str, dict]], asked: list[str]) -> str:
-    """Which rows came from the saved run (--from-rows) rather than this command's systems."""
-    saved = [system for system in rows["uniform"] if system not in asked]
+def _saved_rows_note(rows: dict[str, dict[str, dict]], asked: list[str], saved: bool) -> str:
+    """Where the rows came from, when a saved run (--from-rows) gave some of them."""
     if not saved:
         return ""
+    elsewhere = [system for system in rows["uniform"] if system not in asked]
+    named = f" (all of {', '.join(elsewhere)})" if elsewhere else ""
     return (
-        f" The rows of {', '.join(saved)} come from an earlier run of the same protocol the "
-        "same day (--from-rows), on the clusters it ran."
+        " Some rows come from earlier runs of the same protocol the same day" + named + ", "
+        "which this command completed (--from-rows)."
     )
 
 
