@@ -20,7 +20,7 @@ from multiprocess import run_ranks, run_ranks_tolerating_deaths
 from gossip_ext.errors import NonFiniteError, PeerTimeoutError
 from gossip_ext.gossip import mailbox
 from gossip_ext.gossip.asynchronous import AsyncPushSum
-from gossip_ext.gossip.messages import Codec, aux_of, round_of, weight_of
+from gossip_ext.gossip.messages import Codec, aux_of, flatten, round_of, weight_of
 from gossip_ext.graphs import NPeerDynamicDirectedExponentialGraph
 
 LR = 0.3
@@ -369,3 +369,18 @@ def test_every_codec_keeps_its_rounding_and_absorbs_as_its_formula_says(message_
     assert not codec.values_finite(message, values)
     codec.absorb(x, message, 1.0, 2.0, flag)
     assert int(flag) == 1
+
+
+def test_parameters_gathered_into_a_kept_buffer_equal_a_fresh_copy_whatever_their_dtypes():
+    # AsyncPushSum's round gathers into one buffer it keeps; parameters of another dtype (a
+    # bfloat16 layer beside float32 ones) are cast on the way in, as a fresh copy casts them.
+    tensors = [torch.randn(3, 5), torch.randn(7).to(torch.bfloat16), torch.randn(2, 2)]
+    expected = torch.cat([t.reshape(-1).to(torch.float32) for t in tensors])
+    out = torch.full((26,), float("nan"))
+    assert flatten(tensors, torch.float32, out) is out
+    assert torch.equal(out, expected)
+    same = [tensors[0], tensors[2]]
+    out = torch.full((19,), float("nan"))
+    assert flatten(same, torch.float32, out) is out
+    assert torch.equal(out, torch.cat([t.reshape(-1) for t in same]))
+    assert torch.equal(flatten(tensors, torch.float32), expected)
