@@ -116,12 +116,17 @@ def test_survivors_of_a_sigkill_finish_every_step(job, tmp_path, mode):
             # of each epoch counts from 0).
             per_step = [_bytes_per_step(result, epoch) for epoch in (0, last["epoch"])]
             assert per_step[0] > 0 and abs(per_step[1] / per_step[0] - 1) < 0.2, per_step
-    # The survivors' models agree again (gossip, or the outer steps, pulled them together): as
-    # closely, some steps after the kill, as those of a job of 3 that lost no one.
+    # The survivors' models agree again (gossip, or the outer steps, pulled them together): about
+    # as closely, some steps after the kill, as those of a job of 3 that lost no one. Each spread
+    # is one run's, and which messages are in flight at a step depends on timing (bounded
+    # asynchrony most: 1.06x on one machine, 1.50x on a slower one), so the margin is 2x.
+    # Workers that stopped communicating at the kill would be 2.5-3x apart: trained apart from
+    # step 10 on these batches, their spread is 0.16-0.23 over these steps, against the job of
+    # 3's 0.03-0.075.
     late = range(STEPS - 8, STEPS - 3)
     after = max(_spread(survivors, step) for step in late)
     undisturbed_spread = max(_spread(reference, step) for step in late)
-    assert after <= 1.5 * undisturbed_spread, (undisturbed_spread, after)
+    assert after <= 2 * undisturbed_spread, (undisturbed_spread, after)
 
 
 def test_two_of_four_killed_below_min_workers_raise_naming_both(job):
