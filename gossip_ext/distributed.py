@@ -20,6 +20,7 @@ from gossip_ext._gossip_view import GossipView
 from gossip_ext._membership_view import MembershipView
 from gossip_ext._outer_view import OuterView
 from gossip_ext.membership import runtime as membership_runtime
+from gossip_ext.sharded import elastic as sharded_elastic
 from gossip_ext.sharded import replicas as sharded
 
 __all__ = ["GossipDataParallel"]
@@ -166,6 +167,10 @@ class GossipDataParallel(nn.Module, GossipView, MembershipView, OuterView):
         self._hierarchy = self._mix = None
         if config.membership is None:
             self._members = membership_runtime.StaticMembership(self, process_group)
+        elif self._shard_group is not None:
+            self._members = sharded_elastic.ShardedElasticMembership(
+                self, config.membership, timeout, device, comm_device, self._shard_group
+            )
         else:
             self._members = membership_runtime.ElasticMembership(
                 self, config.membership, timeout, device, comm_device
@@ -213,7 +218,7 @@ class GossipDataParallel(nn.Module, GossipView, MembershipView, OuterView):
             if self.start_in_forward:
                 self._transfer(_validation.BY_FORWARD)
         self._order.module_runs(self.training, self._steps)
-        return self.module(*inputs, **kwargs)
+        return self._members.run_module(self.module, *inputs, **kwargs)
 
     def transfer_params(self, optimizer: torch.optim.Optimizer | None = None) -> None:
         """Starts a gossip round with the parameters the optimizer step just produced, or runs

@@ -97,11 +97,12 @@ class Job:
                 pytest.fail(f"no membership service:\n{(out / 'service.log').read_text()}")
             time.sleep(0.02)
 
-    def start(self, name: str, *args: str) -> ForkedProcess:
+    def start(self, name: str, *args: str, script: str = "membership_worker") -> ForkedProcess:
+        """Starts worker ``name``: tests/``script``.py with the job's arguments and ``args``."""
         self.workers[name] = self._launch(
             # Named apart from benchmarks/elastic_worker.py, which test_elastic_benchmark.py puts
             # first on sys.path: a worker imports its module by name.
-            "membership_worker",
+            script,
             [
                 "--membership",
                 f"127.0.0.1:{self.port}",

@@ -107,8 +107,16 @@ class Change:
 class ElasticWorker:
     """This process's membership: registered at construction, in one epoch at a time."""
 
-    def __init__(self, address: str, min_workers: int, timeout: datetime.timedelta, backend: str):
+    def __init__(
+        self,
+        address: str,
+        min_workers: int,
+        timeout: datetime.timedelta,
+        backend: str,
+        shards: int = 1,
+    ):
         self.client = MembershipClient(address, timeout)
+        self.shards = shards  # the processes of each replica (1: unsharded)
         self.min_workers = min_workers
         self.timeout = timeout
         self.backend = backend
@@ -131,6 +139,7 @@ class ElasticWorker:
         (once ``min_workers`` registered) or the next one the members form."""
         start = time.monotonic()
         client = self.client
+        client.check_layout(self.shards)
         client.register()
         deadline = start + self.timeout.total_seconds()
         number = max(client.latest(), 0)
@@ -342,18 +351,23 @@ class ElasticWorker:
         for its worker threads, and one still inside a collective that a failure left behind
         waits there for the whole timeout (``abort()`` does not reach it): after a failure the
         group is freed ``in_background``, so that the epoch change does not wait with it."""
-        group, self.group = self.group, None
-        if group is None:
-            return
-        epoch_group.release(group)  # torch forgets it at once; freeing it may take longer
-        holder = [group]
-        del group
-        if in_background:
-            # Not a daemon: the interpreter's exit waits for it, rather than finalize while it
-            # is inside torch's destructor.
-            threading.Thread(target=_free, args=(holder,), name="gossip_ext free group").start()
-        else:
-            _free(holder)
+        holder, self.group = [self.group], None
+        let_go(holder, in_background=in_background)
+
+
+def let_go(holder: list[dist.ProcessGroup | None], *, in_background: bool = False) -> None:
+    """Releases the epoch group that ``holder`` (a list of one) holds, and frees it: ``holder``
+    is emptied, its reference the last (an argument would be the caller's too). In a thread of
+    its own where ``in_background`` (see ElasticWorker._release)."""
+    if holder[0] is None:
+        return
+    epoch_group.release(holder[0])  # torch forgets it at once; freeing it may take longer
+    if in_background:
+        # Not a daemon: the interpreter's exit waits for it, rather than finalize while it is
+        # inside torch's destructor.
+        threading.Thread(target=_free, args=(holder,), name="gossip_ext free group").start()
+    else:
+        _free(holder)
 
 
 def _free(holder: list[dist.ProcessGroup]) -> None:

@@ -26,17 +26,19 @@ def build(
     world_size: int,
     backend: str,
     timeout: datetime.timedelta,
+    part: str = "",
 ) -> dist.ProcessGroup:
     """The group of ``epoch`` (``backend``: "gloo" or "nccl"), as rank ``rank`` of
     ``world_size``. Collective over the epoch's members; raises if one does not join within
-    ``timeout``."""
-    name = f"gossip_ext_epoch_{epoch}"
+    ``timeout``. ``part``: which of an epoch's groups (a sharded replica's process s builds the
+    group of the replicas' processes s, part ``/shard{s}``); one group per part and epoch."""
+    name = f"gossip_ext_epoch_{epoch}{part.replace('/', '_')}"
     group, _ = c10d._new_process_group_helper(
         world_size,
         rank,
         [],
         backend,
-        dist.PrefixStore(f"epoch/{epoch}/group", store),
+        dist.PrefixStore(f"epoch/{epoch}/group{part}", store),
         group_name=name,
         timeout=timeout,
         group_desc=name,

@@ -144,6 +144,20 @@ class MembershipClient:
         self.store.add("events", 1)
         return self.worker
 
+    def check_layout(self, shards: int) -> None:
+        """Refuses a worker whose replicas are split over another number of processes than the
+        job's: the first worker of a job writes how many (1: unsharded), and every later one must
+        match, since shard s of a replica gossips only with shard s of the others."""
+        written = self.store.compare_set("replica_shards", "", str(shards)).decode()
+        if written != str(shards):
+            raise ValueError(
+                f"gossip_ext: this replica is sharded over {shards} process"
+                f"{'es' if shards > 1 else ''}, but the replicas of the job at {self.address} "
+                f"are sharded over {written}; a replica joins with as many shard processes as "
+                "the others (a live job is not resharded: resume it from a checkpoint, which "
+                "reshards, gossip_ext.sharded.checkpoint)"
+            )
+
     def announce_gone(self, workers: Sequence[int], why: str) -> None:
         """Writes ``workers`` gone, each once: of several workers that find the same peer dead
         (its neighbours, at about the same time), the first to claim it announces it, so that

@@ -52,6 +52,10 @@ class StaticMembership:
     def guard(self, fn: Callable, *args) -> Any:
         return fn(*args)
 
+    def run_module(self, module: torch.nn.Module, *inputs: Any, **kwargs: Any) -> Any:
+        """The module's forward (a sharded replica's process: its failures are the replica's)."""
+        return module(*inputs, **kwargs)
+
     def check_member(self) -> None:
         pass
 
@@ -75,13 +79,15 @@ class ElasticMembership:
     model]) and hands its state to the workers that join. Holds the wrapper weakly: the elastic
     watch's thread must not keep it alive."""
 
-    def __init__(self, wrapper, membership, timeout, device, comm_device):
+    def __init__(self, wrapper, membership, timeout, device, comm_device, worker=None):
         # Before joining, so that a worker that cannot gossip is refused without disturbing the
         # job: an epoch's group is gloo; CUDA parameters gossip over an own NCCL communicator of
         # the epoch, or host buffers over the group (comm_device="cpu").
         choose_transport(device, comm_device, "gloo")
         self._wrapper = weakref.ref(wrapper)
-        self.worker = _elastic_worker.ElasticWorker(
+        # ``worker``: this process's part in the epochs, where it is not a whole worker (a
+        # process of a sharded replica: gossip_ext.sharded.elastic).
+        self.worker = worker or _elastic_worker.ElasticWorker(
             membership.address, membership.min_workers, timeout, "gloo"
         )
         # The donor's optimizer state, until register_optimizer() hands it to the optimizer.
@@ -145,6 +151,9 @@ class ElasticMembership:
         self._change_epoch(failure)
         return None
 
+    def run_module(self, module: torch.nn.Module, *inputs: Any, **kwargs: Any) -> Any:
+        return module(*inputs, **kwargs)
+
     def at_step_boundary(self) -> None:
         """Where a membership change takes effect."""
         if self.worker.changed():
@@ -152,7 +161,8 @@ class ElasticMembership:
 
     def optimizer_registered(self, optimizer: torch.optim.Optimizer) -> None:
         if self._handed_optimizer_state is not None:
-            optimizer.load_state_dict(self._handed_optimizer_state)  # the donor's, on joining
+            # The donor's, on joining.
+            self._load_optimizer_state(optimizer, self._handed_optimizer_state)
             self._handed_optimizer_state = None
 
     def leave(self) -> None:
@@ -257,14 +267,31 @@ class ElasticMembership:
         learned with every member when the epoch began)."""
         optimizer = wrapper._optimizer
         return {
-            "module": wrapper.module.state_dict(),
+            "module": self._model_state(wrapper.module),
             "steps": wrapper._steps,
             "outer": wrapper._outer.state_dict(),
-            "optimizer": None if optimizer is None else optimizer.state_dict(),
+            "optimizer": None if optimizer is None else self._optimizer_state(optimizer),
         }
 
+    # What of the model and the optimizer a handoff carries, and how a joiner loads it: their
+    # state dicts (a sharded replica's process: its shards, gossip_ext.sharded.elastic).
+
+    def _model_state(self, module: torch.nn.Module) -> dict[str, Any]:
+        return module.state_dict()
+
+    def _load_model_state(self, module: torch.nn.Module, state: Mapping[str, Any]) -> None:
+        module.load_state_dict(state)
+
+    def _optimizer_state(self, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+        return optimizer.state_dict()
+
+    def _load_optimizer_state(
+        self, optimizer: torch.optim.Optimizer, state: Mapping[str, Any]
+    ) -> None:
+        optimizer.load_state_dict(state)
+
     def _take_handoff(self, wrapper, state: Mapping[str, Any]) -> None:
-        wrapper.module.load_state_dict(state["module"])
+        self._load_model_state(wrapper.module, state["module"])
         wrapper.step_count = int(state["steps"])
         # The donor's error-feedback residuals are what it still owes the others: not this
         # worker's to send again.
@@ -277,7 +304,7 @@ class ElasticMembership:
         self._handed_optimizer_state = state["optimizer"]
         optimizer = wrapper._optimizer
         if optimizer is not None and state["optimizer"] is not None:
-            optimizer.load_state_dict(state["optimizer"])
+            self._load_optimizer_state(optimizer, state["optimizer"])
             self._handed_optimizer_state = None
 
 

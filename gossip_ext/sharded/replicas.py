@@ -96,12 +96,8 @@ def check_layout(
     gossip_buffers: bool,
 ) -> None:
     """A sharded module's constructor arguments, on every rank before any communication: the
-    replica group must be given, and must hold one process per replica."""
-    if membership is not None:
-        raise NotImplementedError(
-            "membership: an elastic job of sharded replicas (a replica lost and replaced shard by "
-            "shard) is not supported yet; run sharded replicas as a static job (membership=None)"
-        )
+    replica group must be given, and must hold one process per replica; in an elastic job
+    (``membership``), the epochs build it, and it must not be given."""
     if nprocs_per_node > 1:
         raise ValueError(
             f"nprocs_per_node={nprocs_per_node}: a sharded module already splits the model over "
@@ -113,6 +109,14 @@ def check_layout(
             "gossip_buffers=True with a sharded module: each process of a replica holds its own "
             "copy of the buffers; average them with broadcast_buffers or keep them local"
         )
+    if membership is not None:
+        if process_group is not None:
+            raise ValueError(
+                "process_group with membership: in an elastic job of sharded replicas, each "
+                "epoch builds the group of the replicas' processes of this shard; give only the "
+                "module sharded over its replica's processes (fully_shard(module, mesh=...))"
+            )
+        return
     if process_group is None:
         raise ValueError(
             "process_group: a sharded module gossips between replicas, so give the group of this "
@@ -138,6 +142,57 @@ def check_layout(
                 f"share {shared or 'none, this rank not among them'} with it: pass the group of "
                 'the other dimension of the mesh (mesh["replicate"].get_group())'
             )
+
+
+def local_optimizer_state(state: dict[str, Any]) -> dict[str, Any]:
+    """``optimizer.state_dict()`` of sharded parameters with each DTensor of its state (a
+    momentum, Adam's moments) as this process's local shard: what moves to another replica's
+    process of the same shard, whose mesh is not this one's."""
+    dtensor = _dtensor_type()
+    return {
+        "state": {
+            index: {
+                key: value.to_local() if isinstance(value, dtensor) else value
+                for key, value in entries.items()
+            }
+            for index, entries in state["state"].items()
+        },
+        "param_groups": state["param_groups"],
+    }
+
+
+def sharded_optimizer_state(
+    optimizer: torch.optim.Optimizer, state: dict[str, Any]
+) -> dict[str, Any]:
+    """:func:`local_optimizer_state`'s result made ``optimizer``'s again: each local tensor shaped
+    as its parameter's local shard becomes a DTensor sharded as the parameter (a scalar, such as
+    Adam's step, stays as it is)."""
+    from torch.distributed.tensor import DTensor  # imported by whoever sharded the module
+
+    # state_dict() numbers the parameters in the order of the param groups.
+    params = [p for group in optimizer.param_groups for p in group["params"]]
+
+    def sharded(param: torch.Tensor, value: Any) -> Any:
+        if not (isinstance(param, DTensor) and isinstance(value, torch.Tensor)):
+            return value
+        if value.dim() != param.dim() or value.shape != param.to_local().shape:
+            return value
+        return DTensor.from_local(
+            value.to(param.device),
+            param.device_mesh,
+            param.placements,
+            run_check=False,
+            shape=param.shape,
+            stride=param.stride(),
+        )
+
+    return {
+        "state": {
+            index: {key: sharded(params[index], value) for key, value in entries.items()}
+            for index, entries in state["state"].items()
+        },
+        "param_groups": state["param_groups"],
+    }
 
 
 def reshard(module: nn.Module) -> None:

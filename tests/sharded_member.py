@@ -1,0 +1,132 @@
+"""One process of a sharded replica in an elastic job, as a user launches one: the replica's
+processes form their own world (init_process_group over the replica's own rendezvous), shard the
+model over it with FSDP2, and join the job through the membership service with
+GossipDataParallel(membership=...). Writes its record (each step's local shards, epoch, world
+size) to OUT/NAME.pkl after every step. Launched by tests/test_sharded_elastic.py."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import pickle
+import signal
+import sys
+import time
+import traceback
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+from membership_worker import MODES, batch
+from torch import nn
+
+import gossip_ext
+
+
+def net() -> nn.Module:
+    return nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 1))
+
+
+def local_shards(module: nn.Module) -> list[torch.Tensor]:
+    return [p.to_local().detach().to("cpu", copy=True) for p in module.parameters()]
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--membership", required=True)
+    parser.add_argument("--out", required=True)
+    parser.add_argument("--name", required=True)
+    parser.add_argument("--replica-port", type=int, required=True, help="the replica's own world")
+    parser.add_argument("--shard", type=int, required=True)
+    parser.add_argument("--shards", type=int, default=2)
+    parser.add_argument("--replica", type=int, required=True, help="which batches it trains on")
+    parser.add_argument("--steps", type=int, default=30)
+    parser.add_argument("--mode", default="sync", choices=sorted(MODES))
+    parser.add_argument("--min-workers", type=int, default=1)
+    parser.add_argument("--timeout", type=float, default=10.0)
+    parser.add_argument("--kill-at", type=int, default=-1, help="SIGKILL itself after this step")
+    parser.add_argument("--step-seconds", type=float, default=0.0, help="sleep per step")
+    parser.add_argument("--init-seed", type=int, default=0)
+    args = parser.parse_args()
+    torch.set_num_threads(1)
+    torch.manual_seed(args.init_seed)
+    result: dict = {"steps": [], "error": None, "error_type": None}
+    out = os.path.join(args.out, f"{args.name}.pkl")
+
+    def record() -> None:
+        with open(out + ".tmp", "wb") as f:
+            pickle.dump(result, f)
+        os.replace(out + ".tmp", out)
+
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    dist.init_process_group(
+        "gloo",
+        init_method=f"tcp://127.0.0.1:{args.replica_port}",
+        rank=args.shard,
+        world_size=args.shards,
+        timeout=timedelta(seconds=args.timeout),
+    )
+    mesh = init_device_mesh("cpu", (args.shards,))
+    module = net()
+    for layer in (module[0], module[2]):
+        fully_shard(layer, mesh=mesh)
+    fully_shard(module, mesh=mesh)
+    started = time.monotonic()
+    model = gossip_ext.GossipDataParallel(
+        module,
+        membership=args.membership,
+        min_workers=args.min_workers,
+        timeout=timedelta(seconds=args.timeout),
+        **MODES[args.mode],
+    )
+    opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+    model.register_optimizer(opt)
+    result["joined_after_s"] = time.monotonic() - started
+    result["worker_id"] = model.worker_id
+    result["first_step"] = model.step_count
+    result["first_shards"] = local_shards(model.module)
+    result["first_momentum"] = [
+        opt.state[p]["momentum_buffer"].to_local().clone() if p in opt.state else None
+        for p in model.parameters()
+    ]
+    step = model.step_count
+    try:
+        while step < args.steps:
+            x, y = batch(step, 10 * args.replica + args.shard)
+            loss = nn.functional.mse_loss(model(x), y)
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+            step = model.step_count
+            shards = local_shards(model.module)
+            result["steps"].append(
+                {
+                    "step": step,
+                    "epoch": model.epoch,
+                    "world_size": model.gossip_world_size,
+                    "finite": all(bool(s.isfinite().all()) for s in shards),
+                    "shards": shards,
+                    "time": time.time(),
+                }
+            )
+            record()
+            if step == args.kill_at:
+                os.kill(os.getpid(), signal.SIGKILL)
+            if args.step_seconds:
+                time.sleep(args.step_seconds)
+    except Exception as error:  # noqa: BLE001 - the test judges it
+        result["error"] = f"{type(error).__name__}: {error}"
+        result["error_type"] = type(error).__name__
+        traceback.print_exc()
+    if result["error"] is None:
+        model.sync_comms()
+    result["final_shards"] = local_shards(model.module)
+    result["final_step"] = step
+    record()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
