@@ -7,6 +7,7 @@ size) to OUT/NAME.pkl after every step. Launched by tests/test_sharded_elastic.p
 from __future__ import annotations
 
 import argparse
+import logging
 import os
 import pickle
 import signal
@@ -31,6 +32,28 @@ def local_shards(module: nn.Module) -> list[torch.Tensor]:
     return [p.to_local().detach().to("cpu", copy=True) for p in module.parameters()]
 
 
+def momentum(opt: torch.optim.Optimizer) -> list[torch.Tensor | None]:
+    """This process's shard of each parameter's momentum (None before the first step)."""
+    return [
+        opt.state[p]["momentum_buffer"].to_local().detach().to("cpu", copy=True)
+        if "momentum_buffer" in opt.state[p]
+        else None
+        for p in opt.param_groups[0]["params"]
+    ]
+
+
+def die_while_receiving() -> None:
+    """This process SIGKILLs itself in its handoff, once its donor sent the size of the state."""
+    from gossip_ext.membership import elastic
+
+    def receive_then_die(donor, group, device):
+        size = torch.empty(1, dtype=torch.int64)
+        dist.recv(size, donor, group)
+        os.kill(os.getpid(), signal.SIGKILL)
+
+    elastic.receive_state = receive_then_die
+
+
 def main() -> int:
     parser = argparse.ArgumentParser()
     parser.add_argument("--membership", required=True)
@@ -47,7 +70,11 @@ def main() -> int:
     parser.add_argument("--kill-at", type=int, default=-1, help="SIGKILL itself after this step")
     parser.add_argument("--step-seconds", type=float, default=0.0, help="sleep per step")
     parser.add_argument("--init-seed", type=int, default=0)
+    parser.add_argument("--die-receiving", action="store_true", help="SIGKILL in its handoff")
     args = parser.parse_args()
+    if args.die_receiving:
+        die_while_receiving()
+    logging.basicConfig(level=logging.INFO, format=f"{args.name} %(asctime)s %(message)s")
     torch.set_num_threads(1)
     torch.manual_seed(args.init_seed)
     result: dict = {"steps": [], "error": None, "error_type": None}
@@ -74,23 +101,26 @@ def main() -> int:
         fully_shard(layer, mesh=mesh)
     fully_shard(module, mesh=mesh)
     started = time.monotonic()
-    model = gossip_ext.GossipDataParallel(
-        module,
-        membership=args.membership,
-        min_workers=args.min_workers,
-        timeout=timedelta(seconds=args.timeout),
-        **MODES[args.mode],
-    )
+    try:
+        model = gossip_ext.GossipDataParallel(
+            module,
+            membership=args.membership,
+            min_workers=args.min_workers,
+            timeout=timedelta(seconds=args.timeout),
+            **MODES[args.mode],
+        )
+    except Exception as error:  # noqa: BLE001 - the test judges it (a refused replica)
+        result["error"] = f"{type(error).__name__}: {error}"
+        result["error_type"] = type(error).__name__
+        record()
+        return 0
     opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
     model.register_optimizer(opt)
     result["joined_after_s"] = time.monotonic() - started
     result["worker_id"] = model.worker_id
     result["first_step"] = model.step_count
     result["first_shards"] = local_shards(model.module)
-    result["first_momentum"] = [
-        opt.state[p]["momentum_buffer"].to_local().clone() if p in opt.state else None
-        for p in model.parameters()
-    ]
+    result["first_momentum"] = momentum(opt)
     step = model.step_count
     try:
         while step < args.steps:
@@ -108,6 +138,7 @@ def main() -> int:
                     "world_size": model.gossip_world_size,
                     "finite": all(bool(s.isfinite().all()) for s in shards),
                     "shards": shards,
+                    "momentum": momentum(opt),
                     "time": time.time(),
                 }
             )

@@ -101,13 +101,7 @@ class ElasticMembership:
         """Joins the job: the first epoch this worker is a member of, and the state of a live
         member if the job was already training."""
         change = self.worker.join()
-        failure = None
-        try:
-            self._enter_epoch(change)
-        except Exception as error:
-            if not _elastic_worker.is_peer_failure(error):
-                raise
-            failure = _elastic_worker.Failure.of(error)
+        failure = self._try_to_enter(change)
         del change
         if failure is not None:
             self._change_epoch(failure)  # the donor died during the handoff: another one
@@ -217,17 +211,26 @@ class ElasticMembership:
             except Exception as error:
                 self._stopped = error  # raised again by every later call
                 raise
-            try:
-                self._enter_epoch(change, outer_state)
+            failure = self._try_to_enter(change, outer_state)
+            if failure is None:
                 return
-            except Exception as error:
-                if not _elastic_worker.is_peer_failure(error):
-                    raise
-                failure = _elastic_worker.Failure.of(error)
             # A member failed while the epoch was being entered: let go of its group as above.
             change = None
             self.worker.leaving_epoch()
             self._let_go_of_the_epoch(wrapper)
+
+    def _try_to_enter(
+        self, change: _elastic_worker.Change, outer_state=None
+    ) -> _elastic_worker.Failure | None:
+        """Enters the epoch of ``change``; the failure of a member that died meanwhile (a donor
+        during its handoff, a joiner while it received), or None."""
+        try:
+            self._enter_epoch(change, outer_state)
+        except Exception as error:
+            if not _elastic_worker.is_peer_failure(error):
+                raise
+            return _elastic_worker.Failure.of(error)
+        return None
 
     def _enter_epoch(self, change: _elastic_worker.Change, outer_state=None) -> None:
         """Builds everything over the epoch's group; then the donor hands its state to the

@@ -76,14 +76,22 @@ class ReplicaMember:
         else:
             self.client = MembershipClient(address, timeout)
         self.epoch: Epoch | None = None
-        self.group: dist.ProcessGroup | None = None
+        # A follower's group of its shard in this epoch (the leader's is its worker's: one
+        # reference held here too would keep it, and its connections, open after release).
+        self._group: dist.ProcessGroup | None = None
         self.left = False
+        self._received = False  # this process received its shard in the epoch being entered
         self._on_silent: Callable[[str], None] = lambda why: None
 
     @property
     def worker(self) -> int:
         """The replica's id in the job, the same on each of its processes."""
         return self.client.worker
+
+    @property
+    def group(self) -> dist.ProcessGroup | None:
+        """This process's group of the epoch: the replicas' processes of its shard."""
+        return self._group if self.leader is None else self.leader.group
 
     @property
     def on_silent(self) -> Callable[[str], None]:
@@ -103,6 +111,10 @@ class ReplicaMember:
         return self._next(lambda: self.leader.join())
 
     def next_epoch(self, failure: elastic_worker.Failure | None) -> elastic_worker.Change:
+        """The next epoch, as ElasticWorker.next_epoch: the leader lets go of its group there;
+        a follower here, before waiting for the leader (its peers, still waiting on it in the
+        epoch's rounds, must see its connections close)."""
+        self._release(in_background=failure is not None)
         return self._next(lambda: self.leader.next_epoch(failure))
 
     def changed(self) -> bool:
@@ -166,11 +178,9 @@ class ReplicaMember:
         self.client.worker = replica
         self.epoch = epoch
         built = 1
-        if self.leader is not None:
-            self.group = change.group
-        else:
+        if self.leader is None:
             try:
-                self.group = epoch_group.build(
+                self._group = epoch_group.build(
                     self.client.store,
                     epoch.number,
                     epoch.rank(replica),
@@ -225,8 +235,16 @@ class ReplicaMember:
             self.client.mark_leaving(self.epoch)
 
     def mark_ready(self) -> None:
-        if self.leader is not None:
+        """This process received its shard: the replica holds the job's state once each of its
+        processes did (:meth:`confirm_ready`), not before (a replica half received would
+        otherwise count as a donor in the next epoch)."""
+        self._received = True
+
+    def confirm_ready(self) -> None:
+        """Every process of the replica received its shard (agreed over the replica's group)."""
+        if self._received and self.leader is not None:
             self.leader.mark_ready()
+        self._received = False
 
     def leave(self) -> None:
         if self.left:
@@ -234,7 +252,6 @@ class ReplicaMember:
         self.left = True
         if self.leader is not None:
             self.leader.leave()
-            self.group = None
             return
         try:
             self.leaving_epoch()
@@ -262,9 +279,8 @@ class ReplicaMember:
 
     def _release(self, *, in_background: bool = False) -> None:
         if self.leader is not None:
-            self.group = None  # the leader's group is its worker's: released there
-            return
-        holder, self.group = [self.group], None
+            return  # the leader's group is its worker's: released there
+        holder, self._group = [self._group], None
         elastic_worker.let_go(holder, in_background=in_background)
 
     def nccl_rendezvous(self) -> tuple[dist.Store, str]:
@@ -326,6 +342,20 @@ class ShardedElasticMembership(runtime.ElasticMembership):
     def leave(self) -> None:
         self._failure = None  # leaving: nothing to change to
         super().leave()
+
+    def _try_to_enter(self, change, outer_state=None) -> elastic_worker.Failure | None:
+        """Enters the epoch on every process of the replica, or on none: a handoff that failed
+        on one shard (its donor or joiner died) sends the whole replica to the next epoch, as
+        the other replicas' processes of that shard go there too."""
+        failure = super()._try_to_enter(change, outer_state)
+        try:
+            retry, failure = self.worker.agree(failure is not None, failure)
+        except ReplicaLostError as error:
+            self._stopped = error
+            raise
+        if not retry:
+            self.worker.confirm_ready()
+        return failure if retry else None
 
     # ----------------------------------------------------------------------------- handoff
 
