@@ -80,6 +80,7 @@ from gossip_ext.graphs import (
     RingGraph,
 )
 from gossip_ext.membership.epochs import RemovedError
+from gossip_ext.sharded.elastic import ReplicaLostError
 from gossip_ext.mixing import MixingBase, MixingWeights, SelfWeightMixing, UniformMixing
 from gossip_ext.simulate import simulate
 
@@ -127,6 +128,7 @@ __all__ = [
     "PeerTimeoutError",
     "PushPull",
     "RemovedError",
+    "ReplicaLostError",
     "RingGraph",
     "SelfWeightMixing",
     "SlowMo",

@@ -206,7 +206,8 @@ def _misuse(rank: int, world_size: int) -> dict:
         "no_group": error_of(lambda: wrap(net)),
         "shard_group": error_of(lambda: wrap(net, process_group=mesh["shard"].get_group())),
         "world": error_of(lambda: wrap(net, process_group=dist.group.WORLD)),
-        "elastic": error_of(lambda: wrap(net, membership="127.0.0.1:1")),
+        # In an elastic job the epochs build the replica groups (tests/test_sharded_elastic.py).
+        "elastic": error_of(lambda: wrap(net, membership="127.0.0.1:1", process_group=replicas)),
         "hierarchy": error_of(lambda: wrap(net, nprocs_per_node=2, process_group=replicas)),
     }
 
@@ -218,8 +219,8 @@ def test_a_sharded_module_with_a_wrong_layout_raises_naming_it():
         for case in ("shard_group", "world"):
             assert errors[case][0] is ValueError, errors[case]
             assert "must hold one process per replica" in errors[case][1], errors[case]
-        assert errors["elastic"][0] is NotImplementedError
-        assert "elastic job of sharded replicas" in errors["elastic"][1]
+        assert errors["elastic"][0] is ValueError, errors["elastic"]
+        assert "process_group" in errors["elastic"][1], errors["elastic"]
         assert (
             errors["hierarchy"][0] is ValueError and "nprocs_per_node=2" in errors["hierarchy"][1]
         )
