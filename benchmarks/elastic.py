@@ -38,6 +38,13 @@ slot when worker 0 finishes step ``--replace-at``. From every worker's timeline 
 
     python benchmarks/elastic.py                     # as root: 8 workers at 1 Gbit/s
     python benchmarks/elastic.py --systems gossip --repeats 1 --no-record
+    python benchmarks/elastic.py --systems gossip --shards 2 --workers 4 --victim 3 \
+        --min-workers 2 --failures kill              # replicas of 2 FSDP2 shard processes
+
+With ``--shards S`` every worker is a replica of S processes sharing its slot's namespace, the
+model sharded over them by FSDP2 (an elastic job of sharded replicas): process
+``--victim-shard`` of the victim is killed, its replica leaves, and a whole new replica replaces
+it; its own section of RESULTS.md.
 
 Writes every run (--rows, JSON) and, unless --no-record, this benchmark's section of
 benchmarks/RESULTS.md.
@@ -68,6 +75,7 @@ from harness import netns  # noqa: E402
 from harness.compare import systems  # noqa: E402
 
 TITLE = "Elastic: a worker lost and replaced, beside torchft"
+SHARDED_TITLE = "Elastic sharded replicas: a replica lost with one process, replaced shard by shard"
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -85,6 +93,12 @@ def parse_args(argv=None) -> argparse.Namespace:
         "--join-window", type=int, default=150, help="steps after the replacement starts"
     )
     p.add_argument("--victim", type=int, default=5, help="the slot of the worker that fails")
+    p.add_argument(
+        "--shards", type=int, default=1, help="processes per worker: replicas sharded by FSDP2"
+    )
+    p.add_argument(
+        "--victim-shard", type=int, help="which process of the victim fails (default: the last)"
+    )
     p.add_argument("--min-workers", type=int, default=4)
     p.add_argument("--timeout", type=float, default=10.0, help="each worker's, seconds")
     p.add_argument("--heartbeat-ms", type=int, default=1500, help="torchft lighthouse's")
@@ -95,6 +109,16 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--no-record", action="store_true")
     args = p.parse_args(argv)
     args.rate = netns.rate_option(p, args.bandwidth, args.workers)
+    if args.shards < 1:
+        p.error(f"--shards must be >= 1, got {args.shards}")
+    if args.victim_shard is None:
+        args.victim_shard = args.shards - 1
+    if not 0 <= args.victim_shard < args.shards:
+        p.error(f"--victim-shard must be in [0, {args.shards}), got {args.victim_shard}")
+    if args.shards > 1 and args.systems != ["gossip"]:
+        # torchft's Manager heals a replica of several FSDP2 ranks only in its HSDP mode, whose
+        # healing races FSDP2's resharding (the reason this exists); not run here.
+        p.error(f"--shards {args.shards} runs gossip_ext only: give --systems gossip")
     if not 0 <= args.victim < args.workers:
         p.error(f"--victim must be a slot in [0, {args.workers}), got {args.victim}")
     if args.victim == 0:
@@ -127,7 +151,9 @@ def run_all(args) -> list[dict]:
         # failure run's worker-steps lie between its and the full job's), and a static job.
         calm = [(s, False) for s in args.systems]
         if "gossip" in args.systems:
-            calm += [("gossip", True), ("gossip_static", False)]
+            calm += [("gossip", True)]
+            if args.shards == 1:  # a static job of sharded replicas is sharded_compare.py's
+                calm += [("gossip_static", False)]
         plan = [(s, 0, f, False) for f in args.failures for s in args.systems]
         plan += [(s, seed, None, w) for seed in range(args.repeats) for s, w in calm]
         for system, seed, failure, without_victim in plan:
@@ -157,7 +183,7 @@ def main(argv=None) -> int:
     body = report(rows, args)
     print(body)
     if not args.no_record:
-        results.record(TITLE, body)
+        results.record(TITLE if args.shards == 1 else SHARDED_TITLE, body)
     return 0
 
 

@@ -28,9 +28,21 @@ def run_label(run: dict) -> str:
     return f"uninterrupted, {run['workers_started']} workers (batches {run['seed']})"
 
 
+def _sharded(args) -> str:
+    """What the report says of sharded replicas, where the workers are."""
+    if getattr(args, "shards", 1) == 1:
+        return ""
+    return (
+        f"Every worker is a replica of {args.shards} processes in its namespace, the model "
+        f"sharded over them by FSDP2 (every block a unit), each process its own batch of 8; the "
+        f"failure is process {args.victim_shard} of the victim's replica SIGKILLed (its other "
+        f"processes leave with ReplicaLostError), the replacement a whole new replica. "
+    )
+
+
 def report(rows: list[dict], args) -> str:
     lines = [
-        f"{args.workers} workers, each in its own network namespace behind a "
+        _sharded(args) + f"{args.workers} workers, each in its own network namespace behind a "
         f"{netns.format_rate(args.rate)} NIC (tbf), one torch thread each, all on this "
         f"machine's cores: every step is bound by the CPU, not the network (benchmarks/"
         f"lm_compare.py at this setting), and {args.workers - 1} workers step faster than "

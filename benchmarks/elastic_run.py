@@ -5,7 +5,8 @@ run_once starts the system's coordinator (gossip_ext's membership service or tor
 lighthouse) in the cluster's last namespace and one benchmarks/elastic_worker.py per slot in the
 others, lets them all go at once, SIGKILLs or SIGSTOPs the victim after its step --fail-at,
 starts a replacement on its slot when worker 0 passes step --replace-at, and returns the events'
-times and every finished worker's timeline.
+times and every finished worker's timeline. With --shards S each worker is a replica of S
+processes in its slot's namespace, and the victim is its process --victim-shard.
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ from harness.compare import systems  # noqa: E402
 
 WORKER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "elastic_worker.py")
 PORT = 29400  # the coordinator's, in its own namespace
+REPLICA_PORT = 29500  # a sharded replica's own rendezvous, at its slot's address
 PEAK_LR = {
     "gossip": systems.PEAK_LR["overlap_sgp_bf16"],
     "gossip_static": systems.PEAK_LR["overlap_sgp_bf16"],
@@ -84,9 +86,21 @@ class _Workers:
         self.args, self.out, self.seed = args, out, seed
         self.procs: dict[str, subprocess.Popen] = {}
         self.started: dict[str, float] = {}
-        self.failed: str | None = None  # the victim, killed or stopped
+        # The victim's processes (a sharded replica's: all of them), any exit status expected.
+        self.failed: set[str] = set()
+
+    def replica(self, name: str) -> list[str]:
+        """The processes of worker ``name``: itself, and with --shards S its S - 1 others."""
+        return [name, *(f"{name}.{k}" for k in range(1, self.args.shards))]
 
     def start(self, name: str, slot: int, *extra: str) -> None:
+        # A replacement replica on the victim's slot rendezvous at another port than the dead.
+        port = REPLICA_PORT + (1 if name == "replacement" else 0)
+        for shard, process in enumerate(self.replica(name)):
+            sharding = ["--shards", str(self.args.shards), "--shard", str(shard)]
+            self._start(process, slot, *extra, *sharding, "--replica-port", str(port))
+
+    def _start(self, name: str, slot: int, *extra: str) -> None:
         argv = [
             sys.executable, WORKER, "--system", self.system, "--coordinator", self.address,
             "--out", self.out, "--name", name, "--slot", str(slot), "--steps", str(self.args.steps),
@@ -115,7 +129,7 @@ class _Workers:
             raise TimeoutError(f"the run did not finish within {self.args.run_timeout:.0f} s")
         for name, proc in self.procs.items():
             code = proc.poll()
-            if code not in (None, 0) and not (name == self.failed and code == -signal.SIGKILL):
+            if code not in (None, 0) and name not in self.failed:
                 with open(os.path.join(self.out, f"{name}.log")) as f:
                     tail = f.read()[-3000:]
                 raise RuntimeError(f"{self.system} worker {name} exited with {code}:\n{tail}")
@@ -147,7 +161,8 @@ def run_once(
         for slot, name in zip(slots, names):
             workers.start(name, slot, "--go", go, "--world-size", str(len(slots)))
         deadline = time.time() + args.run_timeout
-        while not all(os.path.exists(os.path.join(out, f"{n}.ready")) for n in names):
+        processes = [p for n in names for p in workers.replica(n)]
+        while not all(os.path.exists(os.path.join(out, f"{n}.ready")) for n in processes):
             workers.check(deadline)
             time.sleep(0.05)
         open(go, "w").close()
@@ -157,22 +172,24 @@ def run_once(
             workers.check(deadline)
             if "failed" not in events and workers.step(victim) >= args.fail_at:
                 stop = signal.SIGKILL if failure == "kill" else signal.SIGSTOP
-                workers.procs[victim].send_signal(stop)
-                workers.failed = victim
+                workers.failed = set(workers.replica(victim))
+                workers.procs[workers.replica(victim)[args.victim_shard]].send_signal(stop)
                 events["failed"] = time.time()
             if "failed" in events and workers.step("w0") >= args.replace_at:
                 workers.start("replacement", args.victim, "--joiner")
                 events["replaced"] = workers.started["replacement"]
             time.sleep(0.01)
-        while any(p.poll() is None for n, p in workers.procs.items() if n != workers.failed):
+        while any(p.poll() is None for n, p in workers.procs.items() if n not in workers.failed):
             workers.check(deadline)
             time.sleep(0.1)
         workers.check(deadline)
         finished, changes = {}, {}
         for name in workers.procs:
+            if "." in name:
+                continue  # a sharded replica's other process: its leader speaks for it
             with open(os.path.join(out, f"{name}.log")) as f:
                 changes[name] = [line.strip() for line in f if " epoch " in line]
-            if name != workers.failed:
+            if name not in workers.failed:
                 with open(os.path.join(out, f"{name}.json")) as f:
                     finished[name] = json.load(f)
         return {"system": system, "seed": seed, "failure": failure, "workers_started": len(slots),

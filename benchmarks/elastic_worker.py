@@ -6,7 +6,9 @@ step and its wall-clock time to ``<out>/<name>.steps`` as it goes (the harness w
 the end its held-out bits per byte and timeline to ``<out>/<name>.json``.
 
 Every worker trains until the job's step count reaches ``--steps``; a replacement (``--joiner``)
-starts from the step and model a live member hands it. A worker's batches are those of its slot
+starts from the step and model a live member hands it. With ``--shards S`` a worker is a replica
+of S such processes (``--shard``), the model sharded over them by FSDP2 (an elastic job of
+sharded replicas, docs/sharded.md). A worker's batches are those of its slot
 (``--slot``, the machine it runs on), so a replacement reads the data of the worker it replaces.
 """
 
@@ -56,7 +58,28 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--seed", type=int, default=0, help="the batches' seed")
     p.add_argument("--joiner", action="store_true", help="a replacement, started later")
     p.add_argument("--go", help="a file to wait for before joining (the job's common start)")
+    p.add_argument("--shards", type=int, default=1, help="processes of this worker's replica")
+    p.add_argument("--shard", type=int, default=0, help="which of them this process is")
+    p.add_argument("--replica-port", type=int, default=0, help="the replica's own rendezvous")
     return p.parse_args(argv)
+
+
+def shard_replica(args, module: torch.nn.Module) -> None:
+    """A replica of ``--shards`` processes: its own world (a rendezvous at this slot's address),
+    the model sharded over it by FSDP2, every block its own unit (harness.compare.sharded)."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from harness.compare import sharded
+
+    host = os.environ.get("GOSSIP_EXT_HOST", "127.0.0.1")
+    dist.init_process_group(
+        "gloo",
+        init_method=f"tcp://{host}:{args.replica_port}",
+        rank=args.shard,
+        world_size=args.shards,
+        timeout=timedelta(seconds=args.timeout),
+    )
+    sharded.shard(module, init_device_mesh("cpu", (args.shards,)))
 
 
 class Steps:
@@ -106,7 +129,9 @@ def train_gossip(args, module, opt, data, steps: Steps, timeline: dict) -> torch
     while model.step_count < args.steps:
         step = model.step_count
         set_lr(opt, args.lr, factor, step)
-        inputs, targets = data.batch(step, args.slot, BATCH, MODEL.context, args.seed)
+        # Each process of a replica its own batches; a replacement reads those of its slot.
+        worker = args.slot * args.shards + args.shard
+        inputs, targets = data.batch(step, worker, BATCH, MODEL.context, args.seed)
         loss = byte_lm.next_byte_loss(model, inputs, targets)
         opt.zero_grad()
         loss.backward()
@@ -205,6 +230,8 @@ def main(argv=None) -> int:
     windows = data.heldout_windows(MODEL.context, EVAL_WINDOWS)
     torch.manual_seed(0)  # every worker's own initialisation alike; a joiner's is replaced
     module = ByteLM(MODEL)
+    if args.shards > 1:
+        shard_replica(args, module)
     opt, _ = byte_lm.make_optimizer(module, args.lr, WARMUP, args.steps)
     timeline["loaded"] = time.time()
     if args.go:
@@ -214,7 +241,12 @@ def main(argv=None) -> int:
     timeline["go"] = time.time()
     steps = Steps(os.path.join(args.out, f"{args.name}.steps"))
     train = train_torchft if args.system == "torchft" else train_gossip
-    module = train(args, module, opt, data, steps, timeline)
+    try:
+        module = train(args, module, opt, data, steps, timeline)
+    except gossip_ext.ReplicaLostError as error:
+        # A process of this replica died: the replica left; the harness expects it.
+        print(f"{args.name}: {error}", flush=True)
+        os._exit(3)
     timeline["finished"] = time.time()
     result = {
         "name": args.name,

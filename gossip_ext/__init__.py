@@ -80,8 +80,8 @@ from gossip_ext.graphs import (
     RingGraph,
 )
 from gossip_ext.membership.epochs import RemovedError
-from gossip_ext.sharded.elastic import ReplicaLostError
 from gossip_ext.mixing import MixingBase, MixingWeights, SelfWeightMixing, UniformMixing
+from gossip_ext.sharded.elastic import ReplicaLostError
 from gossip_ext.simulate import simulate
 
 __version__ = "0.1.0"

@@ -134,13 +134,20 @@ class ElasticWorker:
 
     # ----------------------------------------------------------------------------- joining
 
+    def register(self) -> int:
+        """This worker's id, registered (the job's layout checked first); :meth:`join` does it
+        if it was not done."""
+        if self.client.worker < 0:
+            self.client.check_layout(self.shards)
+            self.client.register()
+        return self.client.worker
+
     def join(self) -> Change:
         """Registers and waits until this worker is a member of a formed epoch: the first one
         (once ``min_workers`` registered) or the next one the members form."""
         start = time.monotonic()
         client = self.client
-        client.check_layout(self.shards)
-        client.register()
+        self.register()
         deadline = start + self.timeout.total_seconds()
         number = max(client.latest(), 0)
         while True:

@@ -16,7 +16,9 @@ epoch only when the membership changed. The keys:
 - ``epoch/E/leaving/ID``: member ID is leaving epoch E alive (before it drops its connections);
 - ``latest``: the newest epoch whose members all checked in;
 - ``ready/ID``: worker ID holds the job's state (it trained, or received it from a donor);
-- ``beat/ID``: worker ID's heartbeat, a counter its own thread bumps every HEARTBEAT_S.
+- ``beat/ID``: worker ID's heartbeat, a counter its own thread bumps every HEARTBEAT_S;
+- ``replica/ID/told/N``: what worker ID, the leader of a sharded replica, told its replica's other
+  processes the N-th time (gossip_ext.sharded.elastic: the epoch it formed, or why it stopped).
 
 A worker that forms epoch E + 1 proposes ``(members of E, and everyone registered) - gone``; each
 proposed member checks in and waits for the others; one that does not check in, and whose
@@ -235,6 +237,19 @@ class MembershipClient:
             if time.monotonic() > deadline:
                 return away
             time.sleep(POLL_S)
+
+    def wait_while_beating(self, key: str, worker: int) -> bytes:
+        """The value of ``key`` once written, waiting as long as ``worker``'s heartbeat goes on:
+        TimeoutError naming the worker once it is silent for SILENT_S (dead or stopped)."""
+        beats = _Beats(self.store, [worker])
+        while not self.store.check([key]):
+            if beats.silent([worker]):
+                raise TimeoutError(
+                    f"gossip_ext: the heartbeat of worker {worker} stopped for {SILENT_S:g} s "
+                    f"while this process waited for {key!r} (its process died or is stopped)"
+                )
+            time.sleep(POLL_S)
+        return self.store.get(key)
 
     def wait_for_epoch(self, number: int, deadline: float) -> Epoch | None:
         """Epoch ``number`` once proposed, or None at ``deadline`` (time.monotonic())."""

@@ -28,6 +28,7 @@ same shard process of one live replica: no process ever holds the whole model.
 from __future__ import annotations
 
 import datetime
+import pickle
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -48,6 +49,13 @@ class ReplicaLostError(RemovedError):
 
 # What a leader tells its replica's other processes about an error that stopped it, by name.
 _STOPPING_ERRORS = {e.__name__: e for e in (RemovedError, TimeoutError, ValueError)}
+
+
+def _raise_if_stopped(message: tuple) -> None:
+    """Raises what stopped the leader, as it was raised there, on the replica's other processes."""
+    if message[0] == "stopped":
+        _, kind, text = message
+        raise _STOPPING_ERRORS.get(kind, RuntimeError)(text)
 
 
 class ReplicaMember:
@@ -81,6 +89,7 @@ class ReplicaMember:
         self._group: dist.ProcessGroup | None = None
         self.left = False
         self._received = False  # this process received its shard in the epoch being entered
+        self._messages = 0  # the leader's messages to the others (replica/ID/told/N), so far
         self._on_silent: Callable[[str], None] = lambda why: None
 
     @property
@@ -106,8 +115,20 @@ class ReplicaMember:
     # ----------------------------------------------------------------------------- epochs
 
     def join(self) -> elastic_worker.Change:
-        """Joins as a process of a replica: its leader registers the replica and waits for an
+        """Joins as a process of a replica: its leader registers the replica (and tells the
+        others its id, over the replica's group: registering takes no wait) and waits for an
         epoch; every process then builds its shard's group of that epoch."""
+        message: list[Any] = [None]
+        if self.leader is not None:
+            try:
+                message[0] = ("registered", self.leader.register())
+            except Exception as error:
+                message[0] = ("stopped", type(error).__name__, str(error))
+                self._broadcast(message)
+                raise
+        self._broadcast(message)
+        _raise_if_stopped(message[0])
+        self.client.worker = message[0][1]
         return self._next(lambda: self.leader.join())
 
     def next_epoch(self, failure: elastic_worker.Failure | None) -> elastic_worker.Change:
@@ -161,21 +182,23 @@ class ReplicaMember:
                 return self.leader.next_epoch(failure)
 
     def _share(self, leader_forms) -> elastic_worker.Change | None:
-        message: list[Any] = [None]
+        """The leader forms an epoch and tells the others through the membership store (not a
+        collective of the replica's group: forming may wait for other replicas for as long as
+        the membership's timeout, which the group's own timeout need not cover); the others
+        wait as long as the leader's heartbeat goes on."""
         if leader_forms is not None:
             try:
                 change = leader_forms()
-                message[0] = ("epoch", self.worker, change.epoch, change.left, change.joined)
+                message = ("epoch", change.epoch, change.left, change.joined)
             except Exception as error:
-                message[0] = ("stopped", type(error).__name__, str(error))
-                self._broadcast(message)
+                self._tell(("stopped", type(error).__name__, str(error)))
                 raise
-        self._broadcast(message)
-        if message[0][0] == "stopped":
-            _, kind, text = message[0]
-            raise _STOPPING_ERRORS.get(kind, RuntimeError)(text)
-        _, replica, epoch, left, joined = message[0]
-        self.client.worker = replica
+            self._tell(message)
+        else:
+            message = self._told()
+        _raise_if_stopped(message)
+        _, epoch, left, joined = message
+        replica = self.worker
         self.epoch = epoch
         built = 1
         if self.leader is None:
@@ -198,6 +221,22 @@ class ReplicaMember:
         self._watch().follow(epoch, [m for m in epoch.members if m != replica], self.on_silent)
         rank = epoch.rank(replica)
         return elastic_worker.Change(epoch, self.group, rank, list(left), list(joined), 0.0)
+
+    def _tell(self, message: tuple) -> None:
+        """The leader's side: ``message`` to the replica's other processes."""
+        self._messages += 1
+        key = f"replica/{self.worker}/told/{self._messages}"
+        self.client.store.set(key, pickle.dumps(message))
+
+    def _told(self) -> tuple:
+        """Another process's side: the leader's next message; ReplicaLostError if its heartbeat
+        stops first."""
+        self._messages += 1
+        key = f"replica/{self.worker}/told/{self._messages}"
+        try:
+            return pickle.loads(self.client.wait_while_beating(key, self.worker))
+        except TimeoutError as error:
+            self.lose_replica(error)
 
     def _broadcast(self, message: list[Any]) -> None:
         leader = dist.get_global_rank(self.shard_group, 0)
