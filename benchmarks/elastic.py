@@ -169,12 +169,12 @@ def main(argv=None) -> int:
         with open(args.from_rows) as f:
             saved = json.load(f)
         vars(args).update(saved["settings"])  # the saved run's, not this command's
-        runs = saved["runs"]
+        runs, command = saved["runs"], saved.get("command")
     else:
-        runs = run_all(args)
+        runs, command = run_all(args), results.command_line()
         settings = {k: v for k, v in vars(args).items() if k not in ("from_rows", "no_record")}
         with open(args.rows, "w") as f:
-            json.dump({"settings": settings, "runs": runs}, f)
+            json.dump({"settings": settings, "runs": runs, "command": command}, f)
     rows = [
         {k: run[k] for k in ("system", "seed", "failure", "workers_started")}
         | {"figures": measure(run, args)}
@@ -183,7 +183,7 @@ def main(argv=None) -> int:
     body = report(rows, args)
     print(body)
     if not args.no_record:
-        results.record(TITLE if args.shards == 1 else SHARDED_TITLE, body)
+        results.record(TITLE if args.shards == 1 else SHARDED_TITLE, body, command=command)
     return 0
 
 

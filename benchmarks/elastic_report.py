@@ -51,15 +51,20 @@ def report(rows: list[dict], args) -> str:
         f"{args.steps} steps. The worker on slot {args.victim} is SIGKILLed, or SIGSTOPped for "
         f"good, after its step {args.fail_at}; a replacement starts on its slot when worker 0 "
         f"finishes step {args.replace_at}. gossip_ext: elastic overlapped SGP, bfloat16 "
-        f"messages, min_workers {args.min_workers}; torchft 0.2.0: Manager (min_replica_size "
-        f"{args.min_workers}, synchronous quorum) and LocalSGD every 4 steps, lighthouse "
-        f"heartbeat timeout {args.heartbeat_ms} ms; every worker's timeout "
-        f"{args.timeout:g} s. Times from every worker's wall clock (one machine, one clock), in "
-        f"blocks of 4 steps (torchft syncs in one step of 4); `lost` is a window's length minus "
-        f"its blocks at the window's median block, the survivors' mean (uninterrupted rows: the "
-        f"same windows, for the noise); `joining` is the system's part of the replacement's "
-        f"start, from its model built to its first step's end (the rest is Python importing "
-        f"torch and loading the data on a machine the others keep busy).",
+        f"messages, min_workers {args.min_workers}; "
+        + (
+            f"torchft 0.2.0: Manager (min_replica_size {args.min_workers}, synchronous quorum) "
+            f"and LocalSGD every 4 steps, lighthouse heartbeat timeout {args.heartbeat_ms} ms; "
+            if "torchft" in args.systems
+            else ""
+        )
+        + f"every worker's timeout {args.timeout:g} s. Times from every worker's wall clock "
+        f"(one machine, one clock), in blocks of 4 steps (torchft syncs in one step of 4); "
+        f"`lost` is a window's length minus its blocks at the window's median block, the "
+        f"survivors' mean (uninterrupted rows: the same windows, for the noise); `joining` is "
+        f"the system's part of the replacement's start, from its model built to its first "
+        f"step's end (the rest is Python importing torch and loading the data on a machine the "
+        f"others keep busy).",
         "",
         "| system | run | back after failure (s) | lost after failure (s) | replacement trains "
         "after (s) | joining (s) | its first step | lost after join (s) | wall (s) | step (ms) | "

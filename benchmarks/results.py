@@ -44,14 +44,17 @@ def command_line() -> str:
     return " ".join([*settings, "python", script, *sys.argv[1:]])
 
 
-def record(title: str, body: str, device: torch.device | None = None) -> None:
+def record(
+    title: str, body: str, device: torch.device | None = None, command: str | None = None
+) -> None:
     """Writes `body` under a heading with the title, the UTC time, the machine, the torch version
-    and the command that reproduces it, in place of this benchmark's earlier section."""
+    and the command that reproduces it (``command``: the one that ran, where this reports a saved
+    run), in place of this benchmark's earlier section."""
     write_section(
         title,
         f"## {title} ({datetime.now(UTC):%Y-%m-%d %H:%M} UTC)\n\n"
         f"Machine: {machine(device)}; torch {torch.__version__}.\n"
-        f"Command: `{command_line()}`\n\n{body}\n",
+        f"Command: `{command or command_line()}`\n\n{body}\n",
     )
 
 
