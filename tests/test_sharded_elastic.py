@@ -1,9 +1,10 @@
 """Elastic sharded replicas (gossip_ext.sharded.elastic) with real processes over gloo: replicas of
 2 shard processes each, every replica its own world (init_process_group over its own rendezvous)
 sharding the model with FSDP2, joined through a membership service (tests/sharded_member.py).
-A shard process is killed, a whole replica is killed, a replica joins; the survivors must finish
-every step with finite shards, a joiner's shards must be its donor's, and a replica of another
-number of shards is refused."""
+A shard process is killed, a whole replica is killed, a replica joins, a joiner dies while it
+receives, a donor while it sends; the survivors must finish every step with finite shards, a
+joiner's shards must be one live replica's, every later step must agree with a DDP reference,
+and a replica of another number of shards is refused."""
 
 from __future__ import annotations
 
@@ -25,22 +26,14 @@ from sharded_job import (  # noqa: E402
     start_replica,
 )
 
+PACED = ["--min-workers", "1", "--step-seconds", "0.2"]  # a job a replica joins while it runs
+
 
 @pytest.fixture
 def job(tmp_path):
     job = Job(tmp_path)
     yield job
     job.close()
-
-
-def test_replicas_train_as_ddp_on_all_their_batches(job):
-    for replica in range(2):
-        start_replica(job, replica, "--min-workers", "2")
-    job.wait()
-    replicas = {replica: finished(job, replica) for replica in range(2)}
-    models = [model_of(results) for results in replicas.values()]
-    assert torch.allclose(models[0], models[1], atol=1e-5), (models[0] - models[1]).abs().max()
-    assert_trains_as_ddp_after_the_change(replicas)
 
 
 def test_a_killed_shard_process_takes_its_replica_out_and_the_others_train_on(job):
@@ -113,3 +106,22 @@ def test_a_joiner_that_dies_while_receiving_leaves_the_donors_untouched(job):
             # The last steps between the two of them alone.
             assert result["steps"][-1]["world_size"] == 2
     assert_trains_as_ddp_after_the_change(members)
+
+
+def test_a_donor_killed_during_the_handoff_is_replaced_by_another_replica(job):
+    # The donor (the oldest replica, whichever registered first) loses its shard 1 process while
+    # that one sends; the joiner's next epoch takes every shard from the other replica.
+    dies_donating = (1, ["--die-donating"])
+    for replica in range(2):
+        start_replica(job, replica, *PACED, kill=dies_donating)
+    job.wait_for_step("r1s0", 6)
+    start_replica(job, 2, "--init-seed", "7", "--step-seconds", "0.2")
+    job.wait()
+    # One process died donating: the flag it made first, no final record of its own.
+    assert (job.out / "died_donating").exists()
+    donor = next(r for r in range(2) if job.result(f"r{r}s1").get("final_step") is None)
+    lost = job.result(f"r{donor}s0")
+    assert lost["error_type"] == "ReplicaLostError", (lost["error"], job.log(f"r{donor}s0"))
+    member, joiner = finished(job, 1 - donor), finished(job, 2)
+    assert_started_from_one_donor(joiner, [member])
+    assert_trains_as_ddp_after_the_change({1 - donor: member, 2: joiner})
