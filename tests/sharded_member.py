@@ -18,7 +18,7 @@ from datetime import timedelta
 
 import torch
 import torch.distributed as dist
-from membership_worker import MODES, batch
+from membership_worker import MODES, batch, die_during_handoff
 from torch import nn
 
 import gossip_ext
@@ -54,27 +54,6 @@ def die_while_receiving() -> None:
     elastic.receive_state = receive_then_die
 
 
-def die_while_donating(flag: str) -> None:
-    """The first process of the job to donate (the one that creates ``flag``) SIGKILLs itself
-    during its handoff, once it sent the size of the state."""
-    from gossip_ext.membership import elastic
-
-    send = elastic.send_state
-
-    def send_then_die(state, joiners, group):
-        try:
-            os.close(os.open(flag, os.O_CREAT | os.O_EXCL))
-        except FileExistsError:
-            return send(state, joiners, group)
-        size = torch.tensor([1 << 20], dtype=torch.int64)
-        for rank in joiners:
-            dist.send(size, rank, group)
-        time.sleep(0.2)
-        os.kill(os.getpid(), signal.SIGKILL)
-
-    elastic.send_state = send_then_die
-
-
 def main() -> int:
     parser = argparse.ArgumentParser()
     parser.add_argument("--membership", required=True)
@@ -98,7 +77,7 @@ def main() -> int:
     if args.die_receiving:
         die_while_receiving()
     if args.die_donating:
-        die_while_donating(os.path.join(args.out, "died_donating"))
+        die_during_handoff(os.path.join(args.out, "died_donating"))
     logging.basicConfig(level=logging.INFO, format=f"{args.name} %(asctime)s %(message)s")
     torch.set_num_threads(1)
     torch.manual_seed(args.init_seed)

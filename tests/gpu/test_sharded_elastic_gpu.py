@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import signal
 
-import pytest
 import torch
 from elastic_job import Job
 from sharded_job import (
@@ -22,14 +21,15 @@ from small_task import needs_gpu
 pytestmark = needs_gpu("sharded replicas in an elastic job, FSDP2 over NCCL")
 
 
-@pytest.fixture
-def job(tmp_path):
+def test_a_cuda_replica_killed_and_replaced_shard_by_shard(tmp_path):
     job = Job(tmp_path)
-    yield job
-    job.close()
+    try:
+        _kill_and_replace(job)
+    finally:
+        job.close()
 
 
-def test_a_cuda_replica_killed_and_replaced_shard_by_shard(job):
+def _kill_and_replace(job: Job) -> None:
     common = ["--device", "cuda", "--step-seconds", "0.2"]
     for replica in range(2):
         kill = ["--kill-at", "8"] if replica == 1 else []
