@@ -64,8 +64,9 @@ class GossipDataParallel(nn.Module, GossipView, MembershipView, OuterView):
             See :mod:`gossip_ext.algorithms`.
         outer (Average, SlowMo, DiLoCo or None): what takes a round's place every few steps
             (default: nothing).
-        membership (Elastic, optional): an elastic job: no ``init_process_group``; workers that
-            die, stall or leave are survived and joiners receive the state. Not with
+        membership (Elastic, optional): an elastic job: no ``init_process_group`` (a module
+            sharded by FSDP2: only its replica's own, each replica a worker); workers that die,
+            stall or leave are survived and joiners receive the state. Not with
             ``process_group`` nor ``nprocs_per_node > 1``.
         nprocs_per_node (int): processes per machine: gradients averaged inside a machine, one
             process a machine gossips (default: 1).

@@ -68,6 +68,9 @@ def main() -> int:
     parser.add_argument("--min-workers", type=int, default=1)
     parser.add_argument("--timeout", type=float, default=10.0)
     parser.add_argument("--kill-at", type=int, default=-1, help="SIGKILL itself after this step")
+    parser.add_argument(
+        "--kill-in-world", type=int, default=0, help="...and once its epoch has this many replicas"
+    )
     parser.add_argument("--step-seconds", type=float, default=0.0, help="sleep per step")
     parser.add_argument("--init-seed", type=int, default=0)
     parser.add_argument("--die-receiving", action="store_true", help="SIGKILL in its handoff")
@@ -152,7 +155,9 @@ def main() -> int:
                 }
             )
             record()
-            if step == args.kill_at:
+            # The first step from --kill-at on in an epoch of --kill-in-world replicas: a replica
+            # that started late (a slow machine) is in the job before the kill.
+            if 0 <= args.kill_at <= step and model.gossip_world_size >= args.kill_in_world:
                 os.kill(os.getpid(), signal.SIGKILL)
             if args.step_seconds:
                 time.sleep(args.step_seconds)

@@ -26,7 +26,9 @@ from sharded_job import (  # noqa: E402
     start_replica,
 )
 
-PACED = ["--min-workers", "1", "--step-seconds", "0.2"]  # a job a replica joins while it runs
+# Two replicas that start together (the first epoch waits for both), paced so that a third
+# joins while they train.
+PACED = ["--min-workers", "2", "--step-seconds", "0.2"]
 
 
 @pytest.fixture
@@ -38,7 +40,8 @@ def job(tmp_path):
 
 def test_a_killed_shard_process_takes_its_replica_out_and_the_others_train_on(job):
     for replica in range(3):
-        kill = (1, ["--kill-at", "10"]) if replica == 2 else ()
+        # From step 10 on, once all three are in one epoch (however late one started).
+        kill = (1, ["--kill-at", "10", "--kill-in-world", "3"]) if replica == 2 else ()
         start_replica(job, replica, "--min-workers", "2", kill=kill)
     job.wait()
     assert job.workers["r2s1"].returncode == -signal.SIGKILL
@@ -53,7 +56,7 @@ def test_a_killed_shard_process_takes_its_replica_out_and_the_others_train_on(jo
 
 def test_a_whole_replica_killed_then_a_replacement_joins_shard_by_shard(job):
     for replica in range(2):
-        kill = ["--kill-at", "8"] if replica == 1 else []
+        kill = ["--kill-at", "8", "--kill-in-world", "2"] if replica == 1 else []
         start_replica(job, replica, "--min-workers", "1", "--step-seconds", "0.2", *kill)
     job.wait_for_step("r0s0", 12)
     start_replica(job, 2, "--init-seed", "7", "--step-seconds", "0.2")
@@ -91,7 +94,7 @@ def test_a_replica_of_another_number_of_shards_is_refused_naming_both(job):
 
 def test_a_joiner_that_dies_while_receiving_leaves_the_donors_untouched(job):
     for replica in range(2):
-        start_replica(job, replica, "--min-workers", "1", "--step-seconds", "0.2")
+        start_replica(job, replica, *PACED)
     job.wait_for_step("r0s0", 6)
     # Its shard 1 dies once its donor began to send: its shard 0, which received all of its
     # own, must not count as a member, and the donors go on as if it never came.

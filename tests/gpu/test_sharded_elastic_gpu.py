@@ -32,7 +32,7 @@ def test_a_cuda_replica_killed_and_replaced_shard_by_shard(tmp_path):
 def _kill_and_replace(job: Job) -> None:
     common = ["--device", "cuda", "--step-seconds", "0.2"]
     for replica in range(2):
-        kill = ["--kill-at", "8"] if replica == 1 else []
+        kill = ["--kill-at", "8", "--kill-in-world", "2"] if replica == 1 else []
         start_replica(job, replica, "--min-workers", "1", *common, *kill, shards=1)
     job.wait_for_step("r0s0", 12)
     start_replica(job, 2, "--init-seed", "7", *common, shards=1)
