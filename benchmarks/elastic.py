@@ -42,9 +42,10 @@ slot when worker 0 finishes step ``--replace-at``. From every worker's timeline 
         --min-workers 2 --failures kill              # replicas of 2 FSDP2 shard processes
 
 With ``--shards S`` every worker is a replica of S processes sharing its slot's namespace, the
-model sharded over them by FSDP2 (an elastic job of sharded replicas): process
-``--victim-shard`` of the victim is killed, its replica leaves, and a whole new replica replaces
-it; its own section of RESULTS.md.
+model sharded over them by FSDP2 (an elastic job of sharded replicas; torchft's: one replica
+group of S ranks, its HSDP layout, LocalSGD on the local shards): process ``--victim-shard`` of
+the victim is killed, its replica leaves, and a whole new replica replaces it; its own section
+of RESULTS.md.
 
 Writes every run (--rows, JSON) and, unless --no-record, this benchmark's section of
 benchmarks/RESULTS.md.
@@ -105,7 +106,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--repeats", type=int, default=2, help="uninterrupted runs per system")
     p.add_argument("--run-timeout", type=float, default=900.0, help="seconds per run")
     p.add_argument("--rows", default="/tmp/gossip_elastic.json")
-    p.add_argument("--from-rows", metavar="FILE", help="report the runs saved in FILE again")
+    p.add_argument(
+        "--from-rows", nargs="+", metavar="FILE", help="report the runs saved in FILEs again"
+    )
     p.add_argument("--no-record", action="store_true")
     args = p.parse_args(argv)
     args.rate = netns.rate_option(p, args.bandwidth, args.workers)
@@ -115,10 +118,6 @@ def parse_args(argv=None) -> argparse.Namespace:
         args.victim_shard = args.shards - 1
     if not 0 <= args.victim_shard < args.shards:
         p.error(f"--victim-shard must be in [0, {args.shards}), got {args.victim_shard}")
-    if args.shards > 1 and args.systems != ["gossip"]:
-        # torchft's Manager heals a replica of several FSDP2 ranks only in its HSDP mode, whose
-        # healing races FSDP2's resharding (the reason this exists); not run here.
-        p.error(f"--shards {args.shards} runs gossip_ext only: give --systems gossip")
     if not 0 <= args.victim < args.workers:
         p.error(f"--victim must be a slot in [0, {args.workers}), got {args.victim}")
     if args.victim == 0:
@@ -163,13 +162,30 @@ def run_all(args) -> list[dict]:
     return runs
 
 
+def _saved(args) -> tuple[list[dict], str | None]:
+    """The runs saved in every file of --from-rows, one table, and the commands that ran them:
+    each file's settings must be the first's but for the systems, which add up."""
+    runs, commands, systems = [], [], []
+    for path in args.from_rows:
+        with open(path) as f:
+            saved = json.load(f)
+        settings = dict(saved["settings"])
+        settings.pop("rows", None)  # where each was written
+        systems += [s for s in settings.pop("systems") if s not in systems]
+        if path == args.from_rows[0]:
+            first = settings
+        elif settings != first:
+            sys.exit(f"--from-rows: {path} was run with other settings than {args.from_rows[0]}")
+        runs += saved["runs"]
+        commands.append(saved.get("command") or "")
+    vars(args).update(first, systems=systems)  # the saved runs', not this command's
+    return runs, "; ".join(c for c in commands if c) or None
+
+
 def main(argv=None) -> int:
     args = parse_args(argv)
     if args.from_rows:
-        with open(args.from_rows) as f:
-            saved = json.load(f)
-        vars(args).update(saved["settings"])  # the saved run's, not this command's
-        runs, command = saved["runs"], saved.get("command")
+        runs, command = _saved(args)
     else:
         runs, command = run_all(args), results.command_line()
         settings = {k: v for k, v in vars(args).items() if k not in ("from_rows", "no_record")}
@@ -181,6 +197,11 @@ def main(argv=None) -> int:
         for run in runs
     ]
     body = report(rows, args)
+    if len(args.from_rows or []) > 1:
+        body = (
+            f"The rows come from {len(args.from_rows)} runs of the benchmark on this machine with "
+            f"the same settings, one per system set (the commands above, joined by `;`).\n\n" + body
+        )
     print(body)
     if not args.no_record:
         results.record(TITLE if args.shards == 1 else SHARDED_TITLE, body, command=command)

@@ -163,7 +163,12 @@ def train_torchft(args, module, opt, data, steps: Steps, timeline: dict) -> torc
             port = self._server.socket.getsockname()[1]
             return f"http://{host}:{port}/checkpoint/"
 
-    store = TCPStore(host, 0, is_master=True, wait_for_workers=False)
+    # The replica group's store, at its process 0; a sharded replica's others are told its port
+    # over the replica's own group.
+    store = TCPStore(host, 0, is_master=True, wait_for_workers=False) if args.shard == 0 else None
+    port = [None if store is None else store.port]
+    if args.shards > 1:
+        dist.broadcast_object_list(port, src=0)
     done = [0]  # optimizer steps finished, handed to a replacement with the model
     timeout = timedelta(seconds=args.timeout)
 
@@ -184,9 +189,9 @@ def train_torchft(args, module, opt, data, steps: Steps, timeline: dict) -> torc
         use_async_quorum=False,  # a replacement heals before its first step (LocalSGD's docs)
         replica_id=f"replica_{args.slot}",
         store_addr=host,
-        store_port=store.port,
-        rank=0,
-        world_size=1,
+        store_port=port[0],
+        rank=args.shard,  # a sharded replica is one torchft replica group of its processes
+        world_size=args.shards,
         lighthouse_addr=args.coordinator,
         hostname=host,
         init_sync=False,  # the first members start from the same seed
@@ -208,7 +213,8 @@ def train_torchft(args, module, opt, data, steps: Steps, timeline: dict) -> torc
             while done[0] < args.steps:
                 step = done[0]
                 set_lr(opt, args.lr, factor, step)
-                inputs, targets = data.batch(step, args.slot, BATCH, MODEL.context, args.seed)
+                worker = args.slot * args.shards + args.shard
+                inputs, targets = data.batch(step, worker, BATCH, MODEL.context, args.seed)
                 loss = byte_lm.next_byte_loss(module, inputs, targets)
                 opt.zero_grad()
                 loss.backward()

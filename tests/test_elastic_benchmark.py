@@ -1,5 +1,6 @@
 """benchmarks/elastic.py's measures, on timelines whose answers are worked out by hand."""
 
+import json
 import sys
 from pathlib import Path
 
@@ -47,3 +48,34 @@ def test_an_uninterrupted_run_is_measured_at_the_same_steps():
     assert f["lost_after_failure_s"] == pytest.approx(0.0, abs=1e-9)
     assert f["lost_after_join_s"] == pytest.approx(0.0, abs=1e-9)
     assert "joiner_trains_s" not in f
+
+
+def test_runs_saved_by_separate_commands_are_reported_as_one_table(tmp_path, capsys):
+    # One command ran gossip_ext, another torchft, with the same settings: one table of both,
+    # saying so, each system's own row.
+    settings = vars(elastic.parse_args(["--no-record", "--fail-at", "50", "--replace-at", "90"]))
+    settings = {k: v for k, v in settings.items() if k not in ("from_rows", "no_record")}
+    paths = []
+    for system in ("gossip", "torchft"):
+        run = {
+            "system": system,
+            "seed": 0,
+            "failure": None,
+            "workers_started": 8,
+            "events": {"go": 0.0},
+            "workers": {"w0": _survivor(300, 0.0)},
+        }
+        path = tmp_path / f"{system}.json"
+        saved = {"settings": settings | {"systems": [system]}, "runs": [run], "command": system}
+        path.write_text(json.dumps(saved))
+        paths.append(str(path))
+    assert elastic.main(["--from-rows", *paths, "--no-record"]) == 0
+    out = capsys.readouterr().out
+    assert out.startswith("The rows come from 2 runs of the benchmark")
+    assert "| gossip | uninterrupted" in out and "| torchft | uninterrupted" in out
+    other = tmp_path / "other.json"
+    other.write_text(
+        json.dumps({"settings": settings | {"systems": ["torchft"], "steps": 100}, "runs": []})
+    )
+    with pytest.raises(SystemExit, match="other settings"):
+        elastic.main(["--from-rows", paths[0], str(other), "--no-record"])
