@@ -3,10 +3,12 @@ holding one shard of the model (FSDP2 over the replica's own process group).
 
 The job's members are replicas, not processes. Shard 0 of each replica (its leader) is the job's
 worker: it registers, beats, watches and forms the epochs (:mod:`gossip_ext.membership.elastic`)
-with the other replicas' leaders, under a replica id that its processes share. At each epoch it
-tells its replica's other processes which replicas the epoch holds, over the replica's group, and
-process s of each replica builds the group of the replicas' processes s for that epoch: the same
-replicas in the same order, so that shard s gossips (and hands over) only with shard s.
+with the other replicas' leaders, under a replica id that its processes share (told them over the
+replica's group once it registered). At each epoch it tells them which replicas the epoch holds,
+through the membership store, where they wait for it as long as its heartbeat goes on (forming
+an epoch can take longer than the replica group's own timeout), and process s of each replica
+builds the group of the replicas' processes s for that epoch: the same replicas in the same
+order, so that shard s gossips (and hands over) only with shard s.
 
 A replica changes epoch as a whole. Its processes notice a change at different moments (a
 leader's watch sees a registration, a process's round fails because a peer died), and one that
@@ -17,9 +19,10 @@ the step boundary, where the replica's processes agree (one all-reduce of a flag
 replica's group) whether to change; all of them do, or none. A step boundary is after the
 optimizer step: never during a forward, a backward or a reshard.
 
-A replica whose process dies leaves: its other processes find the replica's group broken at the
-next step boundary (or in FSDP2's collectives, which raise torch's error), and stop with
-:class:`ReplicaLostError`; the survivors form an epoch without the replica. A new replica joins
+A replica whose process dies leaves: its other processes find the replica's group broken in the
+forward (FSDP2's all-gather) or at the step boundary, and stop with :class:`ReplicaLostError`
+(in the backward's reduce-scatter torch's own error is raised, and the process leaves when it
+exits); the survivors form an epoch without the replica. A new replica joins
 with as many processes as the others (another number is refused, naming both), and each of its
 processes receives its shard (parameters, optimizer state, outer state, step count) from the
 same shard process of one live replica: no process ever holds the whole model.
