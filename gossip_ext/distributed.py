@@ -20,7 +20,6 @@ from gossip_ext._gossip_view import GossipView
 from gossip_ext._membership_view import MembershipView
 from gossip_ext._outer_view import OuterView
 from gossip_ext.membership import runtime as membership_runtime
-from gossip_ext.sharded import elastic as sharded_elastic
 from gossip_ext.sharded import replicas as sharded
 
 __all__ = ["GossipDataParallel"]
@@ -166,16 +165,9 @@ class GossipDataParallel(nn.Module, GossipView, MembershipView, OuterView):
         # runs, or past exit.
         self._optimizer_ref = None
         self._hierarchy = self._mix = None
-        if config.membership is None:
-            self._members = membership_runtime.StaticMembership(self, process_group)
-        elif self._shard_group is not None:
-            self._members = sharded_elastic.ShardedElasticMembership(
-                self, config.membership, timeout, device, comm_device, self._shard_group
-            )
-        else:
-            self._members = membership_runtime.ElasticMembership(
-                self, config.membership, timeout, device, comm_device
-            )
+        self._members = membership_runtime.of_job(
+            self, config.membership, process_group, self._shard_group, timeout, device, comm_device
+        )
         self._members.start()
         if self._hierarchy is not None:
             self._hierarchy.hook_gradients([p for _, p in named])

@@ -24,6 +24,21 @@ from gossip_ext.membership import elastic as _elastic_worker
 from gossip_ext.outer import streaming
 
 
+def of_job(wrapper, membership, process_group, shard_group, timeout, device, comm_device):
+    """The wrapper's membership: a static job's group, an elastic job's epochs, or, for a module
+    sharded over ``shard_group`` (its replica), the epochs of an elastic job of replicas."""
+    if membership is None:
+        return StaticMembership(wrapper, process_group)
+    if shard_group is not None:
+        # Imported here: gossip_ext.sharded.elastic builds on this module.
+        from gossip_ext.sharded.elastic import ShardedElasticMembership
+
+        return ShardedElasticMembership(
+            wrapper, membership, timeout, device, comm_device, shard_group
+        )
+    return ElasticMembership(wrapper, membership, timeout, device, comm_device)
+
+
 class StaticMembership:
     """A job whose members are its process group's ranks, for its whole life."""
 
