@@ -49,6 +49,19 @@ def finished(job: Job, replica: int, shards: int = SHARDS) -> list[dict]:
     return results
 
 
+def assert_lost_its_replica(job: Job, name: str) -> None:
+    """Process ``name`` raised ReplicaLostError, and what its user read then was a model: the
+    shards the forward that raised had read (the last step's model, its round absorbed), or, raised
+    at the step boundary, that step's; finite, the same in ``module.state_dict()``, unchanged by
+    a later call, which raised again."""
+    result = job.result(name)
+    assert result["error_type"] == "ReplicaLostError", (result["error"], job.log(name))
+    read = result["lost_reads"]
+    assert read["finite"] and read["state_dict_agrees"], read
+    assert read["raises_again"] and read["unchanged_after"], read
+    assert read["raised_in"] == "step" or read["equals_forward_read"], read
+
+
 def model_of(shard_results: list[dict], step: int | None = None) -> torch.Tensor:
     """A replica's whole model after ``step`` (None: its final one), from its processes' shards
     (FSDP2 cuts each parameter in chunks along dim 0, in shard order)."""

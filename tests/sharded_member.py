@@ -42,6 +42,29 @@ def momentum(opt: torch.optim.Optimizer) -> list[torch.Tensor | None]:
     ]
 
 
+def reads_after_losing(model, x, forward_read, stepping: bool) -> dict:
+    """What a user reads after catching ReplicaLostError: raised by the forward, this process's
+    shards of the model that forward read (``forward_read``: the last step's, its round
+    absorbed); raised after the optimizer step, that step's. Its module's state_dict() holds the
+    same local shards, and a later call raises again, changing nothing."""
+    reads = local_shards(model.module)
+    state = model.module.state_dict()
+    read = {"raised_in": "step" if stepping else "forward"}
+    read["equals_forward_read"] = all(map(torch.equal, reads, forward_read))
+    read["finite"] = all(bool(r.isfinite().all()) for r in reads)
+    read["state_dict_agrees"] = all(
+        torch.equal(state[name].to_local().cpu(), r)
+        for (name, _), r in zip(model.module.named_parameters(), reads)
+    )
+    try:
+        model(x)
+        read["raises_again"] = False
+    except gossip_ext.ReplicaLostError:
+        read["raises_again"] = True
+    read["unchanged_after"] = all(map(torch.equal, local_shards(model.module), reads))
+    return read
+
+
 def die_while_receiving() -> None:
     """This process SIGKILLs itself in its handoff, once its donor sent the size of the state."""
     from gossip_ext.membership import elastic
@@ -133,14 +156,27 @@ def main() -> int:
     result["first_step"] = model.step_count
     result["first_shards"] = local_shards(model.module)
     result["first_momentum"] = momentum(opt)
+    # This process's shards as each forward reads them (before FSDP2's all-gather).
+    forward_read: dict = {}
+    model.module.register_forward_pre_hook(
+        lambda module, _: forward_read.update(shards=local_shards(module)), prepend=True
+    )
     step = model.step_count
     try:
         while step < args.steps:
             x, y = (t.to(args.device) for t in batch(step, 10 * args.replica + args.shard))
-            loss = nn.functional.mse_loss(model(x), y)
-            opt.zero_grad()
-            loss.backward()
-            opt.step()
+            forward_read["shards"], stepping = local_shards(model.module), False
+            try:
+                loss = nn.functional.mse_loss(model(x), y)
+                opt.zero_grad()
+                loss.backward()
+                stepping = True
+                opt.step()
+            except gossip_ext.ReplicaLostError:
+                result["lost_reads"] = reads_after_losing(
+                    model, x, forward_read["shards"], stepping
+                )
+                raise
             step = model.step_count
             shards = local_shards(model.module)
             result["steps"].append(
