@@ -25,6 +25,7 @@ from exiting_processes import Parent  # noqa: E402
 ELASTIC_JOBS = int(os.environ.get("GOSSIP_EXIT_JOBS", "5"))
 STATIC_JOBS = 4  # of each kind: with and without destroy_process_group()
 WORKERS = 4
+MEMBER_STEPS = STEPS + 20  # the first workers' (_elastic_job)
 # The modes whose threads differ: the engine's rounds on the caller's thread, its progress
 # thread (overlap), the outer steps' collectives, and Streaming DiLoCo's fragments in flight.
 EXIT_MODES = ["sync", "overlap", "diloco_int8", "streaming_int8", "compressed"]
@@ -39,12 +40,18 @@ def parent():
 
 def _elastic_job(parent: Parent, out: Path, mode: str) -> dict[str, int | None]:
     """Four workers, one SIGKILLed after step 10, a replacement started once a survivor passed
-    step 12; no worker calls leave(). Returns each worker's exit status."""
+    step 12; no worker calls leave(). Returns each worker's exit status.
+
+    The first workers run MEMBER_STEPS, past the replacement's STEPS: it must be in the job
+    before they finish (a run saw them take the 18 steps after step 12 in 1.6 s while the
+    replacement, forked on a loaded machine, registered later and waited out its timeout for
+    members that had gone). The replacement, done first, leaves as a script's return does."""
     job = Job(out, launch=parent.start)
     try:
         for name in ("w0", "w1", "w2", "w3"):
             kill = ["--kill-at", "10"] if name == "w3" else []
-            job.start(name, "--mode", mode, "--min-workers", "2", "--step-seconds", "0.05", *kill)
+            pace = ["--step-seconds", "0.05", "--steps", str(MEMBER_STEPS)]
+            job.start(name, "--mode", mode, "--min-workers", "2", *pace, *kill)
         job.wait_for_step("w0", 12)
         job.start("w4", "--mode", mode, "--step-seconds", "0.05")
         job.wait()
