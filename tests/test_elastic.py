@@ -408,6 +408,42 @@ def test_a_worker_found_dead_by_several_neighbours_is_announced_once():
     assert neighbours[0]._text("gone").count("2:") == 1
 
 
+def _ended_job(members_left: list[int]):
+    """A membership service whose epoch 0 had workers 0 and 1, of which ``members_left`` left."""
+    server = torch.distributed.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+    address = f"127.0.0.1:{server.port}"
+    member = epochs.MembershipClient(address, timedelta(seconds=5))
+    server.add("worker_ids", 2)
+    member.propose(0, [0, 1], member.events())
+    server.set("latest", "0")
+    member.announce_gone(members_left, epochs.LEFT)
+    return server, address
+
+
+@pytest.mark.parametrize("members_left", [[0, 1], [1]])
+def test_a_joiner_of_a_job_whose_members_all_left_is_told_so_at_once(members_left):
+    server, address = _ended_job(members_left)
+    joiner = elastic.ElasticWorker(address, 1, timedelta(seconds=2), "gloo")
+    start = time.monotonic()
+    try:
+        if members_left == [0, 1]:
+            # Not the timeout's "are they training?": no member is left to take it in.
+            with pytest.raises(RuntimeError) as error:
+                joiner.join()
+            assert time.monotonic() - start < 1.0
+            assert str(error.value).startswith("gossip_ext: worker 2 cannot join the job at ")
+            assert "every member of its epoch 0 is gone (worker 0: left the job, worker 1: " in (
+                str(error.value)
+            )
+        else:
+            # Worker 0 is still in the job: the joiner waits for it, up to its timeout.
+            with pytest.raises(TimeoutError, match="to form epoch 1 with it"):
+                joiner.join()
+            assert time.monotonic() - start >= 2.0
+    finally:
+        joiner.client.heartbeat.stop()
+
+
 class _CountingStore:
     """A store that counts the requests that read beats."""
 

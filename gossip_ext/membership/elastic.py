@@ -44,6 +44,8 @@ logger = logging.getLogger("gossip_ext.membership.elastic")
 
 # The first epoch forms once min_workers registered and no other registered for this long.
 FIRST_EPOCH_SETTLE_S = 1.0
+# How often a joiner that waits for the members to take it in looks whether any is left.
+GONE_LOOK_S = 0.25
 
 # A worker whose state is part of the job: it trained in an earlier epoch, or received a donor's
 # state. The others of an epoch are joiners, and receive it.
@@ -155,7 +157,7 @@ class ElasticWorker:
             if epoch is None and number == 0:
                 epoch = self._propose_first(deadline)
             if epoch is None:
-                epoch = client.wait_for_epoch(number, deadline)
+                epoch = self._wait_for_the_members(number, deadline)
             if epoch is None:
                 raise TimeoutError(
                     f"gossip_ext: worker {self.worker} waited {self.timeout.total_seconds():g} s "
@@ -170,6 +172,27 @@ class ElasticWorker:
             if change is not None:
                 return change
             number += 1
+
+    def _wait_for_the_members(self, number: int, deadline: float) -> Epoch | None:
+        """Epoch ``number`` once the members of epoch ``number - 1`` form it at a step boundary,
+        or None at ``deadline``; RuntimeError as soon as every one of them is gone (the job
+        finished or failed): no one is left to form it, nor to hand this worker the model."""
+        client = self.client
+        previous = client.epoch(number - 1)
+        while True:
+            look_until = min(deadline, time.monotonic() + GONE_LOOK_S)
+            epoch = client.wait_for_epoch(number, look_until)
+            if epoch is not None or time.monotonic() > deadline or previous is None:
+                return epoch
+            gone = client.gone()
+            if all(m in gone for m in previous.members):
+                raise RuntimeError(
+                    f"gossip_ext: worker {self.worker} cannot join the job at {client.address}: "
+                    f"every member of its epoch {previous.number} is gone ("
+                    + ", ".join(f"worker {m}: {gone[m]}" for m in previous.members)
+                    + "), so no one is left to take it in or to hand it the model; start a new "
+                    "job, from a checkpoint"
+                )
 
     def _propose_first(self, deadline: float) -> Epoch:
         """Epoch 0, once ``min_workers`` workers registered and FIRST_EPOCH_SETTLE_S passed
