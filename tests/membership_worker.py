@@ -62,6 +62,18 @@ def batch(step: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
     return x, x.sum(dim=1, keepdim=True).sin()
 
 
+def train_step(model, opt, x, y, progress: dict) -> None:
+    """One step as a user's loop takes it; if it raises, ``progress["stage"]`` says where:
+    "forward", "backward" or "step" (the optimizer step, with the wrapper's round after it)."""
+    progress["stage"] = "forward"
+    loss = nn.functional.mse_loss(model(x), y)
+    opt.zero_grad()
+    progress["stage"] = "backward"
+    loss.backward()
+    progress["stage"] = "step"
+    opt.step()
+
+
 def flat(module: nn.Module) -> torch.Tensor:
     return torch.cat([p.detach().flatten() for p in module.parameters()]).cpu()
 
@@ -155,13 +167,9 @@ def main() -> int:
     try:
         while step < args.steps:
             x, y = (t.to(args.device) for t in batch(step, model.worker_id))
-            before, stepping = flat(model.module), False
+            before, progress = flat(model.module), {}
             try:
-                loss = nn.functional.mse_loss(model(x), y)
-                opt.zero_grad()
-                loss.backward()
-                stepping = True
-                opt.step()
+                train_step(model, opt, x, y, progress)
             except gossip_ext.RemovedError as error:
                 result["removed"] = str(error)
                 # What a user reads after catching it: raised by the forward, the model it read
@@ -171,7 +179,7 @@ def main() -> int:
                 reads = flat(model.module)
                 state = model.module.state_dict()
                 result["removed_reads"] = {
-                    "raised_in": "step" if stepping else "forward",
+                    "raised_in": progress["stage"],
                     "equals_before_forward": torch.equal(reads, before),
                     "finite": bool(reads.isfinite().all()),
                     "state_dict_agrees": torch.equal(

@@ -50,10 +50,10 @@ def finished(job: Job, replica: int, shards: int = SHARDS) -> list[dict]:
 
 
 def assert_lost_its_replica(job: Job, name: str) -> None:
-    """Process ``name`` raised ReplicaLostError, and what its user read then was a model: the
-    shards the forward that raised had read (the last step's model, its round absorbed), or, raised
-    at the step boundary, that step's; finite, the same in ``module.state_dict()``, unchanged by
-    a later call, which raised again."""
+    """Process ``name`` raised ReplicaLostError, and what its user read then was a model: raised
+    by the forward or the backward, the shards the forward had read (the last step's model, its
+    round absorbed); raised by the optimizer step's boundary, that step's; finite, the same in
+    ``module.state_dict()``, unchanged by a later call, which raised again."""
     result = job.result(name)
     assert result["error_type"] == "ReplicaLostError", (result["error"], job.log(name))
     read = result["lost_reads"]

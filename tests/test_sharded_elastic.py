@@ -40,14 +40,19 @@ def job(tmp_path):
     job.close()
 
 
-def test_a_killed_shard_process_takes_its_replica_out_and_the_others_train_on(job):
+@pytest.mark.parametrize("when", ["after_its_step", "in_its_backward"])
+def test_a_killed_shard_process_takes_its_replica_out_and_the_others_train_on(job, when):
     for replica in range(3):
-        # From step 10 on, once all three are in one epoch (however late one started).
-        kill = (1, ["--kill-at", "10", "--kill-in-world", "3"]) if replica == 2 else ()
-        start_replica(job, replica, "--min-workers", "2", kill=kill)
+        # From step 10 on, once all three are in one epoch (however late one started); in its
+        # backward, its sibling meets it in FSDP2's backward collectives.
+        kill = ["--kill-at", "10", "--kill-in-world", "3"]
+        kill += ["--kill-in-backward"] if when == "in_its_backward" else []
+        start_replica(job, replica, "--min-workers", "2", kill=(1, kill) if replica == 2 else ())
     job.wait()
     assert job.workers["r2s1"].returncode == -signal.SIGKILL
     assert_lost_its_replica(job, "r2s0")
+    if when == "in_its_backward":
+        assert job.result("r2s0")["lost_reads"]["raised_in"] == "backward"
     survivors = {replica: finished(job, replica) for replica in range(2)}
     for results in survivors.values():
         for result in results:
@@ -56,9 +61,11 @@ def test_a_killed_shard_process_takes_its_replica_out_and_the_others_train_on(jo
 
 
 def test_a_whole_replica_killed_then_a_replacement_joins_shard_by_shard(job):
+    # Paced so that the replacement, whose two processes start Python and torch from nothing,
+    # joins with steps to spare on a loaded machine (the last 18 steps take at least 5.4 s).
     for replica in range(2):
         kill = ["--kill-at", "8", "--kill-in-world", "2"] if replica == 1 else []
-        start_replica(job, replica, "--min-workers", "1", "--step-seconds", "0.2", *kill)
+        start_replica(job, replica, "--min-workers", "1", "--step-seconds", "0.3", *kill)
     job.wait_for_step("r0s0", 12)
     start_replica(job, 2, "--init-seed", "7", "--step-seconds", "0.2")
     job.wait()

@@ -19,10 +19,10 @@ the step boundary, where the replica's processes agree (one all-reduce of a flag
 replica's group) whether to change; all of them do, or none. A step boundary is after the
 optimizer step: never during a forward, a backward or a reshard.
 
-A replica whose process dies leaves: its other processes find the replica's group broken in the
-forward (FSDP2's all-gather) or at the step boundary, and stop with :class:`ReplicaLostError`
-(in the backward's reduce-scatter torch's own error is raised, and the process leaves when it
-exits); the survivors form an epoch without the replica. A new replica joins
+A replica whose process dies leaves: its other processes find the replica's group broken in one
+of FSDP2's collectives, forward or backward (:mod:`gossip_ext.sharded.replica_collectives`), or
+at the step boundary, and stop with :class:`ReplicaLostError`; the survivors form an epoch
+without the replica. A new replica joins
 with as many processes as the others (another number is refused, naming both), and each of its
 processes receives its shard (parameters, optimizer state, outer state, step count) from the
 same shard process of one live replica: no process ever holds the whole model.
@@ -33,7 +33,7 @@ from __future__ import annotations
 import datetime
 import pickle
 from collections.abc import Callable, Mapping
-from typing import Any
+from typing import Any, NoReturn
 
 import torch
 import torch.distributed as dist
@@ -41,7 +41,7 @@ import torch.distributed as dist
 from gossip_ext.membership import elastic as elastic_worker
 from gossip_ext.membership import epoch_group, runtime
 from gossip_ext.membership.epochs import Epoch, MembershipClient, RemovedError, Watch
-from gossip_ext.sharded import replicas
+from gossip_ext.sharded import replica_collectives, replicas
 
 
 class ReplicaLostError(RemovedError):
@@ -342,6 +342,9 @@ class ShardedElasticMembership(runtime.ElasticMembership):
         super().__init__(wrapper, membership, timeout, device, comm_device, worker=member)
         # A peer's failure seen by this process, until the replica agrees to change epoch.
         self._failure: elastic_worker.Failure | None = None
+        # FSDP2's all-gathers and reduce-scatters, forward and backward: a lost process of the
+        # replica raises ReplicaLostError from whichever meets it.
+        replica_collectives.install(wrapper.module, self._lose_replica)
 
     def guard(self, fn: Callable, *args) -> Any:
         """``fn(*args)``; a peer's failure is kept for the step boundary (the epoch's later
@@ -364,11 +367,16 @@ class ShardedElasticMembership(runtime.ElasticMembership):
         except Exception as error:
             if not elastic_worker.is_peer_failure(error):
                 raise
-            try:
-                self.worker.lose_replica(error)
-            except ReplicaLostError as lost:
-                self._stopped = lost
-                raise
+            self._lose_replica(error)
+
+    def _lose_replica(self, error: BaseException) -> NoReturn:
+        """A process of the replica is gone (``error``): leaves, and raises ReplicaLostError, the
+        same on every later call."""
+        try:
+            self.worker.lose_replica(error)
+        except ReplicaLostError as lost:
+            self._stopped = lost
+            raise
 
     def at_step_boundary(self) -> None:
         wants = self._failure is not None or self.worker.changed()
