@@ -362,12 +362,7 @@ class ShardedElasticMembership(runtime.ElasticMembership):
     def run_module(self, module: torch.nn.Module, *inputs: Any, **kwargs: Any) -> Any:
         """The forward, whose FSDP2 all-gathers are the replica's first collectives of a step: a
         failure there is a process of the replica gone (ReplicaLostError, after leaving)."""
-        try:
-            return module(*inputs, **kwargs)
-        except Exception as error:
-            if not elastic_worker.is_peer_failure(error):
-                raise
-            self._lose_replica(error)
+        return replica_collectives.run_or_lose(self._lose_replica, module, *inputs, **kwargs)
 
     def _lose_replica(self, error: BaseException) -> NoReturn:
         """A process of the replica is gone (``error``): leaves, and raises ReplicaLostError, the

@@ -29,6 +29,17 @@ from torch import nn
 from gossip_ext.membership import elastic as elastic_worker
 
 
+def run_or_lose(lose: Callable[[BaseException], NoReturn], fn: Callable, *args, **kwargs):
+    """``fn(*args, **kwargs)``, over the replica's group; a peer's failure there (a process of
+    the replica gone) is handed to ``lose``, which raises ReplicaLostError."""
+    try:
+        return fn(*args, **kwargs)
+    except Exception as error:
+        if not elastic_worker.is_peer_failure(error):
+            raise
+        lose(error)
+
+
 class _Collective:
     """What FSDP2 asks of a collective: ``allocate`` its buffers, and run on a group."""
 
@@ -41,12 +52,7 @@ class _Collective:
         return torch.empty(*size, dtype=dtype, device=device)
 
     def _run(self, collective: Callable, *args, **kwargs):
-        try:
-            return collective(*args, **kwargs)
-        except Exception as error:
-            if not elastic_worker.is_peer_failure(error):
-                raise
-            self._lose(error)
+        return run_or_lose(self._lose, collective, *args, **kwargs)
 
 
 class ReplicaAllGather(_Collective):
