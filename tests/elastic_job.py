@@ -31,9 +31,10 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def _run_main(module: str, argv: list[str], log_path: str) -> None:
-    """A forked process's body: ``module``'s main() with argv as its command line, its output to
-    log_path."""
+def _run_main(module: str, argv: list[str], log_path: str, env: dict[str, str]) -> None:
+    """A forked process's body: ``module``'s main() with argv as its command line and ``env``
+    added to its environment (the forkserver's, not the test's), its output to log_path."""
+    os.environ.update(env)
     log = os.open(log_path, os.O_WRONLY | os.O_TRUNC)
     os.dup2(log, 1)
     os.dup2(log, 2)
@@ -47,11 +48,13 @@ class ForkedProcess:
     interface the tests use: returncode (negative: the signal that ended it), poll, wait,
     send_signal, kill."""
 
-    def __init__(self, module: str, argv: list[str], log_path: Path):
+    def __init__(
+        self, module: str, argv: list[str], log_path: Path, env: dict[str, str] | None = None
+    ):
         log_path.touch()  # there to be read at once
         # Daemonic: one the tests left running ends with them instead of holding up their exit.
         self._process = forkserver_context().Process(
-            target=_run_main, args=(module, argv, str(log_path)), daemon=True
+            target=_run_main, args=(module, argv, str(log_path), env or {}), daemon=True
         )
         self._process.start()
         self.pid = self._process.pid
@@ -81,12 +84,14 @@ class Job:
     forkserver, or by ``launch`` (tests/exiting_processes.py's, for processes that must exit as a
     script does)."""
 
-    def __init__(self, out: Path, launch=ForkedProcess):
+    def __init__(self, out: Path, launch=ForkedProcess, env: dict[str, str] | None = None):
         out.mkdir(exist_ok=True)
         self.out = out
         self.port = free_port()
+        # The service's and every forked worker's (a job secret: GOSSIP_EXT_JOB_SECRET_FILE).
+        self.env = env or {}
         self.service = ForkedProcess(
-            "gossip_ext.membership", ["--port", str(self.port)], out / "service.log"
+            "gossip_ext.membership", ["--port", str(self.port)], out / "service.log", self.env
         )
         self._launch = launch
         self.workers: dict[str, ForkedProcess | subprocess.Popen] = {}
@@ -117,6 +122,7 @@ class Job:
                 *args,
             ],
             self.out / f"{name}.log",
+            **({"env": self.env} if self.env else {}),
         )
         return self.workers[name]
 

@@ -18,7 +18,7 @@ from multiprocess import run_ranks
 from torch import nn
 
 import gossip_ext
-from gossip_ext.membership import elastic, epochs
+from gossip_ext.membership import elastic, epochs, trust
 
 sys.path.insert(0, str(Path(__file__).parent))
 from elastic_job import STEPS, TIMEOUT_S, Job, free_port  # noqa: E402
@@ -454,26 +454,36 @@ class _CountingStore:
         self.reads += value == 0  # a read (add 0) rather than a beat
         return self.store.add(key, value)
 
+    def compare_set(self, key, expected, desired):
+        return self.store.compare_set(key, expected, desired)
+
     def multi_get(self, keys):
         self.reads += 1
         return self.store.multi_get(keys)
 
 
 def test_a_look_at_the_heartbeats_is_one_request_and_a_worker_that_never_beat_is_silent():
+    # Also: a beat an outsider forged (unsealed, or an old sealed count written back) is no beat.
     server = torch.distributed.TCPStore(
         "127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=30)
     )
+    seal = trust.HmacSeal(b"a job secret of 16+ bytes", "nonce")
     server.add("events", 4)  # bumped by every registration
-    server.add("beat/1", 5)  # worker 2 never beat: its key does not exist yet
+    count = 5
+    server.set("beat/1", seal.seal("beat/1", str(count)))  # worker 2 never beat: no key yet
+    server.set("beat/3", seal.seal("beat/3", "7"))
     store = _CountingStore(server)
-    beats = epochs._Beats(store, [1, 2, 3])
+    beats = epochs.Beats(store, seal, [1, 2, 3])
     assert beats.events == 4
     store.reads = 0
     start = time.monotonic()
     looks, silent = 0, []
     while not silent:
         time.sleep(epochs.HEARTBEAT_S)
-        server.add("beat/1", 1)  # worker 1 beats; 2 and 3 do not
+        count += 1
+        server.set("beat/1", seal.seal("beat/1", str(count)))  # worker 1 beats; 2 and 3 do not
+        forged = seal.seal("beat/3", "6") if looks % 2 else str(count)  # an old count, unsealed
+        server.set("beat/3", forged)
         server.add("events", 1)  # read with the beats, in the same request
         silent = beats.silent([1, 2, 3])
         looks += 1
@@ -482,8 +492,8 @@ def test_a_look_at_the_heartbeats_is_one_request_and_a_worker_that_never_beat_is
     assert beats.events == 4 + looks
     assert epochs.SILENT_S < elapsed < epochs.SILENT_S + 1.0, elapsed  # no wait for a missing key
     assert store.reads == looks, (store.reads, looks)
-    server.add("beat/1", 1)
-    assert beats.unchanged([1, 2]) == [2]
+    server.set("beat/1", seal.seal("beat/1", str(count + 1)))
+    assert beats.unchanged([1, 2, 3]) == [2, 3]
 
 
 class _NoRequests:

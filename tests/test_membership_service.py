@@ -21,7 +21,7 @@ from gossip_ext.membership import service as membership_service
 ROOT = Path(__file__).resolve().parent.parent
 READY_LINE = re.compile(
     re.escape(f"{membership_service.PREFIX} {membership_service.READY} ")
-    + r"127\.0\.0\.1:(\d+), ready"
+    + r"127\.0\.0\.1:(\d+), ready; .+"
 )
 
 

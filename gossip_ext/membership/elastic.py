@@ -28,7 +28,7 @@ import logging
 import threading
 import time
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -36,7 +36,7 @@ import torch
 import torch.distributed as dist
 
 from gossip_ext.errors import PeerTimeoutError
-from gossip_ext.membership import epoch_group
+from gossip_ext.membership import admission, epoch_group
 from gossip_ext.membership.epochs import LEFT, Epoch, MembershipClient, RemovedError
 
 logger = logging.getLogger("gossip_ext.membership.elastic")
@@ -46,10 +46,6 @@ logger = logging.getLogger("gossip_ext.membership.elastic")
 FIRST_EPOCH_SETTLE_S = 1.0
 # How often a joiner that waits for the members to take it in looks whether any is left.
 GONE_LOOK_S = 0.25
-
-# A worker whose state is part of the job: it trained in an earlier epoch, or received a donor's
-# state. The others of an epoch are joiners, and receive it.
-_READY = "ready/{}"
 
 
 @dataclass(frozen=True)
@@ -107,7 +103,10 @@ class Change:
 
 
 class ElasticWorker:
-    """This process's membership: registered at construction, in one epoch at a time."""
+    """This process's membership: registered at construction, in one epoch at a time. Every
+    value it reads from the service is sealed with the job's ``secret``
+    (:mod:`gossip_ext.membership.trust`; None: an open job), and it registers only once its
+    ``fingerprint`` matches the job's (:mod:`gossip_ext.membership.admission`)."""
 
     def __init__(
         self,
@@ -116,9 +115,13 @@ class ElasticWorker:
         timeout: datetime.timedelta,
         backend: str,
         shards: int = 1,
+        *,
+        secret: bytes | None = None,
+        fingerprint: Mapping[str, object] | None = None,
     ):
-        self.client = MembershipClient(address, timeout)
+        self.client = MembershipClient(address, timeout, secret)
         self.shards = shards  # the processes of each replica (1: unsharded)
+        self.fingerprint = dict(fingerprint or {}, shards=shards)
         self.min_workers = min_workers
         self.timeout = timeout
         self.backend = backend
@@ -137,10 +140,11 @@ class ElasticWorker:
     # ----------------------------------------------------------------------------- joining
 
     def register(self) -> int:
-        """This worker's id, registered (the job's layout checked first); :meth:`join` does it
-        if it was not done."""
+        """This worker's id, registered once it was admitted (its fingerprint is the job's:
+        JobMismatchError naming what differs otherwise); :meth:`join` does it if it was not
+        done."""
         if self.client.worker < 0:
-            self.client.check_layout(self.shards)
+            admission.admit(self.client, self.fingerprint)
             self.client.register()
         return self.client.worker
 
@@ -294,7 +298,9 @@ class ElasticWorker:
         if missing:
             client.announce_gone(missing, f"did not reach epoch {epoch.number} in time")
             return None
-        joined = [m for m in epoch.members if not client.store.check([_READY.format(m)])]
+        # A worker whose state is part of the job trained in an earlier epoch, or received a
+        # donor's state. The others of an epoch are joiners, and receive it.
+        joined = [m for m in epoch.members if not client.is_ready(m)]
         if len(joined) == len(epoch.members):
             raise RuntimeError(
                 f"gossip_ext: no member of epoch {epoch.number} at {client.address} holds the "
@@ -303,7 +309,7 @@ class ElasticWorker:
         building = time.monotonic()
         try:
             group = epoch_group.build(
-                client.store,
+                client.rendezvous_store,
                 epoch.number,
                 epoch.rank(self.worker),
                 len(epoch.members),
@@ -342,7 +348,8 @@ class ElasticWorker:
         """Where the ranks of this epoch's NCCL transport meet: a key of the epoch in the
         membership store (no default store exists, and the key must differ from every earlier
         epoch's, which a joiner could not count)."""
-        return dist.PrefixStore(f"epoch/{self.epoch.number}/nccl", self.client.store), "unique_id"
+        store = self.client.rendezvous_store
+        return dist.PrefixStore(f"epoch/{self.epoch.number}/nccl", store), "unique_id"
 
     def leaving_epoch(self) -> None:
         """Says, before this worker drops anything of its epoch, that it is leaving it alive: a
@@ -356,7 +363,7 @@ class ElasticWorker:
         """This worker holds the job's state (it starts the job, or received the state from a
         donor): from now on it can hand it on."""
         self.ready = True
-        self.client.store.set(_READY.format(self.worker), "1")
+        self.client.mark_ready()
 
     # ----------------------------------------------------------------------------- leaving
 
@@ -432,10 +439,16 @@ def receive_state(donor: int, group: dist.ProcessGroup, device: torch.device) ->
     dist.recv(size, donor, group)
     data = torch.empty(int(size.item()), dtype=torch.uint8)
     dist.recv(data, donor, group)
+    return load_handoff(data.numpy().tobytes(), device)
+
+
+def load_handoff(data: bytes, device: torch.device) -> dict[str, Any]:
+    """The state a donor sent as ``data``: tensors and plain values only (``weights_only``), so
+    that a payload never runs code here; CUDA tensors on ``device``."""
 
     def place(storage, location: str):
         if location.startswith("cuda") and device.type == "cuda":
             return storage.cuda(device.index)
         return storage
 
-    return torch.load(io.BytesIO(data.numpy().tobytes()), map_location=place, weights_only=False)
+    return torch.load(io.BytesIO(data), map_location=place, weights_only=True)

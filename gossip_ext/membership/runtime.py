@@ -20,6 +20,7 @@ import torch.distributed as dist
 
 from gossip_ext.averagings import failures
 from gossip_ext.gossip.transport import choose_transport
+from gossip_ext.membership import admission, trust
 from gossip_ext.membership import elastic as _elastic_worker
 from gossip_ext.outer import streaming
 
@@ -103,7 +104,12 @@ class ElasticMembership:
         # ``worker``: this process's part in the epochs, where it is not a whole worker (a
         # process of a sharded replica: gossip_ext.sharded.elastic).
         self.worker = worker or _elastic_worker.ElasticWorker(
-            membership.address, membership.min_workers, timeout, "gloo"
+            membership.address,
+            membership.min_workers,
+            timeout,
+            "gloo",
+            secret=trust.job_secret(membership.secret),
+            fingerprint=fingerprint_of(wrapper, membership),
         )
         # The donor's optimizer state, until register_optimizer() hands it to the optimizer.
         self._handed_optimizer_state = None
@@ -324,6 +330,19 @@ class ElasticMembership:
         if optimizer is not None and state["optimizer"] is not None:
             self._load_optimizer_state(optimizer, state["optimizer"])
             self._handed_optimizer_state = None
+
+
+def fingerprint_of(wrapper, membership, shards: int = 1) -> dict[str, object]:
+    """What a worker of ``wrapper``'s job must share with it before it may join
+    (:mod:`gossip_ext.membership.admission`): its configuration and its parameters' layout
+    (a sharded module's whole parameters: every replica's are the same)."""
+    named = wrapper.module.named_parameters()
+    return admission.fingerprint(
+        job=membership.job,
+        shards=shards,
+        configuration=wrapper.configuration.describe(None),
+        parameters=[(n, tuple(p.shape), str(p.dtype)) for n, p in named],
+    )
 
 
 def _abandon_rounds_of(model: weakref.ref) -> Callable[[str], None]:

@@ -1,0 +1,193 @@
+"""A worker's heartbeat, and the watch over the other members' heartbeats: how an elastic job
+tells a dead or stopped worker from one that is only busy (the keys in
+:mod:`gossip_ext.membership.epochs`)."""
+
+from __future__ import annotations
+
+import datetime
+import logging
+import threading
+import time
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING
+
+import torch.distributed as dist
+
+from gossip_ext.membership import trust
+
+if TYPE_CHECKING:  # the client builds the watch: only its type is needed here
+    from gossip_ext.membership.epochs import Epoch, MembershipClient
+
+logger = logging.getLogger("gossip_ext.membership.elastic")  # with the epoch-change lines
+
+LEFT = "left the job"  # why a worker that called leave() (or exited) is gone
+HEARTBEAT_S = 0.1  # how often a worker's heartbeat thread bumps its counter
+SILENT_S = 1.5  # a heartbeat silent this long: the worker is dead or stopped
+# How long a worker that a failed round names is watched before it is accused: its heartbeat
+# thread runs while it waits in a round (the wait releases the GIL), so five beats missed in a
+# row mean its process is dead or stopped. It is the time every survivor of a SIGKILL waits.
+CONFIRM_S = 5 * HEARTBEAT_S
+
+
+class Beats:
+    """The heartbeats of ``workers`` as seen from a check-in or a watch: which stopped for
+    SILENT_S. Each look reads every beat it needs, and the ``events`` count, in one request
+    (``multi_get``): a watch looks at every beat, and each of N workers reading N - 1 keys one by
+    one made N^2 requests per look at the service. A beat is a sealed count that rose: one that
+    an outsider wrote, or wrote back (an old count), is no beat."""
+
+    def __init__(self, store: dist.Store, seal: trust.Seal, workers: Sequence[int]):
+        self.store = store
+        self.seal = seal
+        for w in workers:
+            # multi_get waits for a key that does not exist yet (the store's timeout, minutes):
+            # a worker that died before its first beat must still read as silent.
+            store.compare_set(f"beat/{w}", "", seal.seal(f"beat/{w}", "0"))
+        self.events = -1  # the ``events`` count at the latest look (it exists: this registered)
+        now = time.monotonic()
+        self.seen = {w: (beat, now) for w, beat in zip(workers, self._read(workers))}
+        self.read_at = now
+
+    def _read(self, workers: Sequence[int]) -> list[int]:
+        events, *beats = self.store.multi_get(["events", *(f"beat/{w}" for w in workers)])
+        self.events = _count(events)
+        keys = (f"beat/{w}" for w in workers)
+        opened = (self.seal.open(k, b.decode(errors="replace")) for k, b in zip(keys, beats))
+        return [int(v) if v is not None and v.isdigit() else -1 for v in opened]
+
+    def unchanged(self, workers: Sequence[int]) -> list[int]:
+        """Those of ``workers`` whose heartbeat did not rise since this began watching."""
+        return [w for w, b in zip(workers, self._read(workers)) if b <= self.seen[w][0]]
+
+    def silent(self, workers: Sequence[int]) -> list[int]:
+        now = time.monotonic()
+        if now - self.read_at < HEARTBEAT_S / 2:  # a watch looks every HEARTBEAT_S, give or take
+            return []
+        self.read_at = now
+        silent = []
+        for w, beat in zip(workers, self._read(workers)):
+            last, since = self.seen[w]
+            if beat > last:
+                self.seen[w] = (beat, now)
+            elif now - since > SILENT_S:
+                silent.append(w)
+        return silent
+
+
+def _count(value: bytes) -> int:
+    """A counter's value; -1 where an outsider wrote something else (it is only a hint)."""
+    text = value.decode(errors="replace").strip()
+    return int(text) if text.lstrip("-").isdigit() else -1
+
+
+class Heartbeat:
+    """Raises ``beat/ID``'s sealed count every HEARTBEAT_S from a thread of its own, on a store
+    connection of its own, until stopped: how the members forming an epoch tell a dead or
+    stopped worker from one that is only busy finishing its step."""
+
+    def __init__(self, address: str, timeout: datetime.timedelta, seal: trust.Seal, worker: int):
+        host, _, port = address.rpartition(":")
+        self.store = dist.TCPStore(host.strip("[]"), int(port), is_master=False, timeout=timeout)
+        self.seal = seal
+        self.key = f"beat/{worker}"
+        self.stopped = threading.Event()
+        self.thread = threading.Thread(
+            target=self._run, name=f"gossip_ext heartbeat {worker}", daemon=True
+        )
+        self.thread.start()
+
+    def _run(self) -> None:
+        count = 0
+        while not self.stopped.wait(HEARTBEAT_S):
+            count += 1
+            try:
+                self.store.set(self.key, self.seal.seal(self.key, str(count)))
+            except Exception:  # noqa: BLE001 - the service is gone; the worker will find out
+                return
+
+    def stop(self) -> None:
+        self.stopped.set()
+
+
+class Watch:
+    """Watches the heartbeats of the other members of this worker's epoch, from a thread of its
+    own on a store connection of its own, while the worker trains in that epoch. A member whose
+    heartbeat stays silent for SILENT_S (its process died or is stopped: a busy one still beats)
+    is announced gone, and ``on_silent`` is called with why, from this thread: the worker gives up
+    a round that waits for that member then, not at the timeout, and every member moves to the
+    next epoch without it (its announcement bumps ``events``). A thread apart from the
+    heartbeat's: a beat must never wait behind the watch's work (an announcement, a round given
+    up, an NCCL communicator aborted)."""
+
+    def __init__(self, client: MembershipClient):
+        self.client = client  # a connection of its own, announcing in this worker's name
+        worker = client.worker
+        self._lock = threading.Lock()
+        self._following: tuple[Epoch, list[int], Callable[[str], None]] | None = None
+        # The highest ``events`` count its looks read: the worker compares it with its epoch's at
+        # every step boundary, so that no step waits on a request to the service.
+        self.events = -1
+        self.stopped = threading.Event()
+        self.thread = threading.Thread(
+            target=self._run, name=f"gossip_ext watch {worker}", daemon=True
+        )
+        self.thread.start()
+
+    def follow(self, epoch: Epoch, others: Sequence[int], on_silent: Callable[[str], None]):
+        """Watches ``others`` (the epoch's members but this worker) until :meth:`pause`."""
+        with self._lock:
+            self._following = (epoch, list(others), on_silent)
+
+    def pause(self) -> None:
+        """Stops watching (this worker is leaving its epoch): once it returns, ``on_silent`` is
+        not running and will not be called for that epoch."""
+        with self._lock:
+            self._following = None
+
+    def stop(self) -> None:
+        self.pause()
+        self.stopped.set()
+
+    def _run(self) -> None:
+        watched, beats, why = None, None, None
+        while not self.stopped.wait(HEARTBEAT_S):
+            with self._lock:
+                following = self._following
+            if following is None:
+                continue
+            epoch, others, on_silent = following
+            try:
+                if watched is not following:
+                    beats = Beats(self.client.store, self.client.seal, others)
+                    watched, why = following, None
+                elif why is None:
+                    why = self._silent(epoch, others, beats)
+                    if why is not None:
+                        logger.info("gossip_ext epoch %d: %s", epoch.number, why)
+            except Exception:  # noqa: BLE001 - the service is gone; the worker will find out
+                return
+            self.events = max(self.events, beats.events)
+            if why is None:
+                continue
+            # Again at every look until the worker leaves the epoch: a round it starts after the
+            # first call (its engine was being built) is given up too.
+            with self._lock:  # pause() waits for it: no call reaches the worker's next epoch
+                if self._following is following:
+                    on_silent(why)
+
+    def _silent(self, epoch: Epoch, others: list[int], beats: Beats) -> str | None:
+        """Why to give up on the members whose heartbeat stopped (announced gone), or None."""
+        silent = beats.silent(others)
+        if not silent:
+            return None
+        gone = self.client.gone()
+        # One that left on purpose closed its connections: its rounds fail at once.
+        silent = [w for w in silent if gone.get(w) != LEFT]
+        if not silent:
+            return None
+        self.client.announce_gone(silent, f"its heartbeat stopped in epoch {epoch.number}")
+        return (
+            f"the heartbeat of worker{'s' if len(silent) > 1 else ''} "
+            f"{', '.join(map(str, silent))} stopped for {SILENT_S:g} s in epoch {epoch.number} "
+            "(its process died or is stopped)"
+        )

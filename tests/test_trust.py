@@ -1,0 +1,205 @@
+"""Who may take part in an elastic job (gossip_ext.membership.trust and .admission): an outsider
+who reaches the membership service's port, without the job's secret, can neither join, remove a
+member, split the job nor read the model; a worker of another job is refused before it registers
+and the members train on. Real processes over gloo on 127.0.0.1 (tests/elastic_job.py)."""
+
+from __future__ import annotations
+
+import io
+import pickle
+import threading
+import time
+from datetime import timedelta
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+from elastic_job import STEPS, Job, free_port
+from torch import nn
+
+import gossip_ext
+from gossip_ext.membership import admission, elastic, epochs, service, trust
+
+SECRET = "a job secret, 16 bytes or more"
+
+
+class _Marker:
+    """A pickle that, loaded, creates a file: the proof that a payload ran."""
+
+    def __init__(self, path: Path):
+        self.path = str(path)
+
+    def __reduce__(self):
+        return (open, (self.path, "w"))
+
+
+# ----------------------------------------------------------------------------- an outsider
+
+
+def _outsider_attacks(address: str, marker: Path) -> None:
+    """Each move of the table in docs/elastic.md#security, by a process that holds no secret."""
+    host, port = epochs.parse_address(address)
+    raw = dist.TCPStore(host, port, is_master=False, timeout=timedelta(seconds=10))
+    # Joining, without a secret or with another one: refused before it registers.
+    for secret in (None, b"another secret, of 16 bytes"):
+        with pytest.raises(PermissionError, match="secret"):
+            elastic.ElasticWorker(address, 1, timedelta(seconds=3), "gloo", secret=secret)
+    # Removing both members, twice, with and without a forged seal.
+    for entry in ("0:died;1:died;", "0:died~" + "0" * 64 + ";"):
+        raw.append("gone", entry)
+        raw.add("events", 1)
+    raw.compare_set("gone/0", "", "outsider")  # a claim on the announcement of worker 0
+    # Splitting the job: the next epochs written first, with the members alone or the outsider.
+    raw.set("epoch/1", "99|0")
+    raw.set("epoch/2", "99|0,1,7")
+    # Ids handed out again, a forged readiness, and a pickle where a replica's leader speaks.
+    raw.set("worker_ids", "0")
+    raw.set("ready/7", "1")
+    raw.set("replica/0/told/1", pickle.dumps(_Marker(marker)))
+    raw.set("fingerprint/extra", pickle.dumps(_Marker(marker)))
+
+
+def _finished(job: Job, name: str) -> dict:
+    result = job.result(name)
+    assert result["error"] is None and result["removed"] is None, (name, job.log(name))
+    assert result["final_step"] == STEPS, (name, job.log(name))
+    return result
+
+
+def _joins_with(address: str, module: nn.Module, **options) -> None:
+    """A GossipDataParallel of ``module`` joining the job at ``address`` (with its secret)."""
+    gossip_ext.GossipDataParallel(
+        module,
+        membership=gossip_ext.Elastic(address, secret=SECRET, job=options.pop("job", "")),
+        timeout=timedelta(seconds=5),
+        **options,
+    )
+
+
+def test_an_outsider_neither_joins_removes_splits_nor_runs_code_and_a_bad_worker_is_refused(
+    tmp_path,
+):
+    secret_file = tmp_path / "secret"
+    secret_file.write_text(SECRET + "\n")
+    job = Job(tmp_path / "job", env={trust.SECRET_FILE_ENV: str(secret_file)})
+    marker = tmp_path / "payload_ran"
+    try:
+        for name in ("w0", "w1"):
+            job.start(name, "--min-workers", "2", "--step-seconds", "0.2")
+        job.wait_for_step("w0", 3)
+        address = f"127.0.0.1:{job.port}"
+        _outsider_attacks(address, marker)
+        # Workers of another job: another shape, algorithm or job name, each refused alone.
+        net = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 1))
+        wider = nn.Sequential(nn.Linear(8, 32), nn.Tanh(), nn.Linear(32, 1))
+        refusals = [
+            (wider, {}, "parameter '0.weight': the job has shape (16, 8) torch.float32"),
+            (net, {"gossip": gossip_ext.SGP(overlap=True)}, "configuration.gossip.overlap"),
+            (net, {"job": "another"}, "job: the job has '', this worker has 'another'"),
+        ]
+        for module, options, words in refusals:
+            with pytest.raises(admission.JobMismatchError, match="refused before joining") as no:
+                _joins_with(address, module, **options)
+            assert words in str(no.value), str(no.value)
+        # A worker of the job joins after all of it, taking the members' model.
+        job.start("w2", "--step-seconds", "0.2", "--init-seed", "7")
+        job.wait()
+        results = [_finished(job, n) for n in ("w0", "w1", "w2")]
+    finally:
+        job.close()
+    assert not marker.exists(), "a payload from the network ran"
+    # No member was removed and the job never split: every epoch had both members, and the
+    # last one all three; the ids handed out again were not taken twice. (The outsider's bumps
+    # of the ``events`` counter make the members form epochs again with the same members: a
+    # flood, which costs time, not the job.)
+    for result in results:
+        assert {s["world_size"] for s in result["steps"]} <= {2, 3}, result["steps"]
+        assert result["steps"][-1]["world_size"] == 3
+    assert sorted(r["worker_id"] for r in results) == [0, 1, 2]
+    log = job.log("w0") + job.log("w1")
+    assert "not sealed with this job's secret" in log, log
+    for key in ("'gone'", "'epoch/1'"):
+        assert key in log, (key, log)
+
+
+# ----------------------------------------------------------------------------- the secret
+
+
+def _serve(secret: bytes | None) -> tuple[str, threading.Event]:
+    stop, port = threading.Event(), free_port()
+    serving = threading.Thread(
+        target=service.serve, args=("127.0.0.1", port, stop, secret), daemon=True
+    )
+    serving.start()
+    end = time.monotonic() + 10
+    while True:
+        try:
+            dist.TCPStore("127.0.0.1", port, is_master=False, timeout=timedelta(seconds=1))
+            return f"127.0.0.1:{port}", stop
+        except Exception:  # noqa: BLE001 - not listening yet
+            assert time.monotonic() < end, "the service did not start"
+            time.sleep(0.05)
+
+
+def test_a_worker_and_its_service_must_agree_on_the_secret():
+    sealed, stop_sealed = _serve(SECRET.encode())
+    open_job, stop_open = _serve(None)
+    try:
+        timeout = timedelta(seconds=3)
+        with pytest.raises(PermissionError, match="started with a job secret, and this worker"):
+            epochs.MembershipClient(sealed, timeout, None)
+        with pytest.raises(PermissionError, match="another secret than this worker's"):
+            epochs.MembershipClient(sealed, timeout, b"x" * 16)
+        with pytest.raises(PermissionError, match="was started without one"):
+            epochs.MembershipClient(open_job, timeout, SECRET.encode())
+        client = epochs.MembershipClient(sealed, timeout, SECRET.encode())
+        assert client.seal.authenticated
+        # What the job's workers write carries its key: moved to another key, it is ignored.
+        client.put("epoch/3", "5|0,1")
+        moved = client.store.get("epoch/3")
+        client.store.set("epoch/4", moved)
+        assert client.epoch(3) == epochs.Epoch(3, (0, 1), 5)
+        assert client.epoch(4) is None
+        with pytest.warns(UserWarning, match="anyone who reaches the membership service's port"):
+            admission.admit(epochs.MembershipClient(open_job, timeout), {"job": ""})
+    finally:
+        stop_sealed.set()
+        stop_open.set()
+
+
+def test_the_secret_comes_from_the_argument_the_environment_or_a_file(tmp_path, monkeypatch):
+    monkeypatch.delenv(trust.SECRET_ENV, raising=False)
+    monkeypatch.delenv(trust.SECRET_FILE_ENV, raising=False)
+    assert trust.job_secret() is None
+    monkeypatch.setenv(trust.SECRET_ENV, SECRET)
+    assert trust.job_secret() == SECRET.encode()
+    assert trust.job_secret(b"given, of sixteen bytes") == b"given, of sixteen bytes"
+    monkeypatch.delenv(trust.SECRET_ENV)
+    (tmp_path / "s").write_text(f"  {SECRET}\n")
+    monkeypatch.setenv(trust.SECRET_FILE_ENV, str(tmp_path / "s"))
+    assert trust.job_secret() == SECRET.encode()
+    monkeypatch.setenv(trust.SECRET_FILE_ENV, str(tmp_path / "missing"))
+    with pytest.raises(ValueError, match="GOSSIP_EXT_JOB_SECRET_FILE='.*missing' cannot be read"):
+        trust.job_secret()
+    with pytest.raises(ValueError, match="at least 16 bytes"):
+        trust.job_secret("short")
+    with pytest.raises(TypeError, match=r"\(secret=...\): secret must be a str or bytes, got int"):
+        gossip_ext.Elastic("h:1", secret=12345678901234567890)
+    assert SECRET not in repr(gossip_ext.Elastic("h:1", secret=SECRET))
+    assert "secret" not in gossip_ext.Elastic("h:1", secret=SECRET).describe()
+
+
+def test_a_handoff_loads_tensors_and_plain_values_only(tmp_path):
+    # What a joiner does with a donor's bytes: a payload that would run code is refused, not run.
+    marker = tmp_path / "payload_ran"
+    payload = io.BytesIO()
+    torch.save({"module": _Marker(marker)}, payload)
+    with pytest.raises(pickle.UnpicklingError):
+        elastic.load_handoff(payload.getvalue(), torch.device("cpu"))
+    assert not marker.exists()
+    state = {"module": {"w": torch.ones(2)}, "steps": 3, "outer": {"n": (1, 2.0)}}
+    payload = io.BytesIO()
+    torch.save(state, payload)
+    loaded = elastic.load_handoff(payload.getvalue(), torch.device("cpu"))
+    assert torch.equal(loaded["module"]["w"], torch.ones(2)) and loaded["outer"] == {"n": (1, 2.0)}
