@@ -54,6 +54,14 @@ MODES = {
         "outer_dtype": "int8",
     },
 }
+# Not of MODES, which the tests run each: a worker configured unlike the "diloco" job in what its
+# fingerprint does not hold (the outer optimizer's learning rate), for tests/test_trust.py.
+VARIANTS = {
+    "diloco_other_lr": {
+        **MODES["diloco"],
+        "outer_optimizer": lambda p: torch.optim.SGD(p, lr=0.5, momentum=0.5, nesterov=True),
+    },
+}
 
 
 def batch(step: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -114,7 +122,7 @@ def main() -> int:
     parser.add_argument("--out", required=True)
     parser.add_argument("--name", required=True)
     parser.add_argument("--steps", type=int, default=40)
-    parser.add_argument("--mode", default="sync", choices=sorted(MODES))
+    parser.add_argument("--mode", default="sync", choices=sorted({**MODES, **VARIANTS}))
     parser.add_argument("--min-workers", type=int, default=1)
     parser.add_argument("--timeout", type=float, default=10.0)
     parser.add_argument("--kill-at", type=int, default=-1, help="SIGKILL itself after this step")
@@ -143,7 +151,7 @@ def main() -> int:
             membership=args.membership,
             min_workers=args.min_workers,
             timeout=timedelta(seconds=args.timeout),
-            **MODES[args.mode],
+            **{**MODES, **VARIANTS}[args.mode],
         )
         opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
         model.register_optimizer(opt)

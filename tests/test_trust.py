@@ -22,6 +22,7 @@ import gossip_ext
 from gossip_ext.membership import admission, elastic, epochs, service, trust
 
 SECRET = "a job secret, 16 bytes or more"
+DILOCO = ("--mode", "diloco")
 
 
 class _Marker:
@@ -86,7 +87,7 @@ def test_an_outsider_neither_joins_removes_splits_nor_runs_code_and_a_bad_worker
     marker = tmp_path / "payload_ran"
     try:
         for name in ("w0", "w1"):
-            job.start(name, "--min-workers", "2", "--step-seconds", "0.2")
+            job.start(name, "--min-workers", "2", "--step-seconds", "0.2", *DILOCO)
         job.wait_for_step("w0", 3)
         address = f"127.0.0.1:{job.port}"
         _outsider_attacks(address, marker)
@@ -95,28 +96,35 @@ def test_an_outsider_neither_joins_removes_splits_nor_runs_code_and_a_bad_worker
         wider = nn.Sequential(nn.Linear(8, 32), nn.Tanh(), nn.Linear(32, 1))
         refusals = [
             (wider, {}, "parameter '0.weight': the job has shape (16, 8) torch.float32"),
-            (net, {"gossip": gossip_ext.SGP(overlap=True)}, "configuration.gossip.overlap"),
+            (net, {"gossip": gossip_ext.SGP()}, "configuration.gossip: the job has None"),
             (net, {"job": "another"}, "job: the job has '', this worker has 'another'"),
         ]
         for module, options, words in refusals:
             with pytest.raises(admission.JobMismatchError, match="refused before joining") as no:
                 _joins_with(address, module, **options)
             assert words in str(no.value), str(no.value)
+        # One that differs where the fingerprint does not look (its outer learning rate) gets
+        # into an epoch: the configuration check there takes it out alone.
+        odd = job.start("odd", "--mode", "diloco_other_lr", "--step-seconds", "0.2")
+        odd.wait(60)
         # A worker of the job joins after all of it, taking the members' model.
-        job.start("w2", "--step-seconds", "0.2", "--init-seed", "7")
+        job.start("w2", "--step-seconds", "0.2", "--init-seed", "7", *DILOCO)
         job.wait()
         results = [_finished(job, n) for n in ("w0", "w1", "w2")]
     finally:
         job.close()
     assert not marker.exists(), "a payload from the network ran"
-    # No member was removed and the job never split: every epoch had both members, and the
-    # last one all three; the ids handed out again were not taken twice. (The outsider's bumps
+    # No member was removed and the job never split: every epoch had both members (and for an
+    # epoch, the odd one), and the last one all three; the ids handed out again were not taken
+    # twice. (The outsider's bumps
     # of the ``events`` counter make the members form epochs again with the same members: a
     # flood, which costs time, not the job.)
     for result in results:
         assert {s["world_size"] for s in result["steps"]} <= {2, 3}, result["steps"]
         assert result["steps"][-1]["world_size"] == 3
-    assert sorted(r["worker_id"] for r in results) == [0, 1, 2]
+    assert len({r["worker_id"] for r in results}) == 3
+    assert odd.returncode != 0
+    assert "ConfigurationMismatch" in job.log("odd") and "outer.rule" in job.log("odd")
     log = job.log("w0") + job.log("w1")
     assert "not sealed with this job's secret" in log, log
     for key in ("'gone'", "'epoch/1'"):

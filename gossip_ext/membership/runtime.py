@@ -19,6 +19,7 @@ import torch
 import torch.distributed as dist
 
 from gossip_ext.averagings import failures
+from gossip_ext.errors import ConfigurationMismatch
 from gossip_ext.gossip.transport import choose_transport
 from gossip_ext.membership import admission, trust
 from gossip_ext.membership import elastic as _elastic_worker
@@ -247,11 +248,27 @@ class ElasticMembership:
         during its handoff, a joiner while it received), or None."""
         try:
             self._enter_epoch(change, outer_state)
+        except ConfigurationMismatch as error:
+            return self._without_the_differing(error, change)
         except Exception as error:
             if not _elastic_worker.is_peer_failure(error):
                 raise
             return _elastic_worker.Failure.of(error)
         return None
+
+    def _without_the_differing(
+        self, error: ConfigurationMismatch, change: _elastic_worker.Change
+    ) -> _elastic_worker.Failure:
+        """A member configured unlike the epoch's rank 0 (the oldest member, whose configuration
+        is the job's) got past admission (a difference the fingerprint does not hold, such as an
+        outer optimizer's hyperparameters): it leaves the job and raises, and the others form the
+        next epoch without it. Never the others: one bad worker must not end the job."""
+        if change.rank in error.ranks:
+            self._stopped = error
+            self.worker.leave()
+            raise error
+        differing = [change.epoch.members[r] for r in error.ranks]
+        return _elastic_worker.Failure(f"worker(s) {differing} refused: {error}", error.ranks)
 
     def _enter_epoch(self, change: _elastic_worker.Change, outer_state=None) -> None:
         """Builds everything over the epoch's group; then the donor hands its state to the
