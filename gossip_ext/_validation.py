@@ -16,7 +16,9 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from gossip_ext import _plain_messages
 from gossip_ext.algorithms._base import check_type  # noqa: F401  (the wrapper's checks use it)
+from gossip_ext.errors import ConfigurationMismatch
 from gossip_ext.graphs import GraphBase
 
 
@@ -351,26 +353,60 @@ def _leaves(config: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:
 
 
 def check_ranks_agree(config: dict[str, Any], group: dist.ProcessGroup, rank: int) -> None:
-    """One all-gather at construction: ranks that disagree on the schedule or the model would
-    otherwise exchange mismatched messages or wait for rounds that never come."""
-    configs = [None] * dist.get_world_size(group)
-    dist.all_gather_object(configs, config, group=group)
-    first = _leaves(configs[0])
+    """One exchange at construction: ranks that disagree on the schedule or the model would
+    otherwise exchange mismatched messages or wait for rounds that never come.
+
+    Each rank's ``config`` travels as JSON text, never a pickle (a rank's bytes are only ever
+    parsed), and every rank compares the same decoded configurations, so that all raise
+    :class:`~gossip_ext.errors.ConfigurationMismatch` alike, naming the ranks that differ."""
+    try:
+        gathered = _plain_messages.all_gather_bytes(_plain_messages.encode(config), group)
+    except _plain_messages.MalformedMessage as error:  # a size no configuration has
+        raise _mismatch(error.rank, str(error), rank, [error.rank]) from None
+    configs: list[dict[str, Any] | None] = []
+    unreadable = {}
+    for other, data in enumerate(gathered):
+        try:
+            configs.append(
+                _leaves(_plain_messages.decode(data, f"rank {other}'s configuration", dict))
+            )
+        except _plain_messages.MalformedMessage as error:
+            configs.append(None)
+            unreadable[other] = str(error)
+    if 0 in unreadable:  # nothing to compare with: rank 0 is the one that differs
+        raise _mismatch(0, unreadable[0], rank, [0])
+    first = configs[0]
+    details = {}
     for other, theirs in enumerate(configs):
-        theirs = _leaves(theirs)
+        if other in unreadable:
+            details[other] = unreadable[other]
+            continue
         diff = sorted(k for k in first.keys() | theirs.keys() if theirs.get(k) != first.get(k))
         if diff:
-            details = "; ".join(
+            text = "; ".join(
                 f"{k}: rank 0 has {first.get(k)!r}, rank {other} has {theirs.get(k)!r}"
                 for k in diff
                 if k != "parameters"
             )
             if "parameters" in diff:
-                details += "; the parameters (names, shapes or dtypes) differ"
-            raise ValueError(
-                f"GossipDataParallel: rank {other} was configured differently from rank 0 "
-                f"(seen on rank {rank}): {details.lstrip('; ')}"
-            )
+                text += "; the parameters (names, shapes or dtypes) differ"
+            details[other] = text.lstrip("; ")
+    if details:
+        other = min(details)
+        raise _mismatch(other, details[other], rank, sorted(details))
+
+
+def _mismatch(other: int, details: str, rank: int, ranks: list[int]) -> ConfigurationMismatch:
+    """The error every rank raises when ``ranks`` differ from rank 0; ``details`` are the first
+    one's (``other``: 0 when rank 0's own configuration could not be read)."""
+    if other == 0:
+        what, listed = "rank 0's configuration could not be read", ""
+    else:
+        what = f"rank {other} was configured differently from rank 0"
+        listed = ". Ranks configured differently from rank 0: " + ", ".join(map(str, ranks))
+    return ConfigurationMismatch(
+        f"GossipDataParallel: {what} (seen on rank {rank}): {details}{listed}", ranks=ranks
+    )
 
 
 def check_checkpoint(state: Mapping[str, Any], mine: Mapping[str, Any]) -> None:

@@ -81,3 +81,22 @@ class NonFiniteError(FloatingPointError):
         self.peers = _each_once(peers)
         self.round = round
         self.transport = transport
+
+
+class ConfigurationMismatch(ValueError):
+    """The ranks of one GossipDataParallel were not configured alike (the algorithm, the graph,
+    the parameters' names, shapes or dtypes, ...), or one rank's configuration could not be read.
+    Every rank raises it, at construction (or at ``set_peers_per_itr``), before any gossip.
+
+    A :class:`ValueError`: ``except ValueError`` catches it. Its message names each setting in
+    which the first differing rank differs, with rank 0's value and that rank's, and every rank
+    that differs.
+
+    Attributes:
+        ranks (tuple[int, ...]): the ranks, in the process group, whose configuration differs
+            from rank 0's (or could not be read), each once, in order.
+    """
+
+    def __init__(self, message: str, *, ranks: Iterable[int] = ()):
+        super().__init__(message)
+        self.ranks = _each_once(ranks)

@@ -11,6 +11,7 @@ from multiprocess import error_of, run_ranks
 from torch import nn
 
 import gossip_ext
+from gossip_ext.errors import ConfigurationMismatch
 
 
 def _sgd(params):
@@ -56,5 +57,5 @@ def _densities_differ(rank: int, world_size: int):
 
 def test_ranks_that_differ_in_a_density_are_told_the_innermost_setting():
     for kind, message in run_ranks(2, _densities_differ):
-        assert kind is ValueError
+        assert kind is ConfigurationMismatch  # a ValueError
         assert "outer.average.dtype.density: rank 0 has 0.015625, rank 1 has 0.03125" in message

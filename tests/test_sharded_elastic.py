@@ -96,7 +96,11 @@ def test_a_replica_of_another_number_of_shards_is_refused_naming_both(job):
     )
     job.wait()
     error = job.result("one")["error"]
-    assert error.startswith("ValueError") and "over 1 process" in error and "over 2" in error
+    # Refused before it registered: the replica of 2 never saw it.
+    assert error.startswith("JobMismatchError") and "shards: the job has 2, this worker has 1" in (
+        error
+    )
+    assert "sharded over 1 process, the job's replicas over 2" in error
     finished(job, 0)
 
 

@@ -6,6 +6,7 @@ and the members train on. Real processes over gloo on 127.0.0.1 (tests/elastic_j
 from __future__ import annotations
 
 import io
+import os
 import pickle
 import threading
 import time
@@ -169,6 +170,14 @@ def test_a_worker_and_its_service_must_agree_on_the_secret():
         client.store.set("epoch/4", moved)
         assert client.epoch(3) == epochs.Epoch(3, (0, 1), 5)
         assert client.epoch(4) is None
+        # A replica's leader speaks through sealed keys: a pickle there is never read, and a
+        # follower waits on as if nothing were written, until the leader's heartbeat is silent.
+        marker = Path(os.environ.get("TMPDIR", "/tmp")) / f"payload_ran_{os.getpid()}"
+        client.store.set("replica/0/told/1", pickle.dumps(_Marker(marker)))
+        client.events()  # the counter every job has from its first registration
+        with pytest.raises(TimeoutError, match="heartbeat of worker 0 stopped"):
+            client.wait_while_beating("replica/0/told/1", 0)
+        assert not marker.exists()
         with pytest.warns(UserWarning, match="anyone who reaches the membership service's port"):
             admission.admit(epochs.MembershipClient(open_job, timeout), {"job": ""})
     finally:

@@ -10,6 +10,7 @@ from typing import Any, NamedTuple
 import torch
 import torch.distributed as dist
 
+from gossip_ext import _plain_messages
 from gossip_ext.compat.sgp import GraphManager, MixingManager
 from gossip_ext.graphs import GraphBase
 from gossip_ext.mixing import MixingBase
@@ -204,15 +205,19 @@ def _check_optimizer(optimizer: Any, fp32_params: Any) -> None:
         )
 
 
+# A rank's error in _raise_on_every_rank: none, or (its type's name, its message).
+_ERROR = _plain_messages.OneOf(None, (str, str))
+
+
 def _raise_on_every_rank(error: Exception | None, group: Any) -> None:
     """Raises on every rank of ``group`` when any rank found an error (one all-gather)."""
     if not isinstance(group, dist.ProcessGroup):
         group = None  # a global_group of the wrong type is an error every rank found
     elif dist.get_rank(group) < 0:
         raise error  # outside global_group: no one to tell
-    errors = [None] * dist.get_world_size(group)
     mine = None if error is None else (type(error).__name__, str(error))
-    dist.all_gather_object(errors, mine, group=group)
+    # JSON, never a pickle: what another process sends is only ever parsed.
+    errors = _plain_messages.all_gather(mine, group, "an argument check's error", _ERROR)
     if error is not None:
         raise error
     for rank, theirs in enumerate(errors):

@@ -69,9 +69,10 @@ def admit(client: MembershipClient, mine: Mapping[str, object]) -> None:
     """Writes ``mine`` as the job's fingerprint if this worker is the job's first, else checks it
     against the job's: JobMismatchError naming every difference where they differ."""
     text = json.dumps(mine, sort_keys=True)
+    first = not client.store.check([KEY])
     written = client.claim(KEY, text)
     if written == text:
-        if not client.seal.authenticated:  # the job's first worker says it once
+        if first and not client.seal.authenticated:  # the job's first worker says it, once
             warnings.warn(f"gossip_ext: {trust.OPEN_PORT_WARNING}", stacklevel=2)
         return
     try:
@@ -97,8 +98,16 @@ def _differences(job: dict, mine: dict) -> list[str]:
     job_leaves, my_leaves = _leaves(job), _leaves(mine)
     for name in sorted(job_leaves.keys() | my_leaves.keys()):
         theirs, own = job_leaves.get(name, "(unset)"), my_leaves.get(name, "(unset)")
-        if theirs != own:
-            found.append(f"{name}: the job has {theirs!r}, this worker has {own!r}")
+        if theirs == own:
+            continue
+        found.append(f"{name}: the job has {theirs!r}, this worker has {own!r}")
+        if name == "shards":
+            found[-1] += (
+                f" (this replica is sharded over {own} process{'es' if own != 1 else ''}, the "
+                f"job's replicas over {theirs}; a replica joins with as many shard processes as "
+                "the others: a live job is not resharded, resume it from a checkpoint, which "
+                "reshards, gossip_ext.sharded.checkpoint)"
+            )
     if job_parameters != my_parameters:
         for name in sorted(job_parameters.keys() | my_parameters.keys()):
             theirs, own = job_parameters.get(name), my_parameters.get(name)

@@ -24,13 +24,13 @@ residuals) cannot be cut anew, and loading it under another mesh raises, naming 
 from __future__ import annotations
 
 import io
-import pickle
 from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
+from gossip_ext import _plain_messages
 from gossip_ext.sharded import replicas as sharded
 
 _LAYOUT = "gossip_ext.layout"
@@ -57,10 +57,8 @@ def save(model: nn.Module, checkpoint_id: str, optimizer: torch.optim.Optimizer 
         "optimizer": _optimizer_rest(model, optimizer),
         "outer_per_parameter": None if outer is None else sorted(outer),
     }
-    state[f"replica{layout.replica}.meta"] = pickle.dumps(meta)
-    extra = io.BytesIO()
-    torch.save(model.get_extra_state(), extra)
-    state[f"replica{layout.replica}.shard{layout.shard}.extra"] = extra.getvalue()
+    state[f"replica{layout.replica}.meta"] = _saved(meta)
+    state[f"replica{layout.replica}.shard{layout.shard}.extra"] = _saved(model.get_extra_state())
     _dcp().save(state, checkpoint_id=checkpoint_id)
 
 
@@ -92,8 +90,9 @@ def load(model: nn.Module, checkpoint_id: str, optimizer: torch.optim.Optimizer 
     dcp.load(targets, checkpoint_id=checkpoint_id)
 
     rows = {_parse(key): targets[key].to_local()[source] for key in wanted}
-    meta = pickle.loads(targets[meta_key])
     # Before anything is written: a load that fails leaves the model as it was.
+    meta = _meta(_loaded(targets[meta_key], checkpoint_id, meta_key), checkpoint_id, meta_key)
+    extra = _loaded(targets[extra_key], checkpoint_id, extra_key) if same_mesh else None
     if not same_mesh and meta["outer_per_parameter"] is None:
         raise ValueError(
             f"load: {checkpoint_id!r} was saved under {replicas} x {shards} (replicas x shards), "
@@ -109,7 +108,7 @@ def load(model: nn.Module, checkpoint_id: str, optimizer: torch.optim.Optimizer 
     if optimizer is not None:
         _load_optimizer(model, optimizer, rows, meta["optimizer"])
     if same_mesh:
-        model.set_extra_state(torch.load(io.BytesIO(targets[extra_key]), weights_only=False))
+        model.set_extra_state(extra)
         return
     outer: dict[str, list[torch.Tensor]] = {}
     for name, _ in model.module.named_parameters():
@@ -122,6 +121,52 @@ def load(model: nn.Module, checkpoint_id: str, optimizer: torch.optim.Optimizer 
 
 
 # ----------------------------------------------------------------------------- helpers
+
+
+def _saved(value: Any) -> bytes:
+    buffer = io.BytesIO()
+    torch.save(value, buffer)
+    return buffer.getvalue()
+
+
+def _loaded(data: bytes, checkpoint_id: str, key: str) -> Any:
+    """What :func:`_saved` wrote, as tensors and plain values only (``weights_only``: a checkpoint
+    names no code to run)."""
+    try:
+        return torch.load(io.BytesIO(data), weights_only=True)
+    except Exception as error:  # noqa: BLE001 - whatever torch.load finds, said with the entry
+        raise ValueError(
+            f"load: {checkpoint_id!r}'s entry {key!r} is not tensors and plain values: "
+            f"{type(error).__name__}: {error}"
+        ) from None
+
+
+def _meta(meta: Any, checkpoint_id: str, key: str) -> dict[str, Any]:
+    """``meta`` (what :func:`save` wrote under ``replicaR.meta``), checked before it is used."""
+
+    def wrong(what: str) -> ValueError:
+        return ValueError(f"load: {checkpoint_id!r}'s entry {key!r}: {what}, got {meta!r:.200}")
+
+    if not isinstance(meta, dict) or meta.keys() != {"steps", "optimizer", "outer_per_parameter"}:
+        raise wrong("expected a dict of steps, optimizer and outer_per_parameter")
+    if isinstance(meta["steps"], bool) or not isinstance(meta["steps"], int):
+        raise wrong("steps should be an int")
+    outer = meta["outer_per_parameter"]
+    if outer is not None and not (
+        isinstance(outer, (list, tuple)) and all(isinstance(p, str) for p in outer)
+    ):
+        raise wrong("outer_per_parameter should be None or a list of names")
+    rest = meta["optimizer"]
+    if rest is not None and not (
+        isinstance(rest, dict)
+        and rest.keys() == {"scalars", "groups"}
+        and isinstance(rest["scalars"], dict)
+        and all(isinstance(v, dict) for v in rest["scalars"].values())
+        and isinstance(rest["groups"], (list, tuple))
+        and all(isinstance(g, dict) for g in rest["groups"])
+    ):
+        raise wrong("optimizer should be None or a dict of scalars (by name) and groups")
+    return meta
 
 
 def _dcp():
@@ -152,8 +197,14 @@ class _Layout:
         from torch.distributed.device_mesh import DeviceMesh
 
         mine = dist.get_process_group_ranks(self.model._shard_group)
-        rows: list[Any] = [None] * self.replicas
-        dist.all_gather_object(rows, mine, group=self.model.process_group)
+        rows = _plain_messages.all_gather(
+            mine, self.model.process_group, "a replica's shard processes", [int]
+        )
+        if any(len(row) != len(mine) for row in rows):
+            raise ValueError(
+                "sharded_checkpoint: the replicas hold different numbers of shard processes "
+                f"(their global ranks: {rows}); a checkpoint needs every replica alike"
+            )
         device = next(self.model.module.parameters()).device.type
         return DeviceMesh.from_group(
             [self.model.process_group, self.model._shard_group],

@@ -31,15 +31,15 @@ same shard process of one live replica: no process ever holds the whole model.
 from __future__ import annotations
 
 import datetime
-import pickle
 from collections.abc import Callable, Mapping
 from typing import Any, NoReturn
 
 import torch
 import torch.distributed as dist
 
+from gossip_ext import _plain_messages
 from gossip_ext.membership import elastic as elastic_worker
-from gossip_ext.membership import epoch_group, runtime
+from gossip_ext.membership import epoch_group, runtime, trust
 from gossip_ext.membership.epochs import Epoch, MembershipClient, RemovedError, Watch
 from gossip_ext.sharded import replica_collectives, replicas
 
@@ -54,11 +54,44 @@ class ReplicaLostError(RemovedError):
 _STOPPING_ERRORS = {e.__name__: e for e in (RemovedError, TimeoutError, ValueError)}
 
 
-def _raise_if_stopped(message: tuple) -> None:
+def _raise_if_stopped(message: tuple | list) -> None:
     """Raises what stopped the leader, as it was raised there, on the replica's other processes."""
     if message[0] == "stopped":
         _, kind, text = message
         raise _STOPPING_ERRORS.get(kind, RuntimeError)(text)
+
+
+# The leader's messages to its replica's other processes, as JSON (never a pickle: a value of
+# the store or a process's bytes are only ever parsed): the replica's id once it registered, the
+# epoch it formed with who left and joined, or what stopped it. And a shard process's failure.
+_STOPPED = ("stopped", str, str)
+_REGISTERED = _plain_messages.OneOf(("registered", int), _STOPPED)
+_TOLD = _plain_messages.OneOf(
+    ("epoch", {"number": int, "members": [int], "events": int}, [int], [int]), _STOPPED
+)
+_FAILURE = _plain_messages.OneOf(None, {"text": str, "peers": [int]})
+
+
+def _epoch_message(change: elastic_worker.Change) -> list:
+    epoch = change.epoch
+    described = {"number": epoch.number, "members": list(epoch.members), "events": epoch.events}
+    return ["epoch", described, list(change.left), list(change.joined)]
+
+
+def _read_told(data: bytes | str, what: str, replica: int) -> tuple:
+    """A message of the leader (:data:`_TOLD`), its epoch an :class:`Epoch` again, checked: the
+    epoch must hold this replica."""
+    message = _plain_messages.decode(data, what, _TOLD)
+    if message[0] != "epoch":
+        return tuple(message)
+    _, described, left, joined = message
+    epoch = Epoch(described["number"], tuple(described["members"]), described["events"])
+    if replica not in epoch.members:
+        raise _plain_messages.MalformedMessage(
+            f"{what}: epoch {epoch.number}'s members {list(epoch.members)} do not hold this "
+            f"replica (worker {replica})"
+        )
+    return "epoch", epoch, left, joined
 
 
 class ReplicaMember:
@@ -74,6 +107,9 @@ class ReplicaMember:
         timeout: datetime.timedelta,
         shard_group: dist.ProcessGroup,
         device: torch.device,
+        *,
+        secret: bytes | None = None,
+        fingerprint: Mapping[str, object] | None = None,
     ):
         self.shard_group, self.timeout = shard_group, timeout
         self.shard, self.shards = shard_group.rank(), shard_group.size()
@@ -81,11 +117,18 @@ class ReplicaMember:
         self.leader = None
         if self.shard == 0:
             self.leader = elastic_worker.ElasticWorker(
-                address, min_workers, timeout, "gloo", shards=self.shards
+                address,
+                min_workers,
+                timeout,
+                "gloo",
+                shards=self.shards,
+                secret=secret,
+                fingerprint=fingerprint,
             )
             self.client = self.leader.client
         else:
-            self.client = MembershipClient(address, timeout)
+            # Admitted through its leader; it reads what the leader writes, sealed alike.
+            self.client = MembershipClient(address, timeout, secret)
         self.epoch: Epoch | None = None
         # A follower's group of its shard in this epoch (the leader's is its worker's: one
         # reference held here too would keep it, and its connections, open after release).
@@ -121,17 +164,16 @@ class ReplicaMember:
         """Joins as a process of a replica: its leader registers the replica (and tells the
         others its id, over the replica's group: registering takes no wait) and waits for an
         epoch; every process then builds its shard's group of that epoch."""
-        message: list[Any] = [None]
+        message = None
         if self.leader is not None:
             try:
-                message[0] = ("registered", self.leader.register())
+                message = ("registered", self.leader.register())
             except Exception as error:
-                message[0] = ("stopped", type(error).__name__, str(error))
-                self._broadcast(message)
+                self._broadcast(("stopped", type(error).__name__, str(error)))
                 raise
-        self._broadcast(message)
-        _raise_if_stopped(message[0])
-        self.client.worker = message[0][1]
+        message = self._broadcast(message)
+        _raise_if_stopped(message)
+        self.client.worker = message[1]
         return self._next(lambda: self.leader.join())
 
     def next_epoch(self, failure: elastic_worker.Failure | None) -> elastic_worker.Change:
@@ -154,8 +196,10 @@ class ReplicaMember:
             dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self.shard_group)
             if not flag.item():
                 return False, None
-            failures: list[elastic_worker.Failure | None] = [None] * self.shards
-            dist.all_gather_object(failures, failure, group=self.shard_group)
+            mine = None if failure is None else {"text": failure.text, "peers": failure.peers}
+            failures = _plain_messages.all_gather(
+                mine, self.shard_group, "a shard process's failure", _FAILURE, self.device
+            )
         except Exception as error:
             if not elastic_worker.is_peer_failure(error):
                 raise
@@ -163,8 +207,8 @@ class ReplicaMember:
         known = [f for f in failures if f is not None]
         if not known:
             return True, None
-        peers = tuple(dict.fromkeys(p for f in known for p in f.peers))
-        return True, elastic_worker.Failure("; ".join(f.text for f in known), peers)
+        peers = tuple(dict.fromkeys(p for f in known for p in f["peers"]))
+        return True, elastic_worker.Failure("; ".join(f["text"] for f in known), peers)
 
     def _next(self, leader_forms: Callable[[], elastic_worker.Change]) -> elastic_worker.Change:
         """The leader forms the epoch (``leader_forms``) and tells the others; each process builds
@@ -194,9 +238,9 @@ class ReplicaMember:
                 change = leader_forms()
                 message = ("epoch", change.epoch, change.left, change.joined)
             except Exception as error:
-                self._tell(("stopped", type(error).__name__, str(error)))
+                self._tell(["stopped", type(error).__name__, str(error)])
                 raise
-            self._tell(message)
+            self._tell(_epoch_message(change))
         else:
             message = self._told()
         _raise_if_stopped(message)
@@ -207,7 +251,7 @@ class ReplicaMember:
         if self.leader is None:
             try:
                 self._group = epoch_group.build(
-                    self.client.store,
+                    self.client.rendezvous_store,
                     epoch.number,
                     epoch.rank(replica),
                     len(epoch.members),
@@ -225,11 +269,11 @@ class ReplicaMember:
         rank = epoch.rank(replica)
         return elastic_worker.Change(epoch, self.group, rank, list(left), list(joined), 0.0)
 
-    def _tell(self, message: tuple) -> None:
-        """The leader's side: ``message`` to the replica's other processes."""
+    def _tell(self, message: list) -> None:
+        """The leader's side: ``message`` (:data:`_TOLD`) to the replica's other processes."""
         self._messages += 1
         key = f"replica/{self.worker}/told/{self._messages}"
-        self.client.store.set(key, pickle.dumps(message))
+        self.client.put(key, _plain_messages.encode(message).decode())
 
     def _told(self) -> tuple:
         """Another process's side: the leader's next message; ReplicaLostError if its heartbeat
@@ -237,19 +281,26 @@ class ReplicaMember:
         self._messages += 1
         key = f"replica/{self.worker}/told/{self._messages}"
         try:
-            return pickle.loads(self.client.wait_while_beating(key, self.worker))
+            data = self.client.wait_while_beating(key, self.worker)
         except TimeoutError as error:
             self.lose_replica(error)
+        return _read_told(data, f"the replica leader's message {key!r}", self.worker)
 
-    def _broadcast(self, message: list[Any]) -> None:
+    def _broadcast(self, message: tuple | None) -> list:
+        """The leader's ``message`` (:data:`_REGISTERED`) on every process of the replica."""
         leader = dist.get_global_rank(self.shard_group, 0)
-        self._replica_collective(
-            dist.broadcast_object_list, message, src=leader, device=self.device
+        return self._replica_collective(
+            _plain_messages.broadcast,
+            message,
+            leader,
+            what="the replica leader's registration",
+            shape=_REGISTERED,
+            device=self.device,
         )
 
-    def _replica_collective(self, collective, *args, **kwargs) -> None:
+    def _replica_collective(self, collective, *args, **kwargs) -> Any:
         try:
-            collective(*args, group=self.shard_group, **kwargs)
+            return collective(*args, group=self.shard_group, **kwargs)
         except Exception as error:
             if not elastic_worker.is_peer_failure(error):
                 raise
@@ -262,7 +313,9 @@ class ReplicaMember:
         if self.leader is not None:
             return self.client.watch
         if self.client.watch is None:
-            self.client.watch = Watch(self.client.address, self.worker, self.timeout)
+            watcher = MembershipClient(self.client.address, self.timeout, self.client.secret)
+            watcher.worker = self.worker  # its announcements claim in this replica's name
+            self.client.watch = Watch(watcher)
         return self.client.watch
 
     # ----------------------------------------------------------------------------- leaving
@@ -327,7 +380,7 @@ class ReplicaMember:
 
     def nccl_rendezvous(self) -> tuple[dist.Store, str]:
         prefix = f"epoch/{self.epoch.number}/nccl/shard{self.shard}"
-        return dist.PrefixStore(prefix, self.client.store), "unique_id"
+        return dist.PrefixStore(prefix, self.client.rendezvous_store), "unique_id"
 
 
 class ShardedElasticMembership(runtime.ElasticMembership):
@@ -337,7 +390,13 @@ class ShardedElasticMembership(runtime.ElasticMembership):
 
     def __init__(self, wrapper, membership, timeout, device, comm_device, shard_group):
         member = ReplicaMember(
-            membership.address, membership.min_workers, timeout, shard_group, device
+            membership.address,
+            membership.min_workers,
+            timeout,
+            shard_group,
+            device,
+            secret=trust.job_secret(membership.secret),
+            fingerprint=runtime.fingerprint_of(wrapper, membership, shard_group.size()),
         )
         super().__init__(wrapper, membership, timeout, device, comm_device, worker=member)
         # A peer's failure seen by this process, until the replica agrees to change epoch.
