@@ -67,7 +67,7 @@ from gossip_ext.algorithms import (
 )
 from gossip_ext.averagings.sparse import TopK
 from gossip_ext.distributed import GossipDataParallel
-from gossip_ext.errors import NonFiniteError, PeerTimeoutError
+from gossip_ext.errors import ConfigurationMismatch, NonFiniteError, PeerTimeoutError
 from gossip_ext.graphs import (
     CustomGraph,
     DynamicBipartiteExponentialGraph,
@@ -79,6 +79,7 @@ from gossip_ext.graphs import (
     NPeerDynamicDirectedExponentialGraph,
     RingGraph,
 )
+from gossip_ext.membership.admission import JobMismatchError
 from gossip_ext.membership.epochs import RemovedError
 from gossip_ext.mixing import MixingBase, MixingWeights, SelfWeightMixing, UniformMixing
 from gossip_ext.sharded.elastic import ReplicaLostError
@@ -109,6 +110,7 @@ __all__ = [
     "ByCollective",
     "ByCompressedGossip",
     "ByGossip",
+    "ConfigurationMismatch",
     "CustomGraph",
     "DiLoCo",
     "DynamicBipartiteExponentialGraph",
@@ -121,6 +123,7 @@ __all__ = [
     "GossipDataParallel",
     "GraphBase",
     "HypercubeGraph",
+    "JobMismatchError",
     "MixingBase",
     "MixingWeights",
     "NPeerDynamicDirectedExponentialGraph",
