@@ -19,6 +19,7 @@ fi
 PYTHON="$PYTHON" bash tools/build.sh
 
 printf '\n== ctest\n'
+bash tools/install_gtest.sh  # GoogleTest, where a fresh clone's machine lacks it
 TORCH_CMAKE=$("$PYTHON" -c 'import torch; print(torch.utils.cmake_prefix_path)')
 cmake -S . -B build/cmake -G Ninja -DCMAKE_PREFIX_PATH="$TORCH_CMAKE" \
   -DGOSSIP_CORE_OBJECTS="$("$PYTHON" tools/sources.py --object-dir)" >/dev/null

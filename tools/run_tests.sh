@@ -78,12 +78,7 @@ fi
 "$PYTHON" -m pip install --quiet pytest pytest-timeout torchft==0.2.0 decent-dp==0.2.3
 
 stage 15 "GoogleTest"
-if [ ! -f /usr/include/gtest/gtest.h ]; then
-  SUDO=""
-  [ "$(id -u)" -eq 0 ] || SUDO="sudo"
-  $SUDO apt-get update -qq
-  $SUDO apt-get install -y -qq libgtest-dev cmake ninja-build
-fi
+bash tools/install_gtest.sh
 
 stage 90 "Build the extension (gossip_ext._C; reused when up to date)"
 PYTHON="$PYTHON" bash tools/build.sh --demo
