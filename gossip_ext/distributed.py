@@ -336,11 +336,14 @@ class GossipDataParallel(nn.Module, GossipView, MembershipView, OuterView):
         fairscale's SlowMoDistributedDataParallel (``module.*`` keys with ``ps_weight`` and
         ``is_sgp_ps_numerator``) and of DistributedDataParallel (``module.*`` keys).
 
+        It loads whole or not at all: every key, shape and the extra state are checked before
+        anything is written, and a load that raises leaves the module, the step count, the
+        push-sum and outer state (and the optimizer over the parameters) as they were. A
+        checkpoint of other algorithms (DiLoCo's into SGP) is refused naming both; with
+        ``strict=False`` it loads with a warning naming what restarts from scratch.
+
         A foreign checkpoint carries no gossip round: the schedule restarts at round 0 on every
         rank, with the saved push-sum weight (1 under lazy mixing), and parameters saved as
         push-sum numerators are de-biased.
         """
-        own, foreign = _checkpoint.parse(state_dict)
-        if foreign is None:
-            return super().load_state_dict(own, strict=strict, assign=assign)
-        return _checkpoint.load_foreign(self, foreign, strict=strict, assign=assign)
+        return _checkpoint.load(self, state_dict, strict=strict, assign=assign)

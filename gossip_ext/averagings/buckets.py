@@ -14,6 +14,7 @@ uniform mixing on any built-in graph) it is the plain mean of the de-biased para
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -23,6 +24,24 @@ def accumulation_dtype(dtype: torch.dtype) -> torch.dtype:
     """Sums and the slow state of half-precision parameters are kept in float32, as the
     kernels accumulate them; other dtypes keep their own."""
     return torch.float32 if dtype in (torch.float16, torch.bfloat16) else dtype
+
+
+def layout_of(tensors: Sequence[torch.Tensor]) -> list[tuple[int, torch.dtype]]:
+    """(elements, dtype) of each of ``tensors``: the layout a saved state of them must have."""
+    return [(t.numel(), t.dtype) for t in tensors]
+
+
+def check_saved(what: str, saved: Any, layout: Sequence[tuple[int, torch.dtype]]) -> None:
+    """Raises ValueError naming ``what`` unless ``saved`` (a checkpoint's state kept per bucket)
+    is a list of tensors of ``layout``'s (elements, dtype): checked before any of it is written,
+    so that a checkpoint of another model loads nothing rather than part of itself."""
+    tensors = isinstance(saved, (list, tuple)) and all(isinstance(t, torch.Tensor) for t in saved)
+    found = [(t.numel(), t.dtype) for t in saved] if tensors else type(saved).__name__
+    if found != list(layout):
+        raise ValueError(
+            f"load_state_dict: the checkpoint's {what} has buckets (elements, dtype) {found}, "
+            f"but this model's parameters give {list(layout)}"
+        )
 
 
 class ParameterBuckets:

@@ -35,6 +35,7 @@ import torch
 import torch.distributed as dist
 
 from gossip_ext._torch_check import _C
+from gossip_ext.averagings.buckets import check_saved, layout_of
 from gossip_ext.averagings.failures import DEFAULT_TIMEOUT, SenderCheck, wait_for_every_worker
 from gossip_ext.averagings.interface import Averaging, Contribution, PseudoGradientMean
 
@@ -252,28 +253,39 @@ class CompressedMean(Averaging):
             "owner_residuals": [t.clone() for t in self.owner_residuals],
         }
 
+    def check_state_dict(self, state: dict[str, Any] | None, members_changed: bool = False) -> None:
+        if state is None:
+            return
+        if not members_changed:
+            saved = (state.get("message_dtype"), state.get("world_size"))
+            if saved != (str(self.message_dtype), self.world_size):
+                raise ValueError(
+                    f"load_state_dict: the checkpoint's outer residuals are for outer_dtype="
+                    f"{saved[0]} over {saved[1]} workers, but this run has outer_dtype="
+                    f"{self.message_dtype} over {self.world_size}"
+                )
+            check_saved(
+                "outer residuals of its shards",
+                state.get("owner_residuals"),
+                layout_of(self.owner_residuals),
+            )
+        check_saved("outer residuals", state.get("residuals"), layout_of(self.residuals))
+
     def load_state_dict(self, state: dict[str, Any] | None, members_changed: bool = False) -> None:
         """A checkpoint without residuals (saved by a run that sent full precision) starts them at
         zero. ``members_changed`` (an elastic job's new epoch): this worker's own residuals are
         kept, and the shard owners' start at zero, their shards being other ones now (what they
         held, at most one message's rounding of the mean, is dropped)."""
+        self.check_state_dict(state, members_changed)
         if state is None:
             for t in self.residuals + self.owner_residuals:
                 t.zero_()
             return
+        self.residuals = [t.detach().to(self.device).clone() for t in state["residuals"]]
         if members_changed:
-            self.residuals = [t.detach().to(self.device).clone() for t in state["residuals"]]
             for t in self.owner_residuals:
                 t.zero_()
-            return
-        saved = (state["message_dtype"], state["world_size"])
-        if saved != (str(self.message_dtype), self.world_size):
-            raise ValueError(
-                f"load_state_dict: the checkpoint's outer residuals are for outer_dtype="
-                f"{saved[0]} over {saved[1]} workers, but this run has outer_dtype="
-                f"{self.message_dtype} over {self.world_size}"
-            )
-        self.residuals = [t.detach().to(self.device).clone() for t in state["residuals"]]
-        self.owner_residuals = [
-            t.detach().to(self.device).clone() for t in state["owner_residuals"]
-        ]
+        else:
+            self.owner_residuals = [
+                t.detach().to(self.device).clone() for t in state["owner_residuals"]
+            ]

@@ -131,7 +131,7 @@ class Averaging(abc.ABC):
     """How an outer step forms its mean over workers: the runtime part that an averaging's
     configuration object builds (see the module). Subclasses implement :meth:`start` and
     :meth:`finish`; those with state of their own also :meth:`commit`, :attr:`state_key`,
-    :meth:`state_dict` and :meth:`load_state_dict`."""
+    :meth:`state_dict`, :meth:`check_state_dict` and :meth:`load_state_dict`."""
 
     # The checkpoint key of this averaging's own state; None: it keeps none.
     state_key: str | None = None
@@ -173,11 +173,18 @@ class Averaging(abc.ABC):
     def state_dict(self) -> dict[str, Any] | None:
         return None
 
+    def check_state_dict(  # noqa: B027 - a hook, as commit
+        self, state: dict[str, Any] | None, members_changed: bool = False
+    ) -> None:
+        """Raises ValueError, writing nothing, where :meth:`load_state_dict` would refuse
+        ``state``: its caller checks every part of a checkpoint before it writes any."""
+
     def load_state_dict(  # noqa: B027 - a hook, as commit
         self, state: dict[str, Any] | None, members_changed: bool = False
     ) -> None:
-        """Puts back :meth:`state_dict` (None: a checkpoint without it). ``members_changed``: the
-        state of this worker's previous elastic epoch."""
+        """Puts back :meth:`state_dict` (None: a checkpoint without it), checked first by
+        :meth:`check_state_dict`. ``members_changed``: the state of this worker's previous
+        elastic epoch."""
 
     def describe(self) -> dict[str, Any]:
         """What every rank must agree on, as plain values."""

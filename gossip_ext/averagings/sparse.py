@@ -40,6 +40,7 @@ import torch
 import torch.distributed as dist
 
 from gossip_ext._torch_check import _C  # noqa: F401  (registers torch.ops.gossip_ext)
+from gossip_ext.averagings.buckets import check_saved, layout_of
 from gossip_ext.averagings.compressed import _all_gather
 from gossip_ext.averagings.failures import DEFAULT_TIMEOUT, SenderCheck, wait_for_every_worker
 from gossip_ext.averagings.interface import Averaging, Contribution, PseudoGradientMean
@@ -238,20 +239,23 @@ class SparseMean(Averaging):
             "residuals": [t.clone() for t in self.residuals],
         }
 
+    def check_state_dict(self, state: dict[str, Any] | None, members_changed: bool = False) -> None:
+        if state is None:
+            return
+        saved = (state.get("message_dtype"), state.get("world_size"))
+        if not members_changed and saved != (repr(self.format), self.world_size):
+            raise ValueError(
+                f"load_state_dict: the checkpoint's outer residuals are for {saved[0]} over "
+                f"{saved[1]} workers, but this run sends {self.format!r} over {self.world_size}"
+            )
+        check_saved("outer residuals", state.get("residuals"), layout_of(self.residuals))
+
     def load_state_dict(self, state: dict[str, Any] | None, members_changed: bool = False) -> None:
         """A checkpoint without residuals starts them at zero; an elastic epoch keeps this
         worker's own (they are its, whoever its peers are)."""
+        self.check_state_dict(state, members_changed)
         if state is None:
             for t in self.residuals:
                 t.zero_()
             return
-        if not members_changed and (state["message_dtype"], state["world_size"]) != (
-            repr(self.format),
-            self.world_size,
-        ):
-            raise ValueError(
-                f"load_state_dict: the checkpoint's outer residuals are for "
-                f"{state['message_dtype']} over {state['world_size']} workers, but this run "
-                f"sends {self.format!r} over {self.world_size}"
-            )
         self.residuals = [t.detach().to(self.device).clone() for t in state["residuals"]]

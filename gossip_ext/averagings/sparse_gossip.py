@@ -45,6 +45,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from gossip_ext.averagings.buckets import check_saved, layout_of
 from gossip_ext.averagings.failures import (
     holds_nonfinite,
     post_for_peer,
@@ -245,22 +246,33 @@ class SparseGossip(Averaging):
             "neighbourhood": [t.clone() for t in self.neighbourhood],
         }
 
-    def load_state_dict(self, state: dict[str, Any] | None, members_changed: bool = False) -> None:
-        """Puts back :meth:`state_dict`. A checkpoint without copies (saved by a run that averaged
-        otherwise) starts them at zero on every worker: consistent whatever the parameters, but
-        the first messages then carry the whole model, a chunk's top values at a time."""
+    def check_state_dict(self, state: dict[str, Any] | None, members_changed: bool = False) -> None:
         if state is None:
-            for t in (*self.public, *self.neighbourhood):
-                t.zero_()
-            self.steps = 0
             return
-        saved = (state["message_dtype"], state["world_size"], list(state["neighbours"]))
+        neighbours = state.get("neighbours")
+        neighbours = None if neighbours is None else list(neighbours)
+        saved = (state.get("message_dtype"), state.get("world_size"), neighbours)
         if saved != (repr(self.format), self.world_size, self.neighbours):
             raise ValueError(
                 f"load_state_dict: the checkpoint's public copies are for {saved[0]} over "
                 f"{saved[1]} workers with neighbours {saved[2]}, but this run sends "
                 f"{self.format!r} over {self.world_size} with neighbours {self.neighbours}"
             )
+        check_saved("public copies", state.get("public"), layout_of(self.public))
+        check_saved(
+            "neighbourhood copies", state.get("neighbourhood"), layout_of(self.neighbourhood)
+        )
+
+    def load_state_dict(self, state: dict[str, Any] | None, members_changed: bool = False) -> None:
+        """Puts back :meth:`state_dict`. A checkpoint without copies (saved by a run that averaged
+        otherwise) starts them at zero on every worker: consistent whatever the parameters, but
+        the first messages then carry the whole model, a chunk's top values at a time."""
+        self.check_state_dict(state, members_changed)
+        if state is None:
+            for t in (*self.public, *self.neighbourhood):
+                t.zero_()
+            self.steps = 0
+            return
         self.public = [t.detach().to(self.device).clone() for t in state["public"]]
         self.neighbourhood = [t.detach().to(self.device).clone() for t in state["neighbourhood"]]
         self.steps = int(state["steps"])

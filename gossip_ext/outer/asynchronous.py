@@ -422,7 +422,24 @@ class AsyncOuterSteps:
         state.update(period_steps=self._period_steps)
         return {self.outer.state_key: state}
 
+    def state_keys(self) -> list[str]:
+        """The checkpoint entries :meth:`state_dict` writes."""
+        return [self.outer.state_key]
+
+    def check_state_dict(self, state, members_changed: bool = False) -> None:
+        """Raises ValueError, writing nothing, where :meth:`load_state_dict` would refuse it."""
+        saved = state.get(self.outer.state_key)
+        if saved is None:
+            return
+        self.outer.check_state_dict(saved)
+        if not isinstance(saved.get("period_steps"), int):
+            raise ValueError(
+                "load_state_dict: the asynchronous outer step's checkpoint holds no period_steps "
+                f"(the inner steps of its period), got {saved.get('period_steps')!r}"
+            )
+
     def load_state_dict(self, state, members_changed: bool = False) -> None:
+        self.check_state_dict(state, members_changed)
         saved = state.get(self.outer.state_key)
         if saved is None:
             self._start_at_forward = True

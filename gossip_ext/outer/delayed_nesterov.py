@@ -100,14 +100,21 @@ class NesterovOuter:
             "steps": self.steps,
         }
 
-    def load_state_dict(self, state: dict[str, Any]) -> None:
+    def check_state_dict(self, state: dict[str, Any]) -> None:
+        """Raises ValueError, writing nothing, where :meth:`load_state_dict` would refuse
+        ``state``: every tensor is checked before the first is copied."""
         for name in ("theta", "velocity", "accumulated"):
-            saved = state[name]
-            if saved.shape != getattr(self, name).shape:
+            saved = state.get(name)
+            if not isinstance(saved, torch.Tensor) or saved.shape != getattr(self, name).shape:
+                found = saved.numel() if isinstance(saved, torch.Tensor) else saved
                 raise ValueError(
                     f"the asynchronous outer step's checkpoint holds {name} of "
-                    f"{saved.numel()} values, but this model has {self.theta.numel()}"
+                    f"{found} values, but this model has {self.theta.numel()}"
                 )
-            getattr(self, name).copy_(saved)
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.check_state_dict(state)
+        for name in ("theta", "velocity", "accumulated"):
+            getattr(self, name).copy_(state[name])
         self.samples_accumulated = int(state["samples_accumulated"])
         self.steps = int(state["steps"])

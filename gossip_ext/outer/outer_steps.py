@@ -193,6 +193,13 @@ class OuterSteps:
 
     # ----------------------------------------------------------------------------- checkpoint
 
+    def state_keys(self) -> list[str]:
+        """The checkpoint entries :meth:`state_dict` writes: the rule's, then the averaging's."""
+        if self.rule is None:
+            return []
+        keys = [self.rule.state_key]
+        return keys if self.averaging.state_key is None else [*keys, self.averaging.state_key]
+
     def state_dict(self) -> dict[str, Any]:
         if self.rule is None:
             return {}
@@ -216,10 +223,20 @@ class OuterSteps:
             self.rule.load_per_parameter_state(state)
             self._start_at_forward = False
 
+    def check_state_dict(self, state: Mapping[str, Any], members_changed: bool = False) -> None:
+        """Raises ValueError, writing nothing, where :meth:`load_state_dict` would refuse
+        ``state``: the rule's and the averaging's state both, before either is written."""
+        if self.rule is None:
+            return
+        self.rule.check_state_dict(state.get(self.rule.state_key), self.buckets, members_changed)
+        if self.averaging.state_key is not None:
+            self.averaging.check_state_dict(state.get(self.averaging.state_key), members_changed)
+
     def load_state_dict(self, state: Mapping[str, Any], members_changed: bool = False) -> None:
         """A checkpoint without the rule's state (saved before it started, or by a run without
         it) leaves it to start again at the next forward. ``members_changed``: the state of this
         worker's previous elastic epoch (see ``CompressedMean.load_state_dict``)."""
+        self.check_state_dict(state, members_changed)
         if self.rule is None:
             return
         saved = state.get(self.rule.state_key)

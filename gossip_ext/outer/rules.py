@@ -25,7 +25,7 @@ from typing import Any
 
 import torch
 
-from gossip_ext.averagings.buckets import ParameterBuckets
+from gossip_ext.averagings.buckets import ParameterBuckets, check_saved
 
 
 class OuterRule:
@@ -35,7 +35,8 @@ class OuterRule:
 
     - ``state_key``: its entry in the checkpoint; ``state_dict()`` / ``load_state_dict(state,
       buckets, members_changed)`` (None: saved before it started; ``members_changed``: the state
-      comes from this worker's previous elastic epoch);
+      comes from this worker's previous elastic epoch), which writes nothing unless
+      ``check_state_dict`` with the same arguments passes;
     - ``eager``: whether it starts at construction as well as at the first forward (``start``);
       ``started``, ``describe()`` (what every rank must agree on);
     - ``needs_inner_lr``: whether it reads the inner optimizer's learning rates (``update``'s
@@ -66,6 +67,10 @@ class OuterRule:
     def align_in_flight(self, step: int) -> None:
         """An elastic epoch begins at optimizer step ``step``. Only a rule of its own schedule
         has anything in flight between steps."""
+
+    def check_state_dict(self, state, buckets, members_changed: bool = False) -> None:
+        """Raises ValueError, writing nothing, where ``load_state_dict`` would refuse ``state``
+        (default: a rule that keeps nothing accepts anything)."""
 
     def per_parameter_state(self) -> dict[str, list[torch.Tensor]] | None:
         return None
@@ -274,6 +279,22 @@ class OuterOptimizer(OuterRule):
             "optimizer": _cloned(self.optimizer.state_dict()),
         }
 
+    def check_state_dict(self, state, buckets, members_changed: bool = False) -> None:
+        """``theta_global``'s layout, and the optimizer's groups as torch's ``load_state_dict``
+        checks them, so that neither refuses once the other was written."""
+        if state is None:
+            return
+        check_saved("theta_global", state.get("global"), buckets.layout())
+        saved = state.get("optimizer")
+        groups = saved.get("param_groups") if isinstance(saved, Mapping) else None
+        found = None if groups is None else [len(g.get("params", ())) for g in groups]
+        mine = [len(g["params"]) for g in self.optimizer.param_groups]
+        if found != mine or not isinstance(saved.get("state"), Mapping):
+            raise ValueError(
+                f"load_state_dict: the checkpoint's outer optimizer has parameter groups of "
+                f"{found} parameters, but this model's {type(self.optimizer).__name__} has {mine}"
+            )
+
     @torch.no_grad()
     def load_state_dict(
         self,
@@ -283,15 +304,10 @@ class OuterOptimizer(OuterRule):
     ) -> None:
         """A checkpoint without this state (saved by a run without an outer optimizer) leaves
         ``theta_global`` to start again at the next forward."""
+        self.check_state_dict(state, buckets, members_changed)
         if state is None:
             self.started = False
             return
-        found = [(t.numel(), t.dtype) for t in state["global"]]
-        if found != buckets.layout():
-            raise ValueError(
-                f"load_state_dict: the checkpoint's theta_global has buckets (elements, dtype) "
-                f"{found}, but this model's parameters give {buckets.layout()}"
-            )
         for flat, saved in zip(self.flat, state["global"]):
             flat.copy_(saved)
         # torch's optimizers keep the tensors they load: a copy, or training would move the

@@ -10,7 +10,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from gossip_ext.averagings.buckets import ParameterBuckets
+from gossip_ext.averagings.buckets import ParameterBuckets, check_saved
 from gossip_ext.outer.rules import OuterRule
 from gossip_ext.sharded import replicas as sharded
 
@@ -202,16 +202,8 @@ class SlowMomentum(OuterRule):
             "shard": self.shard,
         }
 
-    def load_state_dict(
-        self,
-        state: Mapping[str, Any] | None,
-        buckets: ParameterBuckets,
-        members_changed: bool = False,
-    ) -> None:
-        """A checkpoint without SlowMo state (saved before it started) starts it again at the
-        next forward."""
+    def check_state_dict(self, state, buckets: ParameterBuckets, members_changed=False) -> None:
         if state is None:
-            self.slow = self.buffer = None
             return
         saved = (state.get("shards", 1), state.get("shard", 0))
         if saved != (self.shards, self.shard):
@@ -221,12 +213,21 @@ class SlowMomentum(OuterRule):
                 "(slowmo_memory_efficient, slowmo_num_shards and the rank must match)"
             )
         expected = [(hi - lo, buckets.dtype(b)) for b, (lo, hi) in enumerate(self.ranges(buckets))]
-        found = [(t.numel(), t.dtype) for t in state["slow"]]
-        if found != expected:
-            raise ValueError(
-                f"load_state_dict: the checkpoint's SlowMo state has buckets (elements, dtype) "
-                f"{found}, but this model's parameters give {expected}"
-            )
+        check_saved("SlowMo state", state.get("slow"), expected)
+        check_saved("SlowMo momentum", state.get("momentum"), expected)
+
+    def load_state_dict(
+        self,
+        state: Mapping[str, Any] | None,
+        buckets: ParameterBuckets,
+        members_changed: bool = False,
+    ) -> None:
+        """A checkpoint without SlowMo state (saved before it started) starts it again at the
+        next forward."""
+        self.check_state_dict(state, buckets, members_changed)
+        if state is None:
+            self.slow = self.buffer = None
+            return
         self.slow = [t.detach().to(buckets.device(b)).clone() for b, t in enumerate(state["slow"])]
         self.buffer = [
             t.detach().to(buckets.device(b)).clone() for b, t in enumerate(state["momentum"])

@@ -35,7 +35,7 @@ from typing import Any
 import torch
 
 from gossip_ext.averagings import Averaging, Contribution
-from gossip_ext.averagings.buckets import ParameterBuckets
+from gossip_ext.averagings.buckets import ParameterBuckets, check_saved
 from gossip_ext.outer.rules import OuterOptimizer, OuterOptimizerFactory, OuterRule
 
 # Builds a fragment's averaging over its buckets.
@@ -278,21 +278,39 @@ class StreamingOuter(OuterRule):
             }
         return {"bounds": self.bounds, "fragments": fragments}
 
+    def check_state_dict(self, state, buckets=None, members_changed: bool = False) -> None:
+        """The fragments' bounds, and every fragment's state as its rule and averaging check it:
+        a fragment refused after others were written would leave the model's halves apart."""
+        if state is None:
+            return
+        bounds = [tuple(b) for b in state.get("bounds", ())]
+        fragments = state.get("fragments")
+        if bounds != self.bounds or len(fragments or ()) != len(self.fragments):
+            raise ValueError(
+                f"load_state_dict: the checkpoint's fragments cover parameters {bounds}, but "
+                f"this model's fragments cover {self.bounds}"
+            )
+        for j, (fragment, saved) in enumerate(zip(self.fragments, fragments)):
+            fragment.rule.check_state_dict(saved.get("outer"), fragment.buckets)
+            fragment.averaging.check_state_dict(saved.get("residuals"), members_changed)
+            flight = saved.get("in_flight")
+            if flight is not None and flight.get("pseudo_gradients") is not None:
+                check_saved(
+                    f"pseudo-gradient in flight of fragment {j}",
+                    flight["pseudo_gradients"],
+                    fragment.buckets.layout(),
+                )
+
     def load_state_dict(
         self, state: Mapping[str, Any] | None, buckets=None, members_changed: bool = False
     ) -> None:
         """A checkpoint without this state leaves ``theta_global`` to start again at the next
         forward. ``members_changed``: the state of this worker's previous elastic epoch (see
         ``CompressedMean.load_state_dict``)."""
+        self.check_state_dict(state, buckets, members_changed)
         if state is None:
             self.started = False
             return
-        bounds = [tuple(b) for b in state["bounds"]]
-        if bounds != self.bounds:
-            raise ValueError(
-                f"load_state_dict: the checkpoint's fragments cover parameters {bounds}, but "
-                f"this model's fragments cover {self.bounds}"
-            )
         self._restored.clear()
         for j, (fragment, saved) in enumerate(zip(self.fragments, state["fragments"])):
             fragment.rule.load_state_dict(saved["outer"], fragment.buckets)
