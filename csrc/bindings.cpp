@@ -3,11 +3,14 @@
 // library loads.
 #include <pybind11/chrono.h>
 #include <pybind11/stl.h>
+#include <torch/csrc/Dtype.h>
 #include <torch/csrc/utils/pybind.h>
 
 #include <string>
 
 #include "common/error.h"
+#include "common/limits.h"
+#include "engine/flat_parameters.h"
 #include "engine/gossip_engine.h"
 #include "engine/simulate.h"
 #include "kernels/push_sum.h"
@@ -63,6 +66,32 @@ void translate_peer_failures(std::exception_ptr error) {
   }
 }
 
+// Every entry below refuses what it cannot take with a TypeError or ValueError naming the argument
+// (tests/test_bindings_refuse.py holds a case for each). pybind11 refuses a wrong type, and None
+// for an argument taken by value, before the call; None for a smart pointer arrives as a null
+// pointer, which the constructors taking one check, and so does abort_work. Sizes, ranks and
+// timeouts are bounded where the C++ class takes them (common/limits.h); what only the binding
+// sees (the messages of Transport.exchange, a Work's timeout) is checked here.
+
+// A message's peer must be a rank of the transport's world, and its buffer contiguous: every
+// transport sends a buffer's memory as it lies (gloo and NCCL refuse a strided one, and the
+// process-group transport would report that as a peer failure).
+std::vector<PeerMessage> checked_messages(const Transport& transport,
+                                          const std::vector<std::pair<int, at::Tensor>>& pairs,
+                                          const char* arg) {
+  std::vector<PeerMessage> messages;
+  const int world_size = transport.world_size();
+  for (size_t i = 0; i < pairs.size(); ++i) {
+    const auto& [peer, buffer] = pairs[i];
+    TORCH_CHECK_VALUE(peer >= 0 && peer < world_size, "gossip_ext: Transport.exchange: ", arg, "[",
+                      i, "] has peer ", peer, ", outside [0, ", world_size, ")");
+    TORCH_CHECK_VALUE(buffer.is_contiguous(), "gossip_ext: Transport.exchange: ", arg, "[", i,
+                      "] must be a contiguous tensor");
+    messages.push_back({peer, buffer});
+  }
+  return messages;
+}
+
 void bind_topology(py::module_& m) {
   py::enum_<GraphKind>(m, "GraphKind")
       .value("NPeerDynamicDirectedExponential", GraphKind::kNPeerDynamicDirectedExponential)
@@ -77,7 +106,9 @@ void bind_topology(py::module_& m) {
   py::class_<GraphOptions>(m, "GraphOptions")
       .def(py::init([](GraphKind kind, int peers_per_itr,
                        std::vector<std::vector<int>> phone_books) {
-             return GraphOptions{kind, peers_per_itr, std::move(phone_books)};
+             GraphOptions options{kind, peers_per_itr, std::move(phone_books)};
+             validate(options);
+             return options;
            }),
            py::arg("kind"), py::arg("peers_per_itr") = 1,
            py::arg("phone_books") = std::vector<std::vector<int>>{})
@@ -128,12 +159,17 @@ void bind_engine(py::module_& m) {
                        const py::object& message_dtype) {
              // message_dtype: a 16-bit torch.dtype, torch.float8_e4m3fn, or the name of a block
              // format ("int8", "int4", "float8_e4m3fn"); None for full precision.
+             check_timeout(timeout, "gossip_ext: EngineOptions");
              EngineOptions options{std::move(graph), mixing,      push_sum, allow_lazy_mixing,
                                    synchronous,      timeout,     check_finite};
              if (py::isinstance<py::str>(message_dtype)) {
                options.message_format =
                    parse_block_format(message_dtype.cast<std::string>(), "message_dtype");
              } else if (!message_dtype.is_none()) {
+               TORCH_CHECK_TYPE(THPDtype_Check(message_dtype.ptr()),
+                                "gossip_ext: EngineOptions: message_dtype must be a torch.dtype, a "
+                                "block format's name or None, got ",
+                                py::str(py::type::of(message_dtype)).cast<std::string>());
                const auto dtype = message_dtype.cast<at::ScalarType>();
                if (dtype == at::kFloat8_e4m3fn) {
                  options.message_format = BlockFormat::kFloat8E4M3;
@@ -150,16 +186,37 @@ void bind_engine(py::module_& m) {
 
   py::class_<Work, std::shared_ptr<Work>>(m, "Work")
       .def("is_completed", &Work::is_completed, py::call_guard<py::gil_scoped_release>())
-      .def("wait", &Work::wait, py::arg("timeout"), py::call_guard<py::gil_scoped_release>())
-      .def("synchronize", &Work::synchronize, py::arg("timeout"),
-           py::call_guard<py::gil_scoped_release>());
+      .def(
+          "wait",
+          [](Work& work, std::chrono::milliseconds timeout) {
+            check_timeout(timeout, "gossip_ext: Work.wait", "timeout", /*may_be_zero=*/true);
+            work.wait(timeout);
+          },
+          py::arg("timeout"), py::call_guard<py::gil_scoped_release>())
+      .def(
+          "synchronize",
+          [](Work& work, std::chrono::milliseconds timeout) {
+            check_timeout(timeout, "gossip_ext: Work.synchronize", "timeout",
+                          /*may_be_zero=*/true);
+            work.synchronize(timeout);
+          },
+          py::arg("timeout"), py::call_guard<py::gil_scoped_release>());
 
   py::class_<Transport, std::shared_ptr<Transport>>(m, "Transport")
       .def_property_readonly("rank", &Transport::rank)
       .def_property_readonly("world_size", &Transport::world_size)
       .def_property_readonly("name", &Transport::name)
-      .def("connect_peers", &Transport::connect_peers, py::arg("peers"),
-           py::call_guard<py::gil_scoped_release>())
+      .def(
+          "connect_peers",
+          [](Transport& transport, const std::vector<int>& peers) {
+            for (size_t i = 0; i < peers.size(); ++i) {
+              TORCH_CHECK_VALUE(peers[i] >= 0 && peers[i] < transport.world_size(),
+                                "gossip_ext: Transport.connect_peers: peers[", i, "] is ",
+                                peers[i], ", outside [0, ", transport.world_size(), ")");
+            }
+            transport.connect_peers(peers);
+          },
+          py::arg("peers"), py::call_guard<py::gil_scoped_release>())
       .def("abandon", &Transport::abandon, py::arg("why"),
            py::call_guard<py::gil_scoped_release>())
       // One round of raw messages, (peer, tensor) pairs, as the engine posts them: for tests that
@@ -168,12 +225,10 @@ void bind_engine(py::module_& m) {
           "exchange",
           [](Transport& transport, const std::vector<std::pair<int, at::Tensor>>& sends,
              const std::vector<std::pair<int, at::Tensor>>& recvs, int64_t round) {
-            auto messages = [](const std::vector<std::pair<int, at::Tensor>>& pairs) {
-              std::vector<PeerMessage> out;
-              for (const auto& [peer, buffer] : pairs) out.push_back({peer, buffer});
-              return out;
-            };
-            return transport.exchange(messages(sends), messages(recvs), round);
+            TORCH_CHECK_VALUE(round >= 0,
+                              "gossip_ext: Transport.exchange: round must be >= 0, got ", round);
+            return transport.exchange(checked_messages(transport, sends, "sends"),
+                                      checked_messages(transport, recvs, "recvs"), round);
           },
           py::arg("sends"), py::arg("recvs"), py::arg("round"),
           py::call_guard<py::gil_scoped_release>());
@@ -242,8 +297,17 @@ void bind_engine(py::module_& m) {
   // is the only place it completes: a thread blocked there for a peer is released by this
   // (gossip_ext.gossip.mailbox, when asynchronous push-sum lets a peer go).
   m.def(
-      "abort_work", [](const c10::intrusive_ptr<c10d::Work>& work) { work->abort(); },
+      "abort_work",
+      [](const c10::intrusive_ptr<c10d::Work>& work) {
+        GOSSIP_CHECK_ARG(work, "gossip_ext: abort_work: work must be a c10d Work, got None");
+        work->abort();
+      },
       py::arg("work"));
+  // What the engine's flattening refuses (flat_parameters.h), asked before anything is
+  // communicated, so that every rank refuses parameters that overlap, not only those that build
+  // an engine.
+  m.def("check_disjoint_parameters", &check_disjoint_parameters, py::arg("params"),
+        py::arg("names"));
 }
 
 }  // namespace

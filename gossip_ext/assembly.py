@@ -17,6 +17,7 @@ import torch
 import torch.distributed as dist
 
 from gossip_ext import _validation
+from gossip_ext._torch_check import _C
 from gossip_ext.gossip import hierarchy, inner, transport
 
 
@@ -42,6 +43,10 @@ def build(model, initial: bool, peers_per_itr: int | None = None) -> Parts:
     configuration and writes its parameters (the broadcast); the parts it returns are the
     model's to adopt."""
     config, named = model.configuration, model._named
+    # Tensors that overlap in memory would be untied by the engine's flattening. The engine refuses
+    # them, naming them, but only on the ranks that build one and after the broadcast: here every
+    # rank refuses them before this build communicates anything.
+    _C.check_disjoint_parameters([t for _, t in model._gossiped], [n for n, _ in model._gossiped])
     graph = config.graph
     if peers_per_itr is not None and peers_per_itr != graph.peers_per_itr:
         graph = inner.with_peers(graph, peers_per_itr)

@@ -1,6 +1,7 @@
 #include "engine/gossip_engine.h"
 
 #include <algorithm>
+#include <cmath>
 
 #include <ATen/ops/all.h>
 #include <ATen/ops/empty.h>
@@ -12,6 +13,7 @@
 #include <c10/util/Exception.h>
 
 #include "common/error.h"
+#include "common/limits.h"
 #include "kernels/push_sum.h"
 
 namespace gossip {
@@ -35,8 +37,7 @@ GossipEngine::GossipEngine(const std::vector<at::Tensor>& params,
       options_(std::move(options)),
       graph_(options_.graph, transport_ ? transport_->world_size() : 1) {
   TORCH_CHECK_VALUE(transport_ != nullptr, "gossip_ext: transport must not be None");
-  TORCH_CHECK_VALUE(options_.timeout.count() > 0, "gossip_ext: timeout must be positive, got ",
-                    options_.timeout.count(), " ms");
+  check_timeout(options_.timeout, "gossip_ext");
   validate(options_.mixing);
   TORCH_CHECK_VALUE(options_.push_sum || graph_.pairs_symmetrically(),
                     "gossip_ext: push_sum=False (push-pull averaging, D-PSGD) needs a graph that "
@@ -374,8 +375,8 @@ void GossipEngine::restore(int64_t round, double ps_weight) {
   TORCH_CHECK(work_ == nullptr, "gossip_ext: cannot restore a checkpoint while gossip round ",
               round_, " is in flight");
   TORCH_CHECK_VALUE(round >= 0, "gossip_ext: checkpoint round must be >= 0, got ", round);
-  TORCH_CHECK_VALUE(ps_weight > 0.0, "gossip_ext: checkpoint ps_weight must be > 0, got ",
-                    ps_weight);
+  TORCH_CHECK_VALUE(std::isfinite(ps_weight) && ps_weight > 0.0,
+                    "gossip_ext: checkpoint ps_weight must be finite and > 0, got ", ps_weight);
   TORCH_CHECK_VALUE(!lazy_ || ps_weight == 1.0, "gossip_ext: checkpoint ps_weight is ", ps_weight,
                     " but this configuration uses lazy mixing, where it is always 1");
   round_ = round;

@@ -2,11 +2,13 @@
 
 #include <atomic>
 #include <exception>
+#include <system_error>
 #include <thread>
 
 #include <ATen/ops/empty.h>
 #include <c10/core/GradMode.h>
 #include <c10/util/Exception.h>
+#include <c10/util/safe_numerics.h>
 
 #include "transport/inproc/inproc_transport.h"
 
@@ -23,6 +25,15 @@ at::Tensor simulate(const at::Tensor& values, int64_t rounds, const EngineOption
   TORCH_CHECK_VALUE(values.device().is_cpu(), "gossip_ext.simulate: values must be on the CPU, got ",
                     values.device());
   TORCH_CHECK_VALUE(rounds >= 0, "gossip_ext.simulate: rounds must be >= 0, got ", rounds);
+  TORCH_CHECK_VALUE(rounds <= kMaxSimulatedRounds, "gossip_ext.simulate: rounds must be <= ",
+                    kMaxSimulatedRounds, ", got ", rounds);
+  TORCH_CHECK_VALUE(values.size(0) <= kMaxSimulatedRanks, "gossip_ext.simulate: values has ",
+                    values.size(0), " rows, one rank each, but simulate runs at most ",
+                    kMaxSimulatedRanks, " ranks (a thread each)");
+  int64_t elements = 0;  // of the result
+  TORCH_CHECK_VALUE(!c10::mul_overflows(rounds + 1, values.numel(), &elements),
+                    "gossip_ext.simulate: the result of ", rounds, " rounds over values of shape ",
+                    values.sizes(), " would have more than 2^63 elements");
 
   const int n = static_cast<int>(values.size(0));
   const at::Tensor initial = values.detach();
@@ -46,23 +57,34 @@ at::Tensor simulate(const at::Tensor& values, int64_t rounds, const EngineOption
   std::atomic<int> first_failure{-1};
   std::vector<std::thread> threads;
   threads.reserve(n);
-  for (int i = 0; i < n; ++i) {
-    threads.emplace_back([&, i] {
-      try {
-        c10::NoGradGuard no_grad;
-        for (int64_t t = 0; t < rounds; ++t) {
-          engines[i]->start_round();
-          engines[i]->finish_round();
-          result[t + 1][i].copy_(params[i]);
-        }
-      } catch (const std::exception& e) {
-        errors[i] = std::current_exception();
-        int none = -1;
-        first_failure.compare_exchange_strong(none, i);
-        hub->abort("gossip_ext.simulate: stopped because rank " + std::to_string(i) +
-                   " failed: " + e.what());
+  auto run_rank = [&](int i) {
+    try {
+      c10::NoGradGuard no_grad;
+      for (int64_t t = 0; t < rounds; ++t) {
+        engines[i]->start_round();
+        engines[i]->finish_round();
+        result[t + 1][i].copy_(params[i]);
       }
-    });
+    } catch (const std::exception& e) {
+      errors[i] = std::current_exception();
+      int none = -1;
+      first_failure.compare_exchange_strong(none, i);
+      hub->abort("gossip_ext.simulate: stopped because rank " + std::to_string(i) +
+                 " failed: " + e.what());
+    }
+  };
+  for (int i = 0; i < n; ++i) {
+    try {
+      threads.emplace_back(run_rank, i);
+    } catch (const std::system_error& e) {
+      // The process may start no more threads. Destroying a joinable thread calls
+      // std::terminate, so the started ones are stopped and joined before this raises.
+      hub->abort("gossip_ext.simulate: stopped because the thread of rank " + std::to_string(i) +
+                 " did not start");
+      for (std::thread& thread : threads) thread.join();
+      TORCH_CHECK(false, "gossip_ext.simulate: could not start the thread of rank ", i, " of ", n,
+                  ": ", e.what());
+    }
   }
   for (std::thread& thread : threads) thread.join();
   if (first_failure.load() >= 0) std::rethrow_exception(errors[first_failure.load()]);

@@ -7,6 +7,7 @@
 #pragma once
 
 #include <chrono>
+#include <cstdint>
 
 #include <ATen/core/Tensor.h>
 
@@ -14,8 +15,14 @@
 
 namespace gossip {
 
+// One thread per simulated rank: at most this many.
+constexpr int64_t kMaxSimulatedRanks = 4096;
+// The most rounds one call runs.
+constexpr int64_t kMaxSimulatedRounds = int64_t{1} << 24;
+
 // `options.graph`, `options.mixing`, `options.push_sum` and `options.timeout` apply; values must
-// be a 2-D floating CPU tensor [n, d] with d >= 1; rounds >= 0.
+// be a 2-D floating CPU tensor [n, d] with 1 <= n <= kMaxSimulatedRanks and d >= 1;
+// 0 <= rounds <= kMaxSimulatedRounds.
 at::Tensor simulate(const at::Tensor& values, int64_t rounds, const EngineOptions& options);
 
 }  // namespace gossip

@@ -124,6 +124,9 @@ const char* block_format_name(BlockFormat format) {
 
 int64_t quantized_message_bytes(int64_t numel, const std::string& format) {
   TORCH_CHECK_VALUE(numel >= 0, "gossip_ext: numel must be >= 0, got ", numel);
+  // Scales and codes together take at most 1.04 bytes a value: 2^62 values keep it in an int64.
+  constexpr int64_t kMaxNumel = int64_t{1} << 62;
+  TORCH_CHECK_VALUE(numel <= kMaxNumel, "gossip_ext: numel must be <= 2^62, got ", numel);
   return quant_message_bytes(numel, parse_block_format(format));
 }
 

@@ -5,6 +5,7 @@
 #include <set>
 
 #include "common/error.h"
+#include "common/limits.h"
 
 namespace gossip {
 namespace {
@@ -81,12 +82,27 @@ const char* graph_kind_name(GraphKind kind) {
   return "unknown graph";
 }
 
+void validate(const GraphOptions& options) {
+  const int kind = static_cast<int>(options.kind);
+  GOSSIP_CHECK_ARG(kind >= static_cast<int>(GraphKind::kNPeerDynamicDirectedExponential) &&
+                       kind <= static_cast<int>(GraphKind::kCustom),
+                   "GraphOptions: kind must be one of GraphKind's values, got ", kind);
+  const char* name = graph_kind_name(options.kind);
+  GOSSIP_CHECK_ARG(options.peers_per_itr >= 1, name, ": peers_per_itr must be >= 1, got ",
+                   options.peers_per_itr);
+  GOSSIP_CHECK_ARG(options.peers_per_itr < kMaxWorldSize, name, ": peers_per_itr must be < ",
+                   kMaxWorldSize, " (the largest world size), got ", options.peers_per_itr);
+  GOSSIP_CHECK_ARG(options.phone_books.size() <= static_cast<size_t>(kMaxWorldSize), name,
+                   ": phone_books has ", options.phone_books.size(),
+                   " entries, more than the largest world size, ", kMaxWorldSize);
+}
+
 Graph::Graph(GraphOptions options, int world_size)
     : options_(std::move(options)), world_size_(world_size) {
+  validate(options_);
   const char* name = graph_kind_name(options_.kind);
   GOSSIP_CHECK_ARG(world_size >= 1, name, ": world_size must be >= 1, got ", world_size);
-  GOSSIP_CHECK_ARG(options_.peers_per_itr >= 1, name, ": peers_per_itr must be >= 1, got ",
-                   options_.peers_per_itr);
+  check_world_size_cap(world_size, name);
   if (options_.kind == GraphKind::kCustom) {
     GOSSIP_CHECK_ARG(static_cast<int>(options_.phone_books.size()) == world_size, name,
                      ": phone_books has ", options_.phone_books.size(),
@@ -128,20 +144,31 @@ bool Graph::is_bipartite() const {
          options_.kind == GraphKind::kDynamicBipartiteLinear;
 }
 
+void Graph::check_schedule_size(int64_t peers) const {
+  const int64_t entries = peers * world_size_;
+  GOSSIP_CHECK_ARG(entries <= kMaxScheduleEntries, graph_kind_name(options_.kind), ": world_size ",
+                   world_size_, " gives each rank up to ", peers, " peers, a schedule of ",
+                   entries, " entries, more than the ", kMaxScheduleEntries,
+                   " a graph may hold; use an exponential graph for a world this large");
+}
+
 void Graph::build_phone_books() {
   const int64_t n = world_size_;
-  phone_books_.assign(n, {});
   if (options_.kind == GraphKind::kCustom) {
+    check_schedule_size(static_cast<int64_t>(options_.phone_books[0].size()));
     phone_books_ = options_.phone_books;
     return;
   }
+  phone_books_.assign(n, {});
   if (options_.kind == GraphKind::kHypercube) {
     for (int r = 0; r < n; ++r) {
       for (int step = 1; step < n; step *= 2) phone_books_[r].push_back(r ^ step);
     }
     return;
   }
+  // The offsets bound each phone book's length (duplicates modulo n are dropped below).
   const std::vector<int64_t> offsets = offsets_for(options_.kind, options_.peers_per_itr, n);
+  check_schedule_size(static_cast<int64_t>(offsets.size()));
   for (int64_t r = 0; r < n; ++r) {
     // Passive (even) nodes of a bipartite graph walk the offsets backwards, so that the active
     // node r + d and the passive node r pair up in the same slot: a symmetric exchange.

@@ -43,10 +43,17 @@ struct GraphOptions {
   std::vector<std::vector<int>> phone_books;
 };
 
+// Throws gossip::ValueError naming the bad field: a kind that is no GraphKind (pybind11 makes one
+// from any int), peers_per_itr outside [1, kMaxWorldSize), more phone books than kMaxWorldSize.
+// What depends on the world size is Graph's to check.
+void validate(const GraphOptions& options);
+
 class Graph {
  public:
   // Validates the options for this world size and throws gossip::ValueError saying why they do
-  // not fit. world_size 1 is always valid: the node has no peers.
+  // not fit. world_size 1 is always valid: the node has no peers. world_size is at most
+  // kMaxWorldSize, and the schedule at most kMaxScheduleEntries (common/limits.h): a linear
+  // graph's grows as the square of the world size.
   Graph(GraphOptions options, int world_size);
 
   int world_size() const { return world_size_; }
@@ -79,6 +86,9 @@ class Graph {
  private:
   int slot(int64_t round, int g) const;
   void build_phone_books();
+  // Refuses a schedule of `peers` phone-book slots per rank beyond kMaxScheduleEntries, before
+  // anything of that size is allocated.
+  void check_schedule_size(int64_t peers) const;
   void validate_and_index();
 
   GraphOptions options_;

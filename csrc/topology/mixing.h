@@ -25,9 +25,11 @@ struct MixingWeights {
   double peer_weight;  // for each out-peer
 };
 
-// Throws gossip::ValueError naming the bad field.
+// Throws gossip::ValueError naming the bad field (a kind that is no MixingKind included: pybind11
+// makes one from any int).
 void validate(const MixingOptions& options);
 
+// num_out_peers in [0, kMaxWorldSize).
 MixingWeights mixing_weights(const MixingOptions& options, int num_out_peers);
 
 }  // namespace gossip

@@ -64,7 +64,8 @@ class HostStagingWork final : public Work {
 
 HostStagingTransport::HostStagingTransport(std::shared_ptr<Transport> inner)
     : inner_(std::move(inner)) {
-  GOSSIP_CHECK_ARG(inner_ != nullptr, "gossip_ext: HostStagingTransport needs a transport, got None");
+  GOSSIP_CHECK_ARG(inner_ != nullptr,
+                   "gossip_ext: HostStagingTransport: inner must be a transport, got None");
 }
 
 std::shared_ptr<Work> HostStagingTransport::exchange(std::vector<PeerMessage> sends,

@@ -3,11 +3,13 @@
 #include <algorithm>
 
 #include "common/error.h"
+#include "common/limits.h"
 
 namespace gossip {
 
 InProcHub::InProcHub(int world_size) {
   GOSSIP_CHECK_ARG(world_size >= 1, "InProcHub: world_size must be >= 1, got ", world_size);
+  check_world_size_cap(world_size, "InProcHub");  // a mailbox, lock and condition per rank
   for (int r = 0; r < world_size; ++r) mailboxes_.push_back(std::make_unique<Mailbox>());
 }
 
@@ -130,6 +132,7 @@ class InProcWork final : public Work {
 
 InProcTransport::InProcTransport(std::shared_ptr<InProcHub> hub, int rank)
     : hub_(std::move(hub)), rank_(rank) {
+  GOSSIP_CHECK_ARG(hub_ != nullptr, "InProcTransport: hub must be an InProcHub, got None");
   GOSSIP_CHECK_ARG(rank >= 0 && rank < hub_->world_size(), "InProcTransport: rank must be in [0, ",
                    hub_->world_size(), "), got ", rank);
 }

@@ -3,18 +3,21 @@
 #include <algorithm>
 
 #include "common/error.h"
+#include "common/limits.h"
 
 namespace gossip {
 
 LoopbackTransport::LoopbackTransport(std::shared_ptr<Transport> inner, int rank, int world_size)
     : inner_(std::move(inner)), rank_(rank), world_size_(world_size) {
-  GOSSIP_CHECK_ARG(inner_ != nullptr, "gossip_ext: LoopbackTransport needs a transport, got None");
+  GOSSIP_CHECK_ARG(inner_ != nullptr,
+                   "gossip_ext: LoopbackTransport: inner must be a transport, got None");
   GOSSIP_CHECK_ARG(inner_->world_size() == 1,
                    "gossip_ext: LoopbackTransport needs a transport of world size 1, got ",
                    inner_->world_size());
   GOSSIP_CHECK_ARG(world_size >= 1 && rank >= 0 && rank < world_size,
                    "gossip_ext: LoopbackTransport rank must be in [0, world_size), got rank ", rank,
                    " and world_size ", world_size);
+  check_world_size_cap(world_size, "gossip_ext: LoopbackTransport");
 }
 
 std::shared_ptr<Work> LoopbackTransport::exchange(std::vector<PeerMessage> sends,

@@ -10,6 +10,7 @@
 
 #include "common/cuda_check.h"
 #include "common/error.h"
+#include "common/limits.h"
 #include "transport/store_check_in.h"
 
 namespace gossip {
@@ -189,6 +190,7 @@ NcclTransport::NcclTransport(c10::intrusive_ptr<c10d::Store> store, const std::s
   GOSSIP_CHECK_ARG(world_size >= 1 && rank >= 0 && rank < world_size,
                    "NcclTransport: rank must be in [0, world_size), got rank ", rank,
                    " and world_size ", world_size);
+  check_world_size_cap(world_size, "NcclTransport");
   GOSSIP_CHECK_ARG(timeout.count() > 0, "NcclTransport: timeout must be positive, got ",
                    timeout.count(), " ms");
 
