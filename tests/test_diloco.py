@@ -251,6 +251,8 @@ def test_a_peer_dying_during_an_outer_step_changes_nothing_and_stays_raised(tmp_
     for rank in (0, 2):
         result = outcomes[rank].result
         assert outcomes[rank].exitcode == 0 and result["error"] is not None, (rank, outcomes[rank])
+        # The outer step's all-reduce names the rank that did not check in after it failed.
+        assert result["data"]["peers"] == (dead,), (rank, result["error"])
         assert result["module_is_last_model"], (rank, result["error"])
         assert result["state_dict_is_last_model"], (rank, result["error"])
         assert result["theta_unchanged"] and result["momentum_unchanged"], rank
@@ -357,7 +359,7 @@ def _ranks_with_other_outer_optimizers(rank: int, world_size: int):
 
 def test_ranks_with_different_outer_optimizers_raise():
     for error in run_ranks(2, _ranks_with_other_outer_optimizers):
-        assert error is not None and error[0] is ValueError
+        assert error is not None and issubclass(error[0], ValueError)
         assert "outer.rule: rank 0 has" in error[1] and "'lr': 0.5" in error[1], error
 
 

@@ -494,6 +494,8 @@ def test_a_peer_dying_during_an_exact_average_leaves_the_survivors_last_model(tm
     for rank in (0, 2):
         result = outcomes[rank].result
         assert outcomes[rank].exitcode == 0 and result["error"] is not None, (rank, outcomes[rank])
+        # The all-reduce names the rank that did not check in after it failed.
+        assert result["data"]["peers"] == (dead,), (rank, result["error"])
         assert result["module_is_last_model"], (rank, result["error"])
         assert result["state_dict_is_last_model"], (rank, result["error"])
         # The ranks are at different collectives now: none may run another.

@@ -1,6 +1,6 @@
 """The failure contract through the outer steps, under every averaging, whole and streamed: a
-SIGKILLed peer and a SIGSTOPped peer give a PeerTimeoutError within the timeout, a NaN on one
-worker a NonFiniteError naming it on every worker; nothing is written, and the error stays
+SIGKILLed peer and a SIGSTOPped peer give a PeerTimeoutError naming it within the timeout, a NaN
+on one worker a NonFiniteError naming it on every worker; nothing is written, and the error stays
 raised. Three real processes over gloo; rank 1 is the faulty one.
 
 The fault comes at the start of step 3: DiLoCo's whole-model step runs at step 4 (``every=4``),
@@ -14,6 +14,7 @@ import os
 import signal
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from datetime import timedelta
 
 import pytest
@@ -23,7 +24,7 @@ from test_faults import _complete_graph, _touch
 from torch import nn
 
 import gossip_ext
-from gossip_ext.averagings import failures
+from gossip_ext.averagings import failures, store_check_in
 
 TIMEOUT_S = 2.0
 SLACK_S = 8.0  # on top of the timeout: two cores shared by three ranks and other jobs
@@ -73,6 +74,18 @@ STREAMED = {
     }.items()
 }
 ALL = {**AVERAGINGS, **STREAMED}
+# The averagings whose messages are collectives over every worker (the others gossip).
+OVER_EVERY_WORKER = {
+    "average",
+    "slowmo",
+    "exact",
+    "int8",
+    "topk",
+    "average_int8",
+    "streamed_exact",
+    "streamed_int8",
+    "streamed_topk",
+}
 
 
 def _a_worker_fails(rank: int, world_size: int, name: str, fault: str, sync_dir: str) -> dict:
@@ -162,9 +175,13 @@ def test_a_faulty_worker_gives_a_typed_error_within_the_timeout_and_changes_noth
                 assert result["finite"], (rank, result)  # the NaN did not spread
         else:
             assert result["type"] == "PeerTimeoutError", (rank, result)
-            # A collective over every worker cannot name the peer; a message between peers names
-            # it (the engine's round also names the peers whose sends it could not confirm).
-            assert not result["peers"] or FAULTY in result["peers"], (rank, result)
+            # A collective over every worker names the worker that did not check in at the
+            # group's store after it failed; a message between peers names its peer (the
+            # engine's round also names the peers whose sends it could not confirm).
+            if name in OVER_EVERY_WORKER:
+                assert result["peers"] == (FAULTY,), (rank, result)
+            else:
+                assert FAULTY in result["peers"], (rank, result)
             elapsed = result["raised_at"] - fault_at
             assert elapsed < TIMEOUT_S + SLACK_S, (rank, elapsed, result)
         assert result["step"] == FAULT_STEP + 1, (rank, result)
@@ -206,3 +223,69 @@ def test_a_wait_for_a_collective_ends_when_its_group_is_given_up():
     waited_s, message = run_ranks(2, _given_up_while_waiting)[0]
     assert 0.3 <= waited_s < 2.0, waited_s
     assert "given up: worker 1's heartbeat stopped" in message, message
+
+
+def _a_worker_dies_before_a_collective(rank: int, world_size: int, sync_dir: str) -> dict:
+    group = torch.distributed.group.WORLD
+    torch.distributed.barrier()
+    if rank == FAULTY:
+        os.kill(os.getpid(), signal.SIGKILL)
+    # Large enough for gloo's ring: only the dead worker's neighbours see a connection close;
+    # the others wait for neighbours that stopped, until the first to fail marks the failure.
+    work = torch.distributed.all_reduce(torch.ones(1 << 18), group=group, async_op=True)
+    started = time.monotonic()
+    with pytest.raises(gossip_ext.PeerTimeoutError) as raised:
+        failures.wait_for_every_worker([work], "the mean", group, timedelta(seconds=TIMEOUT_S))
+    waited_s = time.monotonic() - started
+    _touch(os.path.join(sync_dir, f"done{rank}"))
+    survivors = [os.path.join(sync_dir, f"done{r}") for r in range(world_size) if r != FAULTY]
+    deadline = time.monotonic() + TIMEOUT_S + SLACK_S
+    while time.monotonic() < deadline and not all(os.path.exists(p) for p in survivors):
+        time.sleep(0.05)
+    return {"peers": raised.value.peers, "waited_s": waited_s, "error": str(raised.value)}
+
+
+def test_every_survivor_names_the_dead_worker_even_when_it_is_not_its_neighbour(tmp_path):
+    outcomes = run_ranks_tolerating_deaths(
+        4, _a_worker_dies_before_a_collective, str(tmp_path), deadline_s=60.0
+    )
+    for rank in (0, 2, 3):
+        result = outcomes[rank].result
+        assert outcomes[rank].exitcode == 0, (rank, outcomes[rank])
+        assert result["peers"] == (FAULTY,), (rank, result)
+        assert "rank 1 died, stalled or left (not checked in at" in result["error"], result
+        assert result["waited_s"] < TIMEOUT_S, (rank, result)
+
+
+class _Group:
+    """What the check-in asks of a process group: its rank, size and store."""
+
+    def __init__(self, rank: int, size: int, store):
+        self._rank, self._size, self._store = rank, size, store
+
+    def rank(self) -> int:
+        return self._rank
+
+    def size(self) -> int:
+        return self._size
+
+    def get_group_store(self):
+        return self._store
+
+
+def test_the_ranks_that_do_not_check_in_are_named_and_each_wait_has_its_own_key():
+    store = torch.distributed.HashStore()
+    timeout = timedelta(seconds=1)  # a deadline of 0.25 s
+    groups = [_Group(rank, 3, store) for rank in range(3)]
+    first = [store_check_in.CollectiveCheckIn(g, timeout) for g in groups]
+    with ThreadPoolExecutor(3) as pool:  # rank 1 never checks in
+        assert list(pool.map(lambda c: c.missing(), [first[0], first[2]])) == [[1], [1]]
+    # The next wait: every rank checks in under a key of its own, the first failure's not
+    # counting, and a rank still waiting sees another's mark.
+    second = [store_check_in.CollectiveCheckIn(g, timeout) for g in groups]
+    assert not second[1].failed_elsewhere()
+    with ThreadPoolExecutor(3) as pool:
+        assert list(pool.map(lambda c: c.missing(), second)) == [[], [], []]
+    assert second[1].failed_elsewhere()
+    # No store: nothing is known.
+    assert store_check_in.CollectiveCheckIn(_Group(0, 2, None), timeout).missing() is None

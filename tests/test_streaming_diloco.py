@@ -410,6 +410,8 @@ def test_a_peer_dying_during_a_delayed_sync_changes_nothing_and_stays_raised(tmp
         result = outcomes[rank].result
         assert outcomes[rank].exitcode == 0 and result["error"] is not None, (rank, outcomes[rank])
         assert result["failed_at_step"] == 1, result  # fragment 0's apply
+        # The fragment's all-reduce names the rank that did not check in after it failed.
+        assert result["data"]["peers"] == (dead,), (rank, result["error"])
         _assert_unchanged_and_sticky(rank, result)
 
 

@@ -1,5 +1,6 @@
 """How an outer step forms its mean over workers: one interface (:mod:`.interface`), its
-failure contract (:mod:`.failures`), and every way there is: the full-precision all-reduce
+failure contract (:mod:`.failures`; who is missing after a collective failed,
+:mod:`.store_check_in`), and every way there is: the full-precision all-reduce
 (:mod:`.all_reduce`), the compressed and sparse exact means (:mod:`.compressed`,
 :mod:`.sparse`), one round of the inner gossip (:mod:`.round`), a fragment's gossip exchange
 (:mod:`.gossip_exchange`) and the compressed gossip on fixed neighbours (:mod:`.sparse_gossip`);

@@ -1,9 +1,11 @@
 """The failure contract every averaging keeps, written once.
 
 - A wait is bounded by the wrapper's timeout. A collective over every worker (all-reduce,
-  all-to-all, all-gather) that fails or times out raises ``PeerTimeoutError`` with no peers: the
-  process group cannot tell which worker died or stalled, and the message says so. A message to
-  or from one peer names that peer.
+  all-to-all, all-gather) that fails or times out raises ``PeerTimeoutError`` naming the workers
+  that did not check in at the process group's store after it (:mod:`.store_check_in`; the error
+  comes at most its short deadline later), and the message says so; with no store to check in
+  at, or where an elastic job's watch gave the group up, it names none (the process group cannot
+  tell which worker died or stalled). A message to or from one peer names that peer.
 - A contribution holding NaN or Inf raises ``NonFiniteError`` on every worker, naming the sender:
   over every worker, each adds one flag to a small all-reduce of its own (:class:`SenderCheck`;
   the full-precision mean waits for it before it sends, so that one collective is in flight at a
@@ -25,6 +27,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from gossip_ext.averagings.store_check_in import CollectiveCheckIn
 from gossip_ext.errors import NonFiniteError, PeerTimeoutError
 
 DEFAULT_TIMEOUT = datetime.timedelta(minutes=5)  # the wrapper's default
@@ -51,29 +54,64 @@ def wait_for_every_worker(
     works: Iterable[Any], what: str, group: dist.ProcessGroup, timeout: datetime.timedelta
 ) -> None:
     """Waits for the collectives ``works`` over every worker of ``group``, each at most
-    ``timeout``; raises PeerTimeoutError (no peers: a collective cannot tell which) for one that
-    failed or did not complete."""
+    ``timeout``; raises PeerTimeoutError for one that failed or did not complete, naming the
+    workers that did not check in after it (the check-in's deadline later at most). Every rank
+    of ``group`` calls it for its collectives in the order it posts them (the check-in's key
+    counts them)."""
+    check_in = CollectiveCheckIn(group, timeout)
     for work in works:
         try:
-            _wait_bounded(work, timeout, group)
+            _wait_bounded(work, timeout, group, check_in)
         except Exception as error:
-            world_size = dist.get_world_size(group)
-            raise PeerTimeoutError(
-                f"gossip_ext: rank {group.rank()}: {what} over all {world_size} workers failed "
-                f"or did not complete within {timeout.total_seconds():g} s: a worker died, "
-                f"stalled or left (a collective over every worker cannot tell which; {error})",
-                peers=(),
-                transport=transport_name(group),
-                timeout=timeout,
-            ) from error
+            raise _every_worker_failed(error, what, group, timeout, check_in) from error
 
 
-def _wait_bounded(work: Any, timeout: datetime.timedelta, group: dist.ProcessGroup) -> None:
-    """``work.wait()``, given up after ``timeout`` or once ``group`` is given up. gloo's
-    ``wait(timeout)`` is not woken by a collective that fails (a peer's connection closing): it
-    would wait out the whole timeout where ``wait()`` raises at once. So the wait is on the
-    work's future, which completes either way, and ``wait()`` then returns or raises the
-    collective's own error."""
+def _every_worker_failed(
+    error: Exception,
+    what: str,
+    group: dist.ProcessGroup,
+    timeout: datetime.timedelta,
+    check_in: CollectiveCheckIn,
+) -> PeerTimeoutError:
+    # A group given up by an elastic job's watch: its heartbeats found who stopped, and told the
+    # membership, so no check-in delays the error.
+    missing = None if group in _given_up else check_in.missing()
+    failed = (
+        f"gossip_ext: rank {group.rank()}: {what} over all {group.size()} workers failed or did "
+        f"not complete within {timeout.total_seconds():g} s"
+    )
+    if missing is None:
+        why = (
+            "a worker died, stalled or left (a collective over every worker cannot tell which; "
+            f"{error})"
+        )
+    elif missing:
+        who = f"rank {missing[0]}" if len(missing) == 1 else f"ranks {missing}"
+        why = (
+            f"{who} died, stalled or left (not checked in at the process group's store within "
+            f"{check_in.deadline.total_seconds():g} s of the failure; {error})"
+        )
+    else:
+        why = (
+            "every worker checked in at the process group's store after it, so none is named "
+            f"({error})"
+        )
+    return PeerTimeoutError(
+        f"{failed}: {why}",
+        peers=missing or (),
+        transport=transport_name(group),
+        timeout=timeout,
+    )
+
+
+def _wait_bounded(
+    work: Any, timeout: datetime.timedelta, group: dist.ProcessGroup, check_in: CollectiveCheckIn
+) -> None:
+    """``work.wait()``, given up after ``timeout``, once ``group`` is given up, or once another
+    rank marked the collective failed at ``check_in``'s store. gloo's ``wait(timeout)`` is not
+    woken by a collective that fails (a peer's connection closing): it would wait out the whole
+    timeout where ``wait()`` raises at once. So the wait is on the work's future, which completes
+    either way, and ``wait()`` then returns or raises the collective's own error."""
     try:
         future = work.get_future()
     except RuntimeError:  # a work without a future: its own bounded wait
@@ -81,13 +119,22 @@ def _wait_bounded(work: Any, timeout: datetime.timedelta, group: dist.ProcessGro
         return
     done = threading.Event()
     future.add_done_callback(lambda _: done.set())
-    deadline = time.monotonic() + timeout.total_seconds()
+    now = time.monotonic()
+    deadline = now + timeout.total_seconds()
+    next_look = now + check_in.look_every_s
     while not done.wait(min(_GIVE_UP_POLL_S, max(0.0, deadline - time.monotonic()))):
         why = _given_up.get(group)
         if why is not None:
             raise TimeoutError(f"given up: {why}")
-        if time.monotonic() >= deadline:
+        now = time.monotonic()
+        if now >= deadline:
             raise TimeoutError("the collective did not complete")
+        if now >= next_look:
+            # The ranks that the collective pairs with a dead worker fail at once; the others
+            # would wait for them until the timeout, then find nobody at the check-in.
+            if check_in.failed_elsewhere():
+                raise TimeoutError("another worker saw the collective fail")
+            next_look = now + check_in.look_every_s
     work.wait()
 
 
