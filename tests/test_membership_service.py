@@ -70,6 +70,29 @@ def test_the_ready_line_comes_first_on_stdout_once_the_store_serves():
     assert membership_service.READY not in err, err
 
 
+def _listening_addresses(port: int) -> set[str]:
+    """The local addresses a socket listens on at ``port`` (/proc/net/tcp, IPv4)."""
+    found = set()
+    for row in Path("/proc/net/tcp").read_text().splitlines()[1:]:
+        local, state = row.split()[1], row.split()[3]
+        address, hex_port = local.split(":")
+        if state == "0A" and int(hex_port, 16) == port:  # 0A: LISTEN
+            found.add(".".join(str(int(address[i : i + 2], 16)) for i in (6, 4, 2, 0)))
+    return found
+
+
+def test_the_service_listens_on_the_host_it_is_given_and_says_so():
+    # Before, the store listened on every interface whatever --host said.
+    service = _start([])
+    try:
+        match = READY_LINE.fullmatch(_first_line(service).strip())
+        assert match
+        assert _listening_addresses(int(match.group(1))) == {"127.0.0.1"}
+        assert "no job secret is set" in match.group(0)  # an open job says so
+    finally:
+        _stop(service)
+
+
 def _no_network_prefix() -> list[str] | None:
     """A command prefix that runs its command in a network namespace of its own, with only the
     loopback interface up (no DNS server answers there); None where that cannot be made."""
