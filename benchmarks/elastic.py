@@ -8,6 +8,10 @@ service (``python -m gossip_ext.membership``) or torchft's lighthouse (``torchft
 
 - ``gossip``: gossip_ext, ``membership=``, overlapped SGP in bfloat16 messages (the best mode of
   benchmarks/lm_compare.py at 8 workers), min_workers ``--min-workers``;
+- ``gossip_sealed``: exactly ``gossip``, with a job secret (a random token new with every run, in
+  the environment of the service and of every worker: every value of the membership store
+  HMAC-sealed, heartbeats sealed counters, the epoch groups' rendezvous through the sealing
+  store; gossip_ext/membership/trust.py);
 - ``torchft``: torchft 0.2.0, its Manager (min_replica_size ``--min-workers``, synchronous quorum)
   and LocalSGD every 4 steps; its lighthouse's heartbeat timeout is set to ``--heartbeat-ms``,
   gossip_ext's own silence threshold (gossip_ext.membership.epochs.SILENT_S), for the same detection
@@ -38,8 +42,16 @@ slot when worker 0 finishes step ``--replace-at``. From every worker's timeline 
 
     python benchmarks/elastic.py                     # as root: 8 workers at 1 Gbit/s
     python benchmarks/elastic.py --systems gossip --repeats 1 --no-record
+    python benchmarks/elastic.py --systems gossip gossip_sealed --failures kill  # the secret's cost
     python benchmarks/elastic.py --systems gossip --shards 2 --workers 4 --victim 3 \
         --min-workers 2 --failures kill              # replicas of 2 FSDP2 shard processes
+
+With ``gossip_sealed`` among the systems, its failure runs and ``gossip``'s are repeated too
+(``--repeats``, the two alternating which runs first), and its goals hold each of the sealed
+job's figures (back after, lost after the failure, joining, the uninterrupted step time) to the
+open job's: their means within 10%, or within the open job's run-to-run spread where that is
+larger (10% of a sub-second figure is below this machine's noise); its own section of
+RESULTS.md.
 
 With ``--shards S`` every worker is a replica of S processes sharing its slot's namespace, the
 model sharded over them by FSDP2 (an elastic job of sharded replicas; torchft's: one replica
@@ -77,13 +89,13 @@ from harness.compare import systems  # noqa: E402
 
 TITLE = "Elastic: a worker lost and replaced, beside torchft"
 SHARDED_TITLE = "Elastic sharded replicas: a replica lost with one process, replaced shard by shard"
+SEALED_TITLE = "Elastic with a job secret: the same job sealed and open, side by side"
+SYSTEMS = ("gossip", "gossip_sealed", "torchft")
 
 
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument(
-        "--systems", nargs="+", default=["gossip", "torchft"], choices=("gossip", "torchft")
-    )
+    p.add_argument("--systems", nargs="+", default=["gossip", "torchft"], choices=SYSTEMS)
     p.add_argument("--workers", type=int, default=8)
     p.add_argument("--bandwidth", default="1gbit")
     p.add_argument("--steps", type=int, default=480)
@@ -114,6 +126,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     args.rate = netns.rate_option(p, args.bandwidth, args.workers)
     if args.shards < 1:
         p.error(f"--shards must be >= 1, got {args.shards}")
+    if args.shards > 1 and "gossip_sealed" in args.systems:
+        p.error("--systems gossip_sealed compares workers of one process: not with --shards")
     if args.victim_shard is None:
         args.victim_shard = args.shards - 1
     if not 0 <= args.victim_shard < args.shards:
@@ -134,8 +148,31 @@ def parse_args(argv=None) -> argparse.Namespace:
     return args
 
 
+def plan(args) -> list[tuple[str, int, str | None, bool]]:
+    """Every run of the benchmark, in order: (system, the batches' seed, the failure or None,
+    without the victim's slot). Interleaved, so that a slow spell of the machine does not fall on
+    one system only: each repeat's failure runs, then its uninterrupted ones."""
+    sealed = "gossip_sealed" in args.systems
+    # Uninterrupted, besides each system: gossip_ext's job without the victim's slot (the
+    # failure run's worker-steps lie between its and the full job's), and a static job.
+    extra = []
+    if "gossip" in args.systems:
+        extra += [("gossip", True)]
+        if args.shards == 1:  # a static job of sharded replicas is sharded_compare.py's
+            extra += [("gossip_static", False)]
+    runs = []
+    for seed in range(args.repeats):
+        # The sealed job's figures are held to the open job's run-to-run spread: theirs are
+        # repeated with a failure too, and which of them runs first alternates.
+        order = args.systems[::-1] if sealed and seed % 2 else args.systems
+        failing = order if seed == 0 else [s for s in order if sealed and s.startswith("gossip")]
+        runs += [(s, seed, f, False) for f in args.failures for s in failing]
+        runs += [(s, seed, None, False) for s in order] + [(s, seed, None, w) for s, w in extra]
+    return runs
+
+
 def run_all(args) -> list[dict]:
-    """Every run of the benchmark, each system's failure run first, then the uninterrupted."""
+    """Every run of plan(args), on one emulated cluster."""
     why = netns.unavailable()
     if why:
         sys.exit(why)
@@ -145,17 +182,7 @@ def run_all(args) -> list[dict]:
             sys.exit(why_not)
     runs = []
     with netns.EmulatedCluster(args.workers + 1, args.rate) as cluster:
-        # Interleaved, so that a slow spell of the machine does not fall on one system only.
-        # Uninterrupted, besides each system: gossip_ext's job without the victim's slot (the
-        # failure run's worker-steps lie between its and the full job's), and a static job.
-        calm = [(s, False) for s in args.systems]
-        if "gossip" in args.systems:
-            calm += [("gossip", True)]
-            if args.shards == 1:  # a static job of sharded replicas is sharded_compare.py's
-                calm += [("gossip_static", False)]
-        plan = [(s, 0, f, False) for f in args.failures for s in args.systems]
-        plan += [(s, seed, None, w) for seed in range(args.repeats) for s, w in calm]
-        for system, seed, failure, without_victim in plan:
+        for system, seed, failure, without_victim in plan(args):
             started = time.time()
             runs.append(run_once(cluster, system, args, seed, failure, without_victim))
             print(f"{system}: {run_label(runs[-1])}: {time.time() - started:.0f} s", flush=True)
@@ -182,6 +209,14 @@ def _saved(args) -> tuple[list[dict], str | None]:
     return runs, "; ".join(c for c in commands if c) or None
 
 
+def title(args) -> str:
+    """The title of this benchmark's section of RESULTS.md for these settings: one section each
+    for the comparison beside torchft, for sharded replicas and for the sealed job."""
+    if args.shards > 1:
+        return SHARDED_TITLE
+    return SEALED_TITLE if "gossip_sealed" in args.systems else TITLE
+
+
 def main(argv=None) -> int:
     args = parse_args(argv)
     if args.from_rows:
@@ -204,7 +239,7 @@ def main(argv=None) -> int:
         )
     print(body)
     if not args.no_record:
-        results.record(TITLE if args.shards == 1 else SHARDED_TITLE, body, command=command)
+        results.record(title(args), body, command=command)
     return 0
 
 

@@ -24,7 +24,7 @@ _FAILURES = {"kill": "SIGKILL + replace", "stall": "SIGSTOP + replace"}
 def run_label(run: dict) -> str:
     """The table's `run` column; elastic.py also prints it as each run ends."""
     if run["failure"]:
-        return _FAILURES[run["failure"]]
+        return f"{_FAILURES[run['failure']]} (batches {run['seed']})"
     return f"uninterrupted, {run['workers_started']} workers (batches {run['seed']})"
 
 
@@ -40,6 +40,20 @@ def _sharded(args) -> str:
     )
 
 
+def _sealed(args) -> str:
+    """What the report says of the sealed job, where it ran."""
+    if "gossip_sealed" not in args.systems:
+        return ""
+    return (
+        "gossip_sealed: the same job with a job secret (a random token new with every run, in "
+        "the environment of the membership service and of every worker, never on a command "
+        "line): every value of the membership store HMAC-sealed, heartbeats sealed counters, "
+        "the epoch groups' gloo rendezvous through the sealing store; its failure runs are "
+        f"repeated as its uninterrupted ones are ({args.repeats} each, with gossip's), the "
+        "two alternating which runs first; "
+    )
+
+
 def report(rows: list[dict], args) -> str:
     lines = [
         _sharded(args) + f"{args.workers} workers, each in its own network namespace behind a "
@@ -52,6 +66,7 @@ def report(rows: list[dict], args) -> str:
         f"good, after its step {args.fail_at}; a replacement starts on its slot when worker 0 "
         f"finishes step {args.replace_at}. gossip_ext: elastic overlapped SGP, bfloat16 "
         f"messages, min_workers {args.min_workers}; "
+        + _sealed(args)
         + (
             f"torchft 0.2.0: Manager (min_replica_size {args.min_workers}, synchronous quorum) "
             f"and LocalSGD every 4 steps, lighthouse heartbeat timeout {args.heartbeat_ms} ms; "
@@ -83,13 +98,16 @@ def report(rows: list[dict], args) -> str:
             f"| {_f(f['wall_s'], '.1f')} | {_f(f['step_ms'], '.1f')} | {f['worker_steps']} "
             f"| {_f(f['final_bpb'], '.4f')} |"
         )
+    if "gossip_sealed" in args.systems:
+        lines += ["", _SEALED_NOTE]
     lines += ["", *goals(rows, args)]
     return "\n".join(lines)
 
 
 def goals(rows: list[dict], args) -> list[str]:
     """The issue's goals, each against the figures measured here."""
-    runs = {(r["system"], r["failure"]): r["figures"] for r in rows if r["failure"]}
+    # The first failure run of each (the sealed comparison repeats gossip's).
+    runs = {(r["system"], r["failure"]): r["figures"] for r in rows[::-1] if r["failure"]}
 
     def calm(system: str, workers: int) -> list[dict]:
         return [
@@ -155,4 +173,82 @@ def goals(rows: list[dict], args) -> list[str]:
                 f"| less wall time lost per failure than torchft ({_FAILURES[failure]}) | "
                 f"{mine:.2f} s vs {other:.2f} s | {'yes' if mine < other else 'no'} |"
             )
+    out += sealed_goals(rows, args)
     return out if len(out) > 2 else []
+
+
+SEALED_TOLERANCE = 0.10  # the sealed job's figures within 10% of the open job's...
+# ...or within the open job's run-to-run spread, where that is larger: these are sub-second
+# figures, and 10% of them is below what two runs of one job on this machine differ by.
+_SEALED_NOTE = (
+    "The job secret's goals hold each of the sealed job's figures (the mean of its runs) within "
+    "10% of the open job's, or within the open job's run-to-run spread (the largest minus the "
+    "smallest of its runs) where that is larger: these are figures of a second or less, and 10% "
+    "of them is often less than two runs of the same open job differ by on this machine, and a "
+    "bound below the noise would test the noise. Each row gives the difference in seconds (or "
+    "ms) and in percent, and the bound it was held to."
+)
+_SEALED_FIGURES = (
+    ("back_s", "survivors back at full step rate after the failure", "s"),
+    ("lost_after_failure_s", "wall time lost after the failure", "s"),
+    ("joiner_joining_s", "joining (the replacement's model built to its first step's end)", "s"),
+)
+
+
+def _finite(values) -> list[float]:
+    return [v for v in values if v is not None and v == v]
+
+
+def _within(what: str, sealed: list[float], open_: list[float], unit: str) -> str:
+    """A goal row: the sealed job's mean ``what`` within max(10%, the open job's spread) of the
+    open job's mean."""
+    goal = (
+        f"| job secret: {what} within max(10%, the open job's run-to-run spread) of the open "
+        f"job's |"
+    )
+    if not sealed or not open_:
+        return f"{goal} not measured (sealed runs {len(sealed)}, open runs {len(open_)}) | no |"
+    spec = ".2f" if unit == "s" else ".1f"
+    mine, theirs = statistics.mean(sealed), statistics.mean(open_)
+    diff = mine - theirs
+    spread = max(open_) - min(open_)
+    bound = max(SEALED_TOLERANCE * abs(theirs), spread)
+    percent = f"{100 * diff / abs(theirs):+.1f}%" if theirs else "no percentage of 0"
+    return (
+        f"{goal} sealed {mine:{spec}} {unit} vs open {theirs:{spec}} {unit}, means of "
+        f"{len(sealed)} and {len(open_)} runs ({diff:+{spec}} {unit}, {percent}; the open "
+        f"job's runs spread {spread:{spec}} {unit}, 10% is {SEALED_TOLERANCE * abs(theirs):{spec}} "
+        f"{unit}: bound ±{bound:{spec}} {unit}) | {'yes' if abs(diff) <= bound else 'no'} |"
+    )
+
+
+def sealed_goals(rows: list[dict], args) -> list[str]:
+    """The sealed job beside the open one, the same failure and the same runs: each figure of
+    gossip_sealed's (their mean over its runs) within the larger of 10% and the open job's
+    run-to-run spread (max - min over its runs) of gossip's mean."""
+    if "gossip_sealed" not in args.systems:
+        return []
+
+    def values(system: str, failure: str | None, key: str) -> list[float]:
+        return _finite(
+            r["figures"].get(key)
+            for r in rows
+            if r["system"] == system
+            and r["failure"] == failure
+            and (failure or r["workers_started"] == args.workers)
+        )
+
+    out = []
+    for failure in args.failures:
+        for key, what, unit in _SEALED_FIGURES:
+            out.append(
+                _within(
+                    f"{what} ({_FAILURES[failure]})",
+                    values("gossip_sealed", failure, key),
+                    values("gossip", failure, key),
+                    unit,
+                )
+            )
+    sealed, open_ = (values(s, None, "step_ms") for s in ("gossip_sealed", "gossip"))
+    what = f"no failure: the step time, {args.workers} workers"
+    return [*out, _within(what, sealed, open_, "ms")]

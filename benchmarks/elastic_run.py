@@ -7,6 +7,12 @@ others, lets them all go at once, SIGKILLs or SIGSTOPs the victim after its step
 starts a replacement on its slot when worker 0 passes step --replace-at, and returns the events'
 times and every finished worker's timeline. With --shards S each worker is a replica of S
 processes in its slot's namespace, and the victim is its process --victim-shard.
+
+``gossip_sealed`` is ``gossip`` with a job secret: a random token new with every run, in the
+environment of the service and of every worker (GOSSIP_EXT_JOB_SECRET), never on a command line
+(``ps`` shows arguments to every user, a process's environment only to its owner and root). Every
+other system runs without one, whatever the benchmark's own environment holds, and the service's
+ready line must say which the job is.
 """
 
 from __future__ import annotations
@@ -14,6 +20,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import secrets
 import shutil
 import signal
 import subprocess
@@ -23,6 +30,7 @@ import time
 
 sys.path.append(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the root: harness/
 
+from gossip_ext.membership import trust  # noqa: E402
 from harness import netns  # noqa: E402
 from harness.compare import systems  # noqa: E402
 
@@ -32,13 +40,25 @@ REPLICA_PORT = 29500  # a sharded replica's own rendezvous, at its slot's addres
 PEAK_LR = {
     "gossip": systems.PEAK_LR["overlap_sgp_bf16"],
     "gossip_static": systems.PEAK_LR["overlap_sgp_bf16"],
+    "gossip_sealed": systems.PEAK_LR["overlap_sgp_bf16"],
     "torchft": systems.PEAK_LR["torchft_localsgd"],
 }
 
 
-def _coordinator(system: str, cluster: netns.EmulatedCluster, args, out: str):
+def _job_env(system: str) -> dict[str, str]:
+    """The environment of a run's coordinator and workers: a new job secret for gossip_sealed,
+    none for any other system (one set where the benchmark runs would seal the open job)."""
+    env = {
+        k: v for k, v in os.environ.items() if k not in (trust.SECRET_ENV, trust.SECRET_FILE_ENV)
+    }
+    if system == "gossip_sealed":
+        env[trust.SECRET_ENV] = secrets.token_hex(32)
+    return env
+
+
+def _coordinator(system: str, cluster: netns.EmulatedCluster, args, out: str, env: dict):
     """gossip_ext's membership service or torchft's lighthouse, in the cluster's last namespace;
-    returns (process, the address the workers are given)."""
+    returns (process, the address the workers are given, the service's ready line or "")."""
     rank = cluster.workers - 1
     host = cluster.address(rank)
     if system.startswith("gossip"):  # a static job's store is the same service
@@ -57,18 +77,21 @@ def _coordinator(system: str, cluster: netns.EmulatedCluster, args, out: str):
     log = open(os.path.join(out, "coordinator.log"), "w")  # noqa: SIM115 - closed by the caller
     proc = subprocess.Popen(
         ["ip", "netns", "exec", cluster.namespace(rank), *argv],
-        env=dict(os.environ, RUST_LOG="warn", PYTHONUNBUFFERED="1"),
+        env=dict(env, RUST_LOG="warn", PYTHONUNBUFFERED="1"),
         stdout=subprocess.PIPE if ready else log,
         stderr=log,
         text=True,
     )
-    if ready and ready not in (proc.stdout.readline() or ""):
+    line = (proc.stdout.readline() or "").strip() if ready else ""
+    if ready and ready not in line:
         raise RuntimeError(f"the {system} coordinator did not start: see {log.name}")
+    if ready and (trust.OPEN_PORT_WARNING not in line) != (system == "gossip_sealed"):
+        raise RuntimeError(f"the {system} job's service says: {line}")
     if not ready:
         time.sleep(1.0)  # the lighthouse prints nothing when it is up; its workers retry
         if proc.poll() is not None:
             raise RuntimeError(f"torchft_lighthouse exited: {open(log.name).read()[-2000:]}")
-    return proc, address
+    return proc, address, line
 
 
 def _last_step(path: str) -> int:
@@ -81,9 +104,11 @@ def _last_step(path: str) -> int:
 
 
 class _Workers:
-    def __init__(self, cluster, system: str, address: str, args, out: str, seed: int) -> None:
+    def __init__(
+        self, cluster, system: str, address: str, args, out: str, seed: int, env: dict
+    ) -> None:
         self.cluster, self.system, self.address = cluster, system, address
-        self.args, self.out, self.seed = args, out, seed
+        self.args, self.out, self.seed, self.env = args, out, seed, env
         self.procs: dict[str, subprocess.Popen] = {}
         self.started: dict[str, float] = {}
         # The victim's processes (a sharded replica's: all of them), any exit status expected.
@@ -108,7 +133,7 @@ class _Workers:
             "--timeout", str(self.args.timeout), "--seed", str(self.seed), *extra,
         ]  # fmt: skip
         env = dict(
-            os.environ,
+            self.env,
             GLOO_SOCKET_IFNAME=netns.IFNAME,
             GOSSIP_EXT_HOST=self.cluster.address(slot),
             PYTHONUNBUFFERED="1",
@@ -151,9 +176,10 @@ def run_once(
         tempfile.TemporaryDirectory(prefix="gossip-elastic-") as out,
         contextlib.ExitStack() as stack,
     ):
-        coordinator, address = _coordinator(system, cluster, args, out)
+        env = _job_env(system)
+        coordinator, address, ready = _coordinator(system, cluster, args, out, env)
         stack.callback(lambda: (coordinator.kill(), coordinator.wait()))
-        workers = _Workers(cluster, system, address, args, out, seed)
+        workers = _Workers(cluster, system, address, args, out, seed, env)
         stack.callback(workers.close)
         slots = [s for s in range(args.workers) if not (without_victim and s == args.victim)]
         names = [f"w{slot}" for slot in slots]
@@ -193,5 +219,5 @@ def run_once(
                 with open(os.path.join(out, f"{name}.json")) as f:
                     finished[name] = json.load(f)
         return {"system": system, "seed": seed, "failure": failure, "workers_started": len(slots),
-                "events": events,
+                "events": events, "coordinator": ready,
                 "workers": finished, "epoch_changes": changes}  # fmt: skip

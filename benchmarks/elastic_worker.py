@@ -1,7 +1,8 @@
 """One worker of benchmarks/elastic.py, launched on its own as a user launches an elastic job's
 workers (``python elastic_worker.py ...``, no torchrun, no init_process_group): it trains the
 byte-level language model of harness.compare with gossip_ext (an elastic job:
-``membership=``) or with torchft (its Manager and lighthouse, LocalSGD), writes every finished
+``membership=``; ``gossip_sealed``: the same, the job's secret in GOSSIP_EXT_JOB_SECRET) or with
+torchft (its Manager and lighthouse, LocalSGD), writes every finished
 step and its wall-clock time to ``<out>/<name>.steps`` as it goes (the harness watches it), and at
 the end its held-out bits per byte and timeline to ``<out>/<name>.json``.
 
@@ -29,6 +30,7 @@ import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
 import gossip_ext  # noqa: E402
+from gossip_ext.membership import trust  # noqa: E402
 from gossip_ext.membership.epochs import parse_address  # noqa: E402
 
 sys.path.append(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the root: harness/
@@ -45,7 +47,9 @@ LOCAL_STEPS = 4  # torchft LocalSGD's H
 
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--system", required=True, choices=("gossip", "gossip_static", "torchft"))
+    p.add_argument(
+        "--system", required=True, choices=("gossip", "gossip_sealed", "gossip_static", "torchft")
+    )
     p.add_argument("--coordinator", required=True, help="membership HOST:PORT or lighthouse URL")
     p.add_argument("--out", required=True)
     p.add_argument("--name", required=True)
@@ -119,6 +123,11 @@ def train_gossip(args, module, opt, data, steps: Steps, timeline: dict) -> torch
         )
         model = gossip_ext.GossipDataParallel(module, **options)
     else:
+        # The job's secret, if any, is read from the environment, as a user's workers read it.
+        sealed = trust.job_secret() is not None
+        if sealed != (args.system == "gossip_sealed"):
+            without = "" if sealed else "out"
+            raise RuntimeError(f"--system {args.system} started with{without} a job secret")
         model = gossip_ext.GossipDataParallel(
             module, membership=args.coordinator, min_workers=args.min_workers, **options
         )

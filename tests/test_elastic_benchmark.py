@@ -8,6 +8,7 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
 import elastic  # noqa: E402
+import elastic_report  # noqa: E402
 
 
 def _survivor(stall_after: int, stall_s: float, steps: int = 200) -> dict:
@@ -79,3 +80,108 @@ def test_runs_saved_by_separate_commands_are_reported_as_one_table(tmp_path, cap
     )
     with pytest.raises(SystemExit, match="other settings"):
         elastic.main(["--from-rows", paths[0], str(other), "--no-record"])
+
+
+SEALED = ["--systems", "gossip", "gossip_sealed", "--failures", "kill", "--no-record"]
+
+
+def test_the_sealed_job_runs_beside_the_open_one_failures_repeated_order_alternating():
+    plan = elastic.plan(elastic.parse_args([*SEALED, "--repeats", "2"]))
+    failures = [(system, seed) for system, seed, failure, _ in plan if failure == "kill"]
+    assert failures == [("gossip", 0), ("gossip_sealed", 0), ("gossip_sealed", 1), ("gossip", 1)]
+    calm = [(system, seed) for system, seed, failure, fewer in plan if not failure and not fewer]
+    assert [c for c in calm if c[0] != "gossip_static"] == [
+        ("gossip", 0), ("gossip_sealed", 0), ("gossip_sealed", 1), ("gossip", 1)
+    ]  # fmt: skip
+    # Without the sealed job the plan is as it was: every failure once, first.
+    plan = elastic.plan(elastic.parse_args(["--no-record", "--repeats", "2"]))
+    assert [r[2] for r in plan[:4]] == ["kill", "kill", "stall", "stall"]
+    assert all(failure is None for _, _, failure, _ in plan[4:])
+    with pytest.raises(SystemExit):
+        elastic.parse_args([*SEALED, "--shards", "2", "--workers", "4", "--victim", "3"])
+
+
+def _rows(system: str, back, lost, joining, step_ms) -> list[dict]:
+    rows = []
+    for seed, (b, lo, j, ms) in enumerate(zip(back, lost, joining, step_ms)):
+        failed = {"back_s": b, "lost_after_failure_s": lo, "joiner_joining_s": j}
+        rows.append({"system": system, "seed": seed, "failure": "kill", "workers_started": 8,
+                     "figures": failed})  # fmt: skip
+        rows.append({"system": system, "seed": seed, "failure": None, "workers_started": 8,
+                     "figures": {"step_ms": ms}})  # fmt: skip
+    return rows
+
+
+def test_the_sealed_figures_are_held_within_10_percent_or_the_open_jobs_spread():
+    args = elastic.parse_args(SEALED)
+    rows = _rows("gossip", [1.0, 1.2], [0.50, 0.52], [0.40, 0.40], [90.0, 92.0])
+    rows += _rows("gossip_sealed", [1.25, 1.25], [0.60, 0.60], [0.42, 0.42], [100.0, 102.0])
+    goals = [line for line in elastic_report.goals(rows, args) if "job secret:" in line]
+    assert len(goals) == 4
+    back, lost, joining, step = goals
+    # +0.15 s is 13.6%, beyond 10% (0.11 s), but within the open runs' spread (0.20 s).
+    assert back == (
+        "| job secret: survivors back at full step rate after the failure (SIGKILL + replace) "
+        "within max(10%, the open job's run-to-run spread) of the open job's | sealed 1.25 s vs "
+        "open 1.10 s, means of 2 and 2 runs (+0.15 s, +13.6%; the open job's runs spread 0.20 s, "
+        "10% is 0.11 s: bound ±0.20 s) | yes |"
+    )
+    # +0.09 s is 17.6%: beyond both 10% (0.05 s) and the spread (0.02 s).
+    assert "(+0.09 s, +17.6%;" in lost and lost.endswith("| no |")
+    assert "(+0.02 s, +5.0%;" in joining and joining.endswith("| yes |")
+    assert "sealed 101.0 ms vs open 91.0 ms" in step and step.endswith("| no |")
+    assert "no failure: the step time, 8 workers" in step
+
+
+def test_the_sealed_comparison_rewrites_its_own_section(tmp_path, monkeypatch):
+    import results
+
+    def run(system: str, seed: int, failure: str | None) -> dict:
+        if failure is None:
+            workers = {"w0": _survivor(300, 0.0)}
+            return {"system": system, "seed": seed, "failure": None, "workers_started": 8,
+                    "events": {"go": 0.0}, "workers": workers}  # fmt: skip
+        joiner = {
+            "steps": [[130, 14.5], [131, 14.6]],
+            "heldout_bpb": 3.3,
+            "timeline": {"imported": 11.0, "loaded": 14.0, "joined": 14.3, "first_step": 130},
+        }
+        workers = {"w0": _survivor(50, 1.0), "w1": _survivor(50, 1.0), "replacement": joiner}
+        events = {"go": 0.0, "failed": 5.05, "replaced": 10.0}
+        return {"system": system, "seed": seed, "failure": failure, "workers_started": 8,
+                "events": events, "workers": workers}  # fmt: skip
+
+    args = elastic.parse_args([*SEALED, "--fail-at", "50", "--replace-at", "90", "--steps", "300"])
+    settings = {k: v for k, v in vars(args).items() if k not in ("from_rows", "no_record")}
+    runs = [run(s, seed, f) for s, seed, f, fewer in elastic.plan(args) if not fewer]
+    path = tmp_path / "sealed.json"
+    path.write_text(json.dumps({"settings": settings, "runs": runs, "command": "sealed"}))
+    md = tmp_path / "RESULTS.md"
+    torchft = f"## {elastic.TITLE} (2026-11-25 09:07 UTC)\n\nthe torchft comparison, as it is\n"
+    md.write_text(torchft)
+    monkeypatch.setattr(results, "RESULTS", str(md))
+    monkeypatch.setattr(results, "_TITLE", "")
+    for _ in range(2):
+        assert elastic.main(["--from-rows", str(path)]) == 0
+    text = md.read_text()
+    assert text.startswith(torchft)
+    assert text.count(f"## {elastic.SEALED_TITLE} (") == 1
+    assert text.count("| job secret: ") == 4 and "| gossip_sealed | SIGKILL + replace" in text
+    assert "Command: `sealed`" in text
+
+
+def test_only_the_sealed_job_has_a_secret_a_new_one_every_run(monkeypatch):
+    import elastic_run
+
+    from gossip_ext.membership import trust
+
+    monkeypatch.setenv(trust.SECRET_ENV, "a secret of the benchmark's own shell")
+    monkeypatch.setenv(trust.SECRET_FILE_ENV, "/nonexistent")
+    for system in ("gossip", "gossip_static", "torchft"):
+        env = elastic_run._job_env(system)
+        assert trust.SECRET_ENV not in env and trust.SECRET_FILE_ENV not in env
+    first, second = (elastic_run._job_env("gossip_sealed") for _ in range(2))
+    assert trust.SECRET_FILE_ENV not in first
+    assert (
+        len(first[trust.SECRET_ENV]) >= 16 and first[trust.SECRET_ENV] != second[trust.SECRET_ENV]
+    )
