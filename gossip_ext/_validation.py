@@ -340,13 +340,13 @@ def configuration(
     }
 
 
-def _leaves(config: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:
+def flat_settings(config: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:
     """``config`` with its nested descriptions flattened to dotted names (``outer.every``), so
     that a disagreement names the one setting."""
     leaves = {}
     for key, value in config.items():
         if isinstance(value, Mapping):
-            leaves.update(_leaves(value, f"{prefix}{key}."))
+            leaves.update(flat_settings(value, f"{prefix}{key}."))
         else:
             leaves[f"{prefix}{key}"] = value
     return leaves
@@ -368,7 +368,7 @@ def check_ranks_agree(config: dict[str, Any], group: dist.ProcessGroup, rank: in
     for other, data in enumerate(gathered):
         try:
             configs.append(
-                _leaves(_plain_messages.decode(data, f"rank {other}'s configuration", dict))
+                flat_settings(_plain_messages.decode(data, f"rank {other}'s configuration", dict))
             )
         except _plain_messages.MalformedMessage as error:
             configs.append(None)

@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from gossip_ext._validation import flat_settings
 from gossip_ext.membership import trust
 
 if TYPE_CHECKING:  # the client calls admit(): only its type is needed here
@@ -95,7 +96,7 @@ def _differences(job: dict, mine: dict) -> list[str]:
     """Each setting that differs, as ``"name: the job has X, this worker has Y"``."""
     found = []
     job_parameters, my_parameters = job.pop("parameters", {}), mine.pop("parameters", {})
-    job_leaves, my_leaves = _leaves(job), _leaves(mine)
+    job_leaves, my_leaves = flat_settings(job), flat_settings(mine)
     for name in sorted(job_leaves.keys() | my_leaves.keys()):
         theirs, own = job_leaves.get(name, "(unset)"), my_leaves.get(name, "(unset)")
         if theirs == own:
@@ -124,14 +125,3 @@ def _layout(entry: list | None) -> str:
         return "none"
     shape, dtype = entry
     return f"shape {tuple(shape)} {dtype}"
-
-
-def _leaves(tree: Mapping, prefix: str = "") -> dict[str, object]:
-    """``tree`` flattened to dotted names (``configuration.outer.every``)."""
-    leaves: dict[str, object] = {}
-    for key, value in tree.items():
-        if isinstance(value, Mapping):
-            leaves.update(_leaves(value, f"{prefix}{key}."))
-        else:
-            leaves[f"{prefix}{key}"] = value
-    return leaves
