@@ -49,9 +49,9 @@ slot when worker 0 finishes step ``--replace-at``. From every worker's timeline 
 With ``gossip_sealed`` among the systems, its failure runs and ``gossip``'s are repeated too
 (``--repeats``, the two alternating which runs first), and its goals hold each of the sealed
 job's figures (back after, lost after the failure, joining, the uninterrupted step time) to the
-open job's: their means within 10%, or within the open job's run-to-run spread where that is
-larger (10% of a sub-second figure is below this machine's noise); its own section of
-RESULTS.md.
+open job's: their means at most 10% above, or at most the open job's run-to-run spread above
+where that is larger (10% of a sub-second figure is below this machine's noise; a sealed figure
+below the open one is noise, not a cost); its own section of RESULTS.md.
 
 With ``--shards S`` every worker is a replica of S processes sharing its slot's namespace, the
 model sharded over them by FSDP2 (an elastic job of sharded replicas; torchft's: one replica
