@@ -2,11 +2,16 @@
 that the benchmark cannot rot. A system whose package is missing skips, saying what to install
 (the test command installs torchft and decent-dp)."""
 
+import contextlib
 import math
+import os
+import pickle
+import tempfile
 
 import pytest
 import torch
-from multiprocess import forkserver_context
+import torch.multiprocessing as mp
+from multiprocess import exit_without_finalizing, forkserver_context
 
 from harness.compare import runner, systems, worker
 from harness.tasks import byte_lm
@@ -14,13 +19,6 @@ from harness.tasks.byte_lm import ByteLM, ByteLMConfig
 from harness.tasks.stdlib_text import StdlibText
 
 TINY = ByteLMConfig(layers=1, width=32, heads=2, context=32)
-
-
-@pytest.fixture(scope="module", autouse=True)
-def _preloaded_forkserver():
-    # The workers fork from the tests' forkserver (tests/multiprocess.py), which has imported torch
-    # and gossip_ext once, rather than import them anew in each worker as the benchmark's do.
-    forkserver_context()
 
 
 def _config(system: str, steps: int = 6) -> worker.RunConfig:
@@ -37,12 +35,53 @@ def _config(system: str, steps: int = 6) -> worker.RunConfig:
     )
 
 
+def _train_each(rank: int, world_size: int, folder: str, configs: list) -> None:
+    """One worker of the run below: each system in turn, as the benchmark's worker trains it
+    (worker.train: its own process group, here over a store file of its own)."""
+    os.environ.setdefault("RUST_LOG", "warn")  # torchft's servers, read when it is imported
+    results = {}
+    for i, config in enumerate(configs):
+        try:
+            results[config.system] = worker.train(
+                rank, world_size, f"file://{folder}/store{i}", config
+            )
+        except Exception as error:
+            raise RuntimeError(f"{config.system} failed on rank {rank}") from error
+    with open(os.path.join(folder, f"rank{rank}.pkl"), "wb") as f:
+        pickle.dump(results, f)
+    exit_without_finalizing()
+
+
+@pytest.fixture(scope="module")
+def every_system() -> dict[str, dict]:
+    """Every system this Python can run, on one pair of worker processes forked from the tests'
+    preloaded server (tests/multiprocess.py), one system after the other; rank 0's results by
+    system. The benchmark runs each in fresh interpreters of its own, for their peak memory."""
+    configs = [_config(s) for s in systems.ALL if systems.available(s) is None]
+    with contextlib.ExitStack() as stack:
+        configs = [
+            c.with_lighthouse(stack.enter_context(runner.lighthouse(2)))
+            if c.system.startswith("torchft")
+            else c
+            for c in configs
+        ]
+        folder = stack.enter_context(tempfile.TemporaryDirectory())
+        forkserver_context()  # what the server preloads
+        mp.start_processes(
+            _train_each, args=(2, folder, configs), nprocs=2, start_method="forkserver"
+        )
+        with open(os.path.join(folder, "rank0.pkl"), "rb") as f:
+            return pickle.load(f)
+
+
+@pytest.mark.slow("the first of them trains all 36 systems in turn on one pair of workers")
+@pytest.mark.timeout(180)
 @pytest.mark.parametrize("system", systems.ALL)
-def test_every_system_trains_two_workers_and_reports_its_heldout_loss(system):
+def test_every_system_trains_two_workers_and_reports_its_heldout_loss(system, every_system):
     why_not = systems.available(system)
     if why_not:
         pytest.skip(why_not)
-    result = runner.run_local(_config(system), workers=2, start_method="forkserver")
+    result = every_system[system]
     history = result["history"]
     assert result["system"] == system and result["workers"] == 2
     assert history["step"] == [3, 6]
@@ -51,11 +90,12 @@ def test_every_system_trains_two_workers_and_reports_its_heldout_loss(system):
     assert result["step_ms"] > 0 and result["peak_rss_mib"] > 0
 
 
-def test_ddp_on_two_workers_matches_one_process_on_both_batches():
+def test_ddp_on_two_workers_matches_one_process_on_both_batches(every_system):
     # An independent reference for the harness: two DDP workers with their own batches take the
     # step one process takes on both batches together, so the held-out loss is the same.
     steps = 6
-    result = runner.run_local(_config("ddp", steps), workers=2, start_method="forkserver")
+    result = every_system["ddp"]
+    assert result["history"]["step"][-1] == steps
     data = StdlibText.load()
     torch.manual_seed(0)
     model = ByteLM(TINY)
