@@ -92,11 +92,15 @@ def _train(model: gossip_ext.GossipDataParallel, batch_of) -> None:
     model(torch.zeros(1, 6, dtype=torch.float64))
 
 
-def _sharded(rank: int, world_size: int, algorithm: str) -> dict:
+def _replica_mesh():
     from torch.distributed.device_mesh import init_device_mesh
+
+    return init_device_mesh("cpu", (REPLICAS, SHARDS), mesh_dim_names=("replicate", "shard"))
+
+
+def _sharded(mesh, rank: int, algorithm: str) -> dict:
     from torch.distributed.fsdp import fully_shard
 
-    mesh = init_device_mesh("cpu", (REPLICAS, SHARDS), mesh_dim_names=("replicate", "shard"))
     replica, shard = divmod(rank, SHARDS)
     net = _net()
     init = [p.detach().clone() for p in net.parameters()]
@@ -115,19 +119,41 @@ def _sharded(rank: int, world_size: int, algorithm: str) -> dict:
     }
 
 
-def _unsharded(rank: int, world_size: int, algorithm: str) -> dict:
-    model = gossip_ext.GossipDataParallel(_net(), **ALGORITHMS[algorithm]())
-    _train(model, lambda step: _replica_batch(rank, step))
+def _sharded_job(rank: int, world_size: int) -> dict:
+    """One set of 2 x 2 processes for every algorithm's training and every checkpoint's resume,
+    one model after the other on the same mesh (each model's rounds are over when the next is
+    built)."""
+    mesh = _replica_mesh()
     return {
-        "distance": model.consensus_distance(),
-        "relative": model.consensus_distance(relative=True),
-        "final": [p.detach().clone() for p in model.module.parameters()],
+        "trained": {a: _sharded(mesh, rank, a) for a in ALGORITHMS},
+        "resumed": {a: _resumed(mesh, rank, a) for a in RESUMED},
     }
+
+
+def _unsharded(rank: int, world_size: int) -> dict:
+    results = {}
+    for algorithm in ALGORITHMS:
+        model = gossip_ext.GossipDataParallel(_net(), **ALGORITHMS[algorithm]())
+        _train(model, lambda step: _replica_batch(rank, step))
+        results[algorithm] = {
+            "distance": model.consensus_distance(),
+            "relative": model.consensus_distance(relative=True),
+            "final": [p.detach().clone() for p in model.module.parameters()],
+        }
+    return results
 
 
 @pytest.fixture(scope="module")
 def unsharded():
-    return {a: run_ranks(REPLICAS, _unsharded, a) for a in ALGORITHMS}
+    """Every algorithm on 2 unsharded replicas, by algorithm and replica."""
+    per_rank = run_ranks(REPLICAS, _unsharded)
+    return {a: [per_rank[r][a] for r in range(REPLICAS)] for a in ALGORITHMS}
+
+
+@pytest.fixture(scope="module")
+def sharded():
+    """Every algorithm's and every checkpoint's run on 2 x 2 processes, by rank."""
+    return run_ranks(REPLICAS * SHARDS, _sharded_job)
 
 
 # int8 messages quantize blocks of 128 values of the flat pseudo-gradient with one scale each: a
@@ -141,10 +167,12 @@ def _assert_equal(got, want, what: str, tolerance=TOLERANCE) -> None:
         torch.testing.assert_close(g, w, **tolerance, msg=lambda m: f"{what}: {m}")
 
 
+@pytest.mark.slow("the first of them runs every algorithm on 2 replicas, then on 2 x 2 processes")
+@pytest.mark.timeout(180)
 @pytest.mark.parametrize("algorithm", list(ALGORITHMS))
-def test_sharded_replicas_train_as_unsharded_ones(algorithm, unsharded):
-    per_rank = run_ranks(REPLICAS * SHARDS, _sharded, algorithm)
-    for rank, result in enumerate(per_rank):
+def test_sharded_replicas_train_as_unsharded_ones(algorithm, unsharded, sharded):
+    for rank, ranks_runs in enumerate(sharded):
+        result = ranks_runs["trained"][algorithm]
         replica = rank // SHARDS
         want = unsharded[algorithm][replica]
         tolerance = QUANTIZED_TOLERANCE if algorithm == "diloco_int8" else TOLERANCE
@@ -164,8 +192,8 @@ def test_sharded_replicas_train_as_unsharded_ones(algorithm, unsharded):
 @pytest.mark.parametrize(
     "algorithm, events", [("sgp", synchronous_events), ("overlap_sgp", overlap_events)]
 )
-def test_sharded_sgp_matches_the_simulator(algorithm, events):
-    per_rank = run_ranks(REPLICAS * SHARDS, _sharded, algorithm)
+def test_sharded_sgp_matches_the_simulator(algorithm, events, sharded):
+    per_rank = [ranks_runs["trained"][algorithm] for ranks_runs in sharded]
 
     def grad_fn(replica, z):
         net = _net()
@@ -193,11 +221,9 @@ def test_sharded_sgp_matches_the_simulator(algorithm, events):
 # ----------------------------------------------------------------------------- bad layouts
 
 
-def _misuse(rank: int, world_size: int) -> dict:
-    from torch.distributed.device_mesh import init_device_mesh
+def _misuse(mesh) -> dict:
     from torch.distributed.fsdp import fully_shard
 
-    mesh = init_device_mesh("cpu", (REPLICAS, SHARDS), mesh_dim_names=("replicate", "shard"))
     net = _net()
     fully_shard(net, mesh=mesh["shard"])
     replicas = mesh["replicate"].get_group()
@@ -212,8 +238,20 @@ def _misuse(rank: int, world_size: int) -> dict:
     }
 
 
-def test_a_sharded_module_with_a_wrong_layout_raises_naming_it():
-    for errors in run_ranks(REPLICAS * SHARDS, _misuse):
+def _misuses_then_a_failed_round(rank: int, world_size: int) -> dict:
+    """The wrong layouts, then a round that fails: one set of processes, the failure last."""
+    mesh = _replica_mesh()
+    return {"misuse": _misuse(mesh), "failed_round": _failed_round(mesh, rank)}
+
+
+@pytest.fixture(scope="module")
+def misuses_then_a_failed_round():
+    return run_ranks(REPLICAS * SHARDS, _misuses_then_a_failed_round)
+
+
+def test_a_sharded_module_with_a_wrong_layout_raises_naming_it(misuses_then_a_failed_round):
+    for ranks_run in misuses_then_a_failed_round:
+        errors = ranks_run["misuse"]
         assert errors["no_group"][0] is ValueError
         assert 'mesh["replicate"].get_group()' in errors["no_group"][1]
         for case in ("shard_group", "world"):
@@ -229,16 +267,14 @@ def test_a_sharded_module_with_a_wrong_layout_raises_naming_it():
 # ----------------------------------------------------------------------------- failures
 
 
-def _failed_round(rank: int, world_size: int) -> dict:
+def _failed_round(mesh, rank: int) -> dict:
     """Replica 1's second process (rank 3) poisons its shard and sends it: replica 0's second
     process (rank 1) refuses the message. Its shards must stay what they were, the error raised
     again on every call; the sender learns that its own parameters diverged."""
     from datetime import timedelta
 
-    from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
-    mesh = init_device_mesh("cpu", (REPLICAS, SHARDS), mesh_dim_names=("replicate", "shard"))
     replica, shard = divmod(rank, SHARDS)
     net = _net()
     fully_shard(net, mesh=mesh["shard"])
@@ -271,8 +307,10 @@ def _failed_round(rank: int, world_size: int) -> dict:
     return result
 
 
-def test_a_failed_round_leaves_the_shards_as_they_were_and_stays_raised():
-    per_rank = run_ranks(REPLICAS * SHARDS, _failed_round)
+def test_a_failed_round_leaves_the_shards_as_they_were_and_stays_raised(
+    misuses_then_a_failed_round,
+):
+    per_rank = [ranks_run["failed_round"] for ranks_run in misuses_then_a_failed_round]
     kind, message = per_rank[3]["poisoned"]
     assert kind is gossip_ext.NonFiniteError, message
     # Named by its rank in the replica group: replica 1's.
@@ -285,16 +323,17 @@ def test_a_failed_round_leaves_the_shards_as_they_were_and_stays_raised():
 # ----------------------------------------------------------------------------- checkpoints
 
 
-def _resumed(rank: int, world_size: int, algorithm: str) -> dict:
+RESUMED = ["sgp", "diloco", "streaming_diloco"]
+
+
+def _resumed(mesh, rank: int, algorithm: str) -> dict:
     """Trains STEPS steps straight, and again from a checkpoint saved after 3 of them (every
     process its own file, as torch.save of the wrapper's state_dict: its shards, the push-sum
     state, the outer state) into a freshly built model."""
     import io
 
-    from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
-    mesh = init_device_mesh("cpu", (REPLICAS, SHARDS), mesh_dim_names=("replicate", "shard"))
     replica, shard = divmod(rank, SHARDS)
 
     def build():
@@ -332,6 +371,6 @@ def _resumed(rank: int, world_size: int, algorithm: str) -> dict:
     return {"equal": all(torch.equal(a, b) for a, b in zip(straight, resumed))}
 
 
-@pytest.mark.parametrize("algorithm", ["sgp", "diloco", "streaming_diloco"])
-def test_a_sharded_checkpoint_resumes_bit_for_bit(algorithm):
-    assert all(r["equal"] for r in run_ranks(REPLICAS * SHARDS, _resumed, algorithm))
+@pytest.mark.parametrize("algorithm", RESUMED)
+def test_a_sharded_checkpoint_resumes_bit_for_bit(algorithm, sharded):
+    assert all(ranks_runs["resumed"][algorithm]["equal"] for ranks_runs in sharded)
