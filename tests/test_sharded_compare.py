@@ -3,16 +3,21 @@ layout (replica r holds ranks 2r and 2r+1, its processes in one namespace), ever
 few steps on loopback through the benchmark's own configuration, HSDP and ``alone`` against one
 process on the same batches, and on the emulated network (as root) what a replica sends a step."""
 
+import contextlib
+import dataclasses
 import math
 import os
+import pickle
 import sys
+import tempfile
 
 import pytest
 import torch
-from multiprocess import forkserver_context
+import torch.multiprocessing as mp
+from multiprocess import exit_without_finalizing, forkserver_context
 
 from harness import netns
-from harness.compare import sharded, systems
+from harness.compare import runner, sharded, systems
 from harness.tasks import byte_lm
 from harness.tasks.byte_lm import ByteLM
 from harness.tasks.stdlib_text import StdlibText
@@ -84,35 +89,67 @@ def test_a_namespace_takes_at_most_its_processes():
         netns.EmulatedCluster(2, 1e9).run("harness.netns:x", None, 1, per_namespace=0)
 
 
-def _run(bench, system: str, extra=()):
-    args = bench.parse_args(["--loopback", *TINY, *STEPS, "--sync-every", "2", *extra])
-    return sharded.run_local(bench.config(args, system), start_method="forkserver")
+def _config(bench, system: str):
+    args = bench.parse_args(["--loopback", *TINY, *STEPS, "--sync-every", "2"])
+    return bench.config(args, system)
 
 
-class _Runs(dict):
-    """Each system's loopback run, made when a test first asks for it (a few seconds each);
-    a system this Python cannot run skips, naming what to install."""
-
-    def __init__(self, bench):
-        super().__init__()
-        self.bench = bench
-
-    def __missing__(self, system: str) -> dict:
-        why_not = sharded.available(system)
-        if why_not:
-            pytest.skip(why_not)
-        self[system] = _run(self.bench, system)
-        return self[system]
+def _train_each(rank: int, world_size: int, folder: str, configs: list) -> None:
+    """One process of the loopback run below: each system in turn, as the benchmark's process
+    trains it (sharded.train: its own process group, here over a store file of its own)."""
+    os.environ.setdefault("RUST_LOG", "warn")  # torchft's servers, read when it is imported
+    results = {}
+    for i, config in enumerate(configs):
+        try:
+            results[config.system] = sharded.train(
+                rank, world_size, f"file://{folder}/store{i}", config
+            )
+        except Exception as error:
+            raise RuntimeError(f"{config.system} failed on rank {rank}") from error
+    with open(os.path.join(folder, f"rank{rank}.pkl"), "wb") as f:
+        pickle.dump(results, f)
+    exit_without_finalizing()
 
 
 @pytest.fixture(scope="module")
-def loopback(bench):
-    return _Runs(bench)
+def every_system(bench) -> dict[str, dict]:
+    """Every system this Python can run, through the benchmark's own configuration, on one set
+    of 2 x 2 processes forked from the tests' preloaded server, one system after the other;
+    rank 0's results by system."""
+    configs = [_config(bench, s) for s in sharded.SYSTEMS if sharded.available(s) is None]
+    with contextlib.ExitStack() as stack:
+        configs = [
+            dataclasses.replace(c, lighthouse=stack.enter_context(runner.lighthouse(c.replicas)))
+            if c.system.startswith("torchft")
+            else c
+            for c in configs
+        ]
+        folder = stack.enter_context(tempfile.TemporaryDirectory())
+        mp.start_processes(
+            _train_each, args=(4, folder, configs), nprocs=4, start_method="forkserver"
+        )
+        with open(os.path.join(folder, "rank0.pkl"), "rb") as f:
+            return pickle.load(f)
 
 
+@pytest.fixture(scope="module")
+def loopback(every_system):
+    """A system's loopback run; a system this Python cannot run skips, naming what to install."""
+
+    def run_of(system: str) -> dict:
+        why_not = sharded.available(system)
+        if why_not:
+            pytest.skip(why_not)
+        return every_system[system]
+
+    return run_of
+
+
+@pytest.mark.slow("the first of them trains all 6 systems in turn on one set of 2 x 2 processes")
+@pytest.mark.timeout(180)
 @pytest.mark.parametrize("system", sharded.SYSTEMS)
 def test_every_system_trains_on_two_replicas_of_two_shards(system, loopback):
-    result = loopback[system]
+    result = loopback(system)
     assert result["system"] == system and result["workers"] == 4
     assert result["params"] == sum(p.numel() for p in ByteLM(TINY_MODEL).parameters())
     assert result["history"]["step"] == [2, 4]
@@ -142,7 +179,7 @@ def _reference(replica_ranks, lr: float) -> float:
 
 def test_hsdp_steps_as_one_process_on_every_batch(loopback):
     want = _reference([0, 1, 2, 3], sharded.PEAK_LR["hsdp"])
-    assert loopback["hsdp"]["final_bpb"] == pytest.approx(want, abs=1e-4)
+    assert loopback("hsdp")["final_bpb"] == pytest.approx(want, abs=1e-4)
 
 
 def test_a_replica_alone_is_its_two_consecutive_ranks(loopback):
@@ -150,17 +187,17 @@ def test_a_replica_alone_is_its_two_consecutive_ranks(loopback):
     # reported loss is the mean of the replicas'.
     lr = sharded.PEAK_LR["alone"]
     want = (_reference([0, 1], lr) + _reference([2, 3], lr)) / 2
-    assert loopback["alone"]["final_bpb"] == pytest.approx(want, abs=1e-4)
+    assert loopback("alone")["final_bpb"] == pytest.approx(want, abs=1e-4)
 
 
 def test_gossip_ext_and_torchft_take_the_same_diloco_steps(loopback):
     # The same outer Nesterov SGD on the same shards' pseudo-gradients: an independent check
     # of both (H = 2, two outer steps in 4 steps).
-    ours, theirs = loopback["diloco"], loopback["torchft_hsdp_diloco"]
+    ours, theirs = loopback("diloco"), loopback("torchft_hsdp_diloco")
     assert ours["history"]["heldout_bpb"] == pytest.approx(
         theirs["history"]["heldout_bpb"], abs=1e-4
     )
-    assert ours["final_bpb"] != pytest.approx(loopback["alone"]["final_bpb"], abs=1e-3)
+    assert ours["final_bpb"] != pytest.approx(loopback("alone")["final_bpb"], abs=1e-3)
 
 
 def _made_up(names) -> dict[str, dict]:
@@ -203,7 +240,7 @@ def test_a_saved_run_is_reported_again(bench, monkeypatch, tmp_path, loopback, c
 
     def fake_run(config, rate, timeout):
         calls.append((config.system, rate))
-        return loopback[config.system]
+        return loopback(config.system)
 
     monkeypatch.setattr(sharded, "run", fake_run)
     rows = str(tmp_path / "rows.json")
@@ -221,7 +258,7 @@ def test_a_saved_run_is_reported_again(bench, monkeypatch, tmp_path, loopback, c
 # all-gathers and reduce-scatters (1.5 models a step inside the replica) stay off it.
 
 
-def _layout_probe(rank: int, world_size: int, init_method: str, payload) -> list:
+def _layout_probe(rank: int, world_size: int, init_method: str) -> list:
     import torch.distributed as dist
 
     dist.init_process_group("gloo", init_method=init_method, rank=rank, world_size=world_size)
@@ -234,18 +271,16 @@ def _layout_probe(rank: int, world_size: int, init_method: str, payload) -> list
         dist.destroy_process_group()
 
 
-@pytest.mark.skipif(REASON is not None, reason=f"emulated network unavailable: {REASON}")
-def test_a_namespace_holds_a_replicas_consecutive_ranks():
-    with netns.EmulatedCluster(2, 1e9) as cluster:
-        every = cluster.run(
-            "test_sharded_compare:_layout_probe", None, 60, sys_path=TESTS, per_namespace=2
+def _probe_then_each_system(rank: int, world_size: int, init_method: str, configs) -> dict:
+    """A process of the cluster below: the layout probe, then each system in turn, each with a
+    rendezvous of its own (the next port of rank 0's store)."""
+    address, port = init_method.rsplit(":", 1)
+    results = {"layout": _layout_probe(rank, world_size, init_method)}
+    for i, config in enumerate(configs, start=1):
+        results[config.system] = sharded.train(
+            rank, world_size, f"{address}:{int(port) + i}", config
         )
-    assert [(rank, host) for rank, host, _ in every] == [
-        (0, "198.18.0.1"), (1, "198.18.0.1"), (2, "198.18.0.2"), (3, "198.18.0.2"),
-    ]  # fmt: skip
-    spaces = [space for _, _, space in every]
-    assert spaces[0] == spaces[1] != spaces[2] == spaces[3]
-    assert netns.leftovers() == []
+    return results
 
 
 # A replica's bytes a step, in models (4 bytes a parameter): HSDP all-reduces each shard's
@@ -255,15 +290,41 @@ def test_a_namespace_holds_a_replicas_consecutive_ranks():
 MODELS_A_STEP = {"alone": 0.0, "hsdp": 1.0, "sgp_overlap_bf16": 0.5}
 
 
-@pytest.mark.skipif(REASON is not None, reason=f"emulated network unavailable: {REASON}")
-@pytest.mark.parametrize("system", list(MODELS_A_STEP))
-def test_what_a_replica_sends_a_step(bench, system):
+@pytest.fixture(scope="module")
+def on_the_network(bench) -> dict:
+    """One cluster of 2 namespaces behind 1 Gbit/s NICs, 2 processes in each: the layout probe
+    and every system of MODELS_A_STEP; rank 0's results, and what the cluster left behind."""
     args = bench.parse_args(
         ["--width", "64", "--layers", "1", "--context", "32", "--eval-windows", "8"]
         + ["--steps", "6", "--hsdp-steps", "6", "--warmup", "2", "--eval-every", "6"]
     )
-    result = sharded.run(bench.config(args, system), 1e9, timeout=120)
+    configs = [bench.config(args, system) for system in MODELS_A_STEP]
+    with netns.EmulatedCluster(2, 1e9) as cluster:
+        target = "test_sharded_compare:_probe_then_each_system"
+        results = cluster.run(target, configs, 180, sys_path=TESTS, per_namespace=2)
+    return {**results, "leftovers": netns.leftovers()}
+
+
+@pytest.mark.skipif(REASON is not None, reason=f"emulated network unavailable: {REASON}")
+@pytest.mark.slow("an emulated cluster of 4 fresh interpreters training 3 systems in turn")
+@pytest.mark.timeout(180)
+def test_a_namespace_holds_a_replicas_consecutive_ranks(on_the_network):
+    every = on_the_network["layout"]
+    assert [(rank, host) for rank, host, _ in every] == [
+        (0, "198.18.0.1"), (1, "198.18.0.1"), (2, "198.18.0.2"), (3, "198.18.0.2"),
+    ]  # fmt: skip
+    spaces = [space for _, _, space in every]
+    assert spaces[0] == spaces[1] != spaces[2] == spaces[3]
+    assert on_the_network["leftovers"] == []
+
+
+@pytest.mark.skipif(REASON is not None, reason=f"emulated network unavailable: {REASON}")
+@pytest.mark.slow("the emulated cluster's run, when the layout test has not made it")
+@pytest.mark.timeout(180)
+@pytest.mark.parametrize("system", list(MODELS_A_STEP))
+def test_what_a_replica_sends_a_step(on_the_network, system):
+    result = on_the_network[system]
     models = result["wire_bytes_per_step"] / (4 * result["params"])
     # Headers, acknowledgements, a barrier and one evaluation's means: a few percent.
     assert models == pytest.approx(MODELS_A_STEP[system], abs=0.06), models
-    assert netns.leftovers() == []
+    assert on_the_network["leftovers"] == []
