@@ -6,8 +6,6 @@ replica taking the saved replica of its index modulo the saved count."""
 
 from __future__ import annotations
 
-import tempfile
-
 import pytest
 import torch
 from multiprocess import run_ranks
@@ -33,11 +31,16 @@ ALGORITHMS = {
 }
 
 
-def _build(rank: int, replicas: int, shards: int, algorithm: str):
+def _mesh(shards: int):
     from torch.distributed.device_mesh import init_device_mesh
+
+    replicas = torch.distributed.get_world_size() // shards
+    return init_device_mesh("cpu", (replicas, shards), mesh_dim_names=("replicate", "shard"))
+
+
+def _build(mesh, algorithm: str):
     from torch.distributed.fsdp import fully_shard
 
-    mesh = init_device_mesh("cpu", (replicas, shards), mesh_dim_names=("replicate", "shard"))
     torch.manual_seed(0)
     # Uneven shards: the first layer's 1 x 6 weight lies whole on the first of two shards.
     net = nn.Sequential(nn.Linear(6, 1), nn.Tanh(), nn.Linear(1, 6)).double()
@@ -66,24 +69,25 @@ def _shards(net) -> list[torch.Tensor]:
     return [t.clone() for _, t in gossip_ext.sharded.replicas.local_shards(net)]
 
 
-def _same_mesh(rank: int, world_size: int, algorithm: str, path: str) -> bool:
-    net, model, opt = _build(rank, 2, 2, algorithm)
+def _same_mesh(mesh, rank: int, algorithm: str, path: str) -> bool:
+    net, model, opt = _build(mesh, algorithm)
     _steps(model, opt, rank, 0, SAVED_AT, 2)
     sharded_checkpoint.save(model, path, opt)
     _steps(model, opt, rank, SAVED_AT, STEPS, 2)
     straight = _shards(net)
     del model, opt
 
-    net, model, opt = _build(rank, 2, 2, algorithm)
+    net, model, opt = _build(mesh, algorithm)
     sharded_checkpoint.load(model, path, opt)
     _steps(model, opt, rank, SAVED_AT, STEPS, 2)
     return all(torch.equal(a, b) for a, b in zip(straight, _shards(net)))
 
 
+@pytest.mark.slow("the first of them runs two sets of 4 processes, 2 x 2 then 4 x 1")
+@pytest.mark.timeout(180)
 @pytest.mark.parametrize("algorithm", list(ALGORITHMS))
-def test_a_dcp_checkpoint_resumes_bit_for_bit_under_the_same_mesh(algorithm):
-    with tempfile.TemporaryDirectory() as path:
-        assert all(run_ranks(4, _same_mesh, algorithm, path))
+def test_a_dcp_checkpoint_resumes_bit_for_bit_under_the_same_mesh(algorithm, jobs):
+    assert all(ranks_run["same_mesh"][algorithm] for ranks_run in jobs["2x2"])
 
 
 def _whole(net, model) -> dict:
@@ -107,16 +111,16 @@ def _whole(net, model) -> dict:
     }
 
 
-def _save_under(rank: int, world_size: int, shards: int, path: str) -> dict:
-    net, model, opt = _build(rank, world_size // shards, shards, "diloco")
+def _save_under(mesh, rank: int, shards: int, path: str) -> dict:
+    net, model, opt = _build(mesh, "diloco")
     _steps(model, opt, rank, 0, SAVED_AT, shards)  # an outer step after step 3
     _steps(model, opt, rank, SAVED_AT, SAVED_AT + 1, shards)  # the replicas apart again
     sharded_checkpoint.save(model, path, opt)
     return _whole(net, model)
 
 
-def _load_under(rank: int, world_size: int, shards: int, path: str) -> dict:
-    net, model, opt = _build(rank, world_size // shards, shards, "diloco")
+def _load_under(mesh, path: str) -> dict:
+    net, model, opt = _build(mesh, "diloco")
     sharded_checkpoint.load(model, path, opt)
     whole = _whole(net, model)
     whole["steps"] = model.step_count
@@ -124,13 +128,17 @@ def _load_under(rank: int, world_size: int, shards: int, path: str) -> dict:
     return whole
 
 
+@pytest.mark.slow("4 x 1 back to 2 x 2: a third set of 4 processes, after the first two")
+@pytest.mark.timeout(180)
 @pytest.mark.parametrize("saved, loaded", [(2, 1), (1, 2)])
-def test_a_dcp_checkpoint_loads_under_another_mesh(saved, loaded):
+def test_a_dcp_checkpoint_loads_under_another_mesh(saved, loaded, jobs, request):
     """2 x 2 saved, 4 x 1 loaded (and back): replica r takes saved replica r mod the saved
     count, its shards cut anew; the outer state and the step count come with it."""
-    with tempfile.TemporaryDirectory() as path:
-        before = run_ranks(4, _save_under, saved, path)
-        after = run_ranks(4, _load_under, loaded, path)
+    before = [ranks_run["saved"] for ranks_run in jobs["2x2" if saved == 2 else "4x1"]]
+    if loaded == 1:
+        after = [ranks_run["loaded"] for ranks_run in jobs["4x1"]]
+    else:
+        after = request.getfixturevalue("loaded_back_under_2x2")
     saved_replicas = 4 // saved
     for rank, got in enumerate(after):
         want = before[((rank // loaded) % saved_replicas) * saved]
@@ -143,24 +151,63 @@ def test_a_dcp_checkpoint_loads_under_another_mesh(saved, loaded):
                 assert torch.equal(a, b), (rank, part)
 
 
-def _save_streaming(rank: int, world_size: int, path: str) -> None:
-    net, model, opt = _build(rank, 2, 2, "streaming_diloco")
+def _save_streaming(mesh, rank: int, path: str) -> None:
+    net, model, opt = _build(mesh, "streaming_diloco")
     _steps(model, opt, rank, 0, SAVED_AT, 2)
     sharded_checkpoint.save(model, path, opt)
 
 
-def _load_streaming_under_4x1(rank: int, world_size: int, path: str):
+def _load_streaming(mesh, path: str):
     from multiprocess import error_of
 
-    net, model, opt = _build(rank, 4, 1, "streaming_diloco")
+    net, model, opt = _build(mesh, "streaming_diloco")
     return error_of(lambda: sharded_checkpoint.load(model, path, opt))
 
 
-def test_outer_state_that_is_not_per_parameter_refuses_another_mesh_naming_why():
-    with tempfile.TemporaryDirectory() as path:
-        run_ranks(4, _save_streaming, path)
-        errors = run_ranks(4, _load_streaming_under_4x1, path)
-    for kind, message in errors:
+# Three sets of 4 processes, each building one model after the other on its mesh: 2 x 2 resumes
+# every algorithm and saves DiLoCo and Streaming DiLoCo; 4 x 1 loads both and saves DiLoCo;
+# 2 x 2 again loads that.
+
+
+def _first_2x2(rank: int, world_size: int, folder: str) -> dict:
+    mesh = _mesh(2)
+    run = {"same_mesh": {a: _same_mesh(mesh, rank, a, f"{folder}/{a}") for a in ALGORITHMS}}
+    run["saved"] = _save_under(mesh, rank, 2, f"{folder}/saved_2x2")
+    _save_streaming(mesh, rank, f"{folder}/streaming_2x2")
+    return run
+
+
+def _then_4x1(rank: int, world_size: int, folder: str) -> dict:
+    mesh = _mesh(1)
+    run = {"loaded": _load_under(mesh, f"{folder}/saved_2x2")}
+    run["streaming_refused"] = _load_streaming(mesh, f"{folder}/streaming_2x2")
+    run["saved"] = _save_under(mesh, rank, 1, f"{folder}/saved_4x1")
+    return run
+
+
+def _then_2x2(rank: int, world_size: int, folder: str) -> dict:
+    return _load_under(_mesh(2), f"{folder}/saved_4x1")
+
+
+@pytest.fixture(scope="module")
+def folder(tmp_path_factory) -> str:
+    return str(tmp_path_factory.mktemp("dcp"))
+
+
+@pytest.fixture(scope="module")
+def jobs(folder) -> dict[str, list[dict]]:
+    return {"2x2": run_ranks(4, _first_2x2, folder), "4x1": run_ranks(4, _then_4x1, folder)}
+
+
+@pytest.fixture(scope="module")
+def loaded_back_under_2x2(jobs, folder) -> list[dict]:
+    return run_ranks(4, _then_2x2, folder)
+
+
+@pytest.mark.slow("the two sets of 4 processes it needs, 2 x 2 then 4 x 1, when run alone")
+@pytest.mark.timeout(180)
+def test_outer_state_that_is_not_per_parameter_refuses_another_mesh_naming_why(jobs):
+    for kind, message in (ranks_run["streaming_refused"] for ranks_run in jobs["4x1"]):
         assert kind is ValueError, message
         assert "saved under 2 x 2" in message and "this model is 4 x 1" in message, message
         assert "Streaming DiLoCo" in message, message
