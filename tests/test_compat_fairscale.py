@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import copy
 import inspect
+import traceback
 import types
 from typing import Any
 
@@ -358,24 +359,57 @@ _SLOWMO_TEST_SETTINGS = [
 ]
 
 
-def _deterministic(rank: int, world_size: int, test_function, *args: Any) -> bool:
+def _deterministic(rank: int, world_size: int, test_function, *args: Any) -> str | None:
+    """None once test_function passed; else what it raised, with its traceback."""
     # fairscale's test_runner(deterministic=True): every rank draws the same model and inputs.
     torch.manual_seed(1357)
-    test_function(rank, world_size, *args)
-    return True
+    try:
+        test_function(rank, world_size, *args)
+    except Exception:  # noqa: BLE001 - handed to the test, which fails with it
+        return traceback.format_exc()
+    return None
+
+
+def _two_ranks(rank: int, world_size: int) -> dict[str, Any]:
+    """Every training test of 2 ranks, one after the other in one set of processes: upstream's
+    settings, then the checkpoint round trips."""
+    return {
+        "settings": {
+            s["test_name"]: _deterministic(
+                rank, world_size, s["test_function"], s["slowmo_settings"]
+            )
+            for s in _SLOWMO_TEST_SETTINGS
+        },
+        "checkpoint": {a: _checkpoint_rank(rank, world_size, a) for a in ("localsgd", "sgp")},
+    }
+
+
+@pytest.fixture(scope="module")
+def two_ranks() -> list[dict[str, Any]]:
+    return run_ranks(WORLD_SIZE, _two_ranks)
+
+
+def _attributes_then_errors(rank: int, world_size: int) -> dict[str, Any]:
+    return {
+        "attributes": _attributes_rank(rank, world_size),
+        "errors": _errors_rank(rank, world_size),
+    }
+
+
+@pytest.fixture(scope="module")
+def built_on_two_ranks() -> list[dict[str, Any]]:
+    """The attributes of built models, then the arguments that raise: one set of 2 processes
+    that trains nothing (the quick loop runs these alone)."""
+    return run_ranks(WORLD_SIZE, _attributes_then_errors)
 
 
 @pytest.mark.parametrize(
     "test_settings", _SLOWMO_TEST_SETTINGS, ids=[s["test_name"] for s in _SLOWMO_TEST_SETTINGS]
 )
-def test_settings(test_settings) -> None:
-    results = run_ranks(
-        WORLD_SIZE,
-        _deterministic,
-        test_settings["test_function"],
-        test_settings["slowmo_settings"],
-    )
-    assert results == [True] * WORLD_SIZE
+def test_settings(test_settings, two_ranks) -> None:
+    for ranks_run in two_ranks:
+        failure = ranks_run["settings"][test_settings["test_name"]]
+        assert failure is None, failure
 
 
 # Upstream's 2-node test, commented out there for want of 4 GPUs: two nodes of two processes,
@@ -398,7 +432,7 @@ _TWO_NODE_SETTINGS = {
 }
 
 
-def _two_nodes_rank(rank: int, world_size: int, settings: dict[str, Any]) -> bool:
+def _two_nodes_rank(rank: int, world_size: int, settings: dict[str, Any]) -> str | None:
     local_node_group = None
     for node in range(world_size // 2):
         group = torch.distributed.new_group([2 * node, 2 * node + 1])
@@ -415,9 +449,22 @@ def _two_nodes_rank(rank: int, world_size: int, settings: dict[str, Any]) -> boo
     return _deterministic(rank, world_size, run_test_slowmo_with_slowmo_freq_1, settings)
 
 
-@pytest.mark.parametrize("settings", _TWO_NODE_SETTINGS.values(), ids=_TWO_NODE_SETTINGS.keys())
-def test_nccl_backend_2_proc_2_node(settings: dict[str, Any]) -> None:
-    assert run_ranks(4, _two_nodes_rank, settings) == [True] * 4
+def _every_two_nodes_setting(rank: int, world_size: int) -> dict[str, str | None]:
+    return {
+        name: _two_nodes_rank(rank, world_size, settings)
+        for name, settings in _TWO_NODE_SETTINGS.items()
+    }
+
+
+@pytest.fixture(scope="module")
+def four_ranks() -> list[dict[str, str | None]]:
+    return run_ranks(4, _every_two_nodes_setting)
+
+
+@pytest.mark.parametrize("name", _TWO_NODE_SETTINGS)
+def test_nccl_backend_2_proc_2_node(name: str, four_ranks) -> None:
+    for ranks_run in four_ranks:
+        assert ranks_run[name] is None, ranks_run[name]
 
 
 # ----------------------------------------------------------------------------- the signature
@@ -541,8 +588,8 @@ def _checkpoint_rank(rank: int, world_size: int, algorithm: str) -> dict[str, An
 
 
 @pytest.mark.parametrize("algorithm", ["localsgd", "sgp"])
-def test_checkpoint_round_trip_in_fairscale_format(algorithm: str) -> None:
-    for result in run_ranks(WORLD_SIZE, _checkpoint_rank, algorithm):
+def test_checkpoint_round_trip_in_fairscale_format(algorithm: str, two_ranks) -> None:
+    for result in (ranks_run["checkpoint"][algorithm] for ranks_run in two_ranks):
         if algorithm == "sgp":
             assert result["keys"] == _MODULE_KEYS | {
                 "_extra_state",
@@ -660,8 +707,8 @@ _EXPECTED_ERRORS = {
 }
 
 
-def test_arguments_that_cannot_work_raise_on_every_rank() -> None:
-    for result in run_ranks(WORLD_SIZE, _errors_rank):
+def test_arguments_that_cannot_work_raise_on_every_rank(built_on_two_ranks) -> None:
+    for result in (ranks_run["errors"] for ranks_run in built_on_two_ranks):
         # One SGP round per perform_slowmo(), finished when it returns.
         assert result["num_updates"] == 1 and result["sgp"] and result["gossip_round"] == 1
         for name, (kind, words) in _EXPECTED_ERRORS.items():
@@ -703,8 +750,8 @@ def _attributes_rank(rank: int, world_size: int) -> dict[str, Any]:
     }
 
 
-def test_fairscale_attributes() -> None:
-    for rank, result in enumerate(run_ranks(WORLD_SIZE, _attributes_rank)):
+def test_fairscale_attributes(built_on_two_ranks) -> None:
+    for rank, result in enumerate(ranks_run["attributes"] for ranks_run in built_on_two_ranks):
         one_node = result["one_node"]
         # One node: LocalSGD and SGP are off, gradients are averaged inside the node.
         assert not one_node["localsgd"] and not one_node["sgp"]
