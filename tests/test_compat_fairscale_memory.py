@@ -15,6 +15,7 @@ bounds are asserted.
 
 from __future__ import annotations
 
+import gc
 import re
 
 import pytest
@@ -48,7 +49,9 @@ def _peak_growth(rank: int, world_size: int, settings: dict | None) -> int:
     """run_test_memory_usage_localsgd_with_slowmo: the peak over 3 iterations, less the start;
     ``settings`` None trains the bare model."""
     # VmHWM counts file-backed pages too; they are the same in both runs, so the difference of
-    # two peaks taken from the same resident set cancels them.
+    # two peaks taken from the same resident set cancels them. What an earlier run left in
+    # reference cycles goes first, lest its freeing lower this run's peak.
+    gc.collect()
     _reset_peak()
     start = _peak_rss()
     model = LargeNet()
@@ -70,15 +73,19 @@ def _peak_growth(rank: int, world_size: int, settings: dict | None) -> int:
     return _peak_rss() - start
 
 
-def _extra_copies(rank: int, world_size: int, settings: dict) -> float:
+def _extra_copies(rank: int, world_size: int, settings_by_name: dict[str, dict]) -> dict:
+    """Each setting's peak over the bare model's, in model copies: one process measures them
+    all, each of 3 iterations of a 280 MB model (a few seconds of page faults)."""
     torch.manual_seed(1357)
     # The first run of a process also pays for what stays allocated after it (the BLAS and
     # autograd working sets): a warm-up run takes that out of the comparison.
     _peak_growth(rank, world_size, None)
     local = _peak_growth(rank, world_size, None)
-    slowmo = _peak_growth(rank, world_size, settings)
     model_bytes = sum(p.numel() * p.element_size() for p in LargeNet().parameters())
-    return (slowmo - local) / model_bytes
+    return {
+        name: (_peak_growth(rank, world_size, settings) - local) / model_bytes
+        for name, settings in settings_by_name.items()
+    }
 
 
 SLOWMO_EFFICIENT = {
@@ -88,33 +95,47 @@ SLOWMO_EFFICIENT = {
     "slowmo_frequency": 1,
     "slowmo_memory_efficient": True,
 }
+SETTINGS = {
+    "localsgd_slowmo_memory_efficient": {**SLOWMO_EFFICIENT, "localsgd_frequency": 1},
+    "slowmo_memory_efficient": {**SLOWMO_EFFICIENT, "localsgd_frequency": 100},
+    "slowmo_no_sharding": {
+        **SLOWMO_EFFICIENT,
+        "localsgd_frequency": 100,
+        "slowmo_memory_efficient": False,
+    },
+}
 
 
-@pytest.fixture(autouse=True)
-def _return_freed_buffers(monkeypatch):
-    monkeypatch.setenv("MALLOC_MMAP_THRESHOLD_", "131072")  # read by the spawned ranks' malloc
+# Every test reads the one run of all settings, which the first of them waits for.
+pytestmark = [
+    pytest.mark.slow("a 280 MB model through 5 runs of 3 iterations on 2 fresh ranks: ~30 s"),
+    pytest.mark.timeout(180),
+]
 
 
-def _run_fresh(settings: dict) -> list:
-    """Ranks started from a fresh interpreter: malloc reads the threshold above at process start,
-    and the peak resident memory measured must be the rank's own, not a forkserver's preload."""
-    return run_ranks(2, _extra_copies, settings, start_method="spawn")
+@pytest.fixture(scope="module")
+def extra_copies() -> list[dict[str, float]]:
+    """Every setting on ranks started from a fresh interpreter: malloc reads the threshold below
+    at process start, and the peak resident memory measured must be the rank's own, not a
+    forkserver's preload."""
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("MALLOC_MMAP_THRESHOLD_", "131072")  # read by the spawned ranks' malloc
+        return run_ranks(2, _extra_copies, SETTINGS, start_method="spawn")
 
 
-def test_max_memory_used_localsgd_slowmo_memory_efficient():
+def test_max_memory_used_localsgd_slowmo_memory_efficient(extra_copies):
     # LocalSGD every step with memory-efficient SlowMo: SlowMo's share is one model copy (two
     # copies of state in halves over 2 workers), and LocalSGD's must be below 0.3 of a copy.
-    for extra in _run_fresh({**SLOWMO_EFFICIENT, "localsgd_frequency": 1}):
+    for extra in (ranks_run["localsgd_slowmo_memory_efficient"] for ranks_run in extra_copies):
         extra_used_by_slowmo = 1.0
         assert extra - extra_used_by_slowmo < 0.3
 
 
-def test_max_memory_used_slowmo_memory_efficient():
-    for extra in _run_fresh({**SLOWMO_EFFICIENT, "localsgd_frequency": 100}):
+def test_max_memory_used_slowmo_memory_efficient(extra_copies):
+    for extra in (ranks_run["slowmo_memory_efficient"] for ranks_run in extra_copies):
         assert extra == pytest.approx(1.0, 0.1)
 
 
-def test_max_memory_used_slowmo_no_sharding():
-    settings = {**SLOWMO_EFFICIENT, "localsgd_frequency": 100, "slowmo_memory_efficient": False}
-    for extra in _run_fresh(settings):
+def test_max_memory_used_slowmo_no_sharding(extra_copies):
+    for extra in (ranks_run["slowmo_no_sharding"] for ranks_run in extra_copies):
         assert extra == pytest.approx(2.0, 0.1)
