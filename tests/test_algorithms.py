@@ -232,9 +232,15 @@ def _train(rank: int, world_size: int, spelling: str) -> dict:
     }
 
 
+def _train_both(rank: int, world_size: int) -> dict:
+    return {spelling: _train(rank, world_size, spelling) for spelling in ("objects", "flat")}
+
+
+@pytest.mark.slow("3 ranks each build 2 wrappers, the first importing FSDP2's modules (~3 s)")
 def test_both_spellings_train_the_same_model():
-    by_objects = run_ranks(3, _train, "objects")
-    by_flat = run_ranks(3, _train, "flat")
+    runs = run_ranks(3, _train_both)
+    by_objects = [run["objects"] for run in runs]
+    by_flat = [run["flat"] for run in runs]
     for a, b in zip(by_objects, by_flat):
         assert a["algorithms"][0] == b["algorithms"][0]
         assert a["algorithms"][1].every == b["algorithms"][1].every == 3
@@ -272,8 +278,23 @@ def _rules(rank: int, world_size: int) -> dict:
     return built
 
 
-def test_each_outer_step_builds_its_own_rule():
-    built = run_ranks(2, _rules)[0]
+def _rules_and_nothing_averaging(rank: int, world_size: int) -> dict:
+    return {
+        "rules": _rules(rank, world_size),
+        "nothing_averages": {
+            s: _nothing_averages(rank, world_size, s) for s in ("objects", "flat")
+        },
+    }
+
+
+@pytest.fixture(scope="module")
+def two_ranks() -> list[dict]:
+    """The outer steps' rules and the jobs where nothing averages: one set of 2 processes."""
+    return run_ranks(2, _rules_and_nothing_averaging)
+
+
+def test_each_outer_step_builds_its_own_rule(two_ranks):
+    built = two_ranks[0]["rules"]
     # A plain average keeps nothing; in compressed messages, the model of the last average.
     assert built["average"] == ("PlainAverage", "PlainAverage")
     assert built["average_int8"] == ("GlobalAverage", "GlobalAverage")
@@ -380,9 +401,9 @@ def _nothing_averages(rank: int, world_size: int, spelling: str) -> str:
     return ""
 
 
-def test_a_job_where_nothing_averages_is_refused_in_the_users_spelling():
-    by_objects = run_ranks(2, _nothing_averages, "objects")
-    by_flat = run_ranks(2, _nothing_averages, "flat")
+def test_a_job_where_nothing_averages_is_refused_in_the_users_spelling(two_ranks):
+    by_objects = [run["nothing_averages"]["objects"] for run in two_ranks]
+    by_flat = [run["nothing_averages"]["flat"] for run in two_ranks]
     for error in by_objects:
         assert "gossip=None and outer=None" in error and "base_algorithm" not in error, error
     for error in by_flat:
