@@ -10,10 +10,12 @@
 #      torch (gossip_ext/_torch_check.py), and checks what it registered: in a CUDA build,
 #      NcclTransport, the CUDA kernels and one libnccl in the process, torch's
 #      (tools/check_cuda_build.py); in a CPU build, no NcclTransport;
-#   3. runs against that build the tests that exercise the compiled extension (pytest -m extension:
-#      the ops, the engine, the transports, the bindings, one multi-rank run per transport; the
-#      rest of the suite drives the same extension through Python and runs in tools/run_tests.sh
-#      against the CPU build; tests/gpu skip, visibly: no GPU here).
+#   3. runs against that build a smoke test of its ABI, the tests of tools/rehearsal_tests.txt in
+#      one pytest command: a test of every public name of gossip_ext._C and of every op it
+#      registers with torch, one multi-rank run per transport, and the check that the list still
+#      names every binding and op of this build (tests/test_rehearsal_selection.py); the whole
+#      suite runs once, in tools/run_tests.sh, against the test command's own build; tests/gpu
+#      skip, visibly: no GPU here.
 # Stops at the first failing step with its log.
 #
 # The test command runs two rehearsals:
@@ -28,8 +30,8 @@
 #     ABI.
 # Measured on 2 cores (2026-11-26, other work holding a load of about 1.5), nothing cached: the two
 # environments installed side by side in 52 s (4.6 and 5.3 GB of disk); torch 2.11's CUDA build
-# took 97 s and its tests 70 s, torch 2.15's CPU build 70 s and its tests 84 s (first builds;
-# their objects are kept in build/temp).
+# took 97 s, torch 2.15's CPU build 70 s (first builds; their objects are kept in build/temp).
+# Their tests were then all of `pytest -m extension` (70 s and 84 s), now the selection above.
 #
 #   bash tools/rehearse_build.sh [pytest arguments]
 #   bash tools/rehearse_build.sh --environment    # only installs the environment
@@ -171,12 +173,19 @@ PYTHON
 fi
 cat "$LOGS/import.log"
 
-step "the extension's tests against the installed $kind build (pytest -m extension)"
+step "the ABI's smoke tests against the installed $kind build (tools/rehearsal_tests.txt)"
 start=$SECONDS
+# A node id a line, before its "|"; a line that selects nothing fails pytest ("not found").
+selection=()
+while IFS= read -r line; do
+  case "$line" in '#'* | '') continue ;; esac
+  read -r node _ <<<"${line%%|*}"
+  selection+=("$REPO/$node")
+done <"$REPO/tools/rehearsal_tests.txt"
 # From a folder outside the checkout, so that the installed package is the one imported.
 cd "$LOGS"
 status=0
-"$PY" -m pytest "$REPO/tests" --rootdir "$REPO" -m extension -q -rs -p no:cacheprovider "$@" ||
+"$PY" -m pytest "${selection[@]}" --rootdir "$REPO" -q -rs -p no:cacheprovider "$@" ||
   status=$?
 echo "took $((SECONDS - start)) s"
 exit $status
