@@ -68,6 +68,12 @@ def test_only_unmarked_tests_over_15_s_are_named_and_the_marked_are_summed(junit
     assert "tests over 15 s without a slow mark: 1\n    21.50 s  tests/test_demo.py" in printed
     assert "marked slow: 1 tests, 40.2 s together (goal: under 5 min 00 s)" in printed
     assert "test_ring" not in printed  # neither among the 2 slowest nor over 15 s
+    (junit.parent / "long.xml").write_text(JUNIT.replace('time="40.25"', 'time="330.0"'))
+    printed = slowest_tests.report(slowest_tests.read_run(junit.parent / "long.xml"), top=2)
+    assert (
+        "marked slow: 1 tests, 5 min 30 s together (goal: under 5 min 00 s, OVER the goal)"
+        in printed
+    )
 
 
 def test_a_missing_or_unreadable_file_is_refused_naming_it(tmp_path, capsys):
