@@ -227,11 +227,24 @@ def sync_dir(tmp_path_factory) -> str:
     return str(tmp_path_factory.mktemp("outer_failures"))
 
 
-# Grouped by launch, so that each launch's time falls on one test.
+# Grouped by launch, so that each launch's time falls on one test: the first of its jobs.
 CASES = [(name, fault) for fault in ("kill", "stop", "nan") for name in ALL]
+# Over 15 s on the loaded 2-core machine: a stopped worker's launch waits out the timeout once
+# per job, and the first launch also starts the server the ranks fork from.
+_LAUNCH_WAITS = "a launch of five jobs, each waiting out a stopped worker's timeout"
+SLOW = {
+    ("average", "kill"): "the first launch: five jobs, and the server the ranks fork from",
+    **{(names[0], "stop"): _LAUNCH_WAITS for names in {_batch_of(n, "stop") for n in ALL}},
+}
 
 
-@pytest.mark.parametrize("name,fault", CASES)
+@pytest.mark.parametrize(
+    "name,fault",
+    [
+        pytest.param(*case, marks=pytest.mark.slow(SLOW[case])) if case in SLOW else case
+        for case in CASES
+    ],
+)
 def test_a_faulty_worker_gives_a_typed_error_within_the_timeout_and_changes_nothing(
     sync_dir, name, fault
 ):
