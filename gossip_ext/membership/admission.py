@@ -2,11 +2,12 @@
 
 The first worker of an elastic job writes the job's fingerprint (sealed with the job's secret,
 :mod:`gossip_ext.membership.trust`): the job's name, gossip_ext's version and wire format, torch's
-version, how many processes a replica spans, the configuration as ``describe()`` gives it, and
-the parameters' names, shapes and dtypes. Every later worker compares its own with it and, where
-they differ, is refused with the differences named, before it registers: the members never see
-it. Without this, a worker with another model or algorithm joins an epoch and fails every
-member's configuration check, ending the job it tried to join.
+version, how many processes a replica spans, the configuration as ``describe()`` gives it, the
+membership's heartbeat and silence, and the parameters' names, shapes and dtypes. Every later
+worker compares its own with it and, where they differ, is refused with the differences named,
+before it registers: the members never see it. Without this, a worker with another model or
+algorithm joins an epoch and fails every member's configuration check, ending the job it tried
+to join.
 """
 
 from __future__ import annotations
@@ -45,6 +46,7 @@ def fingerprint(
     shards: int,
     configuration: Mapping[str, object],
     parameters: Sequence[tuple[str, Sequence[int], str]],
+    membership: Mapping[str, object] | None = None,
 ) -> dict[str, object]:
     """What every worker of a job must share, as plain JSON values."""
     import gossip_ext  # at call time: this module is imported while the package initialises
@@ -58,6 +60,7 @@ def fingerprint(
                 "torch": torch.__version__.split("+")[0],
                 "shards": shards,
                 "configuration": configuration,
+                "membership": dict(membership or {}),
                 "parameters": {name: [list(shape), dtype] for name, shape, dtype in parameters},
             },
             sort_keys=True,

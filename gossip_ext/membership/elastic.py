@@ -37,7 +37,14 @@ import torch.distributed as dist
 
 from gossip_ext.errors import PeerTimeoutError
 from gossip_ext.membership import admission, epoch_group
-from gossip_ext.membership.epochs import LEFT, Epoch, MembershipClient, RemovedError
+from gossip_ext.membership.epochs import (
+    DEFAULT_TIMINGS,
+    LEFT,
+    Epoch,
+    MembershipClient,
+    RemovedError,
+    Timings,
+)
 
 logger = logging.getLogger("gossip_ext.membership.elastic")
 
@@ -106,7 +113,8 @@ class ElasticWorker:
     """This process's membership: registered at construction, in one epoch at a time. Every
     value it reads from the service is sealed with the job's ``secret``
     (:mod:`gossip_ext.membership.trust`; None: an open job), and it registers only once its
-    ``fingerprint`` matches the job's (:mod:`gossip_ext.membership.admission`)."""
+    ``fingerprint`` matches the job's (:mod:`gossip_ext.membership.admission`). Its heartbeat
+    and its watch over the other members keep the job's ``timings``."""
 
     def __init__(
         self,
@@ -118,8 +126,9 @@ class ElasticWorker:
         *,
         secret: bytes | None = None,
         fingerprint: Mapping[str, object] | None = None,
+        timings: Timings = DEFAULT_TIMINGS,
     ):
-        self.client = MembershipClient(address, timeout, secret)
+        self.client = MembershipClient(address, timeout, secret, timings)
         self.shards = shards  # the processes of each replica (1: unsharded)
         self.fingerprint = dict(fingerprint or {}, shards=shards)
         self.min_workers = min_workers
@@ -225,7 +234,7 @@ class ElasticWorker:
 
     def changed(self) -> bool:
         """Whether the membership changed since this epoch formed, as the watch's latest look at
-        the service saw it (every HEARTBEAT_S): no step waits on a request of its own."""
+        the service saw it (every heartbeat): no step waits on a request of its own."""
         return self.client.watch.events > self.epoch.events
 
     def next_epoch(self, failure: Failure | None) -> Change:

@@ -24,14 +24,14 @@ epoch only when the membership changed. The keys:
 - ``epoch/E/leaving/ID``: member ID is leaving epoch E alive (before it drops its connections);
 - ``latest``: the newest epoch whose members all checked in;
 - ``ready/ID``: worker ID holds the job's state (it trained, or received it from a donor);
-- ``beat/ID``: worker ID's heartbeat, a count its own thread raises every HEARTBEAT_S (a count
-  that does not rise, or is not sealed, is no beat);
+- ``beat/ID``: worker ID's heartbeat, a count its own thread raises every ``heartbeat_s`` (a
+  count that does not rise, or is not sealed, is no beat);
 - ``replica/ID/told/N``: what worker ID, the leader of a sharded replica, told its replica's other
   processes the N-th time (gossip_ext.sharded.elastic: the epoch it formed, or why it stopped).
 
 A worker that forms epoch E + 1 proposes ``(members of E, and everyone registered) - gone``; each
 proposed member checks in and waits for the others; one that does not check in, and whose
-heartbeat stopped for SILENT_S (it died, or its process is stopped) or that stays away for the
+heartbeat stopped for ``silent_s`` (it died, or its process is stopped) or that stays away for the
 timeout, is written to ``gone`` as not having reached the epoch, and the next epoch is formed
 without it. A worker that finds itself in ``gone`` was removed (it stalled past the timeout, or
 left), and is told so.
@@ -48,13 +48,15 @@ from dataclasses import dataclass
 import torch.distributed as dist
 
 from gossip_ext.membership import trust
-from gossip_ext.membership.heartbeats import (  # noqa: F401 - the protocol's constants, here too
+from gossip_ext.membership.heartbeats import (  # noqa: F401 - the protocol's defaults, here too
     CONFIRM_S,
+    DEFAULT_TIMINGS,
     HEARTBEAT_S,
     LEFT,
     SILENT_S,
     Beats,
     Heartbeat,
+    Timings,
     Watch,
 )
 
@@ -102,11 +104,19 @@ class RemovedError(RuntimeError):
 class MembershipClient:
     """One worker's view of the membership service at ``address``: registration, epochs,
     announcements, each value sealed with the job's ``secret`` (None: an open job). Every wait
-    is bounded by ``timeout``."""
+    is bounded by ``timeout``; its heartbeat and the watch over the others' keep the job's
+    ``timings``."""
 
-    def __init__(self, address: str, timeout: datetime.timedelta, secret: bytes | None = None):
+    def __init__(
+        self,
+        address: str,
+        timeout: datetime.timedelta,
+        secret: bytes | None = None,
+        timings: Timings = DEFAULT_TIMINGS,
+    ):
         host, port = parse_address(address)
         self.secret = secret
+        self.timings = timings
         self.address = address
         self.timeout = timeout
         try:
@@ -206,8 +216,10 @@ class MembershipClient:
             if self.claim(f"id/{worker}", token) == token:
                 break
         self.worker = worker
-        self.heartbeat = Heartbeat(self.address, self.timeout, self.seal, self.worker)
-        watcher = MembershipClient(self.address, self.timeout, self.secret)
+        self.heartbeat = Heartbeat(
+            self.address, self.timeout, self.seal, self.worker, self.timings.heartbeat_s
+        )
+        watcher = MembershipClient(self.address, self.timeout, self.secret, self.timings)
         watcher.worker = self.worker  # its announcements claim in this worker's name
         self.watch = Watch(watcher)
         self.store.append("registered", self.seal.seal("registered", str(self.worker)) + ",")
@@ -240,15 +252,15 @@ class MembershipClient:
         self.store.add("events", 1)
 
     def silent(self, workers: Sequence[int], events: int) -> list[int]:
-        """Those of ``workers`` whose heartbeat stays silent for CONFIRM_S (dead or stopped);
+        """Those of ``workers`` whose heartbeat stays silent for ``confirm_s`` (dead or stopped);
         returns early, with none, once the ``events`` count moves on (another worker announced a
         change, which is what to go by)."""
-        beats = Beats(self.store, self.seal, workers)
-        end = time.monotonic() + CONFIRM_S
+        beats = Beats(self.store, self.seal, workers, self.timings)
+        end = time.monotonic() + self.timings.confirm_s
         while time.monotonic() < end:
             if self.events() != events:
                 return []
-            time.sleep(HEARTBEAT_S / 2)
+            time.sleep(self.timings.heartbeat_s / 2)
         return beats.unchanged(workers)
 
     def propose(self, number: int, members: Sequence[int], events: int) -> Epoch:
@@ -276,7 +288,7 @@ class MembershipClient:
         self.put(f"epoch/{epoch.number}/here/{self.worker}", "1")
         keys = [f"epoch/{epoch.number}/here/{m}" for m in epoch.members]
         deadline = time.monotonic() + self.timeout.total_seconds()
-        beats = Beats(self.store, self.seal, epoch.members)
+        beats = Beats(self.store, self.seal, epoch.members, self.timings)
         while True:
             away = [m for m, key in zip(epoch.members, keys) if not self._here(key)]
             if not away:
@@ -297,13 +309,14 @@ class MembershipClient:
 
     def wait_while_beating(self, key: str, worker: int) -> str:
         """The value of ``key`` once written (and sealed), waiting as long as ``worker``'s
-        heartbeat goes on: TimeoutError naming the worker once it is silent for SILENT_S (dead or
-        stopped)."""
-        beats = Beats(self.store, self.seal, [worker])
+        heartbeat goes on: TimeoutError naming the worker once it is silent for ``silent_s``
+        (dead or stopped)."""
+        beats = Beats(self.store, self.seal, [worker], self.timings)
         while not self._text(key):
             if beats.silent([worker]):
                 raise TimeoutError(
-                    f"gossip_ext: the heartbeat of worker {worker} stopped for {SILENT_S:g} s "
+                    f"gossip_ext: the heartbeat of worker {worker} stopped for "
+                    f"{self.timings.silent_s:g} s "
                     f"while this process waited for {key!r} (its process died or is stopped)"
                 )
             time.sleep(POLL_S)

@@ -9,6 +9,7 @@ import logging
 import threading
 import time
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import torch.distributed as dist
@@ -21,24 +22,57 @@ if TYPE_CHECKING:  # the client builds the watch: only its type is needed here
 logger = logging.getLogger("gossip_ext.membership.elastic")  # with the epoch-change lines
 
 LEFT = "left the job"  # why a worker that called leave() (or exited) is gone
-HEARTBEAT_S = 0.1  # how often a worker's heartbeat thread bumps its counter
-SILENT_S = 1.5  # a heartbeat silent this long: the worker is dead or stopped
-# How long a worker that a failed round names is watched before it is accused: its heartbeat
-# thread runs while it waits in a round (the wait releases the GIL), so five beats missed in a
-# row mean its process is dead or stopped. It is the time every survivor of a SIGKILL waits.
-CONFIRM_S = 5 * HEARTBEAT_S
+# The defaults of Elastic(heartbeat_s=..., silent_s=...): see Timings.
+HEARTBEAT_S = 0.1
+SILENT_S = 1.5
+# A worker that a failed round names is watched for this many beats before it is accused: its
+# heartbeat thread runs while it waits in a round (the wait releases the GIL), so five beats
+# missed in a row mean its process is dead or stopped.
+CONFIRM_BEATS = 5
+CONFIRM_S = CONFIRM_BEATS * HEARTBEAT_S  # the default's: the time every survivor of a SIGKILL waits
+# The shortest period a beat may have: each beat, and each look of every watch, is a request to
+# the service, N workers' worth.
+MIN_HEARTBEAT_S = 0.01
+
+
+@dataclass(frozen=True)
+class Timings:
+    """How an elastic job tells a dead or stopped worker from one that is only busy, the same on
+    every worker of the job (``Elastic(heartbeat_s=..., silent_s=...)``; docs/elastic.md).
+
+    ``heartbeat_s``: how often a worker's heartbeat thread raises its count, and how often a
+    watch looks at the others'. ``silent_s``: a heartbeat silent this long means its worker is
+    dead or stopped (a watch announces it gone). ``confirm_s`` (five beats): how long a worker
+    that a failed round names is watched before it is accused."""
+
+    heartbeat_s: float = HEARTBEAT_S
+    silent_s: float = SILENT_S
+
+    @property
+    def confirm_s(self) -> float:
+        return CONFIRM_BEATS * self.heartbeat_s
+
+
+DEFAULT_TIMINGS = Timings()
 
 
 class Beats:
     """The heartbeats of ``workers`` as seen from a check-in or a watch: which stopped for
-    SILENT_S. Each look reads every beat it needs, and the ``events`` count, in one request
-    (``multi_get``): a watch looks at every beat, and each of N workers reading N - 1 keys one by
-    one made N^2 requests per look at the service. A beat is a sealed count that rose: one that
-    an outsider wrote, or wrote back (an old count), is no beat."""
+    ``timings.silent_s``. Each look reads every beat it needs, and the ``events`` count, in one
+    request (``multi_get``): a watch looks at every beat, and each of N workers reading N - 1 keys
+    one by one made N^2 requests per look at the service. A beat is a sealed count that rose: one
+    that an outsider wrote, or wrote back (an old count), is no beat."""
 
-    def __init__(self, store: dist.Store, seal: trust.Seal, workers: Sequence[int]):
+    def __init__(
+        self,
+        store: dist.Store,
+        seal: trust.Seal,
+        workers: Sequence[int],
+        timings: Timings = DEFAULT_TIMINGS,
+    ):
         self.store = store
         self.seal = seal
+        self.timings = timings
         for w in workers:
             # multi_get waits for a key that does not exist yet (the store's timeout, minutes):
             # a worker that died before its first beat must still read as silent.
@@ -61,7 +95,7 @@ class Beats:
 
     def silent(self, workers: Sequence[int]) -> list[int]:
         now = time.monotonic()
-        if now - self.read_at < HEARTBEAT_S / 2:  # a watch looks every HEARTBEAT_S, give or take
+        if now - self.read_at < self.timings.heartbeat_s / 2:  # a watch looks every beat or so
             return []
         self.read_at = now
         silent = []
@@ -69,7 +103,7 @@ class Beats:
             last, since = self.seen[w]
             if beat > last:
                 self.seen[w] = (beat, now)
-            elif now - since > SILENT_S:
+            elif now - since > self.timings.silent_s:
                 silent.append(w)
         return silent
 
@@ -81,15 +115,23 @@ def _count(value: bytes) -> int:
 
 
 class Heartbeat:
-    """Raises ``beat/ID``'s sealed count every HEARTBEAT_S from a thread of its own, on a store
+    """Raises ``beat/ID``'s sealed count every ``period_s`` from a thread of its own, on a store
     connection of its own, until stopped: how the members forming an epoch tell a dead or
     stopped worker from one that is only busy finishing its step."""
 
-    def __init__(self, address: str, timeout: datetime.timedelta, seal: trust.Seal, worker: int):
+    def __init__(
+        self,
+        address: str,
+        timeout: datetime.timedelta,
+        seal: trust.Seal,
+        worker: int,
+        period_s: float = HEARTBEAT_S,
+    ):
         host, _, port = address.rpartition(":")
         self.store = dist.TCPStore(host.strip("[]"), int(port), is_master=False, timeout=timeout)
         self.seal = seal
         self.key = f"beat/{worker}"
+        self.period_s = period_s
         self.stopped = threading.Event()
         self.thread = threading.Thread(
             target=self._run, name=f"gossip_ext heartbeat {worker}", daemon=True
@@ -98,7 +140,7 @@ class Heartbeat:
 
     def _run(self) -> None:
         count = 0
-        while not self.stopped.wait(HEARTBEAT_S):
+        while not self.stopped.wait(self.period_s):
             count += 1
             try:
                 self.store.set(self.key, self.seal.seal(self.key, str(count)))
@@ -112,12 +154,12 @@ class Heartbeat:
 class Watch:
     """Watches the heartbeats of the other members of this worker's epoch, from a thread of its
     own on a store connection of its own, while the worker trains in that epoch. A member whose
-    heartbeat stays silent for SILENT_S (its process died or is stopped: a busy one still beats)
-    is announced gone, and ``on_silent`` is called with why, from this thread: the worker gives up
-    a round that waits for that member then, not at the timeout, and every member moves to the
-    next epoch without it (its announcement bumps ``events``). A thread apart from the
-    heartbeat's: a beat must never wait behind the watch's work (an announcement, a round given
-    up, an NCCL communicator aborted)."""
+    heartbeat stays silent for the job's ``silent_s`` (its process died or is stopped: a busy one
+    still beats) is announced gone, and ``on_silent`` is called with why, from this thread: the
+    worker gives up a round that waits for that member then, not at the timeout, and every member
+    moves to the next epoch without it (its announcement bumps ``events``). A thread apart from
+    the heartbeat's: a beat must never wait behind the watch's work (an announcement, a round
+    given up, an NCCL communicator aborted)."""
 
     def __init__(self, client: MembershipClient):
         self.client = client  # a connection of its own, announcing in this worker's name
@@ -150,7 +192,8 @@ class Watch:
 
     def _run(self) -> None:
         watched, beats, why = None, None, None
-        while not self.stopped.wait(HEARTBEAT_S):
+        timings = self.client.timings
+        while not self.stopped.wait(timings.heartbeat_s):
             with self._lock:
                 following = self._following
             if following is None:
@@ -158,7 +201,7 @@ class Watch:
             epoch, others, on_silent = following
             try:
                 if watched is not following:
-                    beats = Beats(self.client.store, self.client.seal, others)
+                    beats = Beats(self.client.store, self.client.seal, others, timings)
                     watched, why = following, None
                 elif why is None:
                     why = self._silent(epoch, others, beats)
@@ -188,6 +231,7 @@ class Watch:
         self.client.announce_gone(silent, f"its heartbeat stopped in epoch {epoch.number}")
         return (
             f"the heartbeat of worker{'s' if len(silent) > 1 else ''} "
-            f"{', '.join(map(str, silent))} stopped for {SILENT_S:g} s in epoch {epoch.number} "
+            f"{', '.join(map(str, silent))} stopped for {self.client.timings.silent_s:g} s in "
+            f"epoch {epoch.number} "
             "(its process died or is stopped)"
         )

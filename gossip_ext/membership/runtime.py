@@ -11,6 +11,7 @@ state, and hands that state to the workers that joined.
 
 from __future__ import annotations
 
+import dataclasses
 import weakref
 from collections.abc import Callable, Mapping
 from typing import Any
@@ -23,6 +24,7 @@ from gossip_ext.errors import ConfigurationMismatch
 from gossip_ext.gossip.transport import choose_transport
 from gossip_ext.membership import admission, trust
 from gossip_ext.membership import elastic as _elastic_worker
+from gossip_ext.membership.heartbeats import DEFAULT_TIMINGS
 from gossip_ext.outer import streaming
 
 
@@ -32,6 +34,13 @@ def of_job(wrapper, membership, process_group, shard_group, timeout, device, com
     if membership is None:
         return StaticMembership(wrapper, process_group)
     if shard_group is not None:
+        if membership.timings != DEFAULT_TIMINGS:
+            # A replica's processes build their membership clients in gossip_ext.sharded.elastic,
+            # at the default timings: refused rather than silently kept at the defaults.
+            raise ValueError(
+                f"membership={membership!r}: a sharded replica keeps the default heartbeat_s="
+                f"{DEFAULT_TIMINGS.heartbeat_s:g} and silent_s={DEFAULT_TIMINGS.silent_s:g}"
+            )
         # Imported here: gossip_ext.sharded.elastic builds on this module.
         from gossip_ext.sharded.elastic import ShardedElasticMembership
 
@@ -111,6 +120,7 @@ class ElasticMembership:
             "gloo",
             secret=trust.job_secret(membership.secret),
             fingerprint=fingerprint_of(wrapper, membership),
+            timings=membership.timings,
         )
         # The donor's optimizer state, until register_optimizer() hands it to the optimizer.
         self._handed_optimizer_state = None
@@ -351,13 +361,15 @@ class ElasticMembership:
 
 def fingerprint_of(wrapper, membership, shards: int = 1) -> dict[str, object]:
     """What a worker of ``wrapper``'s job must share with it before it may join
-    (:mod:`gossip_ext.membership.admission`): its configuration and its parameters' layout
-    (a sharded module's whole parameters: every replica's are the same)."""
+    (:mod:`gossip_ext.membership.admission`): its configuration, the membership's timings (a
+    worker that waited longer for a silent one than the others would accuse no one they do) and
+    its parameters' layout (a sharded module's whole parameters: every replica's are the same)."""
     named = wrapper.module.named_parameters()
     return admission.fingerprint(
         job=membership.job,
         shards=shards,
         configuration=wrapper.configuration.describe(None),
+        membership=dataclasses.asdict(membership.timings),
         parameters=[(n, tuple(p.shape), str(p.dtype)) for n, p in named],
     )
 
