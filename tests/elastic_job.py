@@ -23,6 +23,14 @@ from multiprocess import forkserver_context
 
 STEPS = 30
 TIMEOUT_S = 10.0  # each worker's timeout: how long a stalled peer is waited for
+# The membership's timings of the tests' jobs (Elastic(heartbeat_s=..., silent_s=...)), as the
+# workers' arguments: the defaults. Five beats confirm a SIGKILLed neighbour (0.5 s); a silence
+# of 0.8 s removed live workers, whose threads a loaded 2-core machine (load average 5 to 7, the
+# suite beside other work) did not run for that long, three times in one run of this suite's
+# elastic tests, and 1.5 s once in many: the silence cannot be shorter here.
+HEARTBEAT_S = 0.1
+SILENT_S = 1.5
+TIMINGS = ("--heartbeat-s", str(HEARTBEAT_S), "--silent-s", str(SILENT_S))
 
 
 def free_port() -> int:
@@ -84,7 +92,13 @@ class Job:
     forkserver, or by ``launch`` (tests/exiting_processes.py's, for processes that must exit as a
     script does)."""
 
-    def __init__(self, out: Path, launch=ForkedProcess, env: dict[str, str] | None = None):
+    def __init__(
+        self,
+        out: Path,
+        launch=ForkedProcess,
+        env: dict[str, str] | None = None,
+        timings: tuple[str, ...] = TIMINGS,
+    ):
         out.mkdir(exist_ok=True)
         self.out = out
         self.port = free_port()
@@ -94,6 +108,7 @@ class Job:
             "gossip_ext.membership", ["--port", str(self.port)], out / "service.log", self.env
         )
         self._launch = launch
+        self.timings = timings  # every worker's (a sharded replica keeps the defaults: none)
         self.workers: dict[str, ForkedProcess | subprocess.Popen] = {}
         end = time.monotonic() + 30.0
         while "membership service on" not in (out / "service.log").read_text():
@@ -119,6 +134,7 @@ class Job:
                 str(STEPS),
                 "--timeout",
                 str(TIMEOUT_S),
+                *self.timings,
                 *args,
             ],
             self.out / f"{name}.log",

@@ -45,6 +45,10 @@ def _serve() -> None:
     import torch  # noqa: F401 - imported once, before any fork
     import torch.distributed  # noqa: F401
 
+    # The wrapper's check of its module imports FSDP (gossip_ext._validation.check_module): 1.5 s
+    # of CPU in each child that builds one, on a quiet machine, where imported here it is none.
+    import torch.distributed.fsdp  # noqa: F401
+
     import gossip_ext  # noqa: F401
 
     ended: dict[int, int] = {}

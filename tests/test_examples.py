@@ -65,6 +65,10 @@ def test_train_py_runs_every_mode_the_headline_names(mode):
     assert _accuracy(output) > 2 * CHANCE, output
 
 
+@pytest.mark.slow(
+    "four workers as a user starts them, each a fresh interpreter importing torch, 400 steps "
+    "paced at 20 ms so that the replacement joins while they train"
+)
 def test_elastic_train_py_goes_on_after_a_kill_and_takes_in_a_replacement(tmp_path):
     job = Job(tmp_path)  # the membership service; its close() ends every worker left
 

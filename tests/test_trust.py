@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed as dist
-from elastic_job import STEPS, Job, free_port
+from elastic_job import HEARTBEAT_S, SILENT_S, STEPS, Job, free_port
 from torch import nn
 
 import gossip_ext
@@ -70,10 +70,13 @@ def _finished(job: Job, name: str) -> dict:
 
 
 def _joins_with(address: str, module: nn.Module, **options) -> None:
-    """A GossipDataParallel of ``module`` joining the job at ``address`` (with its secret)."""
+    """A GossipDataParallel of ``module`` joining the job at ``address`` (with its secret and,
+    unless ``options`` say otherwise, its timings)."""
+    membership = {"job": "", "heartbeat_s": HEARTBEAT_S, "silent_s": SILENT_S}
+    membership.update((k, options.pop(k)) for k in list(options) if k in membership)
     gossip_ext.GossipDataParallel(
         module,
-        membership=gossip_ext.Elastic(address, secret=SECRET, job=options.pop("job", "")),
+        membership=gossip_ext.Elastic(address, secret=SECRET, **membership),
         timeout=timedelta(seconds=5),
         **options,
     )
@@ -92,14 +95,19 @@ def test_an_outsider_neither_joins_removes_splits_nor_runs_code_and_a_bad_worker
         job.wait_for_step("w0", 3)
         address = f"127.0.0.1:{job.port}"
         _outsider_attacks(address, marker)
-        # Workers of another job: another shape, algorithm or job name, each refused alone.
+        # Workers of another job: another shape, algorithm, job name or membership timings (one
+        # that waits longer for a silent worker than the others), each refused alone.
         net = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 1))
         wider = nn.Sequential(nn.Linear(8, 32), nn.Tanh(), nn.Linear(32, 1))
         refusals = [
             (wider, {}, "parameter '0.weight': the job has shape (16, 8) torch.float32"),
             (net, {"gossip": gossip_ext.SGP()}, "configuration.gossip: the job has None"),
             (net, {"job": "another"}, "job: the job has '', this worker has 'another'"),
-        ]
+            (net, {"silent_s": SILENT_S + 1}, f"membership.silent_s: the job has {SILENT_S}, this "
+             f"worker has {SILENT_S + 1}"),
+            (net, {"heartbeat_s": HEARTBEAT_S / 2}, f"membership.heartbeat_s: the job has "
+             f"{HEARTBEAT_S}, this worker has {HEARTBEAT_S / 2}"),
+        ]  # fmt: skip
         for module, options, words in refusals:
             with pytest.raises(admission.JobMismatchError, match="refused before joining") as no:
                 _joins_with(address, module, **options)
@@ -162,7 +170,9 @@ def test_a_worker_and_its_service_must_agree_on_the_secret():
             epochs.MembershipClient(sealed, timeout, b"x" * 16)
         with pytest.raises(PermissionError, match="was started without one"):
             epochs.MembershipClient(open_job, timeout, SECRET.encode())
-        client = epochs.MembershipClient(sealed, timeout, SECRET.encode())
+        # A silence shorter than the default's: wait_while_beating keeps the client's timings.
+        timings = epochs.Timings(heartbeat_s=0.1, silent_s=0.5)
+        client = epochs.MembershipClient(sealed, timeout, SECRET.encode(), timings)
         assert client.seal.authenticated
         # What the job's workers write carries its key: moved to another key, it is ignored.
         client.put("epoch/3", "5|0,1")
@@ -175,8 +185,10 @@ def test_a_worker_and_its_service_must_agree_on_the_secret():
         marker = Path(os.environ.get("TMPDIR", "/tmp")) / f"payload_ran_{os.getpid()}"
         client.store.set("replica/0/told/1", pickle.dumps(_Marker(marker)))
         client.events()  # the counter every job has from its first registration
-        with pytest.raises(TimeoutError, match="heartbeat of worker 0 stopped"):
+        waiting = time.monotonic()
+        with pytest.raises(TimeoutError, match="heartbeat of worker 0 stopped for 0.5 s"):
             client.wait_while_beating("replica/0/told/1", 0)
+        assert time.monotonic() - waiting < epochs.SILENT_S
         assert not marker.exists()
         with pytest.warns(UserWarning, match="anyone who reaches the membership service's port"):
             admission.admit(epochs.MembershipClient(open_job, timeout), {"job": ""})
