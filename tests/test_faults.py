@@ -8,17 +8,30 @@ from datetime import timedelta
 
 import pytest
 import torch
+import torch.distributed as dist
 from multiprocess import run_ranks, run_ranks_tolerating_deaths
 from torch import nn
 
 import gossip_ext
 from gossip_ext.compat.fairscale import SlowMoDistributedDataParallel
 
+# The wrapper's timeout in the tests that wait one out: a fraction of a second, as a job may set.
+STALL_TIMEOUT = timedelta(seconds=0.5)
 
-def _one_rank_stalls(rank: int, world_size: int, stall_s: float) -> dict:
-    model = gossip_ext.GossipDataParallel(nn.Linear(3, 1), timeout=timedelta(seconds=1))
+
+def _stall_until(path: str, at_most_s: float = 30.0) -> None:
+    """A stalled worker: alive, connected, gossiping nothing, until ``path`` exists (the other
+    rank has seen what it waited for) or ``at_most_s`` passed."""
+    end = time.monotonic() + at_most_s
+    while not os.path.exists(path) and time.monotonic() < end:
+        time.sleep(0.01)
+
+
+def _one_rank_stalls(rank: int, world_size: int, sync_dir: str) -> dict:
+    model = gossip_ext.GossipDataParallel(nn.Linear(3, 1), timeout=STALL_TIMEOUT)
+    seen = os.path.join(sync_dir, "seen")
     if rank == 1:
-        time.sleep(stall_s)  # never gossips: a stalled worker
+        _stall_until(seen)  # never gossips
         return {}
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     model(torch.ones(1, 3)).sum().backward()
@@ -35,6 +48,7 @@ def _one_rank_stalls(rank: int, world_size: int, stall_s: float) -> dict:
             repeated = None
         except TimeoutError as again:
             repeated = str(again)
+        _touch(seen)
         return {
             "error": str(error),
             "elapsed": elapsed,
@@ -42,6 +56,7 @@ def _one_rank_stalls(rank: int, world_size: int, stall_s: float) -> dict:
             "type": type(error),
             "data": _failure_data(error),
         }
+    _touch(seen)
     return {"error": None}
 
 
@@ -53,8 +68,8 @@ def _failure_data(error: BaseException) -> dict | None:
     return {name: getattr(error, name, None) for name in names}
 
 
-def test_a_stalled_peer_raises_timeout_naming_the_peer_and_round():
-    results = run_ranks(2, _one_rank_stalls, 4.0)
+def test_a_stalled_peer_raises_timeout_naming_the_peer_and_round(tmp_path):
+    results = run_ranks(2, _one_rank_stalls, str(tmp_path))
     r = results[0]
     assert r["error"] is not None, "the forward did not time out"
     assert "peers [1]" in r["error"] and "round 0" in r["error"], r["error"]
@@ -64,21 +79,23 @@ def test_a_stalled_peer_raises_timeout_naming_the_peer_and_round():
         "peers": (1,),
         "round": 0,
         "transport": "process_group(gloo)",
-        "timeout": timedelta(seconds=1),
+        "timeout": STALL_TIMEOUT,
     }, r["data"]
-    # Within the 1 s timeout plus scheduling slack on a loaded machine: no hang.
-    assert 0.9 <= r["elapsed"] < 10.0, r["elapsed"]
+    # Within the timeout plus scheduling slack on a loaded machine: no hang.
+    timeout_s = STALL_TIMEOUT.total_seconds()
+    assert 0.9 * timeout_s <= r["elapsed"] < timeout_s + 9.0, r["elapsed"]
     assert r["repeated"] == r["error"]
 
 
-def _a_round_given_up(rank: int, world_size: int) -> dict:
+def _a_round_given_up(rank: int, world_size: int, sync_dir: str) -> dict:
     """Rank 1 stalls; rank 0's round waiting for it is given up from another thread (what an
     elastic worker's watch does when a peer's heartbeat stops), long before the timeout."""
     import threading
 
     model = gossip_ext.GossipDataParallel(nn.Linear(3, 1), timeout=timedelta(seconds=60))
+    seen = os.path.join(sync_dir, "seen")
     if rank == 1:
-        time.sleep(6.0)
+        _stall_until(seen)
         return {}
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     model(torch.ones(1, 3)).sum().backward()
@@ -97,17 +114,19 @@ def _a_round_given_up(rank: int, world_size: int) -> dict:
             repeated = None
         except TimeoutError as again:
             repeated = str(again)
+        _touch(seen)
         return {
             "error": str(error),
             "elapsed": elapsed,
             "unchanged": unchanged,
             "repeated": repeated,
         }
+    _touch(seen)
     return {"error": None}
 
 
-def test_a_round_given_up_from_another_thread_raises_at_once_and_stays_failed():
-    r = run_ranks(2, _a_round_given_up)[0]
+def test_a_round_given_up_from_another_thread_raises_at_once_and_stays_failed(tmp_path):
+    r = run_ranks(2, _a_round_given_up, str(tmp_path))[0]
     assert r["error"] is not None, "the forward did not raise"
     assert "gave up gossip round 0: worker 1's heartbeat stopped" in r["error"], r["error"]
     assert 0.4 <= r["elapsed"] < 5.0, r["elapsed"]  # the 60 s timeout never came into it
@@ -257,7 +276,7 @@ def test_a_killed_peer_makes_every_survivor_raise_naming_it_and_the_round(
         assert elapsed < DEAD_PEER_TIMEOUT_S + SCHEDULING_SLACK_S, (rank, elapsed, error)
 
 
-def _one_rank_diverges(rank: int, world_size: int, check_finite: bool, message_dtype=None) -> dict:
+def _one_rank_diverges(rank: int, group, check_finite: bool, message_dtype) -> dict:
     # The default graph at n = 4 sends rank r's round-0 message to rank r + 1.
     module = nn.Linear(4, 1)
     model = gossip_ext.GossipDataParallel(
@@ -265,6 +284,7 @@ def _one_rank_diverges(rank: int, world_size: int, check_finite: bool, message_d
         check_finite=check_finite,
         timeout=timedelta(seconds=30),
         message_dtype=message_dtype,
+        process_group=group,
     )
     if rank == 2:
         with torch.no_grad():
@@ -278,9 +298,27 @@ def _one_rank_diverges(rank: int, world_size: int, check_finite: bool, message_d
 
 
 # A quantized message carries NaN and Inf as a NaN block scale (Note [Quantized messages]).
-@pytest.mark.parametrize("message_dtype", [None, torch.bfloat16, "int4", torch.float8_e4m3fn])
-def test_a_nonfinite_message_raises_naming_the_sender_before_it_spreads(message_dtype):
-    results = run_ranks(4, _one_rank_diverges, True, message_dtype)
+CHECKED_DTYPES = [None, torch.bfloat16, "int4", torch.float8_e4m3fn]
+# (check_finite, message_dtype) of each job of the launch below.
+DIVERGING_JOBS = [(True, dtype) for dtype in CHECKED_DTYPES] + [(False, None)]
+
+
+def _every_job_has_a_rank_diverge(rank: int, world_size: int) -> list[dict]:
+    """Each job of DIVERGING_JOBS in turn on the same four ranks, each on a process group of its
+    own, so that one job's messages never reach the next."""
+    groups = [dist.new_group(list(range(world_size))) for _ in DIVERGING_JOBS]
+    return [_one_rank_diverges(rank, group, *job) for group, job in zip(groups, DIVERGING_JOBS)]
+
+
+@pytest.fixture(scope="module")
+def diverged() -> dict[tuple, list[dict]]:
+    per_rank = run_ranks(4, _every_job_has_a_rank_diverge)
+    return {job: [results[k] for results in per_rank] for k, job in enumerate(DIVERGING_JOBS)}
+
+
+@pytest.mark.parametrize("message_dtype", CHECKED_DTYPES)
+def test_a_nonfinite_message_raises_naming_the_sender_before_it_spreads(diverged, message_dtype):
+    results = diverged[(True, message_dtype)]
     assert results[0]["error"] is None and results[1]["error"] is None
     assert torch.isfinite(results[0]["weight"]).all() and torch.isfinite(results[1]["weight"]).all()
     assert "round 0: the messages from peers [2] hold NaN or Inf" in results[3]["error"]
@@ -292,8 +330,8 @@ def test_a_nonfinite_message_raises_naming_the_sender_before_it_spreads(message_
     assert results[2]["data"] == {"peers": (), **round_0}, results[2]["data"]
 
 
-def test_check_finite_false_lets_nonfinite_values_through():
-    results = run_ranks(4, _one_rank_diverges, False)
+def test_check_finite_false_lets_nonfinite_values_through(diverged):
+    results = diverged[(False, None)]
     assert all(r["error"] is None for r in results)
     assert not torch.isfinite(results[3]["weight"]).all()
     assert torch.isfinite(results[1]["weight"]).all()
@@ -459,7 +497,9 @@ def _survivor_of_a_failed_average(
     torch.manual_seed(0)
     module = nn.Linear(3, 1)
     if layer == "localsgd":
-        model = gossip_ext.GossipDataParallel(module, base_algorithm="localsgd", global_avg_freq=2)
+        model = gossip_ext.GossipDataParallel(
+            module, base_algorithm="localsgd", global_avg_freq=2, timeout=timedelta(seconds=1)
+        )
     else:
         model = SlowMoDistributedDataParallel(
             module, nprocs_per_node=1, slowmo_frequency=2, localsgd_frequency=100
