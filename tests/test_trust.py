@@ -17,9 +17,11 @@ import pytest
 import torch
 import torch.distributed as dist
 from elastic_job import HEARTBEAT_S, SILENT_S, STEPS, Job, free_port
+from membership_worker import MODES
 from torch import nn
 
 import gossip_ext
+from gossip_ext.flat_keywords import from_flat
 from gossip_ext.membership import admission, elastic, epochs, service, trust
 
 SECRET = "a job secret, 16 bytes or more"
@@ -90,8 +92,9 @@ def test_an_outsider_neither_joins_removes_splits_nor_runs_code_and_a_bad_worker
     job = Job(tmp_path / "job", env={trust.SECRET_FILE_ENV: str(secret_file)})
     marker = tmp_path / "payload_ran"
     try:
+        # Paced so that they still train when the last worker joins, after every refusal.
         for name in ("w0", "w1"):
-            job.start(name, "--min-workers", "2", "--step-seconds", "0.2", *DILOCO)
+            job.start(name, "--min-workers", "2", "--step-seconds", "0.3", *DILOCO)
         job.wait_for_step("w0", 3)
         address = f"127.0.0.1:{job.port}"
         _outsider_attacks(address, marker)
@@ -99,19 +102,24 @@ def test_an_outsider_neither_joins_removes_splits_nor_runs_code_and_a_bad_worker
         # that waits longer for a silent worker than the others), each refused alone.
         net = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 1))
         wider = nn.Sequential(nn.Linear(8, 32), nn.Tanh(), nn.Linear(32, 1))
+        # The job's own algorithm (its "diloco" mode), for a worker that differs in its timings
+        # alone.
+        algorithm = dict(zip(("gossip", "outer"), from_flat(MODES["diloco"])[:2]))
         refusals = [
             (wider, {}, "parameter '0.weight': the job has shape (16, 8) torch.float32"),
             (net, {"gossip": gossip_ext.SGP()}, "configuration.gossip: the job has None"),
             (net, {"job": "another"}, "job: the job has '', this worker has 'another'"),
-            (net, {"silent_s": SILENT_S + 1}, f"membership.silent_s: the job has {SILENT_S}, this "
-             f"worker has {SILENT_S + 1}"),
-            (net, {"heartbeat_s": HEARTBEAT_S / 2}, f"membership.heartbeat_s: the job has "
-             f"{HEARTBEAT_S}, this worker has {HEARTBEAT_S / 2}"),
+            (net, {"silent_s": SILENT_S + 1, **algorithm}, f"membership.silent_s: the job has "
+             f"{SILENT_S}, this worker has {SILENT_S + 1}"),
+            (net, {"heartbeat_s": HEARTBEAT_S / 2, **algorithm}, f"membership.heartbeat_s: the "
+             f"job has {HEARTBEAT_S}, this worker has {HEARTBEAT_S / 2}"),
         ]  # fmt: skip
         for module, options, words in refusals:
             with pytest.raises(admission.JobMismatchError, match="refused before joining") as no:
                 _joins_with(address, module, **options)
             assert words in str(no.value), str(no.value)
+            if "membership." in words:  # the timings alone differ
+                assert no.value.differences == (words,), no.value.differences
         # One that differs where the fingerprint does not look (its outer learning rate) gets
         # into an epoch: the configuration check there takes it out alone.
         odd = job.start("odd", "--mode", "diloco_other_lr", "--step-seconds", "0.2")
