@@ -153,7 +153,14 @@ def _load(path: Path) -> dict:
     return torch.load(path, weights_only=False)
 
 
-@pytest.mark.parametrize("mode", MODES)
+# The first test carries the three launches (torchrun and four workers each, every one importing
+# torch, the killed run's and the reference's side by side, then the resumed run's).
+_LAUNCHES = "three torchrun launches of four workers: a reference, a run killed whole, its resume"
+
+
+@pytest.mark.parametrize(
+    "mode", [pytest.param(MODES[0], marks=pytest.mark.slow(_LAUNCHES)), *MODES[1:]]
+)
 def test_resume_after_killing_every_rank_continues_the_uninterrupted_trajectory(runs, mode):
     for rank in range(WORLD_SIZE):
         reference = _load(runs["reference"] / f"{mode}-rank{rank}.pt")
