@@ -170,9 +170,12 @@ def test_a_learned_grace_makes_merges_whole_at_equal_speeds_and_never_waits_for_
     assert max(results[r]["elapsed"] for r in (0, 1, 3)) < 0.6 * slow, results
 
 
+MIDWAY_TIMEOUT = timedelta(seconds=1)
+
+
 def _fails_midway(rank, world_size, sync_dir, how):
     param = torch.nn.Parameter(initial())
-    engine = _engine(param, timeout=timedelta(seconds=3))
+    engine = _engine(param, timeout=MIDWAY_TIMEOUT)
     engine.start()
     begin = time.monotonic()
     for step in range(1, 100_000):
@@ -229,9 +232,10 @@ def test_a_killed_or_stopped_peer_is_named_by_every_survivor_within_the_timeout(
         assert outcome.result["peers"] == (1,), (rank, outcome.result["message"])
         assert outcome.result["later"] == (1,), rank  # the error stays raised
         assert outcome.result["finite"], rank
-        # The timeout (3 s), then at most the second a survivor looks whether a peer whose
-        # connection closed said it left (Note [A failure closes more than its pair]).
-        assert outcome.result["raised_at"] - failed_at < 3.0 + 3.0, (rank, outcome.result)
+        # The timeout, then at most the second a survivor looks whether a peer whose connection
+        # closed said it left (Note [A failure closes more than its pair]), and slack for load.
+        limit_s = MIDWAY_TIMEOUT.total_seconds() + 3.0
+        assert outcome.result["raised_at"] - failed_at < limit_s, (rank, outcome.result)
 
 
 def _a_nan_appears(rank, world_size):

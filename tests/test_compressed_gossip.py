@@ -193,7 +193,7 @@ def _survivor(rank: int, world_size: int, dead: int, sync_dir: str) -> dict:
             every=2,
             average=gossip_ext.ByCompressedGossip(message=TopK(density=1 / 2, chunk=2)),
         ),
-        timeout=timedelta(seconds=5),
+        timeout=timedelta(seconds=1),
     )
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     theta = model.outer_optimizer.param_groups[0]["params"]

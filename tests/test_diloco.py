@@ -13,6 +13,7 @@ import io
 import math
 import os
 import signal
+from datetime import timedelta
 
 import pytest
 import torch
@@ -212,6 +213,7 @@ def _survivor_of_a_failed_outer_step(
         sync_every=2,
         outer_optimizer=_outer_sgd,
         outer_dtype=outer_dtype,
+        timeout=timedelta(seconds=1),  # the survivors' check-in waits a quarter of it
     )
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     outer = model.outer_optimizer

@@ -375,7 +375,7 @@ def _survivor_of_a_delayed_sync(
     dies before it sends: the survivors' averaging starts, and their apply raises, leaving their
     parameters (step 2's) and theta_global as they were; every later call raises the same
     error."""
-    model = _wrap(fragments=2, fragment_delay=1, timeout=timedelta(seconds=10), **mean)
+    model = _wrap(fragments=2, fragment_delay=1, timeout=timedelta(seconds=1), **mean)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     module = model.module
     outers = model.outer_optimizers
