@@ -29,6 +29,7 @@ def _printed_table(out: str) -> tuple[float, dict[str, str]]:
     return floor, cells
 
 
+@pytest.mark.slow("3 systems, each on 4 fresh worker processes, for 90 steps: about 50 s")
 @pytest.mark.timeout(180)  # three systems of 4 workers for 90 steps: about 50 s on two cores
 def test_the_demo_s_target_is_out_of_reach_alone_and_its_bound_holds_for_every_row(
     tmp_path, capsys
@@ -137,6 +138,8 @@ def test_the_demo_runs_a_few_systems_by_default_and_any_on_request(capsys):
     assert "--sync-every must be >= 1, got 0" in capsys.readouterr().err
 
 
+@pytest.mark.slow("the demo in a process of its own, 4 fresh workers on the emulated network")
+@pytest.mark.timeout(180)  # past the suite's 60 s on a loaded machine
 def test_the_demo_as_a_user_runs_it_prints_no_warning(tmp_path):
     command = [sys.executable, "-m", "harness.demo", "--systems", "sgp", "--steps", "24"]
     command += ["--plot", str(tmp_path / "demo.png")]
@@ -153,6 +156,8 @@ def test_the_demo_as_a_user_runs_it_prints_no_warning(tmp_path):
         assert first.startswith("4 workers on loopback, where a message is a memory copy"), first
 
 
+@pytest.mark.slow("3 systems, each on 4 fresh worker processes, one of them at half speed")
+@pytest.mark.timeout(180)  # past the suite's 60 s on a loaded machine
 def test_the_demo_with_a_slow_worker_shows_the_lockstep_systems_wait_and_the_asynchronous_do_not(
     tmp_path,
 ):
