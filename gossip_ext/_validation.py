@@ -9,6 +9,7 @@ message names the argument (or the parameter) and the value it got.
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Mapping
 from typing import Any
 
@@ -56,9 +57,12 @@ def check_module(module: nn.Module) -> None:
     """An nn.Module, not already wrapped by another data-parallel wrapper: DDP's or FSDP's would
     all-reduce every gradient, or shard the parameters, behind the gossip's back."""
     check_type("module", module, nn.Module, "an nn.Module")
-    from torch.distributed.fsdp import FullyShardedDataParallel
-
-    wrappers = (nn.parallel.DistributedDataParallel, nn.DataParallel, FullyShardedDataParallel)
+    wrappers: tuple[type, ...] = (nn.parallel.DistributedDataParallel, nn.DataParallel)
+    # Whoever wrapped the module in FSDP imported FSDP: look for its class only then. Importing
+    # torch.distributed.fsdp here costs every process seconds of CPU for a check of nothing.
+    fsdp = sys.modules.get("torch.distributed.fsdp")
+    if fsdp is not None:
+        wrappers += (fsdp.FullyShardedDataParallel,)
     if isinstance(module, wrappers):
         raise TypeError(
             f"module is already wrapped in {type(module).__name__}, whose all-reduce would run "

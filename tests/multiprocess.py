@@ -29,7 +29,18 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 # What the forkserver imports once, before it forks the first rank.
-_PRELOAD = ["torch", "torch.distributed", "torch.multiprocessing", "gossip_ext", "multiprocess"]
+# torch._dynamo (a process's first torch.optim optimizer imports it) and torch.distributed.fsdp
+# (the sharded tests, and a module check once FSDP is loaded) cost each rank 1.5-4.5 s of CPU
+# imported there: imported once here, every fork has them. Neither starts a thread.
+_PRELOAD = [
+    "torch",
+    "torch._dynamo",
+    "torch.distributed",
+    "torch.distributed.fsdp",
+    "torch.multiprocessing",
+    "gossip_ext",
+    "multiprocess",
+]
 
 
 def forkserver_context():

@@ -1,6 +1,7 @@
 """gossip_ext.algorithms: the algorithm objects check their own arguments, the flat keywords of
 earlier releases translate into the same objects, and both spellings train alike."""
 
+import importlib
 from datetime import timedelta
 
 import pytest
@@ -382,6 +383,14 @@ def test_the_engine_is_built_by_the_gossip_object_else_by_an_outer_steps_bygossi
                 nn.parallel.DistributedDataParallel.__new__(nn.parallel.DistributedDataParallel)
             ),
             ["already wrapped in DistributedDataParallel", "module.module"],
+        ),
+        (  # FSDP is looked for only once imported: whoever wrapped the module imported it
+            lambda: gossip_ext.GossipDataParallel(
+                importlib.import_module("torch.distributed.fsdp").FullyShardedDataParallel.__new__(
+                    importlib.import_module("torch.distributed.fsdp").FullyShardedDataParallel
+                )
+            ),
+            ["already wrapped in FullyShardedDataParallel", "module.module"],
         ),
     ],
 )
