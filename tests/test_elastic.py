@@ -93,6 +93,10 @@ def parent():
     parent.close()
 
 
+@pytest.mark.slow(
+    "one job of five real processes per mode: a SIGKILL, a replacement, 50 paced steps and every "
+    "worker exiting through interpreter finalization (what two jobs per mode asserted before)"
+)
 @pytest.mark.parametrize("mode", sorted(MODES))
 def test_survivors_of_a_sigkill_finish_every_step_and_every_worker_exits_0(parent, tmp_path, mode):
     """Four workers, w2 SIGKILLed after step 10, a replacement w4 started once w0 passed step 12;
