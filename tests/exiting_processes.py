@@ -42,12 +42,12 @@ def _child(module: str, argv: list[str], log_path: str) -> None:
 
 
 def _serve() -> None:
-    import torch  # noqa: F401 - imported once, before any fork
+    # Imported once, before any fork. torch._dynamo too: a process's first torch.optim optimizer
+    # imports it, 1.5 s or more of CPU in each child otherwise (tests/multiprocess.py's forkserver
+    # preloads it as well).
+    import torch  # noqa: F401
+    import torch._dynamo  # noqa: F401
     import torch.distributed  # noqa: F401
-
-    # The wrapper's check of its module imports FSDP (gossip_ext._validation.check_module): 1.5 s
-    # of CPU in each child that builds one, on a quiet machine, where imported here it is none.
-    import torch.distributed.fsdp  # noqa: F401
 
     import gossip_ext  # noqa: F401
 
