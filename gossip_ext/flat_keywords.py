@@ -295,6 +295,19 @@ def to_flat(gossip: Gossip, outer: Outer, membership: Elastic | None) -> dict[st
     if outer is not None:
         flat.update(outer.flat(gossips=gossip is not None))
     if membership is not None:
+        # No flat keyword sets a job's name or its timings: refused rather than dropped.
+        unspellable = {
+            name: value
+            for name, value in membership.describe().items()
+            if name in ("job", "heartbeat_s", "silent_s")
+            and value != getattr(type(membership), name, value)
+        }
+        if unspellable:
+            settings = ", ".join(f"{name}={value!r}" for name, value in unspellable.items())
+            raise ValueError(
+                f"membership={type(membership).__name__}(..., {settings}): no flat keyword "
+                "sets these; pass the Elastic object itself"
+            )
         flat.update(membership=membership.address, min_workers=membership.min_workers)
     return flat
 

@@ -2,6 +2,7 @@
 earlier releases translate into the same objects, and both spellings train alike."""
 
 import importlib
+import re
 from datetime import timedelta
 
 import pytest
@@ -108,6 +109,18 @@ def test_an_exact_average_every_k_steps_has_one_object_whatever_its_flat_spellin
     )
     assert F.to_flat(None, A.Average(5), None)["sync_every"] == 5
     assert F.to_flat(A.SGP(), A.Average(5), None)["global_avg_freq"] == 5
+
+
+def test_an_elastic_job_s_name_and_timings_have_no_flat_keyword_and_are_never_dropped():
+    flat = F.to_flat(A.SGP(), None, A.Elastic("h:1", min_workers=2))
+    assert (flat["membership"], flat["min_workers"]) == ("h:1", 2)
+    for unspellable, words in [
+        ({"silent_s": 2.0}, "silent_s=2.0"),
+        ({"heartbeat_s": 0.05}, "heartbeat_s=0.05"),
+        ({"job": "run-7"}, "job='run-7'"),
+    ]:
+        with pytest.raises(ValueError, match=re.escape(words) + ".*pass the Elastic object"):
+            F.to_flat(A.SGP(), None, A.Elastic("h:1", **unspellable))
 
 
 def test_localsgd_averaged_by_gossip_keeps_its_own_graph():
