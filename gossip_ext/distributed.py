@@ -61,8 +61,9 @@ class GossipDataParallel(nn.Module, GossipView, MembershipView, OuterView):
             ``SGP()``: push-sum over a 1-peer exponential graph, synchronous, full precision);
             ``AsyncSGP()``: every worker at its own pace; None: no gossip (LocalSGD, DiLoCo).
             See :mod:`gossip_ext.algorithms`.
-        outer (Average, SlowMo, DiLoCo or None): what takes a round's place every few steps
-            (default: nothing).
+        outer (Average, SlowMo, DiLoCo, AsyncDiLoCo or None): what takes a round's place every
+            few steps (default: nothing); ``AsyncDiLoCo``: DiLoCo with each worker's outer step
+            at its own pace, with ``gossip=None``.
         membership (Elastic, optional): an elastic job: no ``init_process_group`` (a module
             sharded by FSDP2: only its replica's own, each replica a worker); workers that die,
             stall or leave are survived and joiners receive the state. Not with
@@ -102,7 +103,7 @@ class GossipDataParallel(nn.Module, GossipView, MembershipView, OuterView):
         self,
         module: nn.Module,
         gossip: algorithms.Gossip | None | object = _flat.DEFAULT_GOSSIP,
-        outer: algorithms.Average | algorithms.SlowMo | algorithms.DiLoCo | None = None,
+        outer: algorithms.Outer | None = None,
         membership: algorithms.Elastic | str | None = None,
         *,
         process_group: dist.ProcessGroup | None = None,
