@@ -201,7 +201,13 @@ def _killed_midway(rank, world_size, sync_dir):
             engine.start_round()
         except PeerTimeoutError as error:
             engine.close()
-            return {"peers": error.peers, "raised_at": time.time(), "step": step}
+            return {
+                "peers": error.peers,
+                "raised_at": time.time(),
+                "step": step,
+                "timeout": error.timeout,
+                "message": str(error),
+            }
     engine.close()
     return None
 
@@ -217,6 +223,11 @@ def test_a_killed_peer_is_named_by_the_survivors_that_hear_from_it_or_send_to_it
         assert outcome.result is not None, rank
         assert outcome.result["peers"] == (1,), (rank, outcome.result)
         assert outcome.result["raised_at"] - killed_at < 20.0, rank
+        # Seen before any 20 s wait ran out: the error says how (a connection that closed), and
+        # claims no timeout it did not wait out.
+        assert outcome.result["timeout"] is None, (rank, outcome.result)
+        assert "saw its connection close" in outcome.result["message"], outcome.result
+        assert "within 0:00:20" not in outcome.result["message"], outcome.result
 
 
 def _one_finishes_early(rank, world_size):

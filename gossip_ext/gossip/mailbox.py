@@ -157,7 +157,8 @@ class _PeerThread:
     def _raise_unless_left(self, failure: Exception, round_: int, what: str) -> None:
         """After gloo's ``failure`` to ``what`` the peer: ``ended`` if the peer said it was
         leaving, else a PeerTimeoutError naming it and its round (and this worker leaves)."""
-        if "Timed out waiting" in str(failure):
+        timed_out = "Timed out waiting" in str(failure)
+        if timed_out:
             # This worker's own wait ran out: gloo closes its connections now, and the peers
             # that see them close must find it gone (Note [A failure closes more than its pair]).
             self._departures.leaving()
@@ -167,13 +168,20 @@ class _PeerThread:
                 self._changed.notify_all()
             return
         self._departures.leaving()
+        # Say how it was seen: a wait that ran out its timeout, or a connection that closed
+        # (the peer died or left: seen at once, no timeout waited out).
+        how = (
+            f"did not answer within {self.timeout}; the peer may have stalled"
+            if timed_out
+            else "saw its connection close, without waiting out a timeout; the peer may have died"
+        )
         raise PeerTimeoutError(
             f"gossip_ext: asynchronous gossip failed to {what} peer {self.peer} (its round "
-            f"{round_}) within {self.timeout}; the peer may have died, stalled or left the "
-            f"training loop: {failure}",
+            f"{round_}): it {how} or left the training loop: {failure}",
             peers=[self.peer],
             round=round_,
             transport="process_group(gloo)",
+            timeout=self.timeout if timed_out else None,
         ) from failure
 
     def _run_guarded(self) -> None:
