@@ -25,7 +25,7 @@ from torch import nn
 
 import gossip_ext
 
-pytestmark = pytest.mark.extension  # the CUDA rehearsal runs these too (pyproject.toml)
+pytestmark = pytest.mark.extension  # the compiled extension's own tests (pyproject.toml)
 
 # ----------------------------------------------------------------------------- harness
 

@@ -21,7 +21,7 @@ import pytest
 
 from gossip_ext._torch_check import _C
 
-pytestmark = pytest.mark.extension  # the CUDA rehearsal runs these too (pyproject.toml)
+pytestmark = pytest.mark.extension  # the compiled extension's own tests (pyproject.toml)
 
 # Ready-made objects the cases use, built once per child.
 PRELUDE = """

@@ -19,7 +19,7 @@ import sys
 import pytest
 import torch
 
-pytestmark = pytest.mark.extension  # the CUDA rehearsal runs these too (pyproject.toml)
+pytestmark = pytest.mark.extension  # the compiled extension's own tests (pyproject.toml)
 
 # gossip_ext's, each needing those before it; zen4 is avx512_bf16 as Zen 4 runs it best.
 ISAS = ["base", "avx2", "avx512", "avx512_bf16", "zen4"]

@@ -11,7 +11,7 @@ import torch
 import gossip_ext
 from gossip_ext._torch_check import _C
 
-pytestmark = pytest.mark.extension  # the CUDA rehearsal runs these too (pyproject.toml)
+pytestmark = pytest.mark.extension  # the compiled extension's own tests (pyproject.toml)
 
 
 def _two_engines(synchronous: bool):

@@ -12,7 +12,7 @@ import gossip_ext
 from gossip_ext._torch_check import _C
 from gossip_ext.membership.elastic import Failure
 
-pytestmark = pytest.mark.extension  # the CUDA rehearsal runs these too (pyproject.toml)
+pytestmark = pytest.mark.extension  # the compiled extension's own tests (pyproject.toml)
 
 
 def _two_engines(timeout: timedelta, check_finite: bool = True):

@@ -31,7 +31,7 @@ from gossip_ext import (
     UniformMixing,
 )
 
-pytestmark = pytest.mark.extension  # the CUDA rehearsal runs these too (pyproject.toml)
+pytestmark = pytest.mark.extension  # the compiled extension's own tests (pyproject.toml)
 
 GRAPH_CLASSES = list(KIND_OF)
 WORLD_SIZES = list(range(1, 18)) + [32, 64]

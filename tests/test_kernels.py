@@ -6,7 +6,7 @@ from torch.library import opcheck
 
 import gossip_ext  # noqa: F401  (registers torch.ops.gossip_ext)
 
-pytestmark = pytest.mark.extension  # the CUDA rehearsal runs these too (pyproject.toml)
+pytestmark = pytest.mark.extension  # the compiled extension's own tests (pyproject.toml)
 
 scale_into = torch.ops.gossip_ext.scale_into
 absorb_ = torch.ops.gossip_ext.absorb_

@@ -10,7 +10,7 @@ import torch
 import gossip_ext
 from gossip_ext import NPeerDynamicDirectedExponentialGraph, RingGraph
 
-pytestmark = pytest.mark.extension  # the CUDA rehearsal runs these too (pyproject.toml)
+pytestmark = pytest.mark.extension  # the compiled extension's own tests (pyproject.toml)
 
 FORMATS = {"int8": "int8", "int4": "int4", "float8_e4m3fn": torch.float8_e4m3fn}
 

@@ -12,7 +12,7 @@ import torch
 import gossip_ext  # noqa: F401  (registers the ops)
 from gossip_ext._torch_check import _C
 
-pytestmark = pytest.mark.extension  # the CUDA rehearsal runs these too (pyproject.toml)
+pytestmark = pytest.mark.extension  # the compiled extension's own tests (pyproject.toml)
 
 quantize_into_ = torch.ops.gossip_ext.quantize_into_
 absorb_quantized_ = torch.ops.gossip_ext.absorb_quantized_

@@ -22,7 +22,7 @@ from gossip_ext import (
     UniformMixing,
 )
 
-pytestmark = pytest.mark.extension  # the CUDA rehearsal runs these too (pyproject.toml)
+pytestmark = pytest.mark.extension  # the compiled extension's own tests (pyproject.toml)
 
 GRAPHS = [
     NPeerDynamicDirectedExponentialGraph(),

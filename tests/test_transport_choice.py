@@ -6,7 +6,7 @@ import torch
 from gossip_ext._torch_check import _C
 from gossip_ext.gossip.transport import HOST_STAGING, NCCL, PROCESS_GROUP, choose_transport
 
-pytestmark = pytest.mark.extension  # the CUDA rehearsal runs these too (pyproject.toml)
+pytestmark = pytest.mark.extension  # the compiled extension's own tests (pyproject.toml)
 
 CPU = torch.device("cpu")
 CUDA = torch.device("cuda", 0)
