@@ -24,10 +24,9 @@ import torch
 import torch.distributed as dist
 
 from gossip_ext._torch_check import _C
-from gossip_ext.gossip import asynchronous, consensus, schedule, transport
+from gossip_ext.gossip import asynchronous, consensus, mirrored, schedule, transport
 from gossip_ext.graphs import GraphBase
 from gossip_ext.mixing import MixingBase
-from gossip_ext.sharded import replicas as sharded
 
 logger = logging.getLogger(__name__)
 
@@ -56,7 +55,7 @@ class Link:
     log_every: int = 0
     verbose: bool = False
     # False: the tensors' storage is another owner's (FSDP2's shards), and the engine gossips
-    # copies of them (sharded.MirroredEngine).
+    # copies of them (mirrored.MirroredEngine).
     in_place: bool = True
 
 
@@ -121,7 +120,7 @@ class InnerMix:
         else:
             mirrors = [t.detach().clone() for t in tensors]
             engine = _C.GossipEngine(mirrors, [n for n, _ in named], carrier, options)
-            engine = sharded.MirroredEngine(engine, tensors, mirrors, synchronous)
+            engine = mirrored.MirroredEngine(engine, tensors, mirrors, synchronous)
         if link.log_every > 0:
             engine = consensus.MeasuredEngine(engine, graph, link.log_every)
         return cls(

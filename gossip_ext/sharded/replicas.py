@@ -12,16 +12,15 @@ one model's, spread over its processes. FSDP2's own collectives (the all-gather 
 forward, the reduce-scatter of the gradients) stay inside the replica.
 
 The local shards are FSDP2's storage (its all-gather reads them), so the engine cannot take it
-over as it does whole parameters: it gossips copies of them (:class:`MirroredEngine`), taken
-where the parameters may have changed (before a round starts, and before an overlapped round is
-absorbed into parameters stepped since) and written back once a round was absorbed whole. A
-round that fails writes nothing back: the shards stay the model they were.
+over as it does whole parameters: it gossips copies of them (``gossip.mirrored.MirroredEngine``),
+taken where the parameters may have changed (before a round starts, and before an overlapped
+round is absorbed into parameters stepped since) and written back once a round was absorbed
+whole. A round that fails writes nothing back: the shards stay the model they were.
 """
 
 from __future__ import annotations
 
 import sys
-from collections.abc import Sequence
 from typing import Any
 
 import torch
@@ -210,57 +209,3 @@ def shard_group(module: nn.Module) -> dist.ProcessGroup:
     """The group of this replica's processes (the shard mesh of the module's parameters)."""
     dtensor = _dtensor_type()
     return next(p for p in module.parameters() if isinstance(p, dtensor)).device_mesh.get_group()
-
-
-class MirroredEngine:
-    """An engine (a ``_C.GossipEngine``) over ``mirrors``, copies of the ``shards`` whose storage
-    is another owner's. Every call reads through to the engine; the calls that start or absorb a
-    round copy the shards in first, and a round absorbed whole is copied back. ``synchronous``:
-    the engine sends the mirrors in place while a round is in flight, and the shards do not
-    change then (the schedule absorbs before the next step), so only the start copies them in."""
-
-    def __init__(
-        self,
-        engine: Any,
-        shards: Sequence[torch.Tensor],
-        mirrors: Sequence[torch.Tensor],
-        synchronous: bool,
-    ):
-        self.engine = engine
-        self._shards = list(shards)
-        self._mirrors = list(mirrors)
-        self._synchronous = synchronous
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self.engine, name)
-
-    @torch.no_grad()
-    def _copy_in(self) -> None:
-        torch._foreach_copy_(self._mirrors, self._shards)
-
-    @torch.no_grad()
-    def _copy_out(self) -> None:
-        torch._foreach_copy_(self._shards, self._mirrors)
-
-    def start_round(self) -> None:
-        self._copy_in()  # the optimizer stepped the shards since the last round
-        self.engine.start_round()
-
-    def finish_round(self) -> None:
-        if not self.engine.in_flight:
-            self.engine.finish_round()  # raises a failed round's error, absorbs nothing
-            return
-        if not self._synchronous:
-            self._copy_in()  # overlapped: absorbed into the parameters stepped since it started
-        self.engine.finish_round()
-        self._copy_out()
-
-    def try_finish_round(self) -> bool:
-        if not self.engine.in_flight:
-            return bool(self.engine.try_finish_round())
-        if not self._synchronous:
-            self._copy_in()
-        finished = bool(self.engine.try_finish_round())
-        if finished:
-            self._copy_out()
-        return finished
