@@ -282,3 +282,15 @@ def _show(value: Any) -> str:
         kind = next((n for t, n in _NAMES.items() if isinstance(value, t)), type(value).__name__)
     text = repr(value)
     return f"{kind} {text[:80]}{'...' if len(text) > 80 else ''}"
+
+
+def flat_settings(config: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:
+    """``config`` with its nested descriptions flattened to dotted names (``outer.every``), so
+    that a disagreement names the one setting."""
+    leaves = {}
+    for key, value in config.items():
+        if isinstance(value, Mapping):
+            leaves.update(flat_settings(value, f"{prefix}{key}."))
+        else:
+            leaves[f"{prefix}{key}"] = value
+    return leaves

@@ -344,18 +344,6 @@ def configuration(
     }
 
 
-def flat_settings(config: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:
-    """``config`` with its nested descriptions flattened to dotted names (``outer.every``), so
-    that a disagreement names the one setting."""
-    leaves = {}
-    for key, value in config.items():
-        if isinstance(value, Mapping):
-            leaves.update(flat_settings(value, f"{prefix}{key}."))
-        else:
-            leaves[f"{prefix}{key}"] = value
-    return leaves
-
-
 def check_ranks_agree(config: dict[str, Any], group: dist.ProcessGroup, rank: int) -> None:
     """One exchange at construction: ranks that disagree on the schedule or the model would
     otherwise exchange mismatched messages or wait for rounds that never come.
@@ -372,7 +360,9 @@ def check_ranks_agree(config: dict[str, Any], group: dist.ProcessGroup, rank: in
     for other, data in enumerate(gathered):
         try:
             configs.append(
-                flat_settings(_plain_messages.decode(data, f"rank {other}'s configuration", dict))
+                _plain_messages.flat_settings(
+                    _plain_messages.decode(data, f"rank {other}'s configuration", dict)
+                )
             )
         except _plain_messages.MalformedMessage as error:
             configs.append(None)

@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from gossip_ext._validation import flat_settings
+from gossip_ext._plain_messages import flat_settings
 from gossip_ext.membership import trust
 
 if TYPE_CHECKING:  # the client calls admit(): only its type is needed here
