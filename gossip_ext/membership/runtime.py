@@ -25,7 +25,6 @@ from gossip_ext.gossip.transport import choose_transport
 from gossip_ext.membership import admission, trust
 from gossip_ext.membership import elastic as _elastic_worker
 from gossip_ext.membership.heartbeats import DEFAULT_TIMINGS
-from gossip_ext.outer import streaming
 
 
 def of_job(wrapper, membership, process_group, shard_group, timeout, device, comm_device):
@@ -344,14 +343,7 @@ class ElasticMembership:
     def _take_handoff(self, wrapper, state: Mapping[str, Any]) -> None:
         self._load_model_state(wrapper.module, state["module"])
         wrapper.step_count = int(state["steps"])
-        # The donor's error-feedback residuals are what it still owes the others: not this
-        # worker's to send again.
-        outer_state = {k: v for k, v in state["outer"].items() if k != "outer_residuals"}
-        if outer_state.get("streaming") is not None:
-            # A fragment in flight is sent again by the joiner too, with the donor's
-            # pseudo-gradient: its own would be the same, as its model is the donor's.
-            outer_state["streaming"] = streaming.without_residuals(outer_state["streaming"])
-        wrapper._outer.load_state_dict(outer_state)
+        wrapper._outer.load_donor_state(state["outer"])
         self._handed_optimizer_state = state["optimizer"]
         optimizer = wrapper._optimizer
         if optimizer is not None and state["optimizer"] is not None:

@@ -40,7 +40,7 @@ from __future__ import annotations
 
 import time
 import weakref
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from datetime import timedelta
 from typing import Any
 
@@ -448,6 +448,11 @@ class AsyncOuterSteps:
         self._period_steps = int(saved["period_steps"])
         self._steps_in_period = 0
         self.started, self._start_at_forward = True, False
+
+    def load_donor_state(self, state: Mapping[str, object]) -> None:
+        """Loads a donor's :meth:`state_dict` into a worker that joins an elastic job: it holds
+        nothing owed to peers, so all of it."""
+        self.load_state_dict(state)
 
     def per_parameter_state(self) -> None:
         return None  # one flat state for the whole model

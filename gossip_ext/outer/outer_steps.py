@@ -26,6 +26,7 @@ from gossip_ext.averagings import AllReduceMean, Averaging, Contribution
 from gossip_ext.averagings.buckets import ParameterBuckets
 from gossip_ext.averagings.failures import DEFAULT_TIMEOUT
 from gossip_ext.outer.rules import PlainAverage
+from gossip_ext.outer.streaming import StreamingOuter, without_residuals
 
 _PLAIN = PlainAverage()
 
@@ -246,3 +247,16 @@ class OuterSteps:
             self.averaging.load_state_dict(
                 state.get(self.averaging.state_key), members_changed=members_changed
             )
+
+    def load_donor_state(self, state: Mapping[str, object]) -> None:
+        """Loads a donor's :meth:`state_dict` into a worker that joins an elastic job, without the
+        error-feedback residuals (the compressed or sparse averaging's, a streaming fragment's):
+        they are what the donor still owes the others, not the joiner's to send again. A fragment
+        in flight is sent again by the joiner too, with the donor's pseudo-gradient: its own
+        would be the same, as its model is the donor's."""
+        # "outer_residuals": the state_key of the averagings that keep residuals (CompressedMean,
+        # TopK).
+        handed = {k: v for k, v in state.items() if k != "outer_residuals"}
+        if handed.get(StreamingOuter.state_key) is not None:
+            handed[StreamingOuter.state_key] = without_residuals(handed[StreamingOuter.state_key])
+        self.load_state_dict(handed)
