@@ -21,6 +21,7 @@ from gossip_ext._membership_view import MembershipView
 from gossip_ext._outer_view import OuterView
 from gossip_ext.membership import runtime as membership_runtime
 from gossip_ext.sharded import replicas as sharded
+from gossip_ext.sharded.elastic import ShardedElasticMembership
 
 __all__ = ["GossipDataParallel"]
 
@@ -167,7 +168,16 @@ class GossipDataParallel(nn.Module, GossipView, MembershipView, OuterView):
         self._optimizer_ref = None
         self._hierarchy = self._mix = None
         self._members = membership_runtime.of_job(
-            self, config.membership, process_group, self._shard_group, timeout, device, comm_device
+            self,
+            config.membership,
+            process_group,
+            self._shard_group,
+            timeout,
+            device,
+            comm_device,
+            replica_membership=lambda: ShardedElasticMembership(
+                self, config.membership, timeout, device, comm_device, self._shard_group
+            ),
         )
         self._members.start()
         if self._hierarchy is not None:

@@ -441,7 +441,16 @@ def test_the_timings_default_to_the_membership_constants_and_are_described():
     # A sharded replica's processes keep the defaults: other timings are refused, not ignored.
     odd = gossip_ext.Elastic("h:1", silent_s=0.8)
     with pytest.raises(ValueError, match="a sharded replica keeps the default heartbeat_s=0.1"):
-        runtime.of_job(None, odd, None, object(), timedelta(seconds=1), None, None)
+        runtime.of_job(
+            None,
+            odd,
+            None,
+            object(),
+            timedelta(seconds=1),
+            None,
+            None,
+            replica_membership=lambda: pytest.fail("built despite the timings"),
+        )
 
 
 def _with_a_process_group(rank: int, world_size: int) -> str:

@@ -27,9 +27,21 @@ from gossip_ext.membership import elastic as _elastic_worker
 from gossip_ext.membership.heartbeats import DEFAULT_TIMINGS
 
 
-def of_job(wrapper, membership, process_group, shard_group, timeout, device, comm_device):
+def of_job(
+    wrapper,
+    membership,
+    process_group,
+    shard_group,
+    timeout,
+    device,
+    comm_device,
+    *,
+    replica_membership: Callable[[], ElasticMembership],
+):
     """The wrapper's membership: a static job's group, an elastic job's epochs, or, for a module
-    sharded over ``shard_group`` (its replica), the epochs of an elastic job of replicas."""
+    sharded over ``shard_group`` (its replica), the epochs of an elastic job of replicas, which
+    ``replica_membership`` builds (the wrapper hands it down: gossip_ext.sharded.elastic builds on
+    this module)."""
     if membership is None:
         return StaticMembership(wrapper, process_group)
     if shard_group is not None:
@@ -40,12 +52,7 @@ def of_job(wrapper, membership, process_group, shard_group, timeout, device, com
                 f"membership={membership!r}: a sharded replica keeps the default heartbeat_s="
                 f"{DEFAULT_TIMINGS.heartbeat_s:g} and silent_s={DEFAULT_TIMINGS.silent_s:g}"
             )
-        # Imported here: gossip_ext.sharded.elastic builds on this module.
-        from gossip_ext.sharded.elastic import ShardedElasticMembership
-
-        return ShardedElasticMembership(
-            wrapper, membership, timeout, device, comm_device, shard_group
-        )
+        return replica_membership()
     return ElasticMembership(wrapper, membership, timeout, device, comm_device)
 
 
