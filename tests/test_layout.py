@@ -1,6 +1,7 @@
-"""The package's shape, read from its source: the folders show its layers, imports never loop,
-the compiled extension is imported from the module that loads it, no module writes another
-object's private attributes, and every module stays small."""
+"""The package's shape, read from its source: the folders show its layers, imports never loop
+and never reach a higher layer (those inside a function count too), the compiled extension is
+imported from the module that loads it, no module writes another object's private attributes,
+and every module stays small."""
 
 from __future__ import annotations
 
@@ -9,6 +10,39 @@ from pathlib import Path
 
 PACKAGE = Path(__file__).resolve().parent.parent / "gossip_ext"
 LAYERS = {"algorithms", "averagings", "compat", "gossip", "membership", "outer", "sharded"}
+
+# Lowest first: a module may import its own layer and the layers below it, never one above. A
+# folder is one layer; a module directly under the package is named alone.
+LAYER_ORDER = (
+    # The compiled extension's loader and what every layer speaks of: errors, graphs and mixing
+    # weights, messages as plain data.
+    {"_torch_check", "errors", "graphs", "mixing", "_plain_messages"},
+    # The gossip engines and their rounds; the ways to average, each one start/finish/commit.
+    {"gossip", "averagings"},
+    # Who trains with whom: a static group or an elastic job's epochs.
+    {"membership"},
+    # A module sharded by FSDP2 in each replica, and the elastic jobs of such replicas.
+    {"sharded"},
+    # The outer steps over a group's mean, reading a sharded module's local shards.
+    {"outer"},
+    # The frozen configuration objects, which build the parts below.
+    {"algorithms"},
+    # The wrapper, its views and checks, and the package's own tools.
+    {
+        "distributed",
+        "assembly",
+        "flat_keywords",
+        "simulate",
+        "_buffers",
+        "_checkpoint",
+        "_gossip_view",
+        "_membership_view",
+        "_outer_view",
+        "_validation",
+    },
+    # Other libraries' names over the wrapper.
+    {"compat"},
+)
 
 
 def _modules() -> dict[str, Path]:
@@ -22,10 +56,48 @@ def _modules() -> dict[str, Path]:
     return found
 
 
-def _imports(path: Path, modules: dict[str, Path]) -> set[str]:
-    """The package's modules that ``path`` imports at its top level (not inside a function)."""
+def _typing_only(tree: ast.Module) -> set[int]:
+    """The ids of the nodes under an ``if TYPE_CHECKING:`` (not its ``else``), after checking
+    that what they import is named only in annotations: never run, they only name types, which
+    ``from __future__ import annotations`` keeps as text."""
+    hidden, names = set(), set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.If) and ast.unparse(node.test) in {
+            "TYPE_CHECKING",
+            "typing.TYPE_CHECKING",
+        }:
+            hidden.update(id(n) for child in node.body for n in ast.walk(child))
+            names.update(
+                a.asname or a.name
+                for child in node.body
+                if isinstance(child, (ast.Import, ast.ImportFrom))
+                for a in child.names
+            )
+    annotations = [
+        n.annotation if isinstance(n, (ast.arg, ast.AnnAssign)) else n.returns
+        for n in ast.walk(tree)
+        if isinstance(n, (ast.arg, ast.AnnAssign, ast.FunctionDef, ast.AsyncFunctionDef))
+    ]
+    in_annotations = {id(n) for a in annotations if a is not None for n in ast.walk(a)}
+    run = [
+        n.id
+        for n in ast.walk(tree)
+        if isinstance(n, ast.Name) and n.id in names and id(n) not in in_annotations
+    ]
+    assert not run, f"imported under TYPE_CHECKING but used where code runs: {run}"
+    return hidden
+
+
+def _imports(path: Path, modules: dict[str, Path], *, with_typing_only: bool = True) -> set[str]:
+    """The package's modules that ``path`` imports anywhere (inside a function too: it runs
+    when called, and it is a dependency all the same); those imported only for annotations too
+    if ``with_typing_only``."""
+    tree = ast.parse(path.read_text())
+    hidden = set() if with_typing_only else _typing_only(tree)
     names = set()
-    for node in ast.parse(path.read_text()).body:
+    for node in ast.walk(tree):
+        if id(node) in hidden:
+            continue
         if (
             isinstance(node, ast.ImportFrom)
             and node.module
@@ -39,6 +111,14 @@ def _imports(path: Path, modules: dict[str, Path]) -> set[str]:
     return names - {"gossip_ext"}
 
 
+def _layer(name: str) -> int:
+    """The place in LAYER_ORDER of the module called ``name`` (its folder's, if it has one)."""
+    part = name.split(".")[1]
+    places = [i for i, layer in enumerate(LAYER_ORDER) if part in layer]
+    assert places, f"{name}: {part} is in no layer of LAYER_ORDER"
+    return places[0]
+
+
 def test_at_most_16_modules_sit_directly_under_the_package_and_the_rest_in_layers():
     top = sorted(p.name for p in PACKAGE.glob("*.py"))
     assert len(top) <= 16, top
@@ -48,7 +128,12 @@ def test_at_most_16_modules_sit_directly_under_the_package_and_the_rest_in_layer
 
 def test_the_imports_between_modules_never_loop():
     modules = _modules()
-    graph = {name: _imports(path, modules) & set(modules) for name, path in modules.items()}
+    # An import under ``if TYPE_CHECKING:`` never runs, so it cannot close a loop at import
+    # time: membership's heartbeats name epochs' types that way, while epochs imports them.
+    graph = {
+        name: _imports(path, modules, with_typing_only=False) & set(modules)
+        for name, path in modules.items()
+    }
     state: dict[str, str] = {}
 
     def visit(name: str, trail: list[str]) -> None:
@@ -64,6 +149,20 @@ def test_the_imports_between_modules_never_loop():
 
     for name in sorted(graph):
         visit(name, [])
+
+
+def test_no_module_imports_a_higher_layer():
+    modules = _modules()
+    assert {n.split(".")[1] for n in modules if "." in n} <= set().union(*LAYER_ORDER)
+    upward = [
+        f"{name} -> {target}"
+        for name, path in modules.items()
+        if name != "gossip_ext"  # the package's __init__ gathers the public names of every layer
+        for target in sorted(_imports(path, modules) & set(modules))
+        # A type named only in annotations is a dependency too, so those imports count here.
+        if _layer(target) > _layer(name)
+    ]
+    assert not upward, upward
 
 
 def test_the_extension_is_imported_from_the_module_that_loads_it():
