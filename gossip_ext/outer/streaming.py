@@ -18,7 +18,7 @@ behind ``tau`` steps of training. A fragment's mean is formed by the same interf
 model's (``gossip_ext.averagings``): started at the prepare, finished and committed at the apply.
 The exact all-reduce, a compressed or sparse exact mean (whose all-to-all or all-gather travels
 during the ``tau`` steps), or one gossip exchange with the peers of a round of the graph
-(``fragment_gossip.GossipMean``, each worker then stepping its own ``theta_global``).
+(``averagings.gossip_exchange.GossipMean``, each worker then stepping its own ``theta_global``).
 
 The apply is the commit point (Note [The parameters are the model] in the engine): a collective
 that failed raises there, before the fragment's parameters, ``theta_global`` or its optimizer

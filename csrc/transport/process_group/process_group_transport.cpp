@@ -12,7 +12,8 @@ namespace {
 
 constexpr int64_t kMaxMessagesPerPeer = 64;
 // Round tags wrap below 2^30: tags from 2^30 up are left to the Python layer's own messages on the
-// same group (gossip_ext/fragment_gossip.py), which must never be matched to a round's.
+// same group (OUTER_TAG_BASE in gossip_ext/averagings/gossip_exchange.py, which sparse_gossip.py
+// shares), which must never be matched to a round's.
 constexpr int64_t kRoundTagMask = (int64_t{1} << 30) - 1;
 
 // Aborting is best effort: the work may have completed or failed meanwhile.
