@@ -23,8 +23,10 @@ class AsyncDiLoCo(Outer):
     to every other worker, waits at most ``grace`` seconds for theirs, and steps its own copy of
     ``theta_global`` with ``sum_j g_j / K`` over the pseudo-gradients that have arrived, its own
     included (K workers); it goes on from there. No step waits for every worker; a
-    pseudo-gradient that arrives late counts in a later step. Runs over gloo with CPU
-    parameters, with ``gossip=None``.
+    pseudo-gradient that arrives late counts in a later step. Runs with ``gossip=None``, its
+    messages over gloo: on GPUs, as AsyncSGP, the pseudo-gradients and the outer state stay on the
+    device and only the messages cross to the host (the process group must carry host tensors:
+    gloo, or ``init_process_group("cpu:gloo,cuda:nccl")``).
 
     Args:
         every (int): H, the inner steps between a worker's outer steps.
