@@ -29,18 +29,11 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 # What the forkserver imports once, before it forks the first rank.
-# torch._dynamo (a process's first torch.optim optimizer imports it) and torch.distributed.fsdp
-# (the sharded tests, and a module check once FSDP is loaded) cost each rank 1.5-4.5 s of CPU
-# imported there: imported once here, every fork has them. Neither starts a thread.
-_PRELOAD = [
-    "torch",
-    "torch._dynamo",
-    "torch.distributed",
-    "torch.distributed.fsdp",
-    "torch.multiprocessing",
-    "gossip_ext",
-    "multiprocess",
-]
+# Not torch._dynamo (a process's first torch.optim optimizer imports it, 1.5-4.5 s of CPU) nor
+# torch.distributed.fsdp, though each rank pays for them: either imports FSDP2, and a process
+# that imported it before its process group waits, in destroy_process_group, on a gossip round
+# left in flight (gossip_ext.sharded.replicas); the ranks must run as a user's processes do.
+_PRELOAD = ["torch", "torch.distributed", "torch.multiprocessing", "gossip_ext", "multiprocess"]
 
 
 def forkserver_context():
