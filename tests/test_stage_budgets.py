@@ -1,7 +1,7 @@
 """The test command's summary (tools/run_tests.sh): each stage's wall and CPU time beside its
-budget; a stage over its budget in wall time is named, one whose CPU time passes
-CPU_LIMIT_PERCENT of its budget fails the command after the summary, the pytest stage with its 10
-slowest tests. Checked on stand-in stages: sourcing the script defines its machinery and runs
+budgets (wall and CPU); a stage over its wall budget is named, one whose CPU time passes
+CPU_LIMIT_PERCENT of its CPU budget fails the command after the summary, the pytest stage with
+its 10 slowest tests. Checked on stand-in stages: sourcing the script defines its machinery and runs
 none of its stages."""
 
 from __future__ import annotations
@@ -51,14 +51,17 @@ LIMIT = _cpu_limit_percent()
 def test_stages_within_their_cpu_limit_pass_and_one_over_its_wall_budget_is_named(tmp_path):
     under = LIMIT / 100 - 0.3  # seconds of CPU, under the limit of a 1 s budget
     body = (
-        f'stage 100 "idle"\nsleep 0.1\nstage 1 "sleepy"\nsleep 2.1\nstage 1 "busy"\nburn {under}\n'
+        'stage 100 100 "idle"\nsleep 0.1\nstage 1 1 "sleepy"\nsleep 2.1\n'
+        f'stage 1 1 "busy"\nburn {under}\n'
     )
     ran = _stages(body, tmp_path)
     assert ran.returncode == 0, ran.stdout + ran.stderr
     rows = {line.split("  ")[0].strip(): line for line in ran.stdout.splitlines()}
-    assert "cpu  0 min 00 s  (budget  1 min 40 s)" in rows["idle"]
-    assert rows["sleepy"].endswith("cpu  0 min 00 s  (budget  0 min 01 s)  OVER")
-    assert f"cpu  0 min {round(under):02d} s  (budget  0 min 01 s)" in rows["busy"]
+    assert "cpu  0 min 00 s  (budgets  1 min 40 s, cpu  1 min 40 s)" in rows["idle"]
+    assert rows["sleepy"].endswith("cpu  0 min 00 s  (budgets  0 min 01 s, cpu  0 min 01 s)  OVER")
+    assert (
+        f"cpu  0 min {round(under):02d} s  (budgets  0 min 01 s, cpu  0 min 01 s)" in rows["busy"]
+    )
     assert "CPU OVER" not in ran.stdout and "FAILED" not in ran.stdout
     assert "over budget: sleepy" in ran.stdout
     assert "(budget  1 min 42 s)" in rows["all"]
@@ -66,20 +69,21 @@ def test_stages_within_their_cpu_limit_pass_and_one_over_its_wall_budget_is_name
 
 def test_a_stage_past_its_cpu_limit_fails_the_command_after_the_summary(tmp_path):
     over = LIMIT / 100 + 0.2  # seconds of CPU, over the limit of a 1 s budget
-    ran = _stages(f'stage 100 "idle"\ntrue\nstage 1 "busy"\nburn {over}\n', tmp_path)
+    ran = _stages(f'stage 100 100 "idle"\ntrue\nstage 1 1 "busy"\nburn {over}\n', tmp_path)
     assert ran.returncode == 1
     summary, failure = ran.stdout.split("FAILED: ")
     busy_row = next(line for line in summary.splitlines() if line.startswith("busy "))
     assert busy_row.endswith(f"CPU OVER {LIMIT}%")
     assert "idle" not in failure
     assert failure.startswith(
-        f'"busy" took  0 min {round(over):02d} s of CPU, over {LIMIT}% of its budget of  0 min 01 s'
+        f'"busy" took  0 min {round(over):02d} s of CPU, over {LIMIT}% of its CPU budget of '
+        " 0 min 01 s"
     )
     assert "test_slow" not in ran.stdout  # not the pytest stage: no list of tests
 
 
 def test_the_pytest_stage_past_its_cpu_limit_names_its_10_slowest_tests(tmp_path):
-    body = 'pytest_stage="pytest"\nstage 0 "pytest"\nburn 0.1\n'
+    body = 'pytest_stage="pytest"\nstage 0 0 "pytest"\nburn 0.1\n'
     ran = _stages(body, tmp_path)
     assert ran.returncode == 1
     failure = ran.stdout.split('FAILED: "pytest"')[1]
@@ -88,6 +92,15 @@ def test_the_pytest_stage_past_its_cpu_limit_names_its_10_slowest_tests(tmp_path
 
 
 def test_a_failing_stage_keeps_its_own_exit_status(tmp_path):
-    ran = _stages('stage 0 "busy and failing"\nburn 0.1\nexit 3\n', tmp_path)
+    ran = _stages('stage 0 0 "busy and failing"\nburn 0.1\nexit 3\n', tmp_path)
     assert ran.returncode == 3
     assert 'FAILED: "busy and failing"' in ran.stdout
+
+
+def test_the_cpu_limit_is_of_the_stage_s_own_cpu_budget_not_its_wall_budget(tmp_path):
+    # A parallel build on 2 cores spends about twice its wall time in CPU: its CPU budget says so.
+    ran = _stages('stage 1 10 "parallel build"\nburn 2\n', tmp_path)
+    assert ran.returncode == 0, ran.stdout + ran.stderr
+    row = next(line for line in ran.stdout.splitlines() if line.startswith("parallel build "))
+    assert row.endswith("(budgets  0 min 01 s, cpu  0 min 10 s)  OVER"), row
+    assert "FAILED" not in ran.stdout
