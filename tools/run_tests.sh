@@ -133,7 +133,7 @@ trap summary EXIT
 mkdir -p build
 rm -f build/pytest.log "$PYTEST_TIMES"
 
-stage 45 120 "Python dependencies"
+stage 45 240 "Python dependencies"
 if ! "$PYTHON" -c "import torch, sys; sys.exit(torch.__version__.split('+')[0] != '$TORCH_VERSION')" 2>/dev/null; then
   "$PYTHON" -m pip install "torch==$TORCH_VERSION"
 fi
@@ -141,7 +141,7 @@ fi
 # (benchmark and test dependencies only: tests/test_compare_systems.py).
 "$PYTHON" -m pip install --quiet pytest pytest-timeout torchft==0.2.0 decent-dp==0.2.3
 
-stage 15 60 "GoogleTest"
+stage 15 120 "GoogleTest"
 bash tools/install_gtest.sh
 
 stage 105 380 "Build the extension (gossip_ext._C; reused when up to date)"
