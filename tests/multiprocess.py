@@ -170,3 +170,34 @@ def run_ranks_tolerating_deaths(
                     result = pickle.load(f)
             outcomes.append(RankOutcome(None if process in hung else process.exitcode, result))
         return outcomes
+
+
+def _train_in_turn(rank: int, world_size: int, train: Callable, folder: str, configs: list):
+    """One process of train_in_turn: each configuration in turn, each over a store file of its
+    own (so each system's process group is its own), its results written by system."""
+    os.environ.setdefault("RUST_LOG", "warn")  # torchft's servers, read when it is imported
+    results = {}
+    for i, config in enumerate(configs):
+        try:
+            results[config.system] = train(rank, world_size, f"file://{folder}/store{i}", config)
+        except Exception as error:
+            raise RuntimeError(f"{config.system} failed on rank {rank}") from error
+    with open(os.path.join(folder, f"rank{rank}.pkl"), "wb") as f:
+        pickle.dump(results, f)
+    exit_without_finalizing()
+
+
+def train_in_turn(train: Callable, configs: list, world_size: int, folder: str) -> dict:
+    """Trains every configuration of the comparison harness one after the other on one set of
+    ``world_size`` processes forked from the preloaded server (``train``: the benchmark's own
+    per-process entry, ``harness.compare.worker.train`` or ``sharded.train``); rank 0's results
+    by system. One launch for every system, where a launch each cost most of the time."""
+    forkserver_context()  # what the server preloads
+    mp.start_processes(
+        _train_in_turn,
+        args=(world_size, train, folder, configs),
+        nprocs=world_size,
+        start_method="forkserver",
+    )
+    with open(os.path.join(folder, "rank0.pkl"), "rb") as f:
+        return pickle.load(f)

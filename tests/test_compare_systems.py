@@ -4,14 +4,11 @@ that the benchmark cannot rot. A system whose package is missing skips, saying w
 
 import contextlib
 import math
-import os
-import pickle
 import tempfile
 
 import pytest
 import torch
-import torch.multiprocessing as mp
-from multiprocess import exit_without_finalizing, forkserver_context
+from multiprocess import train_in_turn
 
 from harness.compare import runner, systems, worker
 from harness.tasks import byte_lm
@@ -35,23 +32,6 @@ def _config(system: str, steps: int = 6) -> worker.RunConfig:
     )
 
 
-def _train_each(rank: int, world_size: int, folder: str, configs: list) -> None:
-    """One worker of the run below: each system in turn, as the benchmark's worker trains it
-    (worker.train: its own process group, here over a store file of its own)."""
-    os.environ.setdefault("RUST_LOG", "warn")  # torchft's servers, read when it is imported
-    results = {}
-    for i, config in enumerate(configs):
-        try:
-            results[config.system] = worker.train(
-                rank, world_size, f"file://{folder}/store{i}", config
-            )
-        except Exception as error:
-            raise RuntimeError(f"{config.system} failed on rank {rank}") from error
-    with open(os.path.join(folder, f"rank{rank}.pkl"), "wb") as f:
-        pickle.dump(results, f)
-    exit_without_finalizing()
-
-
 @pytest.fixture(scope="module")
 def every_system() -> dict[str, dict]:
     """Every system this Python can run, on one pair of worker processes forked from the tests'
@@ -66,12 +46,7 @@ def every_system() -> dict[str, dict]:
             for c in configs
         ]
         folder = stack.enter_context(tempfile.TemporaryDirectory())
-        forkserver_context()  # what the server preloads
-        mp.start_processes(
-            _train_each, args=(2, folder, configs), nprocs=2, start_method="forkserver"
-        )
-        with open(os.path.join(folder, "rank0.pkl"), "rb") as f:
-            return pickle.load(f)
+        return train_in_turn(worker.train, configs, 2, folder)
 
 
 @pytest.mark.slow("the first of them trains all 36 systems in turn on one pair of workers")

@@ -7,14 +7,12 @@ import contextlib
 import dataclasses
 import math
 import os
-import pickle
 import sys
 import tempfile
 
 import pytest
 import torch
-import torch.multiprocessing as mp
-from multiprocess import exit_without_finalizing, forkserver_context
+from multiprocess import forkserver_context, train_in_turn
 
 from harness import netns
 from harness.compare import runner, sharded, systems
@@ -94,23 +92,6 @@ def _config(bench, system: str):
     return bench.config(args, system)
 
 
-def _train_each(rank: int, world_size: int, folder: str, configs: list) -> None:
-    """One process of the loopback run below: each system in turn, as the benchmark's process
-    trains it (sharded.train: its own process group, here over a store file of its own)."""
-    os.environ.setdefault("RUST_LOG", "warn")  # torchft's servers, read when it is imported
-    results = {}
-    for i, config in enumerate(configs):
-        try:
-            results[config.system] = sharded.train(
-                rank, world_size, f"file://{folder}/store{i}", config
-            )
-        except Exception as error:
-            raise RuntimeError(f"{config.system} failed on rank {rank}") from error
-    with open(os.path.join(folder, f"rank{rank}.pkl"), "wb") as f:
-        pickle.dump(results, f)
-    exit_without_finalizing()
-
-
 @pytest.fixture(scope="module")
 def every_system(bench) -> dict[str, dict]:
     """Every system this Python can run, through the benchmark's own configuration, on one set
@@ -125,11 +106,7 @@ def every_system(bench) -> dict[str, dict]:
             for c in configs
         ]
         folder = stack.enter_context(tempfile.TemporaryDirectory())
-        mp.start_processes(
-            _train_each, args=(4, folder, configs), nprocs=4, start_method="forkserver"
-        )
-        with open(os.path.join(folder, "rank0.pkl"), "rb") as f:
-            return pickle.load(f)
+        return train_in_turn(sharded.train, configs, 4, folder)
 
 
 @pytest.fixture(scope="module")
