@@ -63,8 +63,7 @@ class GossipDataParallel(nn.Module, GossipView, MembershipView, OuterView):
             ``AsyncSGP()``: every worker at its own pace; None: no gossip (LocalSGD, DiLoCo).
             See :mod:`gossip_ext.algorithms`.
         outer (Average, SlowMo, DiLoCo, AsyncDiLoCo or None): what takes a round's place every
-            few steps (default: nothing); ``AsyncDiLoCo``: DiLoCo with each worker's outer step
-            at its own pace, with ``gossip=None``.
+            few steps (default: nothing); ``AsyncDiLoCo`` with ``gossip=None``.
         membership (Elastic, optional): an elastic job: no ``init_process_group`` (a module
             sharded by FSDP2: only its replica's own, each replica a worker); workers that die,
             stall or leave are survived and joiners receive the state. Not with
@@ -167,18 +166,9 @@ class GossipDataParallel(nn.Module, GossipView, MembershipView, OuterView):
         # runs, or past exit.
         self._optimizer_ref = None
         self._hierarchy = self._mix = None
-        self._members = membership_runtime.of_job(
-            self,
-            config.membership,
-            process_group,
-            self._shard_group,
-            timeout,
-            device,
-            comm_device,
-            replica_membership=lambda: ShardedElasticMembership(
-                self, config.membership, timeout, device, comm_device, self._shard_group
-            ),
-        )
+        self._members = membership_runtime.of_job(self, config.membership, process_group,
+            self._shard_group, timeout, device, comm_device,
+            replica_membership=ShardedElasticMembership)  # fmt: skip
         self._members.start()
         if self._hierarchy is not None:
             self._hierarchy.hook_gradients([p for _, p in named])

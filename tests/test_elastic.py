@@ -449,7 +449,7 @@ def test_the_timings_default_to_the_membership_constants_and_are_described():
             timedelta(seconds=1),
             None,
             None,
-            replica_membership=lambda: pytest.fail("built despite the timings"),
+            replica_membership=lambda *_: pytest.fail("built despite the timings"),
         )
 
 

@@ -36,12 +36,12 @@ def of_job(
     device,
     comm_device,
     *,
-    replica_membership: Callable[[], ElasticMembership],
+    replica_membership: Callable[..., ElasticMembership],
 ):
     """The wrapper's membership: a static job's group, an elastic job's epochs, or, for a module
     sharded over ``shard_group`` (its replica), the epochs of an elastic job of replicas, which
-    ``replica_membership`` builds (the wrapper hands it down: gossip_ext.sharded.elastic builds on
-    this module)."""
+    ``replica_membership(wrapper, membership, timeout, device, comm_device, shard_group)`` builds
+    (the wrapper hands the class down: gossip_ext.sharded.elastic builds on this module)."""
     if membership is None:
         return StaticMembership(wrapper, process_group)
     if shard_group is not None:
@@ -52,7 +52,7 @@ def of_job(
                 f"membership={membership!r}: a sharded replica keeps the default heartbeat_s="
                 f"{DEFAULT_TIMINGS.heartbeat_s:g} and silent_s={DEFAULT_TIMINGS.silent_s:g}"
             )
-        return replica_membership()
+        return replica_membership(wrapper, membership, timeout, device, comm_device, shard_group)
     return ElasticMembership(wrapper, membership, timeout, device, comm_device)
 
 
