@@ -249,24 +249,64 @@ def test_a_worker_that_finishes_first_is_let_go_without_an_error():
     assert [o.result for o in outcomes] == [3, 40, 40, 40]
 
 
-def _hears_from_nobody(rank, world_size, rounds):
+def _one_starts_late(rank, world_size, started_file):
+    param = torch.nn.Parameter(initial(rank))
+    engine = _engine(param, staleness=None, timeout=timedelta(seconds=20))
+    weight_alone = None
+    if rank == 0:  # 20 rounds while rank 1 receives but has not stepped yet
+        for _ in range(20):
+            time.sleep(0.005)
+            engine.start_round()
+        weight_alone = float(engine.ps_weight())
+        open(started_file, "w").close()
+    else:
+        while not os.path.exists(started_file):
+            time.sleep(0.005)
+    dist.barrier()
+    engine.settle()
+    result = (weight_alone, float(engine.ps_weight()), param.detach().clone())
+    engine.close()
+    return result
+
+
+def test_a_peer_that_has_not_started_does_not_collect_a_workers_weight(tmp_path):
+    # Rank 1's mailbox takes rank 0's messages but rank 1 absorbs none: rank 0 sends one share
+    # it holds and one on the link, then keeps its weight (1/4), where it used to halve it every
+    # round (2^-20) and then take whatever stale message came next for its model (Note [Flow
+    # control by absorption]).
+    (alone, w0, z0), (_, w1, z1) = run_ranks(2, _one_starts_late, str(tmp_path / "started"))
+    assert alone == pytest.approx(0.25), alone
+    # Settled, nothing is lost: the weights sum to 2 and the numerators to the initial models.
+    assert w0 + w1 == pytest.approx(2.0)
+    torch.testing.assert_close(w0 * z0 + w1 * z1, initial(0) + initial(1), rtol=1e-5, atol=1e-5)
+
+
+def _hears_from_nobody(rank, world_size, rounds, done_file):
     param = torch.nn.Parameter(initial(rank))
     engine = _engine(param, staleness=None, message_dtype="int8", timeout=timedelta(seconds=30))
-    if rank == 1:  # rank 0 stopped stepping but lives on, taking messages and sending none
+    if rank == 1:  # rank 0 stopped sending but lives on, absorbing every message it is sent
         while engine.round < rounds and float(engine.ps_weight()) >= 1e-46:
             time.sleep(0.001)  # a step's compute
             engine.start_round()
+        open(done_file, "w").close()
+    else:
+        # Absorbed, not only received: a sender's next share waits for its last to be absorbed
+        # (Note [Flow control by absorption] in gossip_ext/gossip/mailbox.py).
+        while not os.path.exists(done_file):
+            time.sleep(0.001)
+            engine.finish_round()
     dist.barrier()
     result = (param.detach().clone(), float(engine.ps_weight()), engine.round)
     engine.close()
     return result
 
 
-def test_a_worker_whose_weight_underflows_keeps_a_finite_model():
-    # Each round halves rank 1's weight and nothing comes back: past 150 rounds it is below
+def test_a_worker_whose_weight_underflows_keeps_a_finite_model(tmp_path):
+    # Each round halves rank 1's weight and nothing comes back (rank 0 absorbs and sends
+    # nothing): past 150 rounds it is below
     # what float32 holds, which scaled values would have underflowed with. Its model stays what
     # it was: z is never scaled by the weight (Note [Scale-free shares]).
-    _, (z, weight, rounds) = run_ranks(2, _hears_from_nobody, 4000)
+    _, (z, weight, rounds) = run_ranks(2, _hears_from_nobody, 4000, str(tmp_path / "done"))
     assert weight < 1e-46, (weight, rounds)  # reached before the 4,000th round
     assert torch.isfinite(z).all()
     torch.testing.assert_close(z, initial(1), rtol=0, atol=0.05)  # int8 rounding, fed back

@@ -73,8 +73,11 @@ def _untrained_loss() -> float:
 
 
 def test_with_a_slow_worker_the_others_keep_their_pace_and_every_model_is_valid():
-    # The time a step's compute would take: rank 2 is four times slower (30 steps: 1.2 s).
-    delays = [0.01, 0.01, 0.04, 0.01]
+    # The time a step's compute would take: rank 2 is four times slower (30 steps: 3.6 s). Steps
+    # this long keep the workers' start, which a loaded machine's scheduler may spread by half a
+    # second, small beside the run (at 10 ms steps, fast workers had then finished before the
+    # others began, and met their untrained models afterwards).
+    delays = [0.03, 0.03, 0.12, 0.03]
     results = run_ranks(4, _train, gossip_ext.AsyncSGP(message_dtype="int8"), 30, delays)
     slow = results[2]["elapsed"]
     for rank in (0, 1, 3):

@@ -10,8 +10,9 @@ each optimizer step it runs its round t_i, a counter of its own:
    stays in the kept numerator (``messages.Codec``).
 2. *Absorb* every message that has arrived of sender rounds <= t_i + tau:
    z_i <- (w_i z_i + sum x_m) / (w_i + sum w_m),  w_i <- w_i + sum w_m.
-   A peer that has not yet taken this worker's last two messages is skipped in this round (its
-   share kept), so a slow link or a stopped peer never makes a queue or a wait.
+   A peer that has not yet absorbed this worker's last messages is skipped in this round (its
+   share kept), so a slow link or a stopped peer never makes a queue or a wait, nor collects
+   this worker's weight (Note [Flow control by absorption]).
 3. *Bound.* If ``staleness`` tau is set, wait until every message of rounds <= t_i - tau that
    this worker is owed has arrived, and every message it owes has been taken, absorbing as they
    come. tau = 0 with equal speeds is synchronous SGP; tau = None never waits.
@@ -40,9 +41,18 @@ from gossip_ext.errors import NonFiniteError, PeerTimeoutError
 from gossip_ext.gossip import mailbox, messages, transport
 from gossip_ext.graphs import GraphBase
 
-# Messages to one peer posted and not yet taken by it beyond which a round skips that peer: one
-# moving on the link and one behind it keep the link busy; more would only wait there, staler.
-MAX_BACKLOG = 2
+# Note [Flow control by absorption]: a share in flight is mass its sender no longer holds, and
+# it carries the model of the round it left. A peer that receives but does not absorb (it started
+# late, it paused) would collect a sender's weight round after round, halving it each time, until
+# the next message to reach the sender, however stale (a late starter's untrained model, weight
+# about 1), replaced its trained model: measured on 4 workers of 30 steps, 3 runs in 10 ended
+# with a model no better than a constant. So a peer's
+# mailbox holds at most HELD_LIMIT arrived messages before it receives another, and a sender
+# skips a peer with MAX_BACKLOG sends not yet taken, keeping that share: at most two of a
+# sender's messages wait on one peer, one held there and one on the link, which keeps a link busy
+# while its receiver steps.
+MAX_BACKLOG = 1
+HELD_LIMIT = 1
 
 
 class AsyncPushSum:
@@ -105,6 +115,11 @@ class AsyncPushSum:
         self._finalizer = weakref.finalize(
             self, mailbox.leave, self._departures, self.rank, self._boxes, "the engine was dropped"
         )
+        # Every worker starts its rounds together, as it would after DDP's constructor: a worker
+        # that began seconds before its peers (their construction slower, on a loaded machine:
+        # measured 2.7 s apart on 2 cores) would train alone, its weight held by peers that have
+        # not stepped, and meet their untrained models afterwards.
+        dist.barrier(group=group)
 
     def _open_mailboxes(self, rounds: Sequence[int]) -> dict[int, mailbox.Mailbox]:
         boxes = {
@@ -118,6 +133,7 @@ class AsyncPushSum:
                 self.timeout,
                 self._departures,
                 self._generation,
+                held_limit=HELD_LIMIT if self.staleness is None else None,
             )
             for peer in mailbox.in_peers(self.graph, self.rank, self.world_size)
         }

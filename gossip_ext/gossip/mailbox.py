@@ -20,6 +20,7 @@ training thread at its next call.
 from __future__ import annotations
 
 import collections
+import contextlib
 import threading
 import time
 from datetime import timedelta
@@ -241,9 +242,15 @@ class Mailbox(_PeerThread):
         timeout: timedelta,
         departures: Departures,
         generation: int = 0,
+        held_limit: int | None = None,
     ):
         super().__init__(peer, timeout, departures, f"gossip_ext-mailbox-{peer}")
         self._group, self._graph, self._rank, self._nbytes = group, graph, rank, nbytes
+        # Note [Flow control by absorption]: at most ``held_limit`` arrived messages wait here
+        # untaken before the next receive is posted, so a sender's unconfirmed sends (its
+        # backlog) count what this worker has not absorbed, not what the network has not moved.
+        # A blocking wait (a staleness bound, ``settle``) lifts the limit while it waits.
+        self._held_limit, self._lifted = held_limit, False
         self._world_size, self._generation = group.size(), generation
         self.received = 0  # messages arrived, taken or not
         # When the latest messages arrived (time.monotonic()), for deadlines learned from them.
@@ -255,6 +262,8 @@ class Mailbox(_PeerThread):
     def _run(self) -> None:
         while True:
             with self._changed:
+                while self._holds_enough() and not self._closing:
+                    self._changed.wait()
                 if self._closing:
                     return
                 expected, sequence = self.expected, self.received
@@ -273,6 +282,13 @@ class Mailbox(_PeerThread):
                 )
                 self._changed.notify_all()
 
+    def _holds_enough(self) -> bool:
+        return (
+            self._held_limit is not None
+            and not self._lifted
+            and len(self._arrived) >= self._held_limit
+        )
+
     def take(self, through: float) -> list[tuple[int, torch.Tensor]]:
         """The messages that arrived of rounds <= ``through`` (math.inf: all), in round order."""
         taken = []
@@ -280,6 +296,8 @@ class Mailbox(_PeerThread):
             while self._arrived and self._arrived[0][0] <= through:
                 round_, buffer, _ = self._arrived.popleft()
                 taken.append((round_, buffer))
+            if taken:
+                self._changed.notify_all()  # room for the next receive
             if not taken and self.error is not None and not self._arrived:
                 raise self.error
         return taken
@@ -302,7 +320,7 @@ class Mailbox(_PeerThread):
         """Waits until ``count`` messages in all have arrived (taken or not), or the peer left,
         or ``time.monotonic()`` passes ``deadline``; whether they arrived. Raises the peer's
         failure."""
-        with self._changed:
+        with self._changed, self._limit_lifted():
             while self.received < count and not self.ended:
                 if self.error is not None:
                     raise self.error
@@ -312,9 +330,20 @@ class Mailbox(_PeerThread):
                 self._wait_a_little(left)
             return self.received >= count
 
+    @contextlib.contextmanager
+    def _limit_lifted(self):
+        """Receives past ``held_limit`` while the caller (holding ``_changed``) waits for a
+        message: a wait must not wait on its own untaken messages."""
+        self._lifted = True
+        self._changed.notify_all()
+        try:
+            yield
+        finally:
+            self._lifted = False
+
     def _wait_until(self, done) -> None:
         deadline = time.monotonic() + self.timeout.total_seconds()
-        with self._changed:
+        with self._changed, self._limit_lifted():
             while not done() and not self.ended:
                 if self.error is not None:
                     raise self.error
