@@ -1,7 +1,7 @@
 """What GossipDataParallel tells of its gossip, and SGP's peers schedule: the push-sum state
 (``ps_weight``, ``gossip_round``, ``bytes_sent``, ``round_in_flight``, ``ps_numerator()``), the
-consensus distance, the graph and the groups gossip runs over, and SGP's ``block()`` and
-``unbias()``. SGP's scripts read these names.
+consensus distance, the graph and the groups gossip runs over, ``settle()``, and SGP's
+``block()`` and ``unbias()``. SGP's scripts read these names.
 
 A mixin of the wrapper, reading its inner mix (``_mix``), its process group and hierarchy.
 """
@@ -23,6 +23,19 @@ class GossipView:
         """Absorbs the round in flight and waits until every rank has done the same."""
         self.sync_comms()
         dist.barrier(group=self.process_group)
+
+    def settle(self) -> None:
+        """Brings the gossip to rest, every worker together (collective over the process group):
+        absorbs the round in flight and, under ``AsyncSGP``, waits until every message any worker
+        sent has been absorbed. Afterwards nothing is in flight: the weights (``ps_weight``) sum
+        to the number of workers, and the weighted mean of the models is exactly the mean of what
+        the workers held. Call it before evaluating or saving the job's average; in the
+        synchronous modes it is :meth:`sync_comms` on every worker. Raises a failed round's error
+        (a peer that died or stalled: PeerTimeoutError naming it, within the timeout)."""
+        self._members.check_member()
+        self._members.guard(self._mix.settle)
+        self._node_behind = True  # the gossiping process's parameters moved: its node's receive
+        self.sync_comms()
 
     def unbias(self) -> None:
         """Kept for SGP compatibility. The parameters here always hold de-biased values, so

@@ -282,10 +282,10 @@ class GossipDataParallel(nn.Module, GossipView, MembershipView, OuterView):
             yield
 
     def sync_comms(self) -> None:
-        """Waits for the round in flight, and any round still owed, and absorbs them: the
-        parameters are then the model with every message sent so far. Raises the error of a
-        failed round (naming the peer and the round). With ``nprocs_per_node > 1`` the machine's
-        other processes receive the result (collective over the machine)."""
+        """Waits for the round in flight, and any round still owed, and absorbs them (under
+        ``AsyncSGP``: the messages that have arrived; :meth:`settle` waits for all). Raises the
+        error of a failed round (naming the peer and the round). With ``nprocs_per_node > 1`` the
+        machine's other processes receive the result (collective over the machine)."""
         self._order.step_finished()
         self._members.check_member()
         self._members.guard(self._mix.drain)

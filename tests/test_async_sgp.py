@@ -91,6 +91,39 @@ def test_with_a_slow_worker_the_others_keep_their_pace_and_every_model_is_valid(
         assert result["weight"] > 0
 
 
+def _settled(rank, world_size, steps, delays):
+    model = gossip_ext.GossipDataParallel(_net(), gossip=gossip_ext.AsyncSGP())
+    opt = torch.optim.SGD(model.parameters(), lr=LR)
+    initial = torch.cat([p.detach().flatten().double() for p in model.parameters()])
+    # This worker's part of the job's numerator sum: a step moves z by its delta, so the
+    # numerator w z by w delta, at the weight the worker holds then; gossip moves none of it.
+    added = torch.zeros_like(initial)
+    for step in range(steps):
+        time.sleep(delays[rank])
+        x, y = _batch(rank, step)
+        opt.zero_grad()
+        nn.functional.mse_loss(model(x), y).backward()
+        before = torch.cat([p.detach().flatten().double() for p in model.parameters()])
+        opt.step()
+        after = torch.cat([p.detach().flatten().double() for p in model.parameters()])
+        added += model.ps_weight * (after - before)
+        model.transfer_params()
+    model.settle()
+    z = torch.cat([p.detach().flatten().double() for p in model.parameters()])
+    return {"initial": initial, "added": added, "weight": model.ps_weight, "z": z}
+
+
+def test_settle_leaves_nothing_in_flight_and_the_weighted_mean_is_what_the_workers_held():
+    results = run_ranks(4, _settled, 20, [0.005, 0.005, 0.02, 0.005])
+    weights = [r["weight"] for r in results]
+    assert sum(weights) == pytest.approx(4.0, abs=1e-9), weights
+    # Bookkept outside the engine: the same initial model on every worker, plus each step's
+    # numerator. Every message sent was absorbed, so the weighted sum holds all of it.
+    expected = sum(r["initial"] + r["added"] for r in results) / 4
+    weighted = sum(r["weight"] * r["z"] for r in results) / sum(weights)
+    torch.testing.assert_close(weighted, expected, rtol=1e-5, atol=1e-6)
+
+
 @pytest.mark.parametrize(
     "kwargs,error,words",
     [

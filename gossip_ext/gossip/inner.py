@@ -16,7 +16,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 import logging
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from datetime import timedelta
 from typing import Any
 
@@ -73,12 +73,16 @@ class InnerMix:
         synch_freq: int,
         every_step: bool,
         verbose: bool = False,
+        quiesce: Callable[[], None] | None = None,
     ):
         self.engine = engine
         self.graph = graph
         self.every_step = every_step
         self.verbose = verbose
         self.rounds = schedule.RoundSchedule(engine, overlap=overlap, synch_freq=synch_freq)
+        # What brings messages still on their way to rest, every worker together, where a drained
+        # round leaves some (asynchronous push-sum's ``settle``); None: a drain leaves none.
+        self._quiesce = quiesce
 
     @classmethod
     def build(
@@ -163,7 +167,13 @@ class InnerMix:
             store=transport.gossip_store(link.group, link.rendezvous, "async"),
         )
         return cls(
-            engine, graph, overlap=False, synch_freq=0, every_step=True, verbose=link.verbose
+            engine,
+            graph,
+            overlap=False,
+            synch_freq=0,
+            every_step=True,
+            verbose=link.verbose,
+            quiesce=engine.settle,
         )
 
     # ----------------------------------------------------------------------------- rounds
@@ -187,6 +197,14 @@ class InnerMix:
     def drain(self) -> None:
         """Absorbs the round in flight and any owed; raises a failed round's error."""
         self.rounds.drain()
+
+    def settle(self) -> None:
+        """Every worker together: absorbs the round in flight and waits until every message any
+        worker sent has been absorbed; raises a failed round's error. Nothing is in flight
+        afterwards."""
+        self.rounds.drain()
+        if self._quiesce is not None:
+            self._quiesce()
 
     def run_round(self) -> None:
         """One round from start to absorb, blocking (an outer step averaged by gossip)."""
