@@ -34,6 +34,17 @@ def _want_cuda() -> bool:
     return torch.version.cuda is not None and CUDA_HOME is not None
 
 
+def _cuda_archs() -> str:
+    """The GPU architectures the CUDA kernels are compiled for, as torch's build names them
+    (TORCH_CUDA_ARCH_LIST, else those of the GPUs it sees, else its own list), for
+    _C.build_info()."""
+    from torch.utils import cpp_extension
+
+    flags = cpp_extension._get_cuda_arch_flags()  # what CUDAExtension passes to nvcc
+    codes = {flag.rsplit("code=", 1)[-1].strip("[]") for flag in flags if "code=" in flag}
+    return ",".join(sorted(codes)) or "torch's default"
+
+
 def _check_cuda_home() -> None:
     """torch takes CUDA_HOME from the environment, else from the folder above the nvcc on PATH; a
     wrapper script there (as in /usr/local/bin) gives a folder without the toolkit's headers."""
@@ -82,7 +93,8 @@ def _extension():
             "gossip_ext._C",
             files,
             include_dirs=include_dirs + [nccl.include_dir],
-            define_macros=define_macros + [("GOSSIP_WITH_CUDA", "1")],
+            define_macros=define_macros
+            + [("GOSSIP_WITH_CUDA", "1"), ("GOSSIP_EXT_CUDA_ARCHS", f'"{_cuda_archs()}"')],
             extra_compile_args={"cxx": cxx_flags, "nvcc": ["-O3", "--fmad=false"]},
             extra_link_args=link_flags + nccl.link_args,
         )

@@ -22,6 +22,8 @@
 #include "transport/process_group/process_group_transport.h"
 #ifdef GOSSIP_WITH_CUDA
 #include "transport/nccl/nccl_bindings.h"
+#include <cuda_runtime_api.h>
+#include <nccl.h>
 #endif
 
 // torch.__version__ of the torch this module is compiled against, as a string literal: setup.py
@@ -36,6 +38,25 @@ namespace gossip {
 namespace {
 
 std::string built_with_torch() { return GOSSIP_EXT_TORCH_VERSION; }
+
+// What this module was compiled with, for gossip_ext.info: the torch, and in a CUDA build the CUDA
+// runtime, NCCL and the GPU architectures of its kernels (None in a CPU build).
+py::dict build_info() {
+  py::dict info;
+  info["torch"] = std::string(GOSSIP_EXT_TORCH_VERSION);
+#ifdef GOSSIP_WITH_CUDA
+  info["cuda"] =
+      std::to_string(CUDART_VERSION / 1000) + "." + std::to_string(CUDART_VERSION % 1000 / 10);
+  info["nccl"] = std::to_string(NCCL_MAJOR) + "." + std::to_string(NCCL_MINOR) + "." +
+                 std::to_string(NCCL_PATCH);
+  info["cuda_archs"] = std::string(GOSSIP_EXT_CUDA_ARCHS);
+#else
+  info["cuda"] = py::none();
+  info["nccl"] = py::none();
+  info["cuda_archs"] = py::none();
+#endif
+  return info;
+}
 
 // Raises gossip_ext.errors.<name> with the message of `error` and its PeerFailure as the
 // attributes (peers, round, transport, and timeout where one passed). If that class cannot be had
@@ -318,6 +339,8 @@ PYBIND11_MODULE(_C, m) {
   py::register_exception_translator(&gossip::translate_peer_failures);
   m.def("built_with_torch", &gossip::built_with_torch,
         "torch.__version__ of the torch this module was compiled against");
+  m.def("build_info", &gossip::build_info,
+        "what this module was compiled with: torch, and CUDA, NCCL and GPU architectures");
   gossip::bind_topology(m);
   gossip::bind_engine(m);
 #ifdef GOSSIP_WITH_CUDA

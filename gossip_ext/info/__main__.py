@@ -1,0 +1,5 @@
+"""``python -m gossip_ext.info``: prints what this gossip_ext is and what it can run here."""
+
+from gossip_ext.info import main
+
+main()
