@@ -19,6 +19,7 @@
 #include "transport/host_staging/host_staging_transport.h"
 #include "transport/inproc/inproc_transport.h"
 #include "transport/loopback/loopback_transport.h"
+#include "transport/message_tags.h"
 #include "transport/process_group/process_group_transport.h"
 #ifdef GOSSIP_WITH_CUDA
 #include "transport/nccl/nccl_bindings.h"
@@ -343,6 +344,14 @@ PYBIND11_MODULE(_C, m) {
         "what this module was compiled with: torch, and CUDA, NCCL and GPU architectures");
   gossip::bind_topology(m);
   gossip::bind_engine(m);
+  // The tag registry (transport/message_tags.h): each kind of message's range, [base, base + span).
+  py::dict tags;
+  tags["round"] = py::make_tuple(gossip::tags::kRoundBase, gossip::tags::kRoundSpan);
+  tags["outer_exchange"] =
+      py::make_tuple(gossip::tags::kOuterExchangeBase, gossip::tags::kOuterExchangeSpan);
+  tags["mailbox"] = py::make_tuple(gossip::tags::kMailboxBase, gossip::tags::kMailboxSpan);
+  tags["mailbox_sequence_bits"] = gossip::tags::kMailboxSequenceBits;
+  m.attr("MESSAGE_TAGS") = tags;
 #ifdef GOSSIP_WITH_CUDA
   // The one backend switch of the module: the NCCL transport exists only in CUDA builds.
   gossip::bind_nccl_transport(m);

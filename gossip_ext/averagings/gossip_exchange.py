@@ -15,8 +15,8 @@ same on every worker and different for consecutive fragments, so a dynamic graph
 fragment to other peers.
 
 The messages travel at the parameters' precision (``message_dtype`` compresses the inner rounds,
-``outer_dtype`` the exact mean); the engine's process-group transport keeps its tags below
-:data:`OUTER_TAG_BASE`, so these messages never meet its rounds'.
+``outer_dtype`` the exact mean); their tags are the outer exchanges' range of the compiled
+engine's tag registry, so these messages never meet its rounds'.
 """
 
 from __future__ import annotations
@@ -32,10 +32,10 @@ import torch.distributed as dist
 
 from gossip_ext.averagings.failures import check_received, post_for_peer, wait_for_peer
 from gossip_ext.averagings.interface import Averaging, Contribution, PseudoGradientMean
+from gossip_ext.gossip import transport
 
-# Tags of these messages: [OUTER_TAG_BASE, 2 OUTER_TAG_BASE). process_group_transport.cpp masks
-# the engine's round tags below it; c10d takes tags in [0, 2^31).
-OUTER_TAG_BASE = 1 << 30
+# These messages' tags are the outer exchanges' range of the tag registry
+# (transport.outer_exchange_tag), apart from every round's.
 MAX_BUCKETS = 16  # tags per round: one per bucket (one bucket per parameter dtype)
 
 
@@ -89,7 +89,7 @@ class GossipMean(Averaging):
         )
 
     def _tag(self, round: int, bucket: int) -> int:
-        return OUTER_TAG_BASE + (round * MAX_BUCKETS + bucket) % OUTER_TAG_BASE
+        return transport.outer_exchange_tag(round * MAX_BUCKETS + bucket)
 
     @torch.no_grad()
     def start(self, contribution: Contribution) -> _Exchange:

@@ -52,9 +52,9 @@ from gossip_ext.averagings.failures import (
     raise_nonfinite,
     wait_for_peer,
 )
-from gossip_ext.averagings.gossip_exchange import OUTER_TAG_BASE
 from gossip_ext.averagings.interface import Averaging, Contribution, ParameterMean
 from gossip_ext.averagings.sparse import TopK, _Codec
+from gossip_ext.gossip import transport
 
 # gamma's default. On the byte-level language model of benchmarks/lm_compare.py (4 workers, H = 8,
 # density 1/32, 2 bits, outer SGD at lr 1), the final held-out bits per byte after 480 steps were
@@ -206,7 +206,7 @@ class SparseGossip(Averaging):
     def _post(self, message: torch.Tensor, round_: int):
         """Posts the receives of every neighbour's message and the sends of ``message`` to each;
         returns (their buffers in neighbour order, the works)."""
-        tag = OUTER_TAG_BASE + round_ % OUTER_TAG_BASE
+        tag = transport.outer_exchange_tag(round_)
         works, inbox = [], []
         for peer in self.neighbours:
             buffer = torch.empty_like(message)

@@ -29,11 +29,10 @@ import torch
 
 from gossip_ext._torch_check import _C
 from gossip_ext.errors import PeerTimeoutError
-from gossip_ext.gossip import messages
+from gossip_ext.gossip import messages, transport
 from gossip_ext.graphs import GraphBase
 
 ARRIVALS_KEPT = 16  # arrival times a mailbox keeps, for a deadline learned from them
-_TAG_BASE = 1 << 30  # apart from the compiled engine's round tags, which stay below it
 
 
 def tag(generation: int, sequence: int) -> int:
@@ -42,9 +41,9 @@ def tag(generation: int, sequence: int) -> int:
     ``transport.next_instance``). Messages between two workers are numbered, not
     named by round: a sender may skip a round's message to a peer (``AsyncPushSum``), and a
     receive posted for a round that never comes would hold every later message. The round
-    travels in the message (``messages.round_of``). Sequences wrap at 2^24: at most a few
-    messages to one peer are in flight."""
-    return _TAG_BASE | ((generation % 64) << 24) | (sequence % (1 << 24))
+    travels in the message (``messages.round_of``). The tag is in asynchronous messages' range
+    of the compiled engine's tag registry (``transport.mailbox_tag``)."""
+    return transport.mailbox_tag(generation, sequence)
 
 
 def next_round(graph: GraphBase, sender: int, receiver: int, world_size: int, start: int):

@@ -149,3 +149,24 @@ def nccl_unique_id_key(group: dist.ProcessGroup) -> str:
     instance = _NCCL_TRANSPORTS[ranks]
     _NCCL_TRANSPORTS[ranks] += 1
     return f"gossip_ext/nccl/ranks={','.join(map(str, ranks))}/{instance}"
+
+
+# ----------------------------------------------------------------------------- message tags
+
+
+def outer_exchange_tag(sequence: int) -> int:
+    """The tag of an outer step's exchange by gossip numbered ``sequence`` (its round and bucket),
+    in that kind's range of the compiled engine's tag registry (``_C.MESSAGE_TAGS``,
+    csrc/transport/message_tags.h), apart from every round's and asynchronous message's."""
+    base, span = _C.MESSAGE_TAGS["outer_exchange"]
+    return base + sequence % span
+
+
+def mailbox_tag(generation: int, sequence: int) -> int:
+    """The tag of the ``sequence``-th asynchronous message from one worker to another in the
+    ``generation`` of their gossip, in that kind's range of the tag registry. Both wrap: a few
+    messages to one peer are in flight at most, and generations tell apart only the engines of
+    a few restores or epochs in a row."""
+    base, span = _C.MESSAGE_TAGS["mailbox"]
+    bits = _C.MESSAGE_TAGS["mailbox_sequence_bits"]
+    return base + ((generation % (span >> bits)) << bits) + sequence % (1 << bits)

@@ -6,15 +6,16 @@
 #include <utility>
 
 #include "common/error.h"
+#include "transport/message_tags.h"
 
 namespace gossip {
 namespace {
 
 constexpr int64_t kMaxMessagesPerPeer = 64;
-// Round tags wrap below 2^30: tags from 2^30 up are left to the Python layer's own messages on the
-// same group (OUTER_TAG_BASE in gossip_ext/averagings/gossip_exchange.py, which sparse_gossip.py
-// shares), which must never be matched to a round's.
-constexpr int64_t kRoundTagMask = (int64_t{1} << 30) - 1;
+// Round tags wrap inside the rounds' range of the tag registry: the Python layer's own messages on
+// the same group take the ranges above it, and must never be matched to a round's.
+constexpr int64_t kRoundTagMask = tags::kRoundSpan - 1;
+static_assert((tags::kRoundSpan & kRoundTagMask) == 0, "the rounds' span is a power of two");
 
 // Aborting is best effort: the work may have completed or failed meanwhile.
 void abort_quietly(c10d::Work& work) {
@@ -188,7 +189,8 @@ std::shared_ptr<Work> ProcessGroupTransport::exchange(std::vector<PeerMessage> s
     const int64_t k = count[peer]++;
     TORCH_CHECK(k < kMaxMessagesPerPeer, "gossip_ext: more than ", kMaxMessagesPerPeer,
                 " messages to one peer in one round");
-    return static_cast<int>((round * kMaxMessagesPerPeer + k) & kRoundTagMask);
+    const int64_t sequence = (round * kMaxMessagesPerPeer + k) & kRoundTagMask;
+    return static_cast<int>(tags::kRoundBase + sequence);
   };
 
   std::vector<ProcessGroupWork::Entry> entries;
