@@ -56,6 +56,7 @@ EITHER = ("TypeError", "ValueError")
 CASES: dict[str, list[tuple[str, tuple[str, ...] | None, tuple[str, ...]]]] = {
     "built_with_torch": [("_C.built_with_torch(None)", TE, ())],
     "cpu_kernels_isa": [("_C.cpu_kernels_isa(None)", TE, ())],
+    "build_info": [("_C.build_info(None)", TE, ())],
     "abort_work": [
         ("_C.abort_work(None)", EITHER, ("work", "None")),
         ("_C.abort_work('x')", TE, ("work",)),
