@@ -43,9 +43,7 @@ def _transports() -> list[TransportReport]:
     else:
         nccl_why = no_gpu
     return [
-        TransportReport(
-            "process_group", "CPU parameters over a gloo group", True, gloo, no_gloo
-        ),
+        TransportReport("process_group", "CPU parameters over a gloo group", True, gloo, no_gloo),
         TransportReport(
             "host_staging",
             "CUDA parameters through pinned host buffers over gloo (comm_device='cpu')",
@@ -54,7 +52,10 @@ def _transports() -> list[TransportReport]:
             no_gloo or no_gpu,
         ),
         TransportReport(
-            "nccl", "CUDA parameters over NCCL, on its own stream", nccl_bound, not nccl_why,
+            "nccl",
+            "CUDA parameters over NCCL, on its own stream",
+            nccl_bound,
+            not nccl_why,
             nccl_why,
         ),
     ]
