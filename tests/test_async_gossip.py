@@ -249,6 +249,13 @@ def test_a_worker_that_finishes_first_is_let_go_without_an_error():
     assert [o.result for o in outcomes] == [3, 40, 40, 40]
 
 
+def _until_told(path: str, meanwhile) -> None:
+    """Calls ``meanwhile`` every millisecond until another rank creates the file ``path``."""
+    while not os.path.exists(path):
+        time.sleep(0.001)
+        meanwhile()
+
+
 def _one_starts_late(rank, world_size, started_file):
     param = torch.nn.Parameter(initial(rank))
     engine = _engine(param, staleness=None, timeout=timedelta(seconds=20))
@@ -260,8 +267,7 @@ def _one_starts_late(rank, world_size, started_file):
         weight_alone = float(engine.ps_weight())
         open(started_file, "w").close()
     else:
-        while not os.path.exists(started_file):
-            time.sleep(0.005)
+        _until_told(started_file, lambda: None)
     dist.barrier()
     engine.settle()
     result = (weight_alone, float(engine.ps_weight()), param.detach().clone())
@@ -292,9 +298,7 @@ def _hears_from_nobody(rank, world_size, rounds, done_file):
     else:
         # Absorbed, not only received: a sender's next share waits for its last to be absorbed
         # (Note [Flow control by absorption] in gossip_ext/gossip/mailbox.py).
-        while not os.path.exists(done_file):
-            time.sleep(0.001)
-            engine.finish_round()
+        _until_told(done_file, engine.finish_round)
     dist.barrier()
     result = (param.detach().clone(), float(engine.ps_weight()), engine.round)
     engine.close()

@@ -1,6 +1,7 @@
 """The threads that let asynchronous gossip (push-sum's, ``asynchronous.AsyncPushSum``, and outer
 steps', ``outer.asynchronous``) never wait for a peer: a :class:`Mailbox` per
-in-peer keeps a receive posted for that peer's next message and queues what arrives, and an
+in-peer keeps a receive posted for that peer's next message and queues what arrives (for push-sum,
+at most one message not yet absorbed: Note [Flow control by absorption]), and an
 :class:`Outbox` per out-peer confirms the sends in order and lets their buffers go.
 
 Gloo moves a point-to-point message only once its receiver has posted the receive, and it

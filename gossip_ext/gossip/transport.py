@@ -153,12 +153,18 @@ def nccl_unique_id_key(group: dist.ProcessGroup) -> str:
 
 # ----------------------------------------------------------------------------- message tags
 
+# The compiled engine's tag registry (csrc/transport/message_tags.h), read once: every message
+# asks for its tag.
+_OUTER_EXCHANGE_TAGS = _C.MESSAGE_TAGS["outer_exchange"]
+_MAILBOX_TAGS = _C.MESSAGE_TAGS["mailbox"]
+_MAILBOX_SEQUENCE_BITS = _C.MESSAGE_TAGS["mailbox_sequence_bits"]
+
 
 def outer_exchange_tag(sequence: int) -> int:
     """The tag of an outer step's exchange by gossip numbered ``sequence`` (its round and bucket),
     in that kind's range of the compiled engine's tag registry (``_C.MESSAGE_TAGS``,
     csrc/transport/message_tags.h), apart from every round's and asynchronous message's."""
-    base, span = _C.MESSAGE_TAGS["outer_exchange"]
+    base, span = _OUTER_EXCHANGE_TAGS
     return base + sequence % span
 
 
@@ -167,6 +173,5 @@ def mailbox_tag(generation: int, sequence: int) -> int:
     ``generation`` of their gossip, in that kind's range of the tag registry. Both wrap: a few
     messages to one peer are in flight at most, and generations tell apart only the engines of
     a few restores or epochs in a row."""
-    base, span = _C.MESSAGE_TAGS["mailbox"]
-    bits = _C.MESSAGE_TAGS["mailbox_sequence_bits"]
+    (base, span), bits = _MAILBOX_TAGS, _MAILBOX_SEQUENCE_BITS
     return base + ((generation % (span >> bits)) << bits) + sequence % (1 << bits)
