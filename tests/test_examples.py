@@ -16,6 +16,7 @@ import pytest
 import torch
 from elastic_job import Job
 from multiprocess import run_ranks
+from torchrun import failure_report, torchrun
 
 EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
 CHANCE = 0.25  # four classes
@@ -26,10 +27,9 @@ def _accuracy(output: str) -> float:
 
 
 def test_train_py_under_torchrun_learns_and_reports(tmp_path):
-    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node",
-               "2", str(EXAMPLES / "train.py"), "--mode", "sgp", "--steps", "100"]  # fmt: skip
-    done = subprocess.run(command, capture_output=True, text=True, timeout=300, cwd=tmp_path)
-    assert done.returncode == 0, (done.returncode, done.stdout[-2000:], done.stderr[-4000:])
+    done = torchrun(2, EXAMPLES / "train.py", "--mode", "sgp", "--steps", "100", cwd=tmp_path,
+                    timeout=300)  # fmt: skip
+    assert done.returncode == 0, failure_report(done)
     assert "relative consensus distance" in done.stdout, done.stdout
     assert _accuracy(done.stdout) > 2 * CHANCE, done.stdout
 

@@ -5,11 +5,10 @@ every row of its table of modes is a configuration the library accepts."""
 from __future__ import annotations
 
 import re
-import subprocess
-import sys
 from pathlib import Path
 
 import torch
+from torchrun import failure_report, torchrun
 
 import gossip_ext
 
@@ -52,10 +51,8 @@ def test_the_quickstart_runs_as_written_under_torchrun(tmp_path):
     # Each rank writes the steps it took to a file of its own (their stdout interleaves).
     report = "\nopen(f'steps{dist.get_rank()}', 'w').write(str(model.step_count))\n"
     script.write_text(_READERS_OWN + code + report)
-    command = [sys.executable, "-m", "torch.distributed.run", "--standalone",
-               "--nproc_per_node", "2", str(script)]  # fmt: skip
-    done = subprocess.run(command, capture_output=True, text=True, timeout=120, cwd=tmp_path)
-    assert done.returncode == 0, (done.stdout[-2000:], done.stderr[-4000:])
+    done = torchrun(2, script, cwd=tmp_path, timeout=120)
+    assert done.returncode == 0, failure_report(done)
     for rank in (0, 1):
         assert (tmp_path / f"steps{rank}").read_text() == "6", done.stdout
 
