@@ -440,6 +440,11 @@ def main(argv: list[str] | None = None) -> None:
     device = devices.init_process_group(args)  # the rank, size and store: torchrun's environment
     try:
         train(args, device)
+        # gloo's worker threads drop their references to the last collectives' tensors just after
+        # those return; a thread that drops a Python tensor's last one while the interpreter
+        # finalizes aborts the process (a torch race, tests/multiprocess.py). A barrier holds no
+        # Python tensor, and by its end every earlier collective has long returned.
+        dist.barrier()
     finally:
         dist.destroy_process_group()
 
