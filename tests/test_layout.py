@@ -10,7 +10,8 @@ from pathlib import Path
 
 PACKAGE = Path(__file__).resolve().parent.parent / "gossip_ext"
 LAYERS = {
-    "algorithms", "averagings", "compat", "gossip", "info", "membership", "outer", "sharded"
+    "algorithms", "averagings", "compat", "gossip", "info", "lightning", "membership", "outer",
+    "sharded",
 }
 
 # Lowest first: a module may import its own layer and the layers below it, never one above. A
@@ -42,8 +43,9 @@ LAYER_ORDER = (
         "_outer_view",
         "_validation",
     },
-    # Other libraries' names over the wrapper; what the package tells of itself.
-    {"compat", "info"},
+    # Other libraries' names over the wrapper and their trainers around it; what the package
+    # tells of itself.
+    {"compat", "lightning", "info"},
 )
 
 

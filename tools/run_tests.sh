@@ -137,9 +137,11 @@ stage 45 240 "Python dependencies"
 if ! "$PYTHON" -c "import torch, sys; sys.exit(torch.__version__.split('+')[0] != '$TORCH_VERSION')" 2>/dev/null; then
   "$PYTHON" -m pip install "torch==$TORCH_VERSION"
 fi
-# pytest with its per-test time limit, and the systems the comparison runs beside gossip_ext
-# (benchmark and test dependencies only: tests/test_compare_systems.py).
-"$PYTHON" -m pip install --quiet pytest pytest-timeout torchft==0.2.0 decent-dp==0.2.3
+# pytest with its per-test time limit, the systems the comparison runs beside gossip_ext
+# (benchmark and test dependencies only: tests/test_compare_systems.py), and the Lightning extra
+# (gossip_ext[lightning]: tests/test_lightning.py).
+"$PYTHON" -m pip install --quiet pytest pytest-timeout torchft==0.2.0 decent-dp==0.2.3 \
+  pytorch-lightning==2.6.6
 
 stage 15 120 "GoogleTest"
 bash tools/install_gtest.sh

@@ -1,0 +1,168 @@
+"""GossipStrategy under a real Lightning Trainer, on gloo processes: it trains exactly as the
+hand-written loop with the same objects, resumes a checkpoint bit for bit, saves the workers'
+average for inference, validates on the choice it names, and refuses what it cannot run."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip(
+    "pytorch_lightning", reason="the Lightning extra: pip install gossip_ext[lightning]"
+)
+
+import torch  # noqa: E402
+from lightning_workers import (  # noqa: E402
+    Regression,
+    as_torchrun_worker,
+    fit,
+    fit_and_checkpoint,
+    hand_written_loop,
+    loader,
+    parameters,
+    trainer,
+)
+from multiprocess import error_of, run_ranks  # noqa: E402
+from torchrun import failure_report, torchrun  # noqa: E402
+
+import gossip_ext  # noqa: E402
+from gossip_ext.lightning import GossipStrategy  # noqa: E402
+
+WORLD = 3  # with two, a round of the 1-peer graph averages the two models exactly
+
+
+# How the user's LightningModule and Trainer step: Lightning's loop, the user's own steps, and
+# Lightning's loop accumulating all three batches of an epoch into one clipped step.
+STYLES = {
+    "automatic": ({}, {}),
+    "manual": ({"manual": True}, {}),
+    "accumulate-clip": (
+        {"accumulate_grad_batches": 3, "gradient_clip_val": 0.5},
+        {"accumulate": 3, "clip": 0.5},
+    ),
+}
+
+
+def _both(rank: int, world_size: int, gossip, style: str):
+    lightning_kwargs, loop_kwargs = STYLES[style]
+    lightning = fit(rank, world_size, gossip, epochs=2, **lightning_kwargs)
+    return lightning, hand_written_loop(rank, gossip, epochs=2, **loop_kwargs)
+
+
+@pytest.mark.parametrize(
+    ("gossip", "style"),
+    [
+        (gossip_ext.SGP(), "automatic"),
+        (gossip_ext.SGP(overlap=True, message_dtype="int8"), "automatic"),
+        (gossip_ext.SGP(), "manual"),
+        (gossip_ext.SGP(), "accumulate-clip"),
+    ],
+    ids=["sgp", "overlap-int8", "sgp-manual", "sgp-accumulate-clip"],
+)
+def test_the_trainer_trains_as_the_hand_written_loop_with_the_same_objects(gossip, style):
+    ranks = run_ranks(WORLD, _both, gossip, style)
+    for lightning, by_hand in ranks:
+        (losses, params), (hand_losses, hand_params) = lightning, by_hand
+        assert len(losses) == len(hand_losses) == 6
+        torch.testing.assert_close(
+            torch.tensor(losses), torch.tensor(hand_losses), rtol=0, atol=1e-6
+        )
+        for p, q in zip(params, hand_params):
+            torch.testing.assert_close(p, q, rtol=0, atol=1e-6)
+    # The workers' models differ (their data do): each trained its own.
+    assert not torch.equal(ranks[0][0][1][0], ranks[1][0][1][0])
+
+
+def _resume(rank: int, world_size: int, root: str):
+    whole = fit_and_checkpoint(rank, world_size, f"{root}/whole", epochs=2, resume=None)
+    first = fit_and_checkpoint(rank, world_size, f"{root}/first", epochs=1, resume=None)
+    checkpoint = f"{root}/first/{first[2][0]}"
+    resumed = fit_and_checkpoint(rank, world_size, f"{root}/first", epochs=2, resume=checkpoint)
+    saved = torch.load(checkpoint, weights_only=False)
+    own = torch.load(f"{checkpoint}.rank{rank}" if rank else checkpoint, weights_only=False)
+    return whole, first, resumed, saved["state_dict"], own["gossip_ext_worker"], first[1]
+
+
+def test_a_resumed_checkpoint_continues_the_uninterrupted_run_bit_for_bit(tmp_path):
+    ranks = run_ranks(WORLD, _resume, str(tmp_path))
+    for rank, (whole, first, resumed, _, own, _) in enumerate(ranks):
+        ranks_files = [f"epoch=0-step=3.ckpt.rank{r}" for r in range(1, WORLD)]
+        assert first[2] == ["epoch=0-step=3.ckpt", *ranks_files]
+        assert own["rank"] == rank and own["world_size"] == WORLD
+        assert whole[0][3:] == resumed[0], rank  # the second epoch's losses
+        for p, q in zip(whole[1], resumed[1]):
+            assert torch.equal(p, q), rank
+    # The checkpoint's state_dict, loaded for inference, is the mean of the workers' own models
+    # (SGP's uniform mixing: every push-sum weight 1), and loads into the LightningModule.
+    average = ranks[0][3]
+    names = [name for name, _ in Regression().named_parameters()]
+    for i, name in enumerate(names):
+        mean = sum(rank[5][i] for rank in ranks) / WORLD
+        torch.testing.assert_close(average[name], mean, rtol=0, atol=1e-6)
+    assert not torch.equal(ranks[0][5][0], ranks[1][5][0])
+    Regression().load_state_dict(average)
+
+
+def _validated(rank: int, world_size: int, validate_on: str):
+    as_torchrun_worker(rank, world_size)
+    module = Regression()
+    strategy = GossipStrategy(gossip_ext.SGP(), validate_on=validate_on)
+    run = trainer(world_size, strategy, max_epochs=1)
+    run.fit(module, train_dataloaders=loader(rank), val_dataloaders=loader(0))
+    # What the validation saw was evaluated on the batches of rank 0: redo it by hand.
+    own = parameters(module)
+    x, y = loader(0).dataset.tensors
+    with torch.no_grad():
+        own_loss = torch.nn.functional.mse_loss(module(x), y).item()
+    return module.validated, own_loss, own, float(run.callback_metrics["val_loss"])
+
+
+@pytest.mark.parametrize("validate_on", ["average", "worker"])
+def test_validation_runs_on_the_model_it_names_and_training_goes_on_with_its_own(validate_on):
+    ranks = run_ranks(WORLD, _validated, validate_on)
+    assert not torch.equal(ranks[0][2][0], ranks[1][2][0])  # each worker kept its own model
+    # One batch size for every batch, so the mean of the batches' losses is the whole set's.
+    seen = [sum(rank[0]) / len(rank[0]) for rank in ranks]
+    own = [rank[1] for rank in ranks]
+    if validate_on == "worker":
+        assert seen == pytest.approx(own, abs=1e-6)
+    else:
+        assert seen == pytest.approx([seen[0]] * WORLD, abs=1e-6)  # one model: the average
+        assert seen[0] != pytest.approx(own[0], abs=1e-4)
+    assert ranks[0][3] == pytest.approx(sum(seen) / WORLD, abs=1e-6)  # sync_dist: the mean
+
+
+def _refusals(rank: int, world_size: int):
+    as_torchrun_worker(rank, world_size)
+    two_optimizers = trainer(world_size, GossipStrategy(), max_epochs=1)
+    return error_of(lambda: two_optimizers.fit(Regression(optimizers=2), loader(rank)))
+
+
+def test_what_it_cannot_run_is_refused_naming_why():
+    for error in run_ranks(WORLD, _refusals):
+        assert error is not None and error[0] is ValueError, error
+        assert "gave 2 optimizers" in error[1], error
+    with pytest.raises(ValueError, match="validate_on must be 'average' or 'worker', got 'mean'"):
+        GossipStrategy(validate_on="mean")
+    with pytest.raises(ValueError, match="membership=.*elastic job"):
+        GossipStrategy(membership=gossip_ext.Elastic("127.0.0.1:1"))
+    with pytest.raises(ValueError, match="nprocs_per_node=2"):
+        GossipStrategy(nprocs_per_node=2)
+
+
+def test_the_strategy_is_registered_under_its_name():
+    run = trainer(1, "gossip", max_epochs=1)
+    assert isinstance(run.strategy, GossipStrategy)
+
+
+def test_the_lightning_example_learns_under_torchrun_and_keeps_every_worker_s_checkpoint(tmp_path):
+    example = Path(__file__).resolve().parent.parent / "examples" / "lightning_train.py"
+    done = torchrun(2, example, "--epochs", "2", cwd=tmp_path, timeout=120)
+    assert done.returncode == 0, failure_report(done)
+    accuracy = float(re.search(r"accuracy (\d\.\d+)", done.stdout).group(1))
+    assert accuracy > 0.5, done.stdout  # four classes: chance is 0.25
+    saved = sorted(p.name for p in (tmp_path / "lightning_checkpoints").iterdir())
+    assert saved == [f"epoch={e}-step={s}.ckpt{r}" for e, s in ((0, 48), (1, 96))
+                     for r in ("", ".rank1")], saved  # fmt: skip
