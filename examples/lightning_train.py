@@ -25,8 +25,13 @@ from gossip_ext.lightning import GossipStrategy  # registers Trainer(strategy="g
 STRATEGIES = {
     "gossip": lambda: "gossip",
     "overlap-int8": lambda: GossipStrategy(gossip_ext.SGP(overlap=True, message_dtype="int8")),
-    "diloco": lambda: GossipStrategy(gossip=None, outer=gossip_ext.DiLoCo(sync_every=8)),
+    "diloco": lambda: GossipStrategy(gossip=None, outer=gossip_ext.DiLoCo(_nesterov, every=8)),
 }
+
+
+def _nesterov(parameters: list[torch.Tensor]) -> torch.optim.Optimizer:
+    """DiLoCo's outer optimizer."""
+    return torch.optim.SGD(parameters, lr=0.7, momentum=0.9, nesterov=True)
 
 
 class Classifier(pl.LightningModule):

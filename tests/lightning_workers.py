@@ -56,6 +56,11 @@ class Regression(pl.LightningModule):
         return optimizers[0] if self.n_optimizers == 1 else optimizers
 
 
+def nesterov(parameters: list[torch.Tensor]) -> torch.optim.Optimizer:
+    """DiLoCo's outer optimizer."""
+    return torch.optim.SGD(parameters, lr=0.7, momentum=0.9, nesterov=True)
+
+
 def optimizer_of(module: nn.Module, lr: float) -> torch.optim.Optimizer:
     return torch.optim.SGD(module.parameters(), lr=lr, momentum=0.9)
 
@@ -101,12 +106,12 @@ def parameters(module: nn.Module) -> list[torch.Tensor]:
 
 
 def hand_written_loop(
-    rank: int, gossip, epochs: int, accumulate: int = 1, clip: float | None = None
+    rank: int, algorithm, epochs: int, accumulate: int = 1, clip: float | None = None
 ) -> tuple[list[float], list[torch.Tensor]]:
     """The same training without Lightning: the wrapper, its optimizer hook, the loop (stepping
     every ``accumulate`` batches on the mean of their gradients, clipped to norm ``clip``)."""
     module = Regression()
-    model = gossip_ext.GossipDataParallel(module, gossip)
+    model = gossip_ext.GossipDataParallel(module, *algorithm)
     optimizer = optimizer_of(module.net, module.lr)
     model.register_optimizer(optimizer)
     losses = []
@@ -125,11 +130,11 @@ def hand_written_loop(
     return losses, parameters(module)
 
 
-def fit(rank: int, world_size: int, gossip, epochs: int, manual: bool = False, **trainer_kwargs):
+def fit(rank: int, world_size: int, algorithm, epochs: int, manual: bool = False, **trainer_kwargs):
     """Lightning's training of the same: its losses and final parameters."""
     as_torchrun_worker(rank, world_size)
     module = Regression(manual=manual)
-    run = trainer(world_size, GossipStrategy(gossip), max_epochs=epochs, **trainer_kwargs)
+    run = trainer(world_size, GossipStrategy(*algorithm), max_epochs=epochs, **trainer_kwargs)
     run.fit(module, train_dataloaders=loader(rank))
     return module.losses, parameters(module)
 

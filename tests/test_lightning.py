@@ -21,6 +21,7 @@ from lightning_workers import (  # noqa: E402
     fit_and_checkpoint,
     hand_written_loop,
     loader,
+    nesterov,
     parameters,
     trainer,
 )
@@ -45,24 +46,25 @@ STYLES = {
 }
 
 
-def _both(rank: int, world_size: int, gossip, style: str):
+def _both(rank: int, world_size: int, algorithm: tuple, style: str):
     lightning_kwargs, loop_kwargs = STYLES[style]
-    lightning = fit(rank, world_size, gossip, epochs=2, **lightning_kwargs)
-    return lightning, hand_written_loop(rank, gossip, epochs=2, **loop_kwargs)
+    lightning = fit(rank, world_size, algorithm, epochs=2, **lightning_kwargs)
+    return lightning, hand_written_loop(rank, algorithm, epochs=2, **loop_kwargs)
 
 
 @pytest.mark.parametrize(
-    ("gossip", "style"),
+    ("algorithm", "style"),
     [
-        (gossip_ext.SGP(), "automatic"),
-        (gossip_ext.SGP(overlap=True, message_dtype="int8"), "automatic"),
-        (gossip_ext.SGP(), "manual"),
-        (gossip_ext.SGP(), "accumulate-clip"),
+        ((gossip_ext.SGP(),), "automatic"),
+        ((gossip_ext.SGP(overlap=True, message_dtype="int8"),), "automatic"),
+        ((None, gossip_ext.DiLoCo(nesterov, every=4)), "automatic"),
+        ((gossip_ext.SGP(),), "manual"),
+        ((gossip_ext.SGP(),), "accumulate-clip"),
     ],
-    ids=["sgp", "overlap-int8", "sgp-manual", "sgp-accumulate-clip"],
+    ids=["sgp", "overlap-int8", "diloco", "sgp-manual", "sgp-accumulate-clip"],
 )
-def test_the_trainer_trains_as_the_hand_written_loop_with_the_same_objects(gossip, style):
-    ranks = run_ranks(WORLD, _both, gossip, style)
+def test_the_trainer_trains_as_the_hand_written_loop_with_the_same_objects(algorithm, style):
+    ranks = run_ranks(WORLD, _both, algorithm, style)
     for lightning, by_hand in ranks:
         (losses, params), (hand_losses, hand_params) = lightning, by_hand
         assert len(losses) == len(hand_losses) == 6
