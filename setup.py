@@ -25,6 +25,21 @@ from torch.utils.cpp_extension import (  # noqa: E402
 )
 
 
+VERSION = "0.1.0"  # gossip_ext.__version__
+
+
+def _torch_build() -> tuple[str, str]:
+    """The local version label that names the torch this build is bound to, and the requirement
+    on that torch. The compiled extension runs only under the exact torch it was built against
+    (gossip_ext/_torch_check.py), so the requirement is that torch to its local label: pip then
+    refuses to pair a wheel with any other torch (+pt213cpu with 2.13.0+cpu, +pt211cu130 with
+    2.11.0+cu130), as the import would."""
+    public, _, local = torch.__version__.partition("+")
+    major, minor = public.split(".")[:2]
+    device = local or (f"cu{torch.version.cuda.replace('.', '')}" if torch.version.cuda else "cpu")
+    return f"pt{major}{minor}{device}", f"torch=={torch.__version__}"
+
+
 def _want_cuda() -> bool:
     forced = os.environ.get("GOSSIP_EXT_CUDA")
     if forced is not None:
@@ -121,7 +136,10 @@ class _BuildExt(BuildExtension.with_options(use_ninja=True)):
         self.build_temp = sources.object_dir(ROOT, cuda=_want_cuda())
 
 
+torch_label, torch_requirement = _torch_build()
 setup(
+    version=f"{VERSION}+{torch_label}",
+    install_requires=[torch_requirement],
     packages=find_packages(include=["gossip_ext", "gossip_ext.*"]),
     ext_modules=[_extension()],
     cmdclass={"build_ext": _BuildExt},

@@ -17,6 +17,7 @@ those; ``{"key": shape}`` an object of exactly those keys; ``OneOf(a, b)`` eithe
 
 from __future__ import annotations
 
+import ctypes
 import json
 import math
 import numbers
@@ -124,6 +125,15 @@ def check(value: Any, shape: Any, what: str) -> Any:
 # ----------------------------------------------------------------------------- collectives
 
 
+def tensor_bytes(data: torch.Tensor) -> bytes:
+    """The bytes of a uint8 tensor, without numpy (torch does not require it, so neither does
+    this package)."""
+    host = data.detach().to("cpu").contiguous()
+    if host.dtype != torch.uint8:
+        raise TypeError(f"tensor_bytes takes a uint8 tensor, got {host.dtype}")
+    return ctypes.string_at(host.data_ptr(), host.numel()) if host.numel() else b""
+
+
 def collective_device(group: dist.ProcessGroup | None) -> torch.device:
     """Where a collective of ``group`` takes its tensors: the host, but for a group of NCCL
     alone, the current GPU (as torch.distributed's own object collectives choose)."""
@@ -150,7 +160,7 @@ def all_gather_bytes(
     padded[: len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8)
     every = [torch.empty_like(padded) for _ in range(world)]
     dist.all_gather(every, padded, group=group)
-    return [t[:count].cpu().numpy().tobytes() for t, count in zip(every, counts)]
+    return [tensor_bytes(t[:count]) for t, count in zip(every, counts)]
 
 
 def all_gather(
@@ -194,7 +204,7 @@ def broadcast(
     if data:
         buffer.copy_(torch.frombuffer(bytearray(data), dtype=torch.uint8))
     dist.broadcast(buffer, src, group=group)
-    return decode(buffer.cpu().numpy().tobytes(), what, shape)
+    return decode(tensor_bytes(buffer), what, shape)
 
 
 def _check_size(count: int, what: str, rank: int | None = None) -> None:

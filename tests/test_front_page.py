@@ -43,15 +43,20 @@ loss_fn = nn.functional.mse_loss
 """
 
 
-def test_the_quickstart_runs_as_written_under_torchrun(tmp_path):
+def quickstart_script(folder: Path) -> Path:
+    """The README's quickstart as a script in ``folder``, with the reader's own model, data and
+    loss; each rank writes the steps it took to a file of its own there (stdout interleaves)."""
     quickstart = _section(README.read_text(), "Quickstart")
     code = re.search(r"```python\n(.*?)```", quickstart, re.S).group(1)
     assert "import gossip_ext" in code and "import torch" in code, code
-    script = tmp_path / "quickstart.py"
-    # Each rank writes the steps it took to a file of its own (their stdout interleaves).
+    script = folder / "quickstart.py"
     report = "\nopen(f'steps{dist.get_rank()}', 'w').write(str(model.step_count))\n"
     script.write_text(_READERS_OWN + code + report)
-    done = torchrun(2, script, cwd=tmp_path, timeout=120)
+    return script
+
+
+def test_the_quickstart_runs_as_written_under_torchrun(tmp_path):
+    done = torchrun(2, quickstart_script(tmp_path), cwd=tmp_path, timeout=120)
     assert done.returncode == 0, failure_report(done)
     for rank in (0, 1):
         assert (tmp_path / f"steps{rank}").read_text() == "6", done.stdout

@@ -13,12 +13,21 @@ _LAUNCHER_PREFIXES = ("W1", "E1", "I1", "*", "Setting OMP_")
 _LAUNCHER_TRACEBACK = 'Traceback (most recent call last):\n  File "<frozen runpy>"'
 
 
-def torchrun(nproc: int, script: Path, *args: str, cwd: Path, timeout: float):
-    """Runs ``script args`` on nproc local workers and returns the finished process. Each worker
-    dumps its Python stack on a fatal signal (faulthandler), so that an abort says where."""
-    command = [sys.executable, "-m", "torch.distributed.run", "--standalone",
+def torchrun(
+    nproc: int,
+    script: Path,
+    *args: str,
+    cwd: Path,
+    timeout: float,
+    python: str = sys.executable,
+    env: dict[str, str] | None = None,
+):
+    """Runs ``script args`` on nproc local workers of ``python`` and returns the finished process.
+    Each worker dumps its Python stack on a fatal signal (faulthandler), so that an abort says
+    where."""
+    command = [python, "-m", "torch.distributed.run", "--standalone",
                "--nproc_per_node", str(nproc), str(script), *args]  # fmt: skip
-    env = dict(os.environ, PYTHONFAULTHANDLER="1")
+    env = dict(os.environ if env is None else env, PYTHONFAULTHANDLER="1")
     return subprocess.run(
         command, capture_output=True, text=True, timeout=timeout, cwd=cwd, env=env
     )

@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
 # Runs every test of gossip_ext on a fresh machine: installs what is missing (torch, ninja, pytest
-# and pytest-timeout, torchft and decent-dp, GoogleTest), builds the extension, then the C++ tests
-# from the extension's own objects, runs ctest (plain, then under ASan+UBSan and TSan:
+# and pytest-timeout, torchft and decent-dp, pytorch-lightning, GoogleTest), builds the extension
+# and its wheel (installed, with the torch it requires, in a new environment where
+# tests/test_wheel.py runs it: tools/wheel_environment.sh), then the C++ tests from the
+# extension's own objects, runs ctest (plain, then under ASan+UBSan and TSan:
 # tools/run_sanitizers.sh), rehearses two users' installs against other torches, each in an
 # environment of its own (tools/rehearse_build.sh, a smoke test of the ABI against each build:
 # tools/rehearsal_tests.txt): a GPU user's CUDA build against torch 2.11 where nvcc is present, and
@@ -149,6 +151,9 @@ bash tools/install_gtest.sh
 stage 105 380 "Build the extension (gossip_ext._C; reused when up to date)"
 PYTHON="$PYTHON" bash tools/build.sh --demo
 
+stage 75 150 "The wheel, installed with the torch it requires in a new environment (tests/test_wheel.py)"
+PYTHON="$PYTHON" bash tools/wheel_environment.sh
+
 stage 75 275 "Build and run the C++ tests (ctest; linked from the extension's objects)"
 TORCH_CMAKE=$("$PYTHON" -c 'import torch; print(torch.utils.cmake_prefix_path)')
 cmake -S . -B build/cmake -G Ninja -DCMAKE_PREFIX_PATH="$TORCH_CMAKE" \
@@ -199,7 +204,8 @@ stage 780 780 "$pytest_stage"
 # commit: tests/conftest.py); tools/slowest_tests.py --write-docs makes docs/testing.md's table
 # of it.
 pytest_status=0
-"$PYTHON" -m pytest tests -q --junitxml="$PYTEST_TIMES" | tee build/pytest.log || pytest_status=$?
+GOSSIP_EXT_WHEEL_VENV=build/wheel-venv "$PYTHON" -m pytest tests -q --junitxml="$PYTEST_TIMES" \
+  | tee build/pytest.log || pytest_status=$?
 end_stage  # pytest's own time and CPU time, without the report below
 printf '%s\n' "${stages[-1]}"
 printf '\n== Where the time of pytest went (tools/slowest_tests.py %s)\n' "$PYTEST_TIMES"

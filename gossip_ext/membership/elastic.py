@@ -35,6 +35,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from gossip_ext._plain_messages import tensor_bytes
 from gossip_ext.errors import PeerTimeoutError
 from gossip_ext.membership import admission, epoch_group
 from gossip_ext.membership.epochs import (
@@ -448,7 +449,7 @@ def receive_state(donor: int, group: dist.ProcessGroup, device: torch.device) ->
     dist.recv(size, donor, group)
     data = torch.empty(int(size.item()), dtype=torch.uint8)
     dist.recv(data, donor, group)
-    return load_handoff(data.numpy().tobytes(), device)
+    return load_handoff(tensor_bytes(data), device)
 
 
 def load_handoff(data: bytes, device: torch.device) -> dict[str, Any]:
