@@ -16,6 +16,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 import logging
+import weakref
 from collections.abc import Callable, Sequence
 from datetime import timedelta
 from typing import Any
@@ -57,6 +58,22 @@ class Link:
     # False: the tensors' storage is another owner's (FSDP2's shards), and the engine gossips
     # copies of them (mirrored.MirroredEngine).
     in_place: bool = True
+
+
+def _let_round_finish(engine: Any) -> None:
+    """Note [A dropped engine lets its round finish]: a mix dropped with a round in flight (its
+    wrapper deleted, or collected, with no ``sync_comms()`` after the last step) finishes the
+    round and absorbs it, as the peers' do, instead of aborting it. An aborted send or receive
+    leaves gloo's connection to that peer mid-message, and every later operation of the group over
+    it, a barrier included, then waits forever. A round that fails (a peer gone) fails within the
+    timeout, and is logged: no one is left to raise it to. An elastic epoch's mix gives its round
+    up first (``closed``), so there this returns at once."""
+    if not engine.in_flight:
+        return
+    try:
+        engine.finish_round()
+    except Exception as error:  # noqa: BLE001 - reported below; nothing is left to raise it to
+        logger.info("gossip_ext: a dropped engine's last round did not finish: %s", error)
 
 
 class InnerMix:
@@ -127,7 +144,7 @@ class InnerMix:
             engine = mirrored.MirroredEngine(engine, tensors, mirrors, synchronous)
         if link.log_every > 0:
             engine = consensus.MeasuredEngine(engine, graph, link.log_every)
-        return cls(
+        mix = cls(
             engine,
             graph,
             overlap=overlap,
@@ -135,6 +152,10 @@ class InnerMix:
             every_step=every_step,
             verbose=link.verbose,
         )
+        # Not at the interpreter's exit: a peer that is gone by then would hold it up to the
+        # timeout.
+        weakref.finalize(mix, _let_round_finish, engine).atexit = False
+        return mix
 
     @classmethod
     def asynchronous(
