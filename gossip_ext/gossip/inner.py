@@ -60,14 +60,17 @@ class Link:
     in_place: bool = True
 
 
+# Note [A dropped engine lets its round finish]
+# ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+# A mix dropped with a round in flight (its wrapper deleted, or collected, with no sync_comms()
+# after the last step) finishes the round and absorbs it, as the peers' do, instead of aborting
+# it. An aborted send or receive leaves gloo's connection to that peer mid-message, and every
+# later operation of the group over it, a barrier included, then waits forever. A round that
+# fails (a peer gone) fails within the timeout and is logged: no one is left to raise it to. An
+# elastic epoch's mix gives its round up on purpose (InnerMix.closed), and leaves this undone.
 def _let_round_finish(engine: Any) -> None:
-    """Note [A dropped engine lets its round finish]: a mix dropped with a round in flight (its
-    wrapper deleted, or collected, with no ``sync_comms()`` after the last step) finishes the
-    round and absorbs it, as the peers' do, instead of aborting it. An aborted send or receive
-    leaves gloo's connection to that peer mid-message, and every later operation of the group over
-    it, a barrier included, then waits forever. A round that fails (a peer gone) fails within the
-    timeout, and is logged: no one is left to raise it to. An elastic epoch's mix gives its round
-    up first (``closed``), so there this returns at once."""
+    """Finishes ``engine``'s round in flight, if any (Note [A dropped engine lets its round
+    finish])."""
     if not engine.in_flight:
         return
     try:
@@ -100,6 +103,8 @@ class InnerMix:
         # What brings messages still on their way to rest, every worker together, where a drained
         # round leaves some (asynchronous push-sum's ``settle``); None: a drain leaves none.
         self._quiesce = quiesce
+        # Note [A dropped engine lets its round finish]; set by build().
+        self._finish_on_drop: weakref.finalize | None = None
 
     @classmethod
     def build(
@@ -152,9 +157,10 @@ class InnerMix:
             every_step=every_step,
             verbose=link.verbose,
         )
+        mix._finish_on_drop = weakref.finalize(mix, _let_round_finish, engine)
         # Not at the interpreter's exit: a peer that is gone by then would hold it up to the
         # timeout.
-        weakref.finalize(mix, _let_round_finish, engine).atexit = False
+        mix._finish_on_drop.atexit = False
         return mix
 
     @classmethod
@@ -246,6 +252,8 @@ class InnerMix:
         absorbed (an elastic worker between epochs, or after it left). Given up first, through
         the transport: an NCCL transport would otherwise wait for the round, up to the timeout,
         before letting go of its communicator, and every member is dropping its own round."""
+        if self._finish_on_drop is not None:
+            self._finish_on_drop.detach()
         if self.engine is not None and self.engine.in_flight:
             self.engine.abandon("its elastic epoch ended")
         return InnerMix(None, self.graph, overlap=False, synch_freq=0, every_step=False)
