@@ -94,6 +94,7 @@ class InnerMix:
         every_step: bool,
         verbose: bool = False,
         quiesce: Callable[[], None] | None = None,
+        finish_on_drop: bool = False,
     ):
         self.engine = engine
         self.graph = graph
@@ -103,8 +104,12 @@ class InnerMix:
         # What brings messages still on their way to rest, every worker together, where a drained
         # round leaves some (asynchronous push-sum's ``settle``); None: a drain leaves none.
         self._quiesce = quiesce
-        # Note [A dropped engine lets its round finish]; set by build().
+        # Note [A dropped engine lets its round finish]. Not at the interpreter's exit: a peer
+        # that is gone by then would hold it up to the timeout.
         self._finish_on_drop: weakref.finalize | None = None
+        if finish_on_drop:
+            self._finish_on_drop = weakref.finalize(self, _let_round_finish, engine)
+            self._finish_on_drop.atexit = False
 
     @classmethod
     def build(
@@ -149,19 +154,15 @@ class InnerMix:
             engine = mirrored.MirroredEngine(engine, tensors, mirrors, synchronous)
         if link.log_every > 0:
             engine = consensus.MeasuredEngine(engine, graph, link.log_every)
-        mix = cls(
+        return cls(
             engine,
             graph,
             overlap=overlap,
             synch_freq=synch_freq,
             every_step=every_step,
             verbose=link.verbose,
+            finish_on_drop=True,
         )
-        mix._finish_on_drop = weakref.finalize(mix, _let_round_finish, engine)
-        # Not at the interpreter's exit: a peer that is gone by then would hold it up to the
-        # timeout.
-        mix._finish_on_drop.atexit = False
-        return mix
 
     @classmethod
     def asynchronous(
