@@ -77,6 +77,7 @@ class GossipStrategy(DDPStrategy):
         self.validate_on = validate_on
         self._own_during_evaluation: dict[str, torch.Tensor] | None = None
         self._step_hook: torch.utils.hooks.RemovableHandle | None = None
+        self._failed = False  # the run raised (on_exception): teardown absorbs nothing
 
     # ----------------------------------------------------------------------------- the model
 
@@ -116,14 +117,17 @@ class GossipStrategy(DDPStrategy):
             self._step_hook = None
         wrapper = self._wrapper
         if wrapper is not None:
-            trainer = self.lightning_module._trainer
-            if trainer is not None and not trainer.interrupted:
+            if not self._failed:
                 # The last step's round is part of the model, as in a loop that ends with
                 # sync_comms(); after an error it stays out (the module holds the last
                 # absorbed model or the last step's).
                 wrapper.sync_comms()
             self.model = self.lightning_module  # drops the wrapper and its engine
         super().teardown()
+
+    def on_exception(self, exception: BaseException) -> None:
+        self._failed = True
+        super().on_exception(exception)
 
     @property
     def _wrapper(self) -> GossipDataParallel | None:
