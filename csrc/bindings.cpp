@@ -297,6 +297,7 @@ void bind_engine(py::module_& m) {
       .def_property_readonly("round", &GossipEngine::round)
       .def_property_readonly("lazy_mixing", &GossipEngine::lazy_mixing)
       .def_property_readonly("bytes_sent", &GossipEngine::bytes_sent)
+      .def_property_readonly("message_bytes", &GossipEngine::message_bytes)
       .def_property_readonly("rank", &GossipEngine::rank)
       .def_property_readonly("world_size", &GossipEngine::world_size)
       .def("flat_buffers",

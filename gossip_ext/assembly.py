@@ -5,20 +5,35 @@ the outer steps and their rule (before the ranks compare configurations, which i
 rule's hyperparameters), the check that every rank was configured alike, the machine hierarchy,
 the broadcast of rank 0's parameters at a job's start, then the inner mix and its engine. A
 static job builds once; an elastic one at every membership epoch (membership_runtime).
+
+What was built is said in one line (:func:`first_line`), logged at rank 0 when a job starts
+(logger ``gossip_ext``, INFO) and kept by the wrapper as ``wire_summary``: the mode, the graph,
+the message format and the bytes each worker sends per step. The bytes are asked of the parts
+themselves before any step: the engine's message to each out-peer of a round (``bytes_sent``
+grows by exactly that), and the outer step's averaging over its period (a ring all-reduce's
+2 (n - 1) / n of the model, a compressed or sparse mean's messages). Traffic inside a machine
+(``nprocs_per_node > 1``) is not counted.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import logging
 import warnings
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
+import gossip_ext
 from gossip_ext import _validation
 from gossip_ext._torch_check import _C
+from gossip_ext.algorithms import Configuration
 from gossip_ext.gossip import hierarchy, inner, transport
+from gossip_ext.outer.asynchronous import AsyncOuterSteps
+from gossip_ext.outer.outer_steps import OuterSteps
+
+logger = logging.getLogger("gossip_ext")
 
 
 @dataclasses.dataclass
@@ -32,6 +47,7 @@ class Parts:
     watch: Any  # _validation.ParameterWatch
     gossip_world_size: int
     is_gossip_leader: bool
+    summary: str  # first_line: the mode, graph, message format and bytes per step
 
 
 def build(model, initial: bool, peers_per_itr: int | None = None) -> Parts:
@@ -118,4 +134,90 @@ def build(model, initial: bool, peers_per_itr: int | None = None) -> Parts:
     watch = _validation.ParameterWatch(
         list(model.module.named_parameters()), model._gossiped[len(named) :]
     )
-    return Parts(outer_steps, mix, node, watch, gossip_world_size, is_gossip_leader)
+    summary = first_line(
+        config,
+        mix,
+        outer_steps,
+        param_bytes=sum(p.numel() * p.element_size() for p in params),
+        gossip_rank=gossip_group.rank() if is_gossip_leader else 0,
+        gossip_world_size=gossip_world_size,
+        world_size=world_size,
+    )
+    if initial and rank == 0:
+        logger.info(summary)
+    return Parts(outer_steps, mix, node, watch, gossip_world_size, is_gossip_leader, summary)
+
+
+# ----------------------------------------------------------------------------- the first line
+
+
+def brief(obj: object) -> str:
+    """``repr`` of an algorithm object with only the arguments that differ from their defaults
+    (``SGP(overlap=True, message_dtype='int8')``), the arguments it requires included."""
+    if obj is None or not dataclasses.is_dataclass(obj):
+        return repr(obj)
+    said = []
+    for field in dataclasses.fields(obj):
+        if not field.repr or not field.init:
+            continue
+        value = getattr(obj, field.name)
+        if field.default is not dataclasses.MISSING and value == field.default:
+            continue
+        if field.default_factory is not dataclasses.MISSING and value == field.default_factory():
+            continue
+        said.append(f"{field.name}={brief(value)}")
+    return f"{type(obj).__name__}({', '.join(said)})"
+
+
+def megabytes(n: float) -> str:
+    """``n`` bytes to three significant figures, in B, kB, MB or GB."""
+    for unit, scale in (("GB", 1e9), ("MB", 1e6), ("kB", 1e3)):
+        if n >= scale:
+            return f"{n / scale:.3g} {unit}"
+    return f"{n:.3g} B"
+
+
+def first_line(
+    config: Configuration,
+    mix: inner.InnerMix,
+    outer: OuterSteps | AsyncOuterSteps,
+    *,
+    param_bytes: int,
+    gossip_rank: int,
+    gossip_world_size: int,
+    world_size: int,
+) -> str:
+    """What a worker of ``config`` will do with the ``mix`` and ``outer`` steps built for it, in
+    one line. ``param_bytes``: its parameters' bytes; ``gossip_rank`` of ``gossip_world_size``:
+    its place among the gossiping processes, of ``world_size`` in all."""
+    round_bytes = mix.bytes_per_round(gossip_rank, gossip_world_size)
+    gossip_bytes = round_bytes if mix.every_step else 0.0
+    outer_bytes = outer.bytes_per_step(int(round_bytes))
+    said = [f"gossip_ext {gossip_ext.__version__}: {world_size} workers"]
+    if gossip_world_size != world_size:
+        said[0] += f" ({gossip_world_size} gossiping, {config.nprocs_per_node} a machine)"
+    mode = [brief(o) for o in (config.gossip, config.outer, config.membership) if o is not None]
+    said.append("mode " + " + ".join(mode))
+    if mix.engine is not None:
+        said.append(f"graph {config.graph!r}")
+        dtype = config.message_dtype
+        fmt = "the parameters' dtype" if dtype is None else str(dtype).replace("torch.", "")
+        said.append(
+            f"messages in {fmt}, {megabytes(mix.engine.message_bytes)} to each out-peer "
+            f"({mix.engine.message_bytes / param_bytes:.3g}x the parameters' "
+            f"{megabytes(param_bytes)})"
+        )
+    # Asynchronous modes skip a peer still busy with the last message, so the figure is a
+    # bound; synchronous ones send exactly it (tests/test_first_line.py).
+    if outer_bytes is None:
+        said.append(
+            f"at most {megabytes(gossip_bytes)} a step sent per worker by gossip, and the outer "
+            "step's averaging, whose bytes it does not say"
+        )
+    else:
+        parts = [f"gossip {megabytes(gossip_bytes)}", f"outer steps {megabytes(outer_bytes)}"]
+        said.append(
+            f"at most {megabytes(gossip_bytes + outer_bytes)} a step sent per worker "
+            f"({', '.join(part for part in parts if not part.endswith(' 0 B'))})"
+        )
+    return "; ".join(said)

@@ -56,3 +56,34 @@ def test_quantized_rounds_move_a_fraction_of_float32s_interface_bytes():
         assert r[name]["interface"] <= 1.05 * r[name]["computed"] + 64_000, (name, r[name])
     assert r["int8"]["interface"] <= 0.30 * r["float32"]["interface"], r
     assert r["int4"]["interface"] <= 0.17 * r["float32"]["interface"], r
+
+
+def _outer_step_interface_bytes(rank: int, world_size: int) -> dict:
+    import functools
+
+    import test_first_line
+
+    module = nn.Linear(PARAMS // 4, 4, bias=False)
+    outer = gossip_ext.DiLoCo(functools.partial(torch.optim.SGD, lr=0.7), every=1)
+    model = gossip_ext.GossipDataParallel(module, gossip=None, outer=outer)
+    model(torch.zeros(1, PARAMS // 4))
+    dist.barrier()
+    rounds = []
+    for _ in range(ROUNDS):
+        before = _tx_bytes()
+        model.transfer_params()  # the outer step: its all-reduce
+        dist.barrier()
+        rounds.append(_tx_bytes() - before)
+    logged = test_first_line._figure(model.wire_summary, "outer steps ")
+    return {"interface": min(rounds), "logged": logged.expected}
+
+
+def test_the_outer_steps_logged_bytes_are_what_the_all_reduce_puts_on_the_wire():
+    """The first line's outer-step figure for an all-reduce is a ring's 2 (n - 1) / n of the
+    model from each worker: on 3 workers 4/3 of it (another algorithm would send more)."""
+    results = run_ranks(3, _outer_step_interface_bytes)
+    logged = results[0]["logged"]
+    assert logged == pytest.approx(2 * 2 * (PARAMS + 1) * 4 / 3, rel=5e-3)
+    # Loopback counts every worker's sends: 3 of them.
+    interface = results[0]["interface"]
+    assert 0.99 * 3 * logged <= interface <= 1.05 * 3 * logged + 64_000, (interface, logged)

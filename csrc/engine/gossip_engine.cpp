@@ -105,6 +105,15 @@ GossipEngine::GossipEngine(const std::vector<at::Tensor>& params,
   transport_->connect_peers(graph_.peers(rank()));  // collective: every rank builds its engine
 }
 
+int64_t GossipEngine::message_bytes() const {
+  int64_t bytes = 0;
+  for (size_t g = 0; g < groups_.size(); ++g) {
+    const at::Tensor& message = in_place_ ? groups_[g].flat : send_[g];
+    bytes += static_cast<int64_t>(message.nbytes());
+  }
+  return bytes;
+}
+
 at::Tensor GossipEngine::weight_slot(const at::Tensor& message) const {
   const int64_t weight_bytes = static_cast<int64_t>(c10::elementSize(weight_dtype_));
   const int64_t total_bytes = message.numel() * static_cast<int64_t>(message.element_size());

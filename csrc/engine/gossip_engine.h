@@ -184,6 +184,9 @@ class GossipEngine {
   bool lazy_mixing() const { return lazy_; }
   // Bytes this rank has posted to its peers so far, every message counted once per peer.
   int64_t bytes_sent() const { return bytes_sent_; }
+  // Bytes of the message a round sends to one out-peer, every dtype group's together: what
+  // bytes_sent() grows by per out-peer and round (padding and any weight slot included).
+  int64_t message_bytes() const;
   const Graph& graph() const { return graph_; }
   int rank() const { return transport_->rank(); }
   int world_size() const { return transport_->world_size(); }

@@ -145,7 +145,8 @@ class ByCollective(OuterAverage):
         """The exact all-reduce (of the parameters; of a fragment's pseudo-gradients), or the
         exact mean of the pseudo-gradients in ``dtype``'s messages."""
         if self.dtype is None:
-            return (AllReducePseudoGradientMean if streamed else AllReduceMean)(group, timeout)
+            exact = AllReducePseudoGradientMean if streamed else AllReduceMean
+            return exact(group, timeout, buckets.layout())
         layout, device = buckets.layout(), buckets.device(0)
         own = getattr(self.dtype, "mean_over", None)  # a message format of its own (TopK)
         if own is not None:

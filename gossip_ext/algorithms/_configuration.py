@@ -183,6 +183,11 @@ class Configuration:
         return getattr(self.engine_owner, "graph", None) or default_graph()
 
     @property
+    def message_dtype(self) -> torch.dtype | str | None:
+        """The format of the engine's messages (None: the parameters' own dtype)."""
+        return getattr(self.engine_owner, "message_dtype", None)
+
+    @property
     def mixing(self) -> MixingBase:
         return getattr(self.engine_owner, "mixing", None) or UniformMixing()
 

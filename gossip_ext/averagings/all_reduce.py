@@ -12,6 +12,7 @@ with everyone, so no broadcast inside the machine is needed.
 from __future__ import annotations
 
 import datetime
+from collections.abc import Sequence
 
 import torch
 import torch.distributed as dist
@@ -37,9 +38,25 @@ class AllReduceMean(Averaging):
     # time, as a plain all-reduce has (the whole model's step, which waits at once anyway).
     flags_before_sending = True
 
-    def __init__(self, group: dist.ProcessGroup, timeout: datetime.timedelta = DEFAULT_TIMEOUT):
+    def __init__(
+        self,
+        group: dist.ProcessGroup,
+        timeout: datetime.timedelta = DEFAULT_TIMEOUT,
+        layout: Sequence[tuple[int, torch.dtype]] | None = None,
+    ):
         self.group = group
         self.timeout = timeout
+        self.layout = None if layout is None else list(layout)  # (elements, dtype) per bucket
+
+    def bytes_per_step(self, round_bytes: int = 0) -> int | None:
+        """What a ring all-reduce (gloo's and NCCL's algorithm for these sizes) sends from each
+        worker: 2 (n - 1) / n of every bucket's message (its values and the weight's element);
+        the senders' flags add a few bytes. None where the layout was not given."""
+        if self.layout is None:
+            return None
+        message = sum((n + 1) * torch.empty((), dtype=d).element_size() for n, d in self.layout)
+        n = dist.get_world_size(self.group)
+        return 2 * (n - 1) * message // n
 
     def _read(self, contribution: Contribution, bucket: int, out: torch.Tensor) -> None:
         """This worker's values of ``bucket``, into ``out`` (the message: no copy of its own)."""

@@ -159,7 +159,7 @@ class CompressedMean(Averaging):
             torch.zeros(s, dtype=d, device=device) for s, (_, d) in zip(self.shard, self.layout)
         ]
 
-    def bytes_per_step(self) -> int:
+    def bytes_per_step(self, round_bytes: int = 0) -> int:
         """Bytes this rank sends per outer step, message padding included."""
         return bytes_per_step([n for n, _ in self.layout], self.world_size, self.message_dtype)
 

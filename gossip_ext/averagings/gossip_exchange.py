@@ -88,6 +88,12 @@ class GossipMean(Averaging):
             self.graph.in_peers(self.rank, self.world_size, round),
         )
 
+    def bytes_per_step(self, round_bytes: int = 0) -> int:
+        """One message of every bucket (its values and the weight) to each out-peer of a round
+        (the built-in graphs send to as many in every round)."""
+        message = sum((n + 1) * torch.empty((), dtype=d).element_size() for n, d in self.layout)
+        return len(self.peers(0)[0]) * message
+
     def _tag(self, round: int, bucket: int) -> int:
         return transport.outer_exchange_tag(round * MAX_BUCKETS + bucket)
 

@@ -166,8 +166,10 @@ class Averaging(abc.ABC):
         (default; an averaging that leaves workers apart keeps it)."""
         mix.reset_weight()
 
-    def bytes_per_step(self) -> int | None:
-        """Bytes this worker sends per step, where known."""
+    def bytes_per_step(self, round_bytes: int = 0) -> int | None:
+        """Bytes this worker sends per outer step, where known (None: not known).
+        ``round_bytes``: what one round of the inner engine sends, for an averaging that runs
+        one."""
         return None
 
     def state_dict(self) -> dict[str, Any] | None:

@@ -32,6 +32,10 @@ class RoundMean(Averaging):
             raise
         return ParameterMean(contribution.parameters())
 
+    def bytes_per_step(self, round_bytes: int = 0) -> int:
+        """One round of the engine."""
+        return round_bytes
+
     def before_whole_step(self, mix) -> None:
         """The round itself absorbs what is in flight."""
 

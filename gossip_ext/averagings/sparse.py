@@ -168,7 +168,7 @@ class SparseMean(Averaging):
         self.codecs = [_Codec(format, n) for n, _ in self.layout]
         self.residuals = [torch.zeros(n, dtype=d, device=device) for n, d in self.layout]
 
-    def bytes_per_step(self) -> int:
+    def bytes_per_step(self, round_bytes: int = 0) -> int:
         return self.format.bytes_per_step([n for n, _ in self.layout], self.world_size)
 
     def mean(self, values: Sequence[torch.Tensor], weight: float | None) -> PseudoGradientMean:

@@ -129,7 +129,7 @@ class SparseGossip(Averaging):
         self.neighbourhood = [torch.zeros(n, dtype=d, device=device) for n, d in self.layout]
         self.steps = 0  # outer steps mixed: the round in errors and tags
 
-    def bytes_per_step(self) -> int:
+    def bytes_per_step(self, round_bytes: int = 0) -> int:
         """Bytes this worker sends per outer step: its message to each neighbour."""
         return len(self.neighbours) * self.message_bytes
 

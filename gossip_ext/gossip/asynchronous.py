@@ -340,6 +340,11 @@ class AsyncPushSum:
         return self._bytes_sent
 
     @property
+    def message_bytes(self) -> int:
+        """Bytes of a round's message to one out-peer (its header included)."""
+        return self._codec.nbytes
+
+    @property
     def lazy_mixing(self) -> bool:
         return False
 

@@ -286,6 +286,16 @@ class InnerMix:
     def bytes_sent(self) -> int:
         return 0 if self.engine is None else int(self.engine.bytes_sent)
 
+    def bytes_per_round(self, rank: int, world_size: int) -> float:
+        """Bytes a round of this worker (``rank`` of ``world_size`` gossiping) sends: its message
+        to each out-peer, the mean over the graph's first rounds (the built-in graphs send to as
+        many peers in every round)."""
+        if self.engine is None or world_size == 1:
+            return 0.0
+        rounds = range(2 * world_size)
+        peers = sum(len(self.graph.out_peers(rank, world_size, r)) for r in rounds) / len(rounds)
+        return peers * int(self.engine.message_bytes)
+
     @property
     def in_flight(self) -> bool:
         return self.engine is not None and bool(self.engine.in_flight)

@@ -400,6 +400,12 @@ class AsyncOuterSteps:
         self._finalizer.detach()
         mailbox.leave(self._departures, self.rank, self._boxes, "it was closed", self._period)
 
+    def bytes_per_step(self, round_bytes: int) -> float:
+        """At most what this worker sends per inner step: its pseudo-gradient to every other
+        worker once a period of ``every`` steps (a peer still busy with the last one is sent
+        nothing, and the next message carries both: Note [Owed pseudo-gradients])."""
+        return (self.world_size - 1) * self._codec.nbytes / self.every
+
     def align_in_flight(self, step: int) -> None:
         """Never called: an elastic job refuses asynchronous outer steps."""
 

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import dataclasses
 import datetime
+import math
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
@@ -75,7 +76,8 @@ class OuterSteps:
         self.buckets = ParameterBuckets(params)
         self.buffer_buckets = ParameterBuckets(buffers)
         self.group = group
-        self.exact = AllReduceMean(group, timeout)  # plain averages and the buffers
+        # Plain averages and the buffers.
+        self.exact = AllReduceMean(group, timeout, self.buckets.layout())
         self.averaging = averaging if averaging is not None else self.exact
         self.average_every = average_every
         self.rule = rule
@@ -144,6 +146,24 @@ class OuterSteps:
         elif kind == AVERAGE:
             self._whole_step(self.exact, _PLAIN, step, context)
         return kind == STREAM
+
+    def bytes_per_step(self, round_bytes: int) -> float | None:
+        """Bytes this worker sends per optimizer step for the outer steps and plain averages,
+        the mean over their period; None where an averaging does not know. ``round_bytes``:
+        what one round of the inner engine sends (an averaging that runs one)."""
+        sent = 0.0
+        if self.sync_every:
+            period = self.rule.bytes_per_period(self.averaging, round_bytes)
+            if period is None:
+                return None
+            sent += period / self.sync_every
+        if self.average_every:
+            # Plain averages on the steps no outer step takes.
+            share = 1 / self.average_every
+            if self.sync_every:
+                share -= 1 / math.lcm(self.average_every, self.sync_every)
+            sent += share * self.exact.bytes_per_step()
+        return sent
 
     def average_now(self, step: int, context: StepContext) -> None:
         """A plain exact average now (``average_parameters()``). Collective."""

@@ -25,6 +25,7 @@ from typing import Any
 
 import torch
 
+from gossip_ext.averagings import Averaging
 from gossip_ext.averagings.buckets import ParameterBuckets, check_saved
 
 
@@ -59,6 +60,12 @@ class OuterRule:
     # The global parameters, one flat tensor per bucket, whose difference from a worker's
     # parameters is its pseudo-gradient; None for a rule without them.
     theta_global: list[torch.Tensor] | None = None
+
+    def bytes_per_period(self, averaging: Averaging, round_bytes: int) -> int | None:
+        """Bytes this worker sends in one period of ``sync_every`` steps: one outer step's
+        ``averaging`` (default; None where it does not know). ``round_bytes``: what one round
+        of the inner engine sends."""
+        return averaging.bytes_per_step(round_bytes)
 
     @property
     def optimizers(self) -> list[torch.optim.Optimizer]:

@@ -220,6 +220,11 @@ class StreamingOuter(OuterRule):
             [f.rule.describe() for f in self.fragments],
         )
 
+    def bytes_per_period(self, averaging: Averaging, round_bytes: int) -> int | None:
+        """Every fragment is averaged once a period, each by its own averaging."""
+        sent = [f.averaging.bytes_per_step(round_bytes) for f in self.fragments]
+        return None if None in sent else sum(sent)
+
     def has_action(self, step: int) -> bool:
         return bool(self.schedule.actions(step))
 

@@ -599,6 +599,9 @@ TEST(GossipEngineTest, CompressedMessagesConserveMassAndShrinkTheWire) {
     // slot: 24 bytes, 16 in 16 bits; a float64 group of 4 elements: 40 bytes, 16 in 16 bits.
     EXPECT_EQ(full.engines[0]->bytes_sent(), 20 * 2 * (24 + 40));
     EXPECT_EQ(compressed.engines[0]->bytes_sent(), 20 * 2 * (16 + 16));
+    // message_bytes() says the same before any round: what one out-peer is sent each round.
+    EXPECT_EQ(full.engines[0]->message_bytes(), 24 + 40);
+    EXPECT_EQ(compressed.engines[0]->message_bytes(), 16 + 16);
   }
 }
 
