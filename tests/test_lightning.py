@@ -148,8 +148,6 @@ def test_what_it_cannot_run_is_refused_naming_why():
         assert "gave 2 optimizers" in error[1], error
     with pytest.raises(ValueError, match="validate_on must be 'average' or 'worker', got 'mean'"):
         GossipStrategy(validate_on="mean")
-    with pytest.raises(ValueError, match="membership=.*elastic job"):
-        GossipStrategy(membership=gossip_ext.Elastic("127.0.0.1:1"))
     with pytest.raises(ValueError, match="nprocs_per_node=2"):
         GossipStrategy(nprocs_per_node=2)
 

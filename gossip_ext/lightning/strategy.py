@@ -4,7 +4,8 @@ It is Lightning's DDP strategy (its launcher, torchrun, the process group, ``syn
 reductions, barriers and broadcasts) with the model wrapped in
 :class:`gossip_ext.GossipDataParallel` instead of ``DistributedDataParallel``: every worker takes
 its own optimizer step, then the wrapper's algorithm runs (a gossip round, or the outer step that
-takes its place), started by a hook on the optimizer's step.
+takes its place), started by a hook on the optimizer's step. With an elastic membership each
+worker is a run of its own, and the membership service makes the job (module ``jobs``).
 """
 
 from __future__ import annotations
@@ -12,7 +13,7 @@ from __future__ import annotations
 import os
 from datetime import timedelta
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any
 
 import pytorch_lightning as pl
 import torch
@@ -25,7 +26,7 @@ from torch import nn
 
 from .. import algorithms
 from ..distributed import GossipDataParallel
-from . import checkpoints
+from . import checkpoints, jobs
 
 _DEFAULT_GOSSIP = algorithms.SGP()
 
@@ -40,19 +41,26 @@ class GossipStrategy(DDPStrategy):
         gossip, outer: the wrapper's algorithm objects (:class:`gossip_ext.GossipDataParallel`):
             ``SGP``, ``PushPull`` or ``AsyncSGP``, or None with ``outer`` (``Average``,
             ``SlowMo``, ``DiLoCo``, ``AsyncDiLoCo``).
-        validate_on: ``"average"`` (default): validation and testing run on the workers' average
-            (push-sum's consensus value, the model a checkpoint saves for inference), computed
-            for the evaluation and then put back; ``"worker"``: each worker evaluates its own
-            model (log with ``sync_dist=True`` to see their mean).
+        membership: ``Elastic(...)``: this worker joins an elastic job (docs/elastic.md), started
+            on its own with ``Trainer(devices=1)``; workers may die, stall, leave and join. Each
+            draws the whole dataset in an order seeded by its worker id, validates and
+            checkpoints its own model (to ``PATH.workerN``), ``sync_dist`` reduces over itself
+            alone, it leaves the job when ``fit`` ends, and ``ckpt_path`` is refused (a joiner
+            takes the members' model). Asynchronous outer steps are refused, as without Lightning.
+        validate_on: ``"average"`` (default without a membership): validation and testing run on
+            the workers' average (push-sum's consensus value, the model a checkpoint saves for
+            inference), computed for the evaluation and then put back; ``"worker"`` (the default
+            and the only choice with a membership): each worker evaluates its own model (log
+            with ``sync_dist=True`` to see their mean).
         timeout: how long a round waits for a peer (:class:`gossip_ext.PeerTimeoutError`) and
             the process group's timeout.
         **wrapper_kwargs: the wrapper's other keywords (``broadcast_buffers``,
             ``gossip_buffers``, ``log_every``, ``verbose``).
 
-    Refused, naming why: an elastic membership (Lightning's launcher owns the process group),
-    ``nprocs_per_node`` (Lightning's devices are the workers), more than one optimizer (each
-    step would start a round of its own), and ``precision="16-mixed"`` (its gradient scaler skips
-    a step on one worker alone, which would put that worker a round behind the others).
+    Refused, naming why: ``nprocs_per_node`` (Lightning's devices are the workers), more than
+    one optimizer (each step would start a round of its own), and ``precision="16-mixed"`` (its
+    gradient scaler skips a step on one worker alone, which would put that worker a round behind
+    the others).
     """
 
     strategy_name = "gossip"
@@ -61,13 +69,22 @@ class GossipStrategy(DDPStrategy):
         self,
         gossip: algorithms.Gossip | None = _DEFAULT_GOSSIP,
         outer: algorithms.Outer | None = None,
+        membership: algorithms.Elastic | None = None,
         *,
-        validate_on: Literal["average", "worker"] = "average",
+        validate_on: jobs.ValidateOn | None = None,
         timeout: timedelta = timedelta(minutes=5),
         **wrapper_kwargs: Any,
     ) -> None:
+        if membership is not None and not isinstance(membership, algorithms.Elastic):
+            raise TypeError(
+                f"GossipStrategy: membership must be a gossip_ext.Elastic, got {membership!r}"
+            )
+        self._job = jobs.LaunchedJob() if membership is None else jobs.ElasticJob(membership)
+        if validate_on is None:
+            validate_on = self._job.default_validate_on
         if validate_on not in ("average", "worker"):
             raise ValueError(f"validate_on must be 'average' or 'worker', got {validate_on!r}")
+        self._job.check_validate_on(validate_on)
         for name, why in _REFUSED_KEYWORDS.items():
             if name in wrapper_kwargs:
                 raise ValueError(f"GossipStrategy: {name}={wrapper_kwargs[name]!r}: {why}")
@@ -87,9 +104,21 @@ class GossipStrategy(DDPStrategy):
         # construction broadcasts rank 0's parameters).
         return True
 
+    def setup_distributed(self) -> None:
+        self._job.setup_distributed(super().setup_distributed, self.set_world_ranks)
+
+    @property
+    def distributed_sampler_kwargs(self) -> dict[str, Any]:
+        return self._job.sampler_kwargs(super().distributed_sampler_kwargs, self._wrapper)
+
     def _setup_model(self, model: nn.Module) -> GossipDataParallel:
         return GossipDataParallel(
-            model, self._gossip, self._outer, timeout=self._gossip_timeout, **self._wrapper_kwargs
+            model,
+            self._gossip,
+            self._outer,
+            self._job.membership,
+            timeout=self._gossip_timeout,
+            **self._wrapper_kwargs,
         )
 
     def setup(self, trainer: pl.Trainer) -> None:
@@ -99,6 +128,7 @@ class GossipStrategy(DDPStrategy):
                 "optimizer step on a worker whose gradients overflowed, and that worker alone "
                 "would fall a gossip round behind; use precision='bf16-mixed'"
             )
+        self._job.check_world_size(self.world_size)
         super().setup(trainer)
         if trainer.state.fn != TrainerFn.FITTING:
             return
@@ -118,10 +148,9 @@ class GossipStrategy(DDPStrategy):
         wrapper = self._wrapper
         if wrapper is not None:
             if not self._failed:
-                # The last step's round is part of the model, as in a loop that ends with
-                # sync_comms(); after an error it stays out (the module holds the last
-                # absorbed model or the last step's).
-                wrapper.sync_comms()
+                # The last step's round is part of the model; after an error it stays out (the
+                # module holds the last absorbed model or the last step's).
+                self._job.finish(wrapper)
             self.model = self.lightning_module  # drops the wrapper and its engine
         super().teardown()
 
@@ -173,21 +202,23 @@ class GossipStrategy(DDPStrategy):
         if self._wrapper is None or self._own_during_evaluation is not None:
             return own
         self._wrapper.sync_comms()
-        return self._average(own)
+        return self._job.inference_state(own, self._wrapper)
 
     def save_checkpoint(
         self, checkpoint: dict[str, Any], filepath: _PATH, storage_options: Any | None = None
     ) -> None:
-        if self._wrapper is not None:
-            checkpoint = dict(checkpoint)
-            checkpoint[checkpoints.WORKER_KEY] = checkpoints.worker_state(
-                self.global_rank, self.world_size, self._wrapper.state_dict()
-            )
-        path = checkpoints.worker_path(filepath, self.global_rank)
-        if self.global_rank == 0 or self._wrapper is not None:
+        wrapper = self._wrapper
+        entry = None if wrapper is None else self._job.worker_entry(
+            self.global_rank, self.world_size, wrapper
+        )  # fmt: skip
+        if entry is not None:
+            checkpoint = {**checkpoint, checkpoints.WORKER_KEY: entry}
+        path = self._job.worker_file(filepath, self.global_rank, wrapper)
+        if path is not None:
             self.checkpoint_io.save_checkpoint(checkpoint, path, storage_options=storage_options)
 
     def load_checkpoint(self, checkpoint_path: _PATH, weights_only: bool | None = None) -> dict:
+        self._job.check_resume(checkpoint_path)
         own = checkpoints.worker_path(checkpoint_path, self.global_rank)
         path = own if Path(own).exists() else checkpoint_path
         return self.checkpoint_io.load_checkpoint(path, weights_only=weights_only)
@@ -204,8 +235,8 @@ class GossipStrategy(DDPStrategy):
             super().load_model_state_dict(checkpoint, strict=strict)
 
     def remove_checkpoint(self, filepath: _PATH) -> None:
-        path = checkpoints.worker_path(filepath, self.global_rank)
-        if self.global_rank == 0 or os.path.exists(path):
+        path = self._job.worker_file(filepath, self.global_rank, self._wrapper)
+        if path is not None and (self.global_rank == 0 or os.path.exists(path)):
             self.checkpoint_io.remove_checkpoint(path)
 
     @classmethod
@@ -221,8 +252,6 @@ class GossipStrategy(DDPStrategy):
 
 
 _REFUSED_KEYWORDS = {
-    "membership": "an elastic job needs no process group of the launcher's, and Lightning's "
-    "launcher makes one; run an elastic job with GossipDataParallel in your own loop",
     "nprocs_per_node": "Lightning's devices are the workers: each process gossips",
     "process_group": "the strategy trains in Lightning's process group",
 }
