@@ -13,6 +13,7 @@ pytest.importorskip(
     "pytorch_lightning", reason="the Lightning extra: pip install gossip_ext[lightning]"
 )
 
+import pytorch_lightning as pl  # noqa: E402
 import torch  # noqa: E402
 from lightning_workers import (  # noqa: E402
     Regression,
@@ -75,6 +76,39 @@ def test_the_trainer_trains_as_the_hand_written_loop_with_the_same_objects(algor
             torch.testing.assert_close(p, q, rtol=0, atol=1e-6)
     # The workers' models differ (their data do): each trained its own.
     assert not torch.equal(ranks[0][0][1][0], ranks[1][0][1][0])
+
+
+class _KeepsTheWrapper(pl.Callback):
+    def on_train_start(self, trainer, module):
+        self.wrapper = trainer.strategy.model
+
+
+def _fit_asynchronously(rank: int, world_size: int, algorithm: tuple):
+    as_torchrun_worker(rank, world_size)
+    module, kept = Regression(), _KeepsTheWrapper()
+    run = trainer(world_size, GossipStrategy(*algorithm), max_epochs=6, callbacks=[kept])
+    run.fit(module, train_dataloaders=loader(rank))
+    # What the strategy's teardown left: every message sent absorbed (settle()).
+    weights = [None] * world_size
+    torch.distributed.all_gather_object(weights, kept.wrapper.ps_weight)
+    return module.losses, parameters(module), parameters(Regression()), weights
+
+
+@pytest.mark.parametrize(
+    "algorithm",
+    [(gossip_ext.AsyncSGP(),), (None, gossip_ext.AsyncDiLoCo(lr=0.7, every=3))],
+    ids=["async-sgp", "async-diloco"],
+)
+def test_the_asynchronous_modes_train_and_end_at_rest(algorithm):
+    """No loop can equal an asynchronous run step for step (arrivals decide what is absorbed):
+    the Trainer runs every step, every worker ends with a finite trained model, and fit ends
+    with the gossip at rest: the push-sum weights sum to the number of workers again, nothing
+    of the mass in flight."""
+    for losses, params, untrained, weights in run_ranks(WORLD, _fit_asynchronously, algorithm):
+        assert len(losses) == 18 and all(torch.isfinite(torch.tensor(losses)))
+        assert all(bool(p.isfinite().all()) for p in params)
+        assert any(not torch.equal(p, q) for p, q in zip(params, untrained))
+        assert sum(weights) == pytest.approx(WORLD, abs=1e-5), weights
 
 
 def _resume(rank: int, world_size: int, root: str):

@@ -51,10 +51,16 @@ class Job(abc.ABC):
         (``launched``: DDP's)."""
 
     @abc.abstractmethod
+    def at_rest(self, wrapper: GossipDataParallel) -> None:
+        """Before this worker's model is read as the job's (validation on the average, a
+        checkpoint): nothing of it left in flight."""
+
+    @abc.abstractmethod
     def inference_state(
         self, own: Mapping[str, torch.Tensor], wrapper: GossipDataParallel
     ) -> dict[str, torch.Tensor]:
-        """The model a checkpoint saves for inference, from this worker's ``own`` state."""
+        """The model a checkpoint saves for inference (and ``validate_on="average"`` validates),
+        from this worker's ``own`` state, after :meth:`at_rest`."""
 
     @abc.abstractmethod
     def worker_file(self, filepath: str | Path, rank: int, wrapper: GossipDataParallel | None):
@@ -90,6 +96,12 @@ class LaunchedJob(Job):
     def sampler_kwargs(self, launched: dict[str, Any], wrapper: GossipDataParallel | None) -> dict:
         return launched
 
+    def at_rest(self, wrapper: GossipDataParallel) -> None:
+        # Every worker is here together (validation, a checkpoint, the end of fit): under
+        # AsyncSGP every message sent is absorbed, so the weighted mean is exactly the mean of
+        # what the workers held; in the synchronous modes it is sync_comms().
+        wrapper.settle()
+
     def inference_state(
         self, own: Mapping[str, torch.Tensor], wrapper: GossipDataParallel
     ) -> dict[str, torch.Tensor]:
@@ -107,8 +119,8 @@ class LaunchedJob(Job):
         pass
 
     def finish(self, wrapper: GossipDataParallel) -> None:
-        # As a loop that ends with sync_comms().
-        wrapper.sync_comms()
+        # As a loop that ends with sync_comms() (settle() under AsyncSGP).
+        self.at_rest(wrapper)
 
 
 class ElasticJob(Job):
@@ -145,6 +157,10 @@ class ElasticJob(Job):
         # the members change, so no shard of the data could stay a worker's.
         worker_id = 0 if wrapper is None else wrapper.worker_id
         return {"num_replicas": 1, "rank": 0, "seed": _base_seed() + worker_id}
+
+    def at_rest(self, wrapper: GossipDataParallel) -> None:
+        # This worker's own round only: the members are not here together.
+        wrapper.sync_comms()
 
     def inference_state(
         self, own: Mapping[str, torch.Tensor], wrapper: GossipDataParallel

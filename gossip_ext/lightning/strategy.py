@@ -178,31 +178,28 @@ class GossipStrategy(DDPStrategy):
 
     def _evaluate_on_choice(self) -> None:
         # Lightning has put the wrapper in eval mode, which absorbed the round in flight.
-        if self.validate_on != "average" or self._wrapper is None:
+        wrapper = self._wrapper
+        if self.validate_on != "average" or wrapper is None:
             return
+        self._job.at_rest(wrapper)
         module = self.lightning_module
         self._own_during_evaluation = {k: v.clone() for k, v in module.state_dict().items()}
-        module.load_state_dict(self._average(self._own_during_evaluation))
+        module.load_state_dict(self._job.inference_state(self._own_during_evaluation, wrapper))
 
     def _put_back_own_model(self) -> None:
         if self._own_during_evaluation is not None:
             self.lightning_module.load_state_dict(self._own_during_evaluation)
             self._own_during_evaluation = None
 
-    def _average(self, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        wrapper = self._wrapper
-        weight = wrapper.ps_weight if wrapper is not None else 1.0
-        return checkpoints.consensus_state_dict(state, weight, None)
-
     # ----------------------------------------------------------------------------- checkpoints
 
     def lightning_module_state_dict(self) -> dict[str, Any]:
         """The workers' average, for inference (collective: every rank saves)."""
-        own = self.lightning_module.state_dict()
-        if self._wrapper is None or self._own_during_evaluation is not None:
-            return own
-        self._wrapper.sync_comms()
-        return self._job.inference_state(own, self._wrapper)
+        wrapper = self._wrapper
+        if wrapper is None or self._own_during_evaluation is not None:
+            return self.lightning_module.state_dict()
+        self._job.at_rest(wrapper)
+        return self._job.inference_state(self.lightning_module.state_dict(), wrapper)
 
     def save_checkpoint(
         self, checkpoint: dict[str, Any], filepath: _PATH, storage_options: Any | None = None
