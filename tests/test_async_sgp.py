@@ -8,7 +8,6 @@ import time
 
 import pytest
 import torch
-import torch.distributed as dist
 from multiprocess import run_ranks
 from torch import nn
 
@@ -41,15 +40,30 @@ def _train(rank, world_size, gossip, steps, delays):
         opt.step()
         model.transfer_params()
     elapsed = time.monotonic() - begin
-    # A fast worker waits for the others at the end, as DDP's last step does: this process ends
-    # by os._exit, which runs no finalizer to tell its peers that it finished (docs/algorithms.md).
-    dist.barrier()
+    # What a user reads the moment its last step is taken: its own model, mixed with whatever
+    # arrived by then (a fast worker's may hold a slow peer's message of many steps ago).
     model.eval()
+    read = {k: v.clone() for k, v in model.module.state_dict().items()}
+    read_loss = _held_out_loss(model, world_size)
+    # The job's end, every worker together (settle, as the docs say to before evaluating the
+    # job): every message sent is absorbed, the slow worker's last ones included. This process
+    # ends by os._exit, which runs no finalizer to tell its peers that it finished.
+    model.settle()
     state = {k: v.clone() for k, v in model.module.state_dict().items()}
+    return {
+        "read": read,
+        "read_loss": read_loss,
+        "state": state,
+        "loss": _held_out_loss(model, world_size),
+        "elapsed": elapsed,
+        "weight": model.ps_weight,
+    }
+
+
+def _held_out_loss(model: nn.Module, world_size: int) -> float:
     with torch.no_grad():
         x, y = _batch(world_size, 10_000)  # held out: no rank trained on it
-        loss = float(nn.functional.mse_loss(model(x), y))
-    return {"state": state, "loss": loss, "elapsed": elapsed, "weight": model.ps_weight}
+        return float(nn.functional.mse_loss(model(x), y))
 
 
 def _both(rank, world_size, steps):
@@ -85,10 +99,18 @@ def test_with_a_slow_worker_the_others_keep_their_pace_and_every_model_is_valid(
         assert results[rank]["elapsed"] < 0.6 * slow, [r["elapsed"] for r in results]
     before = _untrained_loss()
     for result in results:
-        assert all(torch.isfinite(v).all() for v in result["state"].values())
-        # Trained: measured 1.6-6.2 against 20-22 untrained (1.8 for synchronous SGP).
-        assert result["loss"] < 0.4 * before, ([r["loss"] for r in results], before)
+        # Read between steps and at rest: valid models, each better than an untrained one.
+        # Measured held-out losses 1.4-5.6 on a quiet machine, against 22 untrained (1.8 for
+        # synchronous SGP); with two busy loops beside the test, one run in six left two fast
+        # workers at 12-14: a fast worker gives half its weight away every round, so its own
+        # steps count for less in the mass than the slow worker's (docs/algorithms.md,
+        # "Asynchronous gossip"), and a slow peer's stale message can outweigh them.
+        for model, loss in (("read", "read_loss"), ("state", "loss")):
+            assert all(torch.isfinite(v).all() for v in result[model].values())
+            assert result[loss] < 0.7 * before, ([r[loss] for r in results], before)
         assert result["weight"] > 0
+    # At rest nothing is in flight: the weights sum to the number of workers.
+    assert sum(r["weight"] for r in results) == pytest.approx(4, abs=1e-6)
 
 
 def _settled(rank, world_size, steps, delays):
