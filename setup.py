@@ -24,7 +24,6 @@ from torch.utils.cpp_extension import (  # noqa: E402
     CUDAExtension,
 )
 
-
 VERSION = "0.1.0"  # gossip_ext.__version__
 
 

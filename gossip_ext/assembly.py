@@ -7,8 +7,8 @@ the broadcast of rank 0's parameters at a job's start, then the inner mix and it
 static job builds once; an elastic one at every membership epoch (membership_runtime).
 
 What was built is said in one line (:func:`first_line`), logged at rank 0 when a job starts
-(logger ``gossip_ext.assembly``, INFO) and kept by the wrapper as ``wire_summary``: the mode, the graph,
-the message format and the bytes each worker sends per step. The bytes are asked of the parts
+(logger ``gossip_ext.assembly``, INFO) and kept by the wrapper as ``wire_summary``: the mode, the
+graph, the message format and the bytes each worker sends per step. The bytes are asked of the parts
 themselves before any step: the engine's message to each out-peer of a round (``bytes_sent``
 grows by exactly that), and the outer step's averaging over its period (a ring all-reduce's
 2 (n - 1) / n of the model, a compressed or sparse mean's messages). Traffic inside a machine
