@@ -10,7 +10,14 @@ from pathlib import Path
 
 PACKAGE = Path(__file__).resolve().parent.parent / "gossip_ext"
 LAYERS = {
-    "algorithms", "averagings", "compat", "gossip", "info", "lightning", "membership", "outer",
+    "algorithms",
+    "averagings",
+    "compat",
+    "gossip",
+    "info",
+    "lightning",
+    "membership",
+    "outer",
     "sharded",
 }
 
