@@ -178,8 +178,7 @@ class GossipDataParallel(nn.Module, GossipView, MembershipView, OuterView):
         parts = assembly.build(self, initial, peers_per_itr)
         self._outer, self._mix, self._hierarchy = parts.outer, parts.mix, parts.hierarchy
         self._watch, self.gossip_world_size = parts.watch, parts.gossip_world_size
-        self.is_gossip_leader = parts.is_gossip_leader
-        self.wire_summary = parts.summary  # the mode, graph, format and bytes per step, in words
+        self.is_gossip_leader, self.wire_summary = parts.is_gossip_leader, parts.summary
 
     def _close_mix(self) -> None:
         """Drops the engine, giving up a round in flight (a worker leaving, an epoch ending)."""

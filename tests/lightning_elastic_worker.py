@@ -16,6 +16,7 @@ from pathlib import Path
 
 import pytorch_lightning as pl
 import torch
+from lightning_workers import Regression, optimizer_of
 from torch import nn
 from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 
@@ -25,29 +26,7 @@ from gossip_ext.lightning import GossipStrategy
 SAMPLES, BATCH = 64, 8  # 8 batches an epoch
 
 
-class Regression(pl.LightningModule):
-    def __init__(self):
-        super().__init__()
-        torch.manual_seed(0)
-        self.net = nn.Sequential(nn.Linear(6, 8), nn.Tanh(), nn.Linear(8, 1))
-        self.losses: list[float] = []
-
-    def forward(self, x):
-        return self.net(x)
-
-    def training_step(self, batch, batch_idx):
-        x, y = batch
-        loss = nn.functional.mse_loss(self(x), y)
-        self.losses.append(loss.item())
-        self.log("train_loss", loss, sync_dist=True)
-        return loss
-
-    def configure_optimizers(self):
-        return optimizer_of(self.net)
-
-
-def optimizer_of(net: nn.Module) -> torch.optim.Optimizer:
-    return torch.optim.SGD(net.parameters(), lr=0.05, momentum=0.9)
+LR = 0.05
 
 
 def dataset() -> TensorDataset:
@@ -97,7 +76,7 @@ def record(result: dict, path: str) -> None:
 
 
 def lightning(args, membership, result, out) -> Regression:
-    module = Regression()
+    module = Regression(lr=LR)
     saver = pl.callbacks.ModelCheckpoint(
         dirpath=Path(args.out) / "checkpoints", every_n_train_steps=args.steps, save_top_k=-1
     )
@@ -120,11 +99,11 @@ def lightning(args, membership, result, out) -> Regression:
 def loop(args, membership, result, out) -> Regression:
     """What the Trainer does, by hand: the sampler it puts in the loader (the whole dataset in
     an order seeded by the worker id, a new order every epoch), the steps, the leave at the end."""
-    module = Regression()
+    module = Regression(lr=LR)
     model = gossip_ext.GossipDataParallel(
         module, membership=membership, timeout=timedelta(seconds=args.timeout)
     )
-    optimizer = optimizer_of(module.net)
+    optimizer = optimizer_of(module.net, LR)
     model.register_optimizer(optimizer)
     result["worker_id"] = model.worker_id
     sampler = DistributedSampler(

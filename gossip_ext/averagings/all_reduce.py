@@ -17,6 +17,7 @@ from collections.abc import Sequence
 import torch
 import torch.distributed as dist
 
+from gossip_ext.averagings.buckets import weighted_message_bytes
 from gossip_ext.averagings.failures import DEFAULT_TIMEOUT, SenderCheck, wait_for_every_worker
 from gossip_ext.averagings.interface import (
     Averaging,
@@ -54,9 +55,8 @@ class AllReduceMean(Averaging):
         the senders' flags add a few bytes. None where the layout was not given."""
         if self.layout is None:
             return None
-        message = sum((n + 1) * torch.empty((), dtype=d).element_size() for n, d in self.layout)
         n = dist.get_world_size(self.group)
-        return 2 * (n - 1) * message // n
+        return 2 * (n - 1) * weighted_message_bytes(self.layout) // n
 
     def _read(self, contribution: Contribution, bucket: int, out: torch.Tensor) -> None:
         """This worker's values of ``bucket``, into ``out`` (the message: no copy of its own)."""

@@ -31,6 +31,12 @@ def layout_of(tensors: Sequence[torch.Tensor]) -> list[tuple[int, torch.dtype]]:
     return [(t.numel(), t.dtype) for t in tensors]
 
 
+def weighted_message_bytes(layout: Sequence[tuple[int, torch.dtype]]) -> int:
+    """The bytes of one message of every bucket of ``layout``: its values and one element more,
+    the push-sum weight (the exact all-reduce's and the gossip exchange's messages)."""
+    return sum((n + 1) * torch.empty((), dtype=d).element_size() for n, d in layout)
+
+
 def check_saved(what: str, saved: Any, layout: Sequence[tuple[int, torch.dtype]]) -> None:
     """Raises ValueError naming ``what`` unless ``saved`` (a checkpoint's state kept per bucket)
     is a list of tensors of ``layout``'s (elements, dtype): checked before any of it is written,

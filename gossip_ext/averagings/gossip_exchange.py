@@ -30,6 +30,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from gossip_ext.averagings.buckets import weighted_message_bytes
 from gossip_ext.averagings.failures import check_received, post_for_peer, wait_for_peer
 from gossip_ext.averagings.interface import Averaging, Contribution, PseudoGradientMean
 from gossip_ext.gossip import transport
@@ -91,8 +92,7 @@ class GossipMean(Averaging):
     def bytes_per_step(self, round_bytes: int = 0) -> int:
         """One message of every bucket (its values and the weight) to each out-peer of a round
         (the built-in graphs send to as many in every round)."""
-        message = sum((n + 1) * torch.empty((), dtype=d).element_size() for n, d in self.layout)
-        return len(self.peers(0)[0]) * message
+        return len(self.peers(0)[0]) * weighted_message_bytes(self.layout)
 
     def _tag(self, round: int, bucket: int) -> int:
         return transport.outer_exchange_tag(round * MAX_BUCKETS + bucket)

@@ -20,7 +20,7 @@ from typing import Any, Literal
 
 import torch
 
-from .. import algorithms
+from .. import _validation, algorithms
 from ..distributed import GossipDataParallel
 from . import checkpoints
 
@@ -130,6 +130,9 @@ class ElasticJob(Job):
     default_validate_on: ValidateOn = "worker"
 
     def __init__(self, membership: algorithms.Elastic):
+        _validation.check_type(
+            "GossipStrategy: membership", membership, algorithms.Elastic, "a gossip_ext.Elastic"
+        )
         self.membership = membership
 
     def check_validate_on(self, validate_on: ValidateOn) -> None:

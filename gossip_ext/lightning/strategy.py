@@ -75,10 +75,6 @@ class GossipStrategy(DDPStrategy):
         timeout: timedelta = timedelta(minutes=5),
         **wrapper_kwargs: Any,
     ) -> None:
-        if membership is not None and not isinstance(membership, algorithms.Elastic):
-            raise TypeError(
-                f"GossipStrategy: membership must be a gossip_ext.Elastic, got {membership!r}"
-            )
         self._job = jobs.LaunchedJob() if membership is None else jobs.ElasticJob(membership)
         if validate_on is None:
             validate_on = self._job.default_validate_on
