@@ -28,12 +28,18 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-# What the forkserver imports once, before it forks the first rank.
-# Not torch._dynamo (a process's first torch.optim optimizer imports it, 1.5-4.5 s of CPU) nor
-# torch.distributed.fsdp, though each rank pays for them: either imports FSDP2, and a process
-# that imported it before its process group waits, in destroy_process_group, on a gossip round
-# left in flight (gossip_ext.sharded.replicas); the ranks must run as a user's processes do.
-_PRELOAD = ["torch", "torch.distributed", "torch.multiprocessing", "gossip_ext", "multiprocess"]
+# What the forkserver imports once, before it forks the first rank. torch._dynamo is the bulk of
+# it: a process's first torch.optim optimizer imports it (and FSDP2 with it), 1.5-2 s of CPU that
+# every rank of every test paid on its own before (test_streaming_diloco.py: 60 s -> 20 s). None
+# of these starts a thread or runs a torch op, so a fork leaves no pool broken.
+_PRELOAD = [
+    "torch",
+    "torch._dynamo",
+    "torch.distributed",
+    "torch.multiprocessing",
+    "gossip_ext",
+    "multiprocess",
+]
 
 
 def forkserver_context():

@@ -21,8 +21,8 @@ from gossip_ext.lightning import GossipStrategy  # noqa: E402
 
 STEPS = 12  # an epoch and a half: the sampler's second order too
 SCRIPT = "lightning_elastic_worker"
-# Lightning imports torch._dynamo and FSDP, which the ranks' forkserver must not preload
-# (tests/multiprocess.py): every worker imports it, 3-4 s of CPU each.
+# The ranks' forkserver (tests/multiprocess.py) does not preload Lightning, whose import starts a
+# thread of its own that a fork would not carry: every worker imports it, 3-4 s of CPU each.
 _IMPORTS = "two jobs of two workers (or three), each importing Lightning on its own (3-4 s of CPU)"
 
 

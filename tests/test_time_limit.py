@@ -31,6 +31,21 @@ def test_ranks_that_never_finish():
 """
 
 
+# The ranks' server started before any test, outside the 3 s: its imports (torch, torch._dynamo)
+# take seconds of their own, and the limit is the test body's.
+CONFTEST = """
+import sys
+sys.path.insert(0, {tests!r})
+from multiprocessing import forkserver
+from multiprocess import forkserver_context
+
+
+def pytest_configure(config):
+    forkserver_context()
+    forkserver.ensure_running()
+"""
+
+
 def _alive(pid: int) -> bool:
     try:
         os.kill(pid, 0)
@@ -48,6 +63,7 @@ def test_the_suite_limits_each_test_to_60_seconds(request):
 def test_a_test_past_the_limit_fails_saying_so_and_its_ranks_are_killed(tmp_path):
     pids = tmp_path / "pids"
     (tmp_path / "test_slow.py").write_text(SLOW_TEST.format(tests=str(TESTS), pids=str(pids)))
+    (tmp_path / "conftest.py").write_text(CONFTEST.format(tests=str(TESTS)))
     done = subprocess.run(
         [sys.executable, "-m", "pytest", "test_slow.py", "-q", "-p", "no:cacheprovider",
          "--timeout=3", "--rootdir", str(tmp_path)],

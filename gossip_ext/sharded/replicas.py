@@ -30,9 +30,8 @@ from torch import nn
 
 def _dtensor_type() -> type | None:
     """DTensor, if torch.distributed.tensor was imported (a sharded module needs it); else no
-    parameter can be one. gossip_ext does not import it itself: importing FSDP2 changes how a
-    process group is torn down (destroy_process_group waits on a gossip round left in flight),
-    which a job that shards nothing must not pay for."""
+    parameter can be one. gossip_ext does not import it itself: it costs a process seconds of
+    CPU, which a job that shards nothing must not pay for."""
     module = sys.modules.get("torch.distributed.tensor")
     return getattr(module, "DTensor", None)
 
