@@ -5,6 +5,7 @@ average for inference, validates on the choice it names, and refuses what it can
 from __future__ import annotations
 
 import re
+import traceback
 from pathlib import Path
 
 import pytest
@@ -53,19 +54,18 @@ def _both(rank: int, world_size: int, algorithm: tuple, style: str):
     return lightning, hand_written_loop(rank, algorithm, epochs=2, **loop_kwargs)
 
 
-@pytest.mark.parametrize(
-    ("algorithm", "style"),
-    [
-        ((gossip_ext.SGP(),), "automatic"),
-        ((gossip_ext.SGP(overlap=True, message_dtype="int8"),), "automatic"),
-        ((None, gossip_ext.DiLoCo(nesterov, every=4)), "automatic"),
-        ((gossip_ext.SGP(),), "manual"),
-        ((gossip_ext.SGP(),), "accumulate-clip"),
-    ],
-    ids=["sgp", "overlap-int8", "diloco", "sgp-manual", "sgp-accumulate-clip"],
-)
-def test_the_trainer_trains_as_the_hand_written_loop_with_the_same_objects(algorithm, style):
-    ranks = run_ranks(WORLD, _both, algorithm, style)
+THE_SAME_AS_BY_HAND = {
+    "sgp": ((gossip_ext.SGP(),), "automatic"),
+    "overlap-int8": ((gossip_ext.SGP(overlap=True, message_dtype="int8"),), "automatic"),
+    "diloco": ((None, gossip_ext.DiLoCo(nesterov, every=4)), "automatic"),
+    "sgp-manual": ((gossip_ext.SGP(),), "manual"),
+    "sgp-accumulate-clip": ((gossip_ext.SGP(),), "accumulate-clip"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(THE_SAME_AS_BY_HAND))
+def test_the_trainer_trains_as_the_hand_written_loop_with_the_same_objects(launch, case):
+    ranks = launch(case)
     for lightning, by_hand in ranks:
         (losses, params), (hand_losses, hand_params) = lightning, by_hand
         assert len(losses) == len(hand_losses) == 6
@@ -94,17 +94,19 @@ def _fit_asynchronously(rank: int, world_size: int, algorithm: tuple):
     return module.losses, parameters(module), parameters(Regression()), weights
 
 
-@pytest.mark.parametrize(
-    "algorithm",
-    [(gossip_ext.AsyncSGP(),), (None, gossip_ext.AsyncDiLoCo(lr=0.7, every=3))],
-    ids=["async-sgp", "async-diloco"],
-)
-def test_the_asynchronous_modes_train_and_end_at_rest(algorithm):
+ASYNCHRONOUS = {
+    "async-sgp": (gossip_ext.AsyncSGP(),),
+    "async-diloco": (None, gossip_ext.AsyncDiLoCo(lr=0.7, every=3)),
+}
+
+
+@pytest.mark.parametrize("case", sorted(ASYNCHRONOUS))
+def test_the_asynchronous_modes_train_and_end_at_rest(launch, case):
     """No loop can equal an asynchronous run step for step (arrivals decide what is absorbed):
     the Trainer runs every step, every worker ends with a finite trained model, and fit ends
     with the gossip at rest: the push-sum weights sum to the number of workers again, nothing
     of the mass in flight."""
-    for losses, params, untrained, weights in run_ranks(WORLD, _fit_asynchronously, algorithm):
+    for losses, params, untrained, weights in launch(case):
         assert len(losses) == 18 and all(torch.isfinite(torch.tensor(losses)))
         assert all(bool(p.isfinite().all()) for p in params)
         assert any(not torch.equal(p, q) for p, q in zip(params, untrained))
@@ -121,8 +123,8 @@ def _resume(rank: int, world_size: int, root: str):
     return whole, first, resumed, saved["state_dict"], own["gossip_ext_worker"], first[1]
 
 
-def test_a_resumed_checkpoint_continues_the_uninterrupted_run_bit_for_bit(tmp_path):
-    ranks = run_ranks(WORLD, _resume, str(tmp_path))
+def test_a_resumed_checkpoint_continues_the_uninterrupted_run_bit_for_bit(launch):
+    ranks = launch("resume")
     for rank, (whole, first, resumed, _, own, _) in enumerate(ranks):
         ranks_files = [f"epoch=0-step=3.ckpt.rank{r}" for r in range(1, WORLD)]
         assert first[2] == ["epoch=0-step=3.ckpt", *ranks_files]
@@ -156,8 +158,10 @@ def _validated(rank: int, world_size: int, validate_on: str):
 
 
 @pytest.mark.parametrize("validate_on", ["average", "worker"])
-def test_validation_runs_on_the_model_it_names_and_training_goes_on_with_its_own(validate_on):
-    ranks = run_ranks(WORLD, _validated, validate_on)
+def test_validation_runs_on_the_model_it_names_and_training_goes_on_with_its_own(
+    launch, validate_on
+):
+    ranks = launch(f"validate-on-{validate_on}")
     assert not torch.equal(ranks[0][2][0], ranks[1][2][0])  # each worker kept its own model
     # One batch size for every batch, so the mean of the batches' losses is the whole set's.
     seen = [sum(rank[0]) / len(rank[0]) for rank in ranks]
@@ -176,14 +180,61 @@ def _refusals(rank: int, world_size: int):
     return error_of(lambda: two_optimizers.fit(Regression(optimizers=2), loader(rank)))
 
 
-def test_what_it_cannot_run_is_refused_naming_why():
-    for error in run_ranks(WORLD, _refusals):
+def test_what_it_cannot_run_is_refused_naming_why(launch):
+    for error in launch("refusals"):
         assert error is not None and error[0] is ValueError, error
         assert "gave 2 optimizers" in error[1], error
     with pytest.raises(ValueError, match="validate_on must be 'average' or 'worker', got 'mean'"):
         GossipStrategy(validate_on="mean")
     with pytest.raises(ValueError, match="nprocs_per_node=2"):
         GossipStrategy(nprocs_per_node=2)
+
+
+# Every case above, in one launch of WORLD ranks, one after another: each rank imports Lightning
+# once (3 s of CPU) instead of once a case. Each case fits Trainers of its own over the same
+# process group, as a rank of _resume fits three; the refusals come last, the asynchronous modes
+# before them (each ends at rest: nothing of theirs reaches the next case).
+def _cases(root: str) -> dict[str, tuple]:
+    cases = {}
+    for name, (algorithm, style) in THE_SAME_AS_BY_HAND.items():
+        cases[name] = (_both, algorithm, style)
+    cases["resume"] = (_resume, root)
+    for validate_on in ("average", "worker"):
+        cases[f"validate-on-{validate_on}"] = (_validated, validate_on)
+    for name, algorithm in ASYNCHRONOUS.items():
+        cases[name] = (_fit_asynchronously, algorithm)
+    cases["refusals"] = (_refusals,)
+    return cases
+
+
+def _every_case(rank: int, world_size: int, root: str) -> dict[str, object]:
+    """Each case's result on this rank, or the traceback of what it raised (the case's test
+    fails with it; the cases after it still run)."""
+    results = {}
+    for name, (function, *args) in _cases(root).items():
+        try:
+            results[name] = function(rank, world_size, *args)
+        except Exception:
+            results[name] = _Raised(traceback.format_exc())
+    return results
+
+
+class _Raised(str):
+    """What a case raised on a rank: its traceback."""
+
+
+@pytest.fixture(scope="module")
+def launch(tmp_path_factory):
+    """``launch(case)``: each rank's result of ``case``, from the one launch of every case."""
+    ranks = run_ranks(WORLD, _every_case, str(tmp_path_factory.mktemp("lightning")))
+
+    def results_of(case: str) -> list:
+        for rank, results in enumerate(ranks):
+            if isinstance(results[case], _Raised):
+                pytest.fail(f"{case} raised on rank {rank}:\n{results[case]}")
+        return [results[case] for results in ranks]
+
+    return results_of
 
 
 def test_the_strategy_is_registered_under_its_name():
