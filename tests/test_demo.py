@@ -7,9 +7,10 @@ import sys
 from pathlib import Path
 
 import pytest
+from multiprocess import forkserver_context
 
 from harness import demo, netns
-from harness.compare import systems
+from harness.compare import runner, systems
 
 ROOT = Path(__file__).resolve().parent.parent  # as a user runs it: from the repository root
 
@@ -29,10 +30,19 @@ def _printed_table(out: str) -> tuple[float, dict[str, str]]:
     return floor, cells
 
 
-@pytest.mark.slow("3 systems, each on 4 fresh worker processes, for 90 steps: about 50 s")
-@pytest.mark.timeout(180)  # three systems of 4 workers for 90 steps: about 50 s on two cores
+@pytest.fixture
+def forked_workers(monkeypatch):
+    """The demo's workers forked from the tests' preloaded server instead of each a fresh
+    interpreter (harness.compare.runner.LOCAL_START_METHOD): its numbers, not its memory, are
+    what a test checks, and a fresh worker spends seconds importing torch."""
+    forkserver_context()  # what the server preloads
+    monkeypatch.setattr(runner, "LOCAL_START_METHOD", "forkserver")
+
+
+@pytest.mark.slow("3 systems, each on 4 worker processes, for 90 steps")
+@pytest.mark.timeout(180)  # three systems of 4 workers for 90 steps on two cores
 def test_the_demo_s_target_is_out_of_reach_alone_and_its_bound_holds_for_every_row(
-    tmp_path, capsys
+    tmp_path, capsys, forked_workers
 ):
     # The demo's protocol shortened (its steps, not its shape: 4 workers, DDP two thirds of the
     # steps, the demo's learning rates); loopback, where the systems differ least.
@@ -156,25 +166,25 @@ def test_the_demo_as_a_user_runs_it_prints_no_warning(tmp_path):
         assert first.startswith("4 workers on loopback, where a message is a memory copy"), first
 
 
-@pytest.mark.slow("3 systems, each on 4 fresh worker processes, one of them at half speed")
+@pytest.mark.slow("3 systems, each on 4 worker processes, one of them at half speed")
 @pytest.mark.timeout(180)  # past the suite's 60 s on a loaded machine
 def test_the_demo_with_a_slow_worker_shows_the_lockstep_systems_wait_and_the_asynchronous_do_not(
-    tmp_path,
+    tmp_path, capsys, forked_workers
 ):
     plot = tmp_path / "slow.png"
-    command = [sys.executable, "-m", "harness.demo", "--slow-worker", "--bandwidth", "loopback"]
-    command += ["--systems", "alone", "ddp", "async_diloco_int8", "--steps", "30"]
-    command += ["--eval-every", "10", "--plot", str(plot)]
-    done = subprocess.run(command, capture_output=True, text=True, timeout=300, cwd=ROOT)
-    assert done.returncode == 0, done.stderr
-    assert "4 workers, worker 3 at 1/2 speed" in done.stdout
+    demo.main(
+        ["--slow-worker", "--bandwidth", "loopback", "--systems", "alone", "ddp"]
+        + ["async_diloco_int8", "--steps", "30", "--eval-every", "10", "--plot", str(plot)]
+    )
+    out = capsys.readouterr().out
+    assert "4 workers, worker 3 at 1/2 speed" in out
     steps = {}
-    for line in done.stdout.splitlines():
+    for line in out.splitlines():
         cells = [c.strip() for c in line.strip("|").split("|")]
         if len(cells) == 5 and cells[0] in ("alone", "ddp", "async_diloco_int8"):
             others, slow = (float(x) for x in cells[3].split(" / "))
             steps[cells[0]] = (others, slow)
-    assert set(steps) == {"alone", "ddp", "async_diloco_int8"}, done.stdout
+    assert set(steps) == {"alone", "ddp", "async_diloco_int8"}, out
     # The slow worker takes about twice the others' step alone; under DDP every worker takes the
     # slow one's; under AsyncDiLoCo the others keep well under it.
     assert steps["alone"][1] > 1.6 * steps["alone"][0], steps

@@ -27,6 +27,10 @@ _LIGHTHOUSE_PORT = 29510  # in rank 0's namespace on the emulated network
 
 # What a worker process runs: ``module:function``(rank, world_size, init_method, config).
 WORKER = "harness.compare.worker:train"
+# How run() starts the workers of a run on this machine's loopback: each a fresh interpreter, so
+# that its peak memory is its own. The tests, which need the numbers and not the memory, set
+# "forkserver" to fork them from their preloaded server instead (seconds of imports a worker).
+LOCAL_START_METHOD = "spawn"
 
 
 def _entry(rank: int, world_size: int, init_file: str, out_dir: str, config, target: str) -> None:
@@ -128,7 +132,7 @@ def run(
     if rate is None:
         if cpu_cores is not None:
             raise ValueError(f"cpu_cores={cpu_cores}: CPU caps need the emulated cluster (a rate)")
-        return run_local(config, workers, target=target)
+        return run_local(config, workers, LOCAL_START_METHOD, target)
     with netns.EmulatedCluster(workers, rate, rates, cpu_cores) as cluster:
         with contextlib.ExitStack() as stack:
             if config.system.startswith("torchft"):
