@@ -22,8 +22,12 @@ sanitize() {
   shift 3
   local start=$SECONDS
   printf '\n== %s: GOSSIP_SANITIZE=%s\n' "$dir" "$sanitizers"
+  # A unity build: the core's sources compiled a few to a translation unit, so torch's headers
+  # are parsed 5 times instead of once a source (the ASan+UBSan core: 107 s of CPU against 306 s
+  # on the 2-core machine). What a sanitizer checks is the code run, which is the same; each
+  # source still compiles alone in the extension's build.
   cmake -S . -B "$dir" -G Ninja -DCMAKE_PREFIX_PATH="$TORCH_CMAKE" \
-    -DCMAKE_BUILD_TYPE=Release -DGOSSIP_SANITIZE="$sanitizers" >/dev/null
+    -DCMAKE_BUILD_TYPE=Release -DGOSSIP_SANITIZE="$sanitizers" -DCMAKE_UNITY_BUILD=ON >/dev/null
   cmake --build "$dir" -j "$JOBS" --target "$target"
   # --no-tests=error: a label that matches nothing must fail, not pass.
   ctest --test-dir "$dir" --output-on-failure --no-tests=error -j "$JOBS" "$@"
