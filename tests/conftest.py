@@ -5,7 +5,8 @@ first (tools/rehearse_build.sh runs the tests against one from outside the check
 
 It also writes into the run's JUnit file (``--junitxml``, the test command's
 build/pytest-times.xml) what tools/slowest_tests.py reads beside each test's time: the reason of
-its ``slow`` mark, if it has one, and the commit the run tested."""
+its ``slow`` mark, if it has one, and the commit the run tested; and at the end it waits for the
+ranks' server, so that the ranks' CPU time is counted (pytest_unconfigure)."""
 
 import subprocess
 import sys
@@ -62,3 +63,16 @@ def _commit() -> str:
 def _commit_in_the_junit_file(request: pytest.FixtureRequest) -> None:
     if request.config.getoption("xmlpath", None):
         request.getfixturevalue("record_testsuite_property")("commit", _commit())
+
+
+def pytest_unconfigure(config: pytest.Config) -> None:
+    """Stops the ranks' server (tests/multiprocess.py) and waits for it. It reaps every rank it
+    forked, so waiting for it brings their CPU time into pytest's own children's, which the test
+    command reports for the stage (tools/run_tests.sh); a server left to stop on its own, after
+    pytest, is reaped by no one the shell can see, and its ranks' CPU time with it."""
+    from multiprocessing import forkserver
+
+    server = getattr(forkserver, "_forkserver", None)
+    stop = getattr(server, "_stop", None)  # what CPython's own tests stop the server with
+    if stop is not None:
+        stop()

@@ -199,7 +199,7 @@ stage 120 425 "Rehearsal: the newest torch, 2.15, a CPU build (build, the ABI's 
 env "${newest_rehearsal[@]}" bash tools/rehearse_build.sh
 
 pytest_stage="Python tests (pytest, the whole suite)"
-stage 780 780 "$pytest_stage"
+stage 780 1440 "$pytest_stage"
 # Every test's time stays in $PYTEST_TIMES (JUnit's format, with each slow mark's reason and the
 # commit: tests/conftest.py); tools/slowest_tests.py --write-docs makes docs/testing.md's table
 # of it.
