@@ -230,6 +230,34 @@ def test_a_killed_peer_is_named_by_the_survivors_that_hear_from_it_or_send_to_it
         assert "within 0:00:20" not in outcome.result["message"], outcome.result
 
 
+class _ClosedGroup:
+    """A process group whose connection to every peer is closed already: gloo then fails a
+    receive as it is posted, not in its wait (what a survivor saw once in a full run)."""
+
+    def size(self) -> int:
+        return 4
+
+    def recv(self, tensors, peer, tag):
+        raise RuntimeError(f"[gloo/transport/tcp/pair.cc:553] Connection closed by peer {peer}")
+
+
+def test_a_receive_that_fails_as_it_is_posted_is_the_peers_error(monkeypatch):
+    monkeypatch.setattr(mailbox.Departures, "LEAVE_GRACE_S", 0.05)
+    departures = mailbox.Departures(dist.HashStore(), rank=2)
+    box = mailbox.Mailbox(
+        _ClosedGroup(), NPeerDynamicDirectedExponentialGraph(), peer=1, rank=2, nbytes=64,
+        start=0, timeout=timedelta(seconds=20), departures=departures,
+    )  # fmt: skip
+    deadline = time.monotonic() + 10
+    while box.error is None and time.monotonic() < deadline:
+        time.sleep(0.01)
+    with pytest.raises(PeerTimeoutError, match="saw its connection close") as raised:
+        box.raise_if_failed()
+    assert raised.value.peers == (1,) and raised.value.timeout is None
+    assert departures.has_left(2)  # this worker said it leaves, as after any failure
+    box.close()
+
+
 def _one_finishes_early(rank, world_size):
     param = torch.nn.Parameter(initial(rank))
     engine = _engine(param, staleness=None, timeout=timedelta(seconds=20))

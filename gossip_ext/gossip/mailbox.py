@@ -268,7 +268,13 @@ class Mailbox(_PeerThread):
                     return
                 expected, sequence = self.expected, self.received
             buffer = torch.empty(self._nbytes, dtype=torch.uint8)
-            posted = self._group.recv([buffer], self.peer, tag(self._generation, sequence))
+            try:
+                posted = self._group.recv([buffer], self.peer, tag(self._generation, sequence))
+            except Exception as failure:  # noqa: BLE001 - gloo's error, kept typed for the caller
+                # A connection already closed fails the receive as it is posted, not in its wait:
+                # the same failure, or the thread would end with it unseen by the training loop.
+                self._raise_unless_left(failure, expected, "receive from")
+                return
             if not self._wait(posted, expected, "receive from"):
                 return
             round_ = messages.round_of(buffer)
