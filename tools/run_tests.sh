@@ -148,30 +148,30 @@ fi
 stage 15 120 "GoogleTest"
 bash tools/install_gtest.sh
 
-stage 105 380 "Build the extension (gossip_ext._C; reused when up to date)"
+stage 120 270 "Build the extension (gossip_ext._C; reused when up to date)"
 PYTHON="$PYTHON" bash tools/build.sh --demo
 
 stage 75 150 "The wheel, installed with the torch it requires in a new environment (tests/test_wheel.py)"
 PYTHON="$PYTHON" bash tools/wheel_environment.sh
 
-stage 75 275 "Build and run the C++ tests (ctest; linked from the extension's objects)"
+stage 100 230 "Build and run the C++ tests (ctest; linked from the extension's objects)"
 TORCH_CMAKE=$("$PYTHON" -c 'import torch; print(torch.utils.cmake_prefix_path)')
 cmake -S . -B build/cmake -G Ninja -DCMAKE_PREFIX_PATH="$TORCH_CMAKE" \
   -DGOSSIP_CORE_OBJECTS="$("$PYTHON" tools/sources.py --object-dir)" >/dev/null
 cmake --build build/cmake -j "$(nproc)"
 ctest --test-dir build/cmake --output-on-failure -j "$(nproc)"
 
-stage 225 915 "C++ tests under ASan+UBSan (all of ctest)"
+stage 255 615 "C++ tests under ASan+UBSan (all of ctest)"
 bash tools/run_sanitizers.sh asan
 
-stage 105 420 "C++ tests under TSan (the threaded transports: ctest -L inproc)"
+stage 105 245 "C++ tests under TSan (the threaded transports: ctest -L inproc)"
 bash tools/run_sanitizers.sh tsan
 
 # The rehearsals (tools/rehearse_build.sh): what each builds against.
 cuda_rehearsal=(GOSSIP_REHEARSAL_TORCH=2.11.0 GOSSIP_REHEARSAL_PYTHON=3.12 GOSSIP_REHEARSAL_CUDA=1)
 newest_rehearsal=(GOSSIP_REHEARSAL_TORCH=2.15.0 GOSSIP_REHEARSAL_PYTHON=3.12 GOSSIP_REHEARSAL_CUDA=0)
 
-stage 70 215 "Rehearsal environments: torch 2.11 and 2.15 (10 GB of disk), side by side"
+stage 90 185 "Rehearsal environments: torch 2.11 and 2.15 (10 GB of disk), side by side"
 # Installing one is CPU-bound (unpacking and writing its files; the downloads do not hold it up)
 # and pip uses one core: the two install at once on two cores. Each keeps its log; both are
 # waited for, and shown, before a failure stops the run.
@@ -192,14 +192,14 @@ if [ "$environments" -ne 0 ]; then
   exit 1
 fi
 
-stage 160 490 "Rehearsal: torch 2.11's CUDA build without a GPU (build, the ABI's smoke tests)"
+stage 225 480 "Rehearsal: torch 2.11's CUDA build without a GPU (build, the ABI's smoke tests)"
 env "${cuda_rehearsal[@]}" bash tools/rehearse_build.sh
 
-stage 120 425 "Rehearsal: the newest torch, 2.15, a CPU build (build, the ABI's smoke tests)"
+stage 165 330 "Rehearsal: the newest torch, 2.15, a CPU build (build, the ABI's smoke tests)"
 env "${newest_rehearsal[@]}" bash tools/rehearse_build.sh
 
 pytest_stage="Python tests (pytest, the whole suite)"
-stage 780 1440 "$pytest_stage"
+stage 780 1110 "$pytest_stage"
 # Every test's time stays in $PYTEST_TIMES (JUnit's format, with each slow mark's reason and the
 # commit: tests/conftest.py); tools/slowest_tests.py --write-docs makes docs/testing.md's table
 # of it.
