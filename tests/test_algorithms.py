@@ -250,7 +250,6 @@ def _train_both(rank: int, world_size: int) -> dict:
     return {spelling: _train(rank, world_size, spelling) for spelling in ("objects", "flat")}
 
 
-@pytest.mark.slow("3 ranks each build 2 wrappers, the first importing FSDP2's modules (~3 s)")
 def test_both_spellings_train_the_same_model():
     runs = run_ranks(3, _train_both)
     by_objects = [run["objects"] for run in runs]

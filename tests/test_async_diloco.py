@@ -94,14 +94,7 @@ def equal_speeds() -> list:
     return run_ranks(4, _synchronous_and_both_asynchronous, 4 * EVERY)
 
 
-# The first carries the launch (both rules and synchronous DiLoCo, on four ranks), and the start
-# of the server the ranks fork from.
-_CARRIES_THE_LAUNCH = "four ranks train synchronous DiLoCo and AsyncDiLoCo under both rules"
-
-
-@pytest.mark.parametrize(
-    "delayed", [pytest.param(True, marks=pytest.mark.slow(_CARRIES_THE_LAUNCH)), False]
-)
+@pytest.mark.parametrize("delayed", [True, False])
 def test_with_equal_speeds_and_a_grace_it_trains_as_synchronous_diloco(equal_speeds, delayed):
     for synchronous, both in equal_speeds:
         asynchronous = both[delayed]

@@ -49,7 +49,6 @@ def every_system() -> dict[str, dict]:
         return train_in_turn(worker.train, configs, 2, folder)
 
 
-@pytest.mark.slow("the first of them trains all 36 systems in turn on one pair of workers")
 @pytest.mark.timeout(180)
 @pytest.mark.parametrize("system", systems.ALL)
 def test_every_system_trains_two_workers_and_reports_its_heldout_loss(system, every_system):

@@ -167,7 +167,6 @@ def _assert_equal(got, want, what: str, tolerance=TOLERANCE) -> None:
         torch.testing.assert_close(g, w, **tolerance, msg=lambda m: f"{what}: {m}")
 
 
-@pytest.mark.slow("the first of them runs every algorithm on 2 replicas, then on 2 x 2 processes")
 @pytest.mark.timeout(180)
 @pytest.mark.parametrize("algorithm", list(ALGORITHMS))
 def test_sharded_replicas_train_as_unsharded_ones(algorithm, unsharded, sharded):

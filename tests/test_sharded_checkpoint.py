@@ -83,7 +83,6 @@ def _same_mesh(mesh, rank: int, algorithm: str, path: str) -> bool:
     return all(torch.equal(a, b) for a, b in zip(straight, _shards(net)))
 
 
-@pytest.mark.slow("the first of them runs two sets of 4 processes, 2 x 2 then 4 x 1")
 @pytest.mark.timeout(180)
 @pytest.mark.parametrize("algorithm", list(ALGORITHMS))
 def test_a_dcp_checkpoint_resumes_bit_for_bit_under_the_same_mesh(algorithm, jobs):
@@ -128,7 +127,6 @@ def _load_under(mesh, path: str) -> dict:
     return whole
 
 
-@pytest.mark.slow("4 x 1 back to 2 x 2: a third set of 4 processes, after the first two")
 @pytest.mark.timeout(180)
 @pytest.mark.parametrize("saved, loaded", [(2, 1), (1, 2)])
 def test_a_dcp_checkpoint_loads_under_another_mesh(saved, loaded, jobs, request):
@@ -204,7 +202,6 @@ def loaded_back_under_2x2(jobs, folder) -> list[dict]:
     return run_ranks(4, _then_2x2, folder)
 
 
-@pytest.mark.slow("the two sets of 4 processes it needs, 2 x 2 then 4 x 1, when run alone")
 @pytest.mark.timeout(180)
 def test_outer_state_that_is_not_per_parameter_refuses_another_mesh_naming_why(jobs):
     for kind, message in (ranks_run["streaming_refused"] for ranks_run in jobs["4x1"]):

@@ -122,7 +122,6 @@ def loopback(every_system):
     return run_of
 
 
-@pytest.mark.slow("the first of them trains all 6 systems in turn on one set of 2 x 2 processes")
 @pytest.mark.timeout(180)
 @pytest.mark.parametrize("system", sharded.SYSTEMS)
 def test_every_system_trains_on_two_replicas_of_two_shards(system, loopback):
@@ -296,7 +295,6 @@ def test_a_namespace_holds_a_replicas_consecutive_ranks(on_the_network):
 
 
 @pytest.mark.skipif(REASON is not None, reason=f"emulated network unavailable: {REASON}")
-@pytest.mark.slow("the emulated cluster's run, when the layout test has not made it")
 @pytest.mark.timeout(180)
 @pytest.mark.parametrize("system", list(MODELS_A_STEP))
 def test_what_a_replica_sends_a_step(on_the_network, system):
