@@ -140,6 +140,8 @@ setup(
     version=f"{VERSION}+{torch_label}",
     install_requires=[torch_requirement],
     packages=find_packages(include=["gossip_ext", "gossip_ext.*"]),
+    # The compiled module's declarations, for a user's type checker too (tests/test_stub.py).
+    package_data={"gossip_ext": ["_C.pyi"]},
     ext_modules=[_extension()],
     cmdclass={"build_ext": _BuildExt},
 )

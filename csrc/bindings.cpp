@@ -291,6 +291,10 @@ void bind_engine(py::module_& m) {
            py::call_guard<py::gil_scoped_release>())
       .def_property_readonly("in_flight", &GossipEngine::in_flight)
       .def("synchronize", &GossipEngine::synchronize, py::call_guard<py::gil_scoped_release>())
+      // Every round is absorbed whole, from every in-peer, by the call that finishes it: once the
+      // round in flight is, nothing of this worker's gossip is on its way (the engine interface's
+      // settle, gossip_ext/gossip/engine.py).
+      .def("settle", &GossipEngine::synchronize, py::call_guard<py::gil_scoped_release>())
       .def("raise_if_failed", &GossipEngine::raise_if_failed)
       .def("abandon", &GossipEngine::abandon, py::arg("why"),
            py::call_guard<py::gil_scoped_release>())

@@ -1,4 +1,5 @@
-"""The gossip between steps: the compiled engine's rounds (``inner``), when they start and are
-absorbed (``schedule``), the consensus estimate (``consensus``), which transport carries them
-(``transport``), the engine over copies of a sharded module's local shards (``mirrored``), and
-several processes per machine (``hierarchy``)."""
+"""The gossip between steps: the engines' interface (``engine``), the compiled engine's rounds and
+the engine over a sharded module's shards (``inner``), when they start and are absorbed
+(``schedule``), the consensus estimate (``consensus``), which transport carries them
+(``transport``), asynchronous push-sum and its message threads (``asynchronous``, ``mailbox``,
+``messages``), and several processes per machine (``hierarchy``)."""

@@ -161,10 +161,14 @@ class AsyncPushSum:
         self._guarded(self._absorb)
 
     def try_finish_round(self) -> bool:
+        """Absorbs what arrived (:meth:`finish_round`). True: a round of this engine is whole
+        once started, its shares posted and its arrivals absorbed, and a message that arrives
+        later belongs to a later round, so no round is left to finish."""
         self.finish_round()
         return True
 
     def synchronize(self) -> None:
+        """:meth:`finish_round`: the absorb writes the parameters before it returns."""
         self.finish_round()
 
     def settle(self) -> None:
@@ -193,10 +197,10 @@ class AsyncPushSum:
             self.history.append(("send", round_, tuple(out_peers)))
         if self.staleness is not None:
             owed = round_ - self.staleness
-            for box in self._outboxes.values():
-                box.wait_until_past(owed)
-            for box in self._mailboxes.values():
-                box.wait_until_past(owed)
+            for outbox in self._outboxes.values():
+                outbox.wait_until_past(owed)
+            for inbox in self._mailboxes.values():
+                inbox.wait_until_past(owed)
         # The parameters are ``flat`` still: nothing stepped meanwhile.
         self._absorb(flat if self._flat_is_exact else None)
 
@@ -264,14 +268,14 @@ class AsyncPushSum:
     def _settle(self) -> None:
         # What each worker sent each other one: a receiver waits for as many messages.
         sent = torch.zeros(self.world_size, dtype=torch.int64)
-        for peer, box in self._outboxes.items():
-            sent[peer] = box.sent
+        for peer, outbox in self._outboxes.items():
+            sent[peer] = outbox.sent
         counts = [torch.zeros_like(sent) for _ in range(self.world_size)]
         dist.all_gather(counts, sent, group=self._group)
-        for peer, box in self._mailboxes.items():
-            box.wait_for(int(counts[peer][self.rank]))
-        for box in self._outboxes.values():
-            box.wait_until_past(math.inf)
+        for peer, inbox in self._mailboxes.items():
+            inbox.wait_for(int(counts[peer][self.rank]))
+        for outbox in self._outboxes.values():
+            outbox.wait_until_past(math.inf)
         staleness, self.staleness = self.staleness, None  # take every round that arrived
         try:
             self._absorb()
@@ -328,7 +332,8 @@ class AsyncPushSum:
 
     @property
     def in_flight(self) -> bool:
-        """Always: a receive is posted for every in-peer's next message."""
+        """Always: a receive is posted for every in-peer's next message, which
+        :meth:`finish_round` absorbs whenever it has arrived."""
         return True
 
     @property
@@ -354,8 +359,8 @@ class AsyncPushSum:
     def kept_ps_weight(self) -> torch.Tensor:
         return self.ps_weight()
 
-    def restore(self, round: int, weight: float) -> None:  # noqa: A002 - as the engine's
-        """Every worker together: puts this worker at ``round`` with ``weight`` (a
+    def restore(self, round: int, ps_weight: float) -> None:  # noqa: A002 - as the engine's
+        """Every worker together: puts this worker at ``round`` with ``ps_weight`` (a
         checkpoint's) and re-opens its mailboxes at its peers' restored rounds. Messages that
         were in flight are not in any checkpoint; the weights then sum to less than the number
         of workers, which push-sum's de-biasing absorbs."""
@@ -365,7 +370,7 @@ class AsyncPushSum:
         mine = torch.tensor([int(round)], dtype=torch.int64)
         rounds = [torch.zeros_like(mine) for _ in range(self.world_size)]
         dist.all_gather(rounds, mine, group=self._group)
-        self._round, self._weight = int(round), float(weight)
+        self._round, self._weight = int(round), float(ps_weight)
         self._generation += 1
         self._outboxes = self._open_outboxes(list(self._outboxes))
         self._mailboxes = self._open_mailboxes([int(r) for r in rounds])

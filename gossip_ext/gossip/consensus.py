@@ -16,14 +16,16 @@ from __future__ import annotations
 import logging
 import math
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import TypeVar
 
 import torch
 import torch.distributed as dist
 
+from gossip_ext.gossip.engine import EngineWrapper, FlatEngine
 from gossip_ext.graphs import GraphBase
 
 logger = logging.getLogger(__name__)
+T = TypeVar("T")
 
 
 @torch.no_grad()
@@ -79,7 +81,7 @@ def estimate_scale(in_peers: int, world_size: int) -> float:
     return math.sqrt(k * (n - 1) / (n * (k + 1)))
 
 
-class MeasuredEngine:
+class MeasuredEngine(EngineWrapper):
     """The gossip engine, with the running consensus estimate taken when an armed round is
     absorbed. GossipDataParallel uses it only when ``log_every > 0``: otherwise it holds the bare
     engine, so the estimate costs nothing.
@@ -97,17 +99,13 @@ class MeasuredEngine:
     one step older than this worker's, so the estimate also counts one step of local drift.
     """
 
-    def __init__(self, engine: Any, graph: GraphBase, every: int):
-        self._engine = engine
+    def __init__(self, engine: FlatEngine, graph: GraphBase, every: int):
+        super().__init__(engine)
         self.graph = graph  # replaced when the peers schedule changes
         self._every = every
         self._armed_step: int | None = None  # the step whose next absorb is measured
         self.estimate: float | None = None  # of the last measured round
         self.relative: float | None = None  # estimate / ||z|| after that round
-
-    def __getattr__(self, name: str) -> Any:
-        # Everything but the two absorbing calls is the engine's own.
-        return getattr(self._engine, name)
 
     def arm(self, step: int) -> None:
         """Called for every optimizer step: every ``log_every``-th one measures the next absorb
@@ -116,13 +114,13 @@ class MeasuredEngine:
             self._armed_step = step
 
     def finish_round(self) -> None:
-        self._measured(self._engine.finish_round)
+        self._measured(self.engine.finish_round)
 
     def try_finish_round(self) -> bool:
-        return self._measured(self._engine.try_finish_round)
+        return self._measured(self.engine.try_finish_round)
 
-    def _measured(self, absorb: Callable[[], Any]) -> Any:
-        engine = self._engine
+    def _measured(self, absorb: Callable[[], T]) -> T:
+        engine = self.engine
         if self._armed_step is None or not engine.in_flight:
             return absorb()
         round_ = engine.round

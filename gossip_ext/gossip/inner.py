@@ -17,15 +17,15 @@ import copy
 import dataclasses
 import logging
 import weakref
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from datetime import timedelta
-from typing import Any
 
 import torch
 import torch.distributed as dist
 
 from gossip_ext._torch_check import _C
-from gossip_ext.gossip import asynchronous, consensus, mirrored, schedule, transport
+from gossip_ext.gossip import asynchronous, consensus, schedule, transport
+from gossip_ext.gossip.engine import Engine, EngineWrapper, FlatEngine
 from gossip_ext.graphs import GraphBase
 from gossip_ext.mixing import MixingBase
 
@@ -56,7 +56,7 @@ class Link:
     log_every: int = 0
     verbose: bool = False
     # False: the tensors' storage is another owner's (FSDP2's shards), and the engine gossips
-    # copies of them (mirrored.MirroredEngine).
+    # copies of them (:class:`MirroredEngine`).
     in_place: bool = True
 
 
@@ -68,7 +68,7 @@ class Link:
 # later operation of the group over it, a barrier included, then waits forever. A round that
 # fails (a peer gone) fails within the timeout and is logged: no one is left to raise it to. An
 # elastic epoch's mix gives its round up on purpose (InnerMix.closed), and leaves this undone.
-def _let_round_finish(engine: Any) -> None:
+def _let_round_finish(engine: Engine) -> None:
     """Finishes ``engine``'s round in flight, if any (Note [A dropped engine lets its round
     finish])."""
     if not engine.in_flight:
@@ -80,34 +80,33 @@ def _let_round_finish(engine: Any) -> None:
 
 
 class InnerMix:
-    """The gossip of one worker: ``engine`` (a ``_C.GossipEngine``, a
-    ``consensus.MeasuredEngine`` or None) on ``graph``, scheduled by ``overlap`` and
-    ``synch_freq``; a round after every step if ``every_step``."""
+    """The gossip of one worker: ``engine`` (any :class:`~gossip_ext.gossip.engine.Engine`, or
+    None) on ``graph``, scheduled by ``overlap`` and ``synch_freq``; a round after every step if
+    ``every_step``. ``measured``: the engine, where it is the one that takes the consensus
+    estimate of ``log_every``."""
 
     def __init__(
         self,
-        engine: Any,
+        engine: Engine | None,
         graph: GraphBase,
         *,
         overlap: bool,
         synch_freq: int,
         every_step: bool,
         verbose: bool = False,
-        quiesce: Callable[[], None] | None = None,
         finish_on_drop: bool = False,
+        measured: consensus.MeasuredEngine | None = None,
     ):
         self.engine = engine
         self.graph = graph
         self.every_step = every_step
         self.verbose = verbose
         self.rounds = schedule.RoundSchedule(engine, overlap=overlap, synch_freq=synch_freq)
-        # What brings messages still on their way to rest, every worker together, where a drained
-        # round leaves some (asynchronous push-sum's ``settle``); None: a drain leaves none.
-        self._quiesce = quiesce
+        self._measured = measured
         # Note [A dropped engine lets its round finish]. Not at the interpreter's exit: a peer
         # that is gone by then would hold it up to the timeout.
         self._finish_on_drop: weakref.finalize | None = None
-        if finish_on_drop:
+        if finish_on_drop and engine is not None:
             self._finish_on_drop = weakref.finalize(self, _let_round_finish, engine)
             self._finish_on_drop.atexit = False
 
@@ -134,8 +133,8 @@ class InnerMix:
         # Synchronous modes leave the parameters alone while a round is in flight, so the engine
         # may send them in place (no send buffer; Note [Sending in place]).
         options = _C.EngineOptions(
-            graph._options(),
-            mixing._options(),
+            graph.compiled_options(),
+            mixing.compiled_options(),
             push_sum=push_sum,
             synchronous=synchronous,
             timeout=link.timeout,
@@ -146,14 +145,16 @@ class InnerMix:
             link.transport_kind, link.group, link.device, link.timeout, link.rendezvous
         )
         tensors = [t for _, t in named]
+        engine: FlatEngine
         if link.in_place:
             engine = _C.GossipEngine(tensors, [n for n, _ in named], carrier, options)
         else:
             mirrors = [t.detach().clone() for t in tensors]
             engine = _C.GossipEngine(mirrors, [n for n, _ in named], carrier, options)
-            engine = mirrored.MirroredEngine(engine, tensors, mirrors, synchronous)
+            engine = MirroredEngine(engine, tensors, mirrors, synchronous)
+        measured = None
         if link.log_every > 0:
-            engine = consensus.MeasuredEngine(engine, graph, link.log_every)
+            engine = measured = consensus.MeasuredEngine(engine, graph, link.log_every)
         return cls(
             engine,
             graph,
@@ -162,6 +163,7 @@ class InnerMix:
             every_step=every_step,
             verbose=link.verbose,
             finish_on_drop=True,
+            measured=measured,
         )
 
     @classmethod
@@ -201,7 +203,6 @@ class InnerMix:
             synch_freq=0,
             every_step=True,
             verbose=link.verbose,
-            quiesce=engine.settle,
         )
 
     # ----------------------------------------------------------------------------- rounds
@@ -212,8 +213,8 @@ class InnerMix:
     def arm(self, step: int) -> None:
         """The ``step``-th optimizer step (1-based) was taken: the consensus estimate of
         ``log_every`` measures the next absorb on its schedule."""
-        if isinstance(self.engine, consensus.MeasuredEngine):
-            self.engine.arm(step)
+        if self._measured is not None:
+            self._measured.arm(step)
 
     def after_step(self) -> None:
         """No outer step replaces this step's round: start it, if this mix gossips every step."""
@@ -231,8 +232,8 @@ class InnerMix:
         worker sent has been absorbed; raises a failed round's error. Nothing is in flight
         afterwards."""
         self.rounds.drain()
-        if self._quiesce is not None:
-            self._quiesce()
+        if self.engine is not None:
+            self.engine.settle()
 
     def run_round(self) -> None:
         """One round from start to absorb, blocking (an outer step averaged by gossip)."""
@@ -306,8 +307,7 @@ class InnerMix:
 
     @property
     def estimate(self) -> float | None:
-        engine = self.engine
-        return engine.estimate if isinstance(engine, consensus.MeasuredEngine) else None
+        return None if self._measured is None else self._measured.estimate
 
     def restore(self, round: int, weight: float) -> None:
         """Puts the push-sum state back to ``round`` and ``weight`` (a checkpoint's), after
@@ -321,6 +321,60 @@ class InnerMix:
         round on."""
         if self.engine is not None:
             self.engine.set_peers_per_itr(graph.peers_per_itr)
-            if isinstance(self.engine, consensus.MeasuredEngine):
-                self.engine.graph = graph
+            if self._measured is not None:
+                self._measured.graph = graph
         self.graph = graph
+
+
+# An engine over copies of tensors whose storage is another owner's: a module sharded by FSDP2
+# (``gossip_ext.sharded.replicas``) gossips its local shards, which FSDP2's all-gather reads, so
+# the engine cannot take their storage over as it does whole parameters (``Link.in_place``).
+class MirroredEngine(EngineWrapper):
+    """An engine (a ``_C.GossipEngine``) over ``mirrors``, copies of the ``shards`` whose storage
+    is another owner's. Every other call is the engine's; the calls that start or absorb a
+    round copy the shards in first, and a round absorbed whole is copied back. ``synchronous``:
+    the engine sends the mirrors in place while a round is in flight, and the shards do not
+    change then (the schedule absorbs before the next step), so only the start copies them in."""
+
+    def __init__(
+        self,
+        engine: FlatEngine,
+        shards: Sequence[torch.Tensor],
+        mirrors: Sequence[torch.Tensor],
+        synchronous: bool,
+    ):
+        super().__init__(engine)
+        self._shards = list(shards)
+        self._mirrors = list(mirrors)
+        self._synchronous = synchronous
+
+    @torch.no_grad()
+    def _copy_in(self) -> None:
+        torch._foreach_copy_(self._mirrors, self._shards)
+
+    @torch.no_grad()
+    def _copy_out(self) -> None:
+        torch._foreach_copy_(self._shards, self._mirrors)
+
+    def start_round(self) -> None:
+        self._copy_in()  # the optimizer stepped the shards since the last round
+        self.engine.start_round()
+
+    def finish_round(self) -> None:
+        if not self.engine.in_flight:
+            self.engine.finish_round()  # raises a failed round's error, absorbs nothing
+            return
+        if not self._synchronous:
+            self._copy_in()  # overlapped: absorbed into the parameters stepped since it started
+        self.engine.finish_round()
+        self._copy_out()
+
+    def try_finish_round(self) -> bool:
+        if not self.engine.in_flight:
+            return bool(self.engine.try_finish_round())
+        if not self._synchronous:
+            self._copy_in()
+        finished = bool(self.engine.try_finish_round())
+        if finished:
+            self._copy_out()
+        return finished

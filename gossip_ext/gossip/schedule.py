@@ -14,17 +14,17 @@ is deferred to the first forward that finds it done.
 
 from __future__ import annotations
 
-from typing import Any
+from gossip_ext.gossip.engine import Engine
 
 
 class RoundSchedule:
-    """Starts and absorbs the rounds of ``engine`` (a ``_C.GossipEngine`` or a
-    ``consensus.MeasuredEngine``) for the schedule given by ``overlap`` and ``synch_freq``.
+    """Starts and absorbs the rounds of ``engine`` (any :class:`~gossip_ext.gossip.engine.Engine`)
+    for the schedule given by ``overlap`` and ``synch_freq``.
 
     ``engine`` is None on processes that do not gossip; every call is then a no-op.
     """
 
-    def __init__(self, engine: Any, *, overlap: bool, synch_freq: int) -> None:
+    def __init__(self, engine: Engine | None, *, overlap: bool, synch_freq: int) -> None:
         self._engine = engine
         self._overlap = overlap
         self._synch_freq = synch_freq
@@ -103,22 +103,26 @@ class RoundSchedule:
         self._unfinished_forwards = 0
 
     def _absorb_bounded(self) -> None:
-        if self._engine.in_flight:
-            if self._engine.try_finish_round():
+        engine = self._engine
+        assert engine is not None  # only called with an engine
+        if engine.in_flight:
+            if engine.try_finish_round():
                 self._unfinished_forwards = 0
             else:
                 self._unfinished_forwards += 1
                 if self._unfinished_forwards > self._synch_freq:
-                    self._engine.finish_round()
+                    engine.finish_round()
                     self._unfinished_forwards = 0
-        if self._start_deferred and not self._engine.in_flight:
+        if self._start_deferred and not engine.in_flight:
             self._start_deferred = False
-            self._engine.start_round()
+            engine.start_round()
 
     def _transfer_bounded(self) -> None:
+        engine = self._engine
+        assert engine is not None  # only called with an engine
         if self._start_deferred:  # a round is already owed: wait, and start it now
-            self._engine.finish_round()
-            self._engine.start_round()
-        self._start_deferred = not self._engine.try_finish_round()
+            engine.finish_round()
+            engine.start_round()
+        self._start_deferred = not engine.try_finish_round()
         if not self._start_deferred:
-            self._engine.start_round()
+            engine.start_round()

@@ -12,7 +12,7 @@ one model's, spread over its processes. FSDP2's own collectives (the all-gather 
 forward, the reduce-scatter of the gradients) stay inside the replica.
 
 The local shards are FSDP2's storage (its all-gather reads them), so the engine cannot take it
-over as it does whole parameters: it gossips copies of them (``gossip.mirrored.MirroredEngine``),
+over as it does whole parameters: it gossips copies of them (``gossip.inner.MirroredEngine``),
 taken where the parameters may have changed (before a round starts, and before an overlapped
 round is absorbed into parameters stepped since) and written back once a round was absorbed
 whole. A round that fails writes nothing back: the shards stay the model they were.
