@@ -1,6 +1,6 @@
 """What GossipDataParallel shows of its outer steps: ``average_parameters()``, the outer
 optimizers, whether their state started, ``step_count``; and the context it lends an outer step
-(``outer_steps.StepContext``).
+(``outer.interface.StepContext``).
 
 A mixin of the wrapper, reading its inner mix (``_mix``) and its outer steps (``_outer``).
 """
@@ -10,16 +10,16 @@ from __future__ import annotations
 import torch
 
 from gossip_ext import _validation
-from gossip_ext.outer import outer_steps
+from gossip_ext.outer.interface import StepContext
 
 
 class OuterView:
     """The outer steps' public face (see the module)."""
 
-    def _step_context(self) -> outer_steps.StepContext:
+    def _step_context(self) -> StepContext:
         # Only gossiping processes hold push-sum state; the others contribute nothing and receive
         # the mean with everyone, so no broadcast inside the machine is needed.
-        return outer_steps.StepContext(
+        return StepContext(
             mix=self._mix,
             weight=lambda: self._mix.ps_weight if self.is_gossip_leader else None,
             buffer_weight=self._buffer_policy.weight,
@@ -63,7 +63,7 @@ class OuterView:
     def outer_optimizers(self) -> list[torch.optim.Optimizer]:
         """The outer optimizers, one per fragment (``fragments``; one without), in module order;
         empty without ``outer_optimizer``."""
-        return [] if self._outer.rule is None else self._outer.rule.optimizers
+        return self._outer.outer_optimizers()
 
     @property
     def outer_state_started(self) -> bool:

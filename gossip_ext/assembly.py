@@ -85,7 +85,7 @@ def build(model, initial: bool, peers_per_itr: int | None = None) -> Parts:
         graph=graph,
         sizes=[p.numel() * p.element_size() for p in model.module.parameters()],
     )
-    rule = None if outer_steps.rule is None else outer_steps.rule.describe()
+    rule = outer_steps.describe_rule()
     described = _validation.configuration(
         config.describe(rule), named, model._buffer_policy.layout()
     )

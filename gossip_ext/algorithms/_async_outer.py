@@ -78,7 +78,7 @@ class AsyncDiLoCo(Outer):
             raise ValueError(f"{where(self, 'lr')} must be positive and finite, got {self.lr}")
         if not 0.0 <= self.momentum < 1.0:
             raise ValueError(f"{where(self, 'momentum')} must be in [0, 1), got {self.momentum}")
-        if self.grace != "learned" and not 0.0 <= self.grace < math.inf:
+        if not isinstance(self.grace, str) and not 0.0 <= self.grace < math.inf:
             raise ValueError(
                 f"{where(self, 'grace')} must be >= 0 seconds and finite, got {self.grace}"
             )

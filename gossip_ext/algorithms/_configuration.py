@@ -21,6 +21,7 @@ from gossip_ext.algorithms._outer import Outer
 from gossip_ext.graphs import GraphBase
 from gossip_ext.mixing import MixingBase, UniformMixing
 from gossip_ext.outer import outer_steps as _outer_steps
+from gossip_ext.outer.interface import OuterRuntime
 
 
 @dataclasses.dataclass(frozen=True)
@@ -212,7 +213,7 @@ class Configuration:
         """Whether the outer step reads the inner optimizer's learning rates (SlowMo's)."""
         return self.outer is not None and self.outer.needs_inner_lr
 
-    def outer_steps(self, params, buffers, group, *, graph, sizes=None) -> _outer_steps.OuterSteps:
+    def outer_steps(self, params, buffers, group, *, graph, sizes=None) -> OuterRuntime:
         """The outer step's runtime part over ``params`` and the floating-point ``buffers`` on
         ``group`` (with no outer step, one that only ``average_parameters()`` asks for), a gossip
         averaging on ``graph`` (:attr:`graph`, or an elastic epoch's copy with another number of

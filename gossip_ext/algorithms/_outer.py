@@ -4,9 +4,11 @@ how DiLoCo's outer step averages is an ``OuterAverage`` (``algorithms._averages`
 
 from __future__ import annotations
 
+import abc
 import dataclasses
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
+from datetime import timedelta
 from typing import Any
 
 import torch
@@ -22,16 +24,36 @@ from gossip_ext.algorithms._base import (
 )
 from gossip_ext.averagings import Averaging
 from gossip_ext.averagings.buckets import ParameterBuckets
+from gossip_ext.graphs import GraphBase
+from gossip_ext.mixing import MixingBase
 from gossip_ext.outer import outer_steps, slow_momentum
 from gossip_ext.outer import rules as outer_rules
+from gossip_ext.outer.interface import OuterRuntime
 from gossip_ext.outer.streaming import StreamingOuter
 
 
-class Outer(Algorithm):
-    """What every outer step is: its runtime part is ``steps(params, buffers, group, ...)``;
-    ``needs_inner_lr`` says whether it reads the inner optimizer's learning rates."""
+class Outer(Algorithm, abc.ABC):
+    """What every outer step is: its runtime part is :meth:`steps`; ``needs_inner_lr`` says
+    whether it reads the inner optimizer's learning rates."""
 
     needs_inner_lr = False
+
+    @abc.abstractmethod
+    def steps(
+        self,
+        params: Sequence[torch.Tensor],
+        buffers: Sequence[torch.Tensor],
+        group: dist.ProcessGroup,
+        *,
+        graph: GraphBase,
+        mixing: MixingBase,
+        timeout: timedelta,
+        sizes: Sequence[int] | None = None,
+    ) -> OuterRuntime:
+        """The runtime part over ``params`` (the parameters, or a sharded module's local shards)
+        and the floating-point ``buffers`` on ``group``; ``graph`` and ``mixing``: the gossip's,
+        for an averaging by gossip; ``sizes``: each whole parameter's bytes, where ``params``
+        are shards."""
 
     def check_combination(self, gossip, membership, nprocs_per_node: int, spelling) -> None:
         """Raises ValueError, in the user's ``spelling``, if this outer step cannot run beside

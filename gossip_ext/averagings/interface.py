@@ -27,12 +27,45 @@ from __future__ import annotations
 
 import abc
 import dataclasses
-from collections.abc import Sequence
-from typing import Any
+from collections.abc import Mapping, Sequence
+from typing import Generic, Protocol, TypeVar
 
 import torch
 
 from gossip_ext.averagings.buckets import ParameterBuckets
+from gossip_ext.gossip.inner import InnerMix
+
+# What an averaging's start hands its finish: its own business (posted works, buffers).
+Pending = TypeVar("Pending")
+
+
+class MeanRule(Protocol):
+    """What a mean asks of the outer rule that steps with it (``outer.rules.OuterRule``, a layer
+    above): a mean of parameters is turned into new parameters by :meth:`update`, a mean of
+    pseudo-gradients steps ``theta_global`` by :meth:`step_with`."""
+
+    @property
+    def started(self) -> bool: ...
+
+    def start(
+        self, buckets: ParameterBuckets, means: Sequence[torch.Tensor] | None = None, /
+    ) -> None: ...
+
+    def update(
+        self,
+        buckets: ParameterBuckets,
+        means: Sequence[torch.Tensor],
+        optimizer: torch.optim.Optimizer | None,
+        /,
+    ) -> list[torch.Tensor]: ...
+
+    def step_with(
+        self,
+        pseudo_gradients: Sequence[torch.Tensor],
+        buckets: ParameterBuckets,
+        optimizer: torch.optim.Optimizer | None,
+        /,
+    ) -> list[torch.Tensor]: ...
 
 
 class Contribution:
@@ -52,7 +85,7 @@ class Contribution:
         theta_global: Sequence[torch.Tensor] | None,
         weight: float | None,
         round: int = 0,  # noqa: A002 - the step's round, as elsewhere in the package
-        mix: Any = None,
+        mix: InnerMix | None = None,
         *,
         pseudo_gradients: Sequence[torch.Tensor] | None = None,
     ):
@@ -74,6 +107,11 @@ class Contribution:
     @torch.no_grad()
     def parameters(self) -> list[torch.Tensor]:
         """A copy of the parameters, one flat tensor per bucket in its accumulation dtype."""
+        if self.buckets is None:
+            raise ValueError(
+                "this contribution was given as pseudo-gradients "
+                "(Contribution.of_pseudo_gradients): it holds no parameters"
+            )
         return [
             self.buckets.read(b, torch.empty(n, dtype=dtype, device=self.buckets.device(b)))
             for b, (n, dtype) in enumerate(self.buckets.layout())
@@ -102,9 +140,14 @@ class Mean:
     keeps at its commit (its own business)."""
 
     values: list[torch.Tensor]
-    kept: Any = None
+    kept: object = None
 
-    def step(self, rule: Any, buckets: ParameterBuckets, optimizer=None) -> list[torch.Tensor]:
+    def step(
+        self,
+        rule: MeanRule,
+        buckets: ParameterBuckets,
+        optimizer: torch.optim.Optimizer | None = None,
+    ) -> list[torch.Tensor]:
         """The new parameters, per bucket, that ``rule`` makes of this mean."""
         raise NotImplementedError
 
@@ -112,7 +155,12 @@ class Mean:
 class ParameterMean(Mean):
     """The mean of the workers' parameters (or a worker's parameters mixed with its peers')."""
 
-    def step(self, rule, buckets, optimizer=None):
+    def step(
+        self,
+        rule: MeanRule,
+        buckets: ParameterBuckets,
+        optimizer: torch.optim.Optimizer | None = None,
+    ) -> list[torch.Tensor]:
         if not rule.started:
             # No forward ran before this step (a loop without one): the rule starts from the
             # mean, which makes this step a plain average.
@@ -123,11 +171,16 @@ class ParameterMean(Mean):
 class PseudoGradientMean(Mean):
     """The mean of the workers' pseudo-gradients ``theta_global - theta_i``."""
 
-    def step(self, rule, buckets, optimizer=None):
+    def step(
+        self,
+        rule: MeanRule,
+        buckets: ParameterBuckets,
+        optimizer: torch.optim.Optimizer | None = None,
+    ) -> list[torch.Tensor]:
         return rule.step_with(self.values, buckets, optimizer)
 
 
-class Averaging(abc.ABC):
+class Averaging(abc.ABC, Generic[Pending]):
     """How an outer step forms its mean over workers: the runtime part that an averaging's
     configuration object builds (see the module). Subclasses implement :meth:`start` and
     :meth:`finish`; those with state of their own also :meth:`commit`, :attr:`state_key`,
@@ -140,12 +193,12 @@ class Averaging(abc.ABC):
     averages_buffers: bool = False
 
     @abc.abstractmethod
-    def start(self, contribution: Contribution) -> Any:
+    def start(self, contribution: Contribution) -> Pending:
         """Reads ``contribution`` and posts this worker's messages; returns what :meth:`finish`
         needs. Writes nothing this worker's model reads."""
 
     @abc.abstractmethod
-    def finish(self, pending: Any) -> Mean:
+    def finish(self, pending: Pending) -> Mean:
         """Waits for the messages (each wait bounded by the timeout) and returns the mean; writes
         nothing. Raises ``PeerTimeoutError`` for a dead or stalled peer and ``NonFiniteError``
         for a message holding NaN or Inf, naming the peers where they can be known."""
@@ -156,12 +209,12 @@ class Averaging(abc.ABC):
     def begin(self, buckets: ParameterBuckets) -> None:  # noqa: B027 - a hook, as commit
         """The outer rule started at the parameters of ``buckets`` (equal on every worker)."""
 
-    def before_whole_step(self, mix: Any) -> None:
+    def before_whole_step(self, mix: InnerMix) -> None:
         """Before a whole-model step, which takes the place of the step's gossip round: the round
         in flight is absorbed, and push-sum restarts from weight 1 (default)."""
         mix.restart()
 
-    def after_whole_step(self, mix: Any) -> None:
+    def after_whole_step(self, mix: InnerMix) -> None:
         """After a whole-model step: every worker holds the mean, so push-sum's weight is 1
         (default; an averaging that leaves workers apart keeps it)."""
         mix.reset_weight()
@@ -172,22 +225,22 @@ class Averaging(abc.ABC):
         one."""
         return None
 
-    def state_dict(self) -> dict[str, Any] | None:
+    def state_dict(self) -> Mapping[str, object] | None:
         return None
 
     def check_state_dict(  # noqa: B027 - a hook, as commit
-        self, state: dict[str, Any] | None, members_changed: bool = False
+        self, state: Mapping[str, object] | None, members_changed: bool = False
     ) -> None:
         """Raises ValueError, writing nothing, where :meth:`load_state_dict` would refuse
         ``state``: its caller checks every part of a checkpoint before it writes any."""
 
     def load_state_dict(  # noqa: B027 - a hook, as commit
-        self, state: dict[str, Any] | None, members_changed: bool = False
+        self, state: Mapping[str, object] | None, members_changed: bool = False
     ) -> None:
         """Puts back :meth:`state_dict` (None: a checkpoint without it), checked first by
         :meth:`check_state_dict`. ``members_changed``: the state of this worker's previous
         elastic epoch."""
 
-    def describe(self) -> dict[str, Any]:
+    def describe(self) -> Mapping[str, object]:
         """What every rank must agree on, as plain values."""
         return {"kind": type(self).__name__}

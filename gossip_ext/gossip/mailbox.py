@@ -22,16 +22,18 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import statistics
 import threading
 import time
+from collections.abc import Sequence
 from datetime import timedelta
+from typing import Protocol
 
 import torch
 
 from gossip_ext._torch_check import _C
 from gossip_ext.errors import PeerTimeoutError
 from gossip_ext.gossip import messages, transport
-from gossip_ext.graphs import GraphBase
 
 ARRIVALS_KEPT = 16  # arrival times a mailbox keeps, for a deadline learned from them
 
@@ -47,7 +49,16 @@ def tag(generation: int, sequence: int) -> int:
     return transport.mailbox_tag(generation, sequence)
 
 
-def next_round(graph: GraphBase, sender: int, receiver: int, world_size: int, start: int):
+class Schedule(Protocol):
+    """Who a worker sends to in each round: a gossip graph (``graphs.GraphBase``), or
+    :class:`Everyone`."""
+
+    def phone_book(self, rank: int, world_size: int, /) -> list[int]: ...
+
+    def out_peers(self, rank: int, world_size: int, round_: int, /) -> list[int]: ...
+
+
+def next_round(graph: Schedule, sender: int, receiver: int, world_size: int, start: int):
     """The first round >= ``start`` in which ``sender`` sends to ``receiver``; None if never."""
     period = max(1, len(graph.phone_book(sender, world_size)))
     for round_ in range(start, start + period):
@@ -56,7 +67,7 @@ def next_round(graph: GraphBase, sender: int, receiver: int, world_size: int, st
     return None
 
 
-def in_peers(graph: GraphBase, rank: int, world_size: int) -> list[int]:
+def in_peers(graph: Schedule, rank: int, world_size: int) -> list[int]:
     """Every rank that sends to ``rank`` in some round."""
     return [
         peer
@@ -234,7 +245,7 @@ class Mailbox(_PeerThread):
     def __init__(
         self,
         group,
-        graph: GraphBase,
+        graph: Schedule,
         peer: int,
         rank: int,
         nbytes: int,
@@ -463,3 +474,24 @@ def leave(departures: Departures, rank: int, boxes, why: str, round_: int | None
     )
     for box in boxes:
         box.fail(error)
+
+
+# ----------------------------------------------------------------------------- deadlines
+# When a peer's next message is due, learned from when its latest arrived (median interval plus a
+# few median absolute deviations: robust to the odd stall). A message later than that counts at
+# the next step, never lost: only the wrapper's ``timeout`` of silence names a peer as failed.
+
+MIN_INTERVALS = 3  # intervals to learn from before any deadline is given
+DEVIATIONS = 3.0  # median absolute deviations past the median interval
+FLOOR_S = 0.002  # the least slack, so that a perfectly regular peer is not cut off by jitter
+
+
+def next_due(arrivals: Sequence[float], deviations: float = DEVIATIONS) -> float | None:
+    """When the message after ``arrivals`` (times, oldest first) is due; None until
+    MIN_INTERVALS intervals were seen."""
+    intervals = [later - earlier for earlier, later in zip(arrivals, arrivals[1:])]
+    if len(intervals) < MIN_INTERVALS:
+        return None
+    median = statistics.median(intervals)
+    spread = statistics.median(abs(i - median) for i in intervals)
+    return arrivals[-1] + median + max(deviations * spread, FLOOR_S)

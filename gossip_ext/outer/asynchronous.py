@@ -40,7 +40,7 @@ from __future__ import annotations
 
 import time
 import weakref
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from datetime import timedelta
 from typing import Any
 
@@ -48,8 +48,10 @@ import torch
 import torch.distributed as dist
 
 from gossip_ext.errors import NonFiniteError, PeerTimeoutError
-from gossip_ext.gossip import deadlines, mailbox, messages, transport
+from gossip_ext.gossip import mailbox, messages, transport
+from gossip_ext.gossip.inner import InnerMix
 from gossip_ext.outer.delayed_nesterov import NesterovOuter
+from gossip_ext.outer.interface import StepContext
 
 _EVERYONE = mailbox.Everyone()
 # Messages to one peer posted and not yet taken by it beyond which what it is owed waits and
@@ -58,23 +60,6 @@ MAX_BACKLOG = 1
 # A learned grace waits for a peer whose message is due within this share of the worker's own
 # period, and no longer: a peer much slower than this worker is never waited for.
 LEARNED_GRACE_SHARE = 0.5
-
-
-class _Rule:
-    """What the wrapper reads of an outer step's rule (``_outer_view``): no torch optimizer to
-    schedule, and the rule's description for the ranks' agreement."""
-
-    needs_inner_lr = False
-
-    def __init__(self, outer: NesterovOuter):
-        self._outer = outer
-
-    @property
-    def optimizers(self) -> list[torch.optim.Optimizer]:
-        return []
-
-    def describe(self) -> dict[str, Any]:
-        return self._outer.describe()
 
 
 class AsyncOuterSteps:
@@ -134,7 +119,6 @@ class AsyncOuterSteps:
             round_samples=every * self.world_size,
             device=self._device,
         )
-        self.rule = _Rule(self.outer)
         # What each peer is owed and not yet sent: pseudo-gradients this worker applied
         # itself, and the rounding of lossy messages (Note [Owed pseudo-gradients]).
         peers = [peer for peer in range(self.world_size) if peer != self.rank]
@@ -201,6 +185,15 @@ class AsyncOuterSteps:
         if self._start_at_forward:
             self.start()
 
+    def describe_rule(self) -> object:
+        """The outer rule's hyperparameters, which every rank must agree on."""
+        return self.outer.describe()
+
+    def outer_optimizers(self) -> list[torch.optim.Optimizer]:
+        """None: the outer rule is delayed Nesterov on a flat ``theta_global``, no torch
+        optimizer (``delayed_nesterov``)."""
+        return []
+
     def start(self) -> None:
         """``theta_global`` starts at the current parameters, the momentum at rest."""
         self.outer.start(messages.flatten(self._params, self._dtype))
@@ -213,7 +206,7 @@ class AsyncOuterSteps:
 
     # ------------------------------------------------------------------------- steps
 
-    def end_step(self, step: int, make_context) -> bool:
+    def end_step(self, step: int, make_context: Callable[[], StepContext]) -> bool:
         """After the ``step``-th optimizer step: the outer step, once this worker's period is
         done. Never waits for a peer beyond ``grace``. Returns whether the step's gossip round
         runs (there is none beside an asynchronous outer step)."""
@@ -223,7 +216,7 @@ class AsyncOuterSteps:
         self._guarded(make_context().mix, self._outer_step)
         return False
 
-    def average_now(self, step: int, context) -> None:
+    def average_now(self, step: int, context: StepContext) -> None:
         """Every worker together: an outer step on every pseudo-gradient sent so far, then the
         workers' ``theta_global`` averaged exactly (one model, for evaluation or a checkpoint)."""
 
@@ -291,13 +284,13 @@ class AsyncOuterSteps:
 
     def _wait_grace(self) -> None:
         """Waits for the peers' pseudo-gradients since the last merge: up to ``grace`` seconds,
-        or, ``"learned"``, for each peer until its next message is due (``deadlines``) where
+        or, ``"learned"``, for each peer until its next message is due (``mailbox.next_due``) where
         that is soon enough (LEARNED_GRACE_SHARE of this worker's period)."""
-        if self.grace == "learned":
+        if isinstance(self.grace, str):  # "learned"
             now = time.monotonic()
             soon = now + LEARNED_GRACE_SHARE * (now - self._period_began)
             for peer, box in self._mailboxes.items():
-                due = deadlines.next_due(box.arrival_times())
+                due = mailbox.next_due(box.arrival_times())
                 if due is not None and due <= soon:
                     box.wait_for_before(self._merged[peer] + 1, due)
             return
@@ -315,14 +308,14 @@ class AsyncOuterSteps:
             if not box.ended and (self._owed_steps[peer] or bool(self._owed[peer].any())):
                 self._post(peer, buffers, self._step_seconds[self.rank])
         sent = torch.zeros(self.world_size, dtype=torch.int64)
-        for peer, box in self._outboxes.items():
-            sent[peer] = box.sent
+        for peer, outbox in self._outboxes.items():
+            sent[peer] = outbox.sent
         counts = [torch.zeros_like(sent) for _ in range(self.world_size)]
         dist.all_gather(counts, sent, group=self._group)
-        for peer, box in self._mailboxes.items():
-            box.wait_for(int(counts[peer][self.rank]))
-        for box in self._outboxes.values():
-            box.wait_until_past(float("inf"))
+        for peer, inbox in self._mailboxes.items():
+            inbox.wait_for(int(counts[peer][self.rank]))
+        for outbox in self._outboxes.values():
+            outbox.wait_until_past(float("inf"))
 
     def _merge(self, arrived: list[tuple[int, int, torch.Tensor, int]]) -> None:
         """The outer rule on the mean of the pseudo-gradients ``arrived`` (rank, period, values,
@@ -346,7 +339,9 @@ class AsyncOuterSteps:
         if self._buffers:
             latest = {peer: (values, steps) for peer, _, values, steps in arrived}
             total = sum(steps for _, steps in latest.values()) or 1
-            mean = sum(v[self._numel :] * (max(n, 0) / total) for v, n in latest.values())
+            mean = torch.zeros(sum(self._buffer_sizes), dtype=self._dtype, device=self._device)
+            for values, steps in latest.values():
+                mean += values[self._numel :] * (max(steps, 0) / total)
             messages.write_flat(self._buffers, mean)
         if self.history is not None:
             self.history.append(
@@ -380,7 +375,7 @@ class AsyncOuterSteps:
 
     # ------------------------------------------------------------------------- failures
 
-    def _guarded(self, mix, body) -> None:
+    def _guarded(self, mix: InnerMix, body: Callable[[], None]) -> None:
         """``body()``; an error it raises stays raised by every later call of the wrapper."""
         self.raise_if_failed()
         try:
@@ -407,7 +402,8 @@ class AsyncOuterSteps:
         return (self.world_size - 1) * self._codec.nbytes / self.every
 
     def align_in_flight(self, step: int) -> None:
-        """Never called: an elastic job refuses asynchronous outer steps."""
+        """Nothing to align: each worker's period is its own, counted from its own steps, and
+        nothing is in flight at a step count (an elastic job refuses these steps)."""
 
     # ------------------------------------------------------------------------- checkpoint
 
@@ -432,7 +428,7 @@ class AsyncOuterSteps:
         """The checkpoint entries :meth:`state_dict` writes."""
         return [self.outer.state_key]
 
-    def check_state_dict(self, state, members_changed: bool = False) -> None:
+    def check_state_dict(self, state: Mapping[str, Any], members_changed: bool = False) -> None:
         """Raises ValueError, writing nothing, where :meth:`load_state_dict` would refuse it."""
         saved = state.get(self.outer.state_key)
         if saved is None:
@@ -444,7 +440,7 @@ class AsyncOuterSteps:
                 f"(the inner steps of its period), got {saved.get('period_steps')!r}"
             )
 
-    def load_state_dict(self, state, members_changed: bool = False) -> None:
+    def load_state_dict(self, state: Mapping[str, Any], members_changed: bool = False) -> None:
         self.check_state_dict(state, members_changed)
         saved = state.get(self.outer.state_key)
         if saved is None:
@@ -461,7 +457,11 @@ class AsyncOuterSteps:
         self.load_state_dict(state)
 
     def per_parameter_state(self) -> None:
-        return None  # one flat state for the whole model
+        """None: one flat state for the whole model, which no shard's cut can hold."""
+        return None
 
-    def load_per_parameter_state(self, state) -> None:
-        raise NotImplementedError("AsyncDiLoCo keeps no per-parameter state")
+    def load_per_parameter_state(self, state: dict[str, list[torch.Tensor]]) -> None:
+        raise ValueError(
+            f"AsyncDiLoCo keeps one flat outer state for the whole model, not one per parameter "
+            f"(got a per-parameter state of {sorted(state)})"
+        )

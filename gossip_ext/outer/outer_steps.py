@@ -14,7 +14,6 @@ the error raised (Note [The parameters are the model] in the engine).
 
 from __future__ import annotations
 
-import dataclasses
 import datetime
 import math
 from collections.abc import Callable, Mapping, Sequence
@@ -26,6 +25,8 @@ import torch.distributed as dist
 from gossip_ext.averagings import AllReduceMean, Averaging, Contribution
 from gossip_ext.averagings.buckets import ParameterBuckets
 from gossip_ext.averagings.failures import DEFAULT_TIMEOUT
+from gossip_ext.gossip.inner import InnerMix
+from gossip_ext.outer.interface import StepContext
 from gossip_ext.outer.rules import PlainAverage
 from gossip_ext.outer.streaming import StreamingOuter, without_residuals
 
@@ -37,18 +38,6 @@ OUTER = "outer"
 # Streaming DiLoCo's prepares and applies (gossip_ext.outer.streaming), followed by the round as
 # usual.
 STREAM = "stream"
-
-
-@dataclasses.dataclass
-class StepContext:
-    """What the wrapper lends an outer step: its inner mix (``inner.InnerMix``), this process's
-    push-sum weight (read once the mix is drained; None where it contributes nothing), the
-    floating buffers' weight given that, and the inner optimizer (SlowMo reads its rates)."""
-
-    mix: Any
-    weight: Callable[[], float | None]
-    buffer_weight: Callable[[float | None], float | None]
-    optimizer: torch.optim.Optimizer | None = None
 
 
 class OuterSteps:
@@ -97,6 +86,14 @@ class OuterSteps:
     def started(self) -> bool:
         """Whether the rule's state exists (SlowMo's starts at the first forward)."""
         return self.rule is not None and self.rule.started
+
+    def describe_rule(self) -> object:
+        """The rule's hyperparameters as plain values; None without a rule."""
+        return None if self.rule is None else self.rule.describe()
+
+    def outer_optimizers(self) -> list[torch.optim.Optimizer]:
+        """The torch optimizers that step ``theta_global`` (DiLoCo's; none for SlowMo's rule)."""
+        return [] if self.rule is None else list(self.rule.optimizers)
 
     def start_eagerly(self) -> None:
         """At construction, once every rank holds the same parameters: rules whose state must
@@ -162,14 +159,17 @@ class OuterSteps:
             share = 1 / self.average_every
             if self.sync_every:
                 share -= 1 / math.lcm(self.average_every, self.sync_every)
-            sent += share * self.exact.bytes_per_step()
+            exact = self.exact.bytes_per_step()
+            if exact is None:
+                return None
+            sent += share * exact
         return sent
 
     def average_now(self, step: int, context: StepContext) -> None:
         """A plain exact average now (``average_parameters()``). Collective."""
         self._whole_step(self.exact, _PLAIN, step, context)
 
-    def _whole_step(self, averaging: Averaging, rule: Any, step: int, context: StepContext):
+    def _whole_step(self, averaging: Averaging, rule: Any, step: int, context: StepContext) -> None:
         averaging.before_whole_step(context.mix)
         weight = context.weight()
 
@@ -195,7 +195,7 @@ class OuterSteps:
         averaging.after_whole_step(context.mix)
 
     @staticmethod
-    def _guarded(mix: Any, run: Callable[[], Any]) -> Any:
+    def _guarded(mix: InnerMix, run: Callable[[], Any]) -> Any:
         """``run()``; an error it raises stays raised by every later call of the wrapper (the
         parameters were left as they were here, but perhaps written on ranks whose collectives
         succeeded)."""
@@ -277,6 +277,7 @@ class OuterSteps:
         # "outer_residuals": the state_key of the averagings that keep residuals (CompressedMean,
         # TopK).
         handed = {k: v for k, v in state.items() if k != "outer_residuals"}
-        if handed.get(StreamingOuter.state_key) is not None:
-            handed[StreamingOuter.state_key] = without_residuals(handed[StreamingOuter.state_key])
+        streamed = handed.get(StreamingOuter.state_key)
+        if isinstance(streamed, Mapping):
+            handed[StreamingOuter.state_key] = without_residuals(streamed)
         self.load_state_dict(handed)

@@ -1,0 +1,112 @@
+"""The outer steps' interface: what the wrapper, its checkpoint and an elastic job's epochs ask of
+whatever runs every few optimizer steps beyond the inner gossip.
+
+Two objects implement it: the lockstep outer steps (``outer_steps.OuterSteps``: a plain average,
+SlowMo, DiLoCo and Streaming DiLoCo, each on any averaging) and the asynchronous ones
+(``asynchronous.AsyncOuterSteps``: AsyncDiLoCo). A type checker holds both to :class:`OuterRuntime`
+(the typing stage of ``tools/run_tests.sh``); each is built by its configuration object's
+``outer_steps`` (``gossip_ext.algorithms``).
+
+The contract: :meth:`OuterRuntime.end_step` after every optimizer step runs whatever that step
+ends with, every collective before any write, so a step that fails leaves the parameters and the
+state as they were and keeps its error raised (through the context's mix, ``StepContext.mix``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Mapping
+from typing import Protocol
+
+import torch
+
+from gossip_ext.gossip.inner import InnerMix
+
+
+@dataclasses.dataclass
+class StepContext:
+    """What the wrapper lends an outer step: its inner mix, this process's push-sum weight (read
+    once the mix is drained; None where it contributes nothing), the floating buffers' weight
+    given that, and the inner optimizer (SlowMo reads its rates)."""
+
+    mix: InnerMix
+    weight: Callable[[], float | None]
+    buffer_weight: Callable[[float | None], float | None]
+    optimizer: torch.optim.Optimizer | None = None
+
+
+class OuterRuntime(Protocol):
+    """One worker's outer steps (see the module docstring)."""
+
+    @property
+    def needs_inner_lr(self) -> bool:
+        """Whether the rule reads the inner optimizer's learning rates (SlowMo)."""
+
+    @property
+    def sync_every(self) -> int:
+        """The optimizer steps between two lockstep outer steps; 0: none on a fixed schedule."""
+
+    # ------------------------------------------------------------------ starting
+
+    @property
+    def started(self) -> bool:
+        """Whether the rule's state exists."""
+
+    def start(self) -> None:
+        """The rule's state starts at the current parameters."""
+
+    def start_eagerly(self) -> None:
+        """At construction, once every rank holds the same parameters."""
+
+    def before_forward(self) -> None:
+        """Before each forward: starts the rule where it starts at the first forward."""
+
+    def describe_rule(self) -> object:
+        """The rule's hyperparameters as plain values, which every rank must agree on; None
+        without a rule."""
+
+    def outer_optimizers(self) -> list[torch.optim.Optimizer]:
+        """The torch optimizers that step ``theta_global`` (for a learning-rate scheduler)."""
+
+    # ------------------------------------------------------------------ steps
+
+    def end_step(self, step: int, make_context: Callable[[], StepContext]) -> bool:
+        """Runs what ends the ``step``-th optimizer step (1-based), asking ``make_context`` only
+        where something runs; whether the step's gossip round still runs."""
+
+    def average_now(self, step: int, context: StepContext) -> None:
+        """Every worker together: one model now (``average_parameters()``)."""
+
+    def bytes_per_step(self, round_bytes: int) -> float | None:
+        """Bytes this worker sends per optimizer step for these steps; None where unknown.
+        ``round_bytes``: what one round of the inner engine sends."""
+
+    def align_in_flight(self, step: int) -> None:
+        """An elastic epoch begins at optimizer step ``step``: what is in flight becomes what the
+        schedule has in flight there."""
+
+    # ------------------------------------------------------------------ checkpoint
+
+    def state_keys(self) -> list[str]:
+        """The checkpoint entries :meth:`state_dict` writes."""
+
+    def state_dict(self) -> dict[str, object]:
+        """The rule's (and the averaging's) state, by :meth:`state_keys`."""
+
+    def check_state_dict(self, state: Mapping[str, object], members_changed: bool = False) -> None:
+        """Raises ValueError, writing nothing, where :meth:`load_state_dict` would refuse."""
+
+    def load_state_dict(self, state: Mapping[str, object], members_changed: bool = False) -> None:
+        """Puts back a :meth:`state_dict` (``members_changed``: an elastic worker's own state,
+        from its previous epoch)."""
+
+    def load_donor_state(self, state: Mapping[str, object]) -> None:
+        """Loads a donor's :meth:`state_dict` into a worker that joins an elastic job, without
+        what the donor owes the others."""
+
+    def per_parameter_state(self) -> dict[str, list[torch.Tensor]] | None:
+        """The state as one tensor per parameter (a sharded checkpoint cuts it by shard); None
+        where it cannot be put so."""
+
+    def load_per_parameter_state(self, state: dict[str, list[torch.Tensor]]) -> None:
+        """Puts back :meth:`per_parameter_state`."""
