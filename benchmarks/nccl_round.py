@@ -54,8 +54,8 @@ def engine(params: list[torch.Tensor], message_dtype, key: str):
     store = dist.distributed_c10d._get_default_store()
     nccl = _C.NcclTransport(store, key, 0, 1, torch.cuda.current_device(), timedelta(seconds=60))
     options = _C.EngineOptions(
-        gossip_ext.RingGraph()._options(),
-        gossip_ext.UniformMixing()._options(),
+        gossip_ext.RingGraph().compiled_options(),
+        gossip_ext.UniformMixing().compiled_options(),
         synchronous=True,
         message_dtype=message_dtype,
         timeout=timedelta(seconds=60),

@@ -51,14 +51,15 @@ class GraphBase:
     def __init__(self, peers_per_itr: int = 1):
         self.peers_per_itr = _check_int("peers_per_itr", peers_per_itr, 1)
 
-    def _options(self) -> _C.GraphOptions:
+    def compiled_options(self) -> _C.GraphOptions:
+        """This graph as the compiled engine takes it (``_C.EngineOptions``)."""
         return _C.GraphOptions(self._kind, self.peers_per_itr)
 
     @functools.lru_cache(maxsize=8)  # noqa: B019 (graphs are few and long-lived)
     def schedule(self, world_size: int) -> _C.Graph:
         """The compiled schedule for ``world_size`` nodes; raises ValueError if they do not fit."""
         _check_int("world_size", world_size, 1)
-        return _C.Graph(self._options(), world_size)
+        return _C.Graph(self.compiled_options(), world_size)
 
     @property
     def is_regular(self) -> bool:
@@ -199,7 +200,7 @@ class CustomGraph(GraphBase):
         # Validate now rather than at first use.
         self.schedule(len(self.phone_books))
 
-    def _options(self) -> _C.GraphOptions:
+    def compiled_options(self) -> _C.GraphOptions:
         return _C.GraphOptions(self._kind, self.peers_per_itr, [list(b) for b in self.phone_books])
 
     @property

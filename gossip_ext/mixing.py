@@ -26,14 +26,15 @@ class MixingBase:
 
     is_uniform = False
 
-    def _options(self) -> _C.MixingOptions:
+    def compiled_options(self) -> _C.MixingOptions:
+        """These weights as the compiled engine takes them (``_C.EngineOptions``)."""
         raise NotImplementedError
 
     def weights(self, num_out_peers: int) -> MixingWeights:
         """The weights of a round in which the node sends to ``num_out_peers`` peers."""
         if isinstance(num_out_peers, bool) or not isinstance(num_out_peers, int):
             raise TypeError(f"num_out_peers must be an int, got {num_out_peers!r}")
-        return MixingWeights(*_C.mixing_weights(self._options(), num_out_peers))
+        return MixingWeights(*_C.mixing_weights(self.compiled_options(), num_out_peers))
 
     def weights_for(self, graph, rank: int, world_size: int, round: int) -> MixingWeights:
         """The weights ``rank`` uses in ``round`` of ``graph`` at ``world_size``."""
@@ -56,7 +57,7 @@ class UniformMixing(MixingBase):
 
     is_uniform = True
 
-    def _options(self) -> _C.MixingOptions:
+    def compiled_options(self) -> _C.MixingOptions:
         return _C.MixingOptions(_C.MixingKind.Uniform)
 
     def __repr__(self) -> str:
@@ -80,7 +81,7 @@ class SelfWeightMixing(MixingBase):
             raise ValueError(f"SelfWeightMixing: self_weight must be in (0, 1), got {self_weight}")
         self.self_weight = float(self_weight)
 
-    def _options(self) -> _C.MixingOptions:
+    def compiled_options(self) -> _C.MixingOptions:
         return _C.MixingOptions(_C.MixingKind.SelfWeight, self.self_weight)
 
     def __repr__(self) -> str:

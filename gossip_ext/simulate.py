@@ -75,8 +75,8 @@ def simulate(
     # Each simulated rank finishes a round before touching its values again: the engine may send
     # them in place, as synchronous training does.
     options = _C.EngineOptions(
-        graph._options(),
-        mixing._options(),
+        graph.compiled_options(),
+        mixing.compiled_options(),
         push_sum=push_sum,
         synchronous=True,
         timeout=timeout,

@@ -193,8 +193,8 @@ def soak_inproc(
             [f"rank{r}"],
             _C.InProcTransport(hub, r),
             _C.EngineOptions(
-                graph._options(),
-                mixings[r]._options(),
+                graph.compiled_options(),
+                mixings[r].compiled_options(),
                 synchronous=uniform,
                 timeout=timedelta(seconds=timeout_s),
             ),

@@ -17,8 +17,8 @@ pytestmark = pytest.mark.extension  # the compiled extension's own tests (pyproj
 def _two_engines(synchronous: bool):
     hub = _C.InProcHub(2)
     options = _C.EngineOptions(
-        gossip_ext.NPeerDynamicDirectedExponentialGraph()._options(),
-        gossip_ext.UniformMixing()._options(),
+        gossip_ext.NPeerDynamicDirectedExponentialGraph().compiled_options(),
+        gossip_ext.UniformMixing().compiled_options(),
         synchronous=synchronous,
     )
     params = [torch.tensor([2.0, 4.0], dtype=torch.float64), torch.tensor([6.0, 0.0]).double()]

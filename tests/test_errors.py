@@ -19,8 +19,8 @@ def _two_engines(timeout: timedelta, check_finite: bool = True):
     """Two ranks of the in-process transport driven from one thread (a send never blocks)."""
     hub = _C.InProcHub(2)
     options = _C.EngineOptions(
-        gossip_ext.NPeerDynamicDirectedExponentialGraph()._options(),
-        gossip_ext.UniformMixing()._options(),
+        gossip_ext.NPeerDynamicDirectedExponentialGraph().compiled_options(),
+        gossip_ext.UniformMixing().compiled_options(),
         timeout=timeout,
         check_finite=check_finite,
     )

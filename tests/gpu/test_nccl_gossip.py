@@ -123,8 +123,8 @@ def _engine(config: dict, transport, params):
         else gossip_ext.UniformMixing()
     )
     options = _C.EngineOptions(
-        gossip_ext.NPeerDynamicDirectedExponentialGraph(peers_per_itr=2)._options(),
-        mixing._options(),
+        gossip_ext.NPeerDynamicDirectedExponentialGraph(peers_per_itr=2).compiled_options(),
+        mixing.compiled_options(),
         synchronous=config["synchronous"],
         timeout=timedelta(seconds=3),
         message_dtype=config.get("message_dtype"),
