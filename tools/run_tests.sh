@@ -143,13 +143,16 @@ fi
 # (benchmark and test dependencies only: tests/test_compare_systems.py), and the Lightning extra
 # (gossip_ext[lightning]: tests/test_lightning.py).
 "$PYTHON" -m pip install --quiet pytest pytest-timeout torchft==0.2.0 decent-dp==0.2.3 \
-  pytorch-lightning==2.6.6
+  pytorch-lightning==2.6.6 mypy==2.4.1
 
 stage 15 120 "GoogleTest"
 bash tools/install_gtest.sh
 
 stage 120 270 "Build the extension (gossip_ext._C; reused when up to date)"
 PYTHON="$PYTHON" bash tools/build.sh --demo
+
+stage 45 60 "Types: every engine held to its declared interface (mypy; pyproject.toml says which)"
+"$PYTHON" -m mypy
 
 stage 75 150 "The wheel, installed with the torch it requires in a new environment (tests/test_wheel.py)"
 PYTHON="$PYTHON" bash tools/wheel_environment.sh
