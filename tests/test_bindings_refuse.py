@@ -254,6 +254,7 @@ CASES: dict[str, list[tuple[str, tuple[str, ...] | None, tuple[str, ...]]]] = {
     "GossipEngine.finish_round": [("engine.finish_round(None)", TE, ())],
     "GossipEngine.try_finish_round": [("engine.try_finish_round(None)", TE, ())],
     "GossipEngine.synchronize": [("engine.synchronize(None)", TE, ())],
+    "GossipEngine.settle": [("engine.settle(None)", TE, ())],
     "GossipEngine.raise_if_failed": [("engine.raise_if_failed(None)", TE, ())],
     "GossipEngine.abandon": [("engine.abandon(None)", TE, ("why",))],
     "GossipEngine.flat_buffers": [("engine.flat_buffers(None)", TE, ())],
