@@ -136,7 +136,7 @@ def measure(rank: int, world_size: int, init_method: str, payload: dict) -> dict
         del outer
         gossip = _outer_step(num_params, None, gossip_ext.ByCompressedGossip(message_format))
         nic, seconds = _measure(gossip.transfer_params, reps)
-        computed = gossip._outer.averaging.bytes_per_step()
+        computed = gossip.runtime.outer.averaging.bytes_per_step()
         rows.append(("outer step", f"{name}, ring gossip", computed, nic, seconds))
         del gossip
     dist.destroy_process_group()

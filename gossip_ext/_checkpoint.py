@@ -121,9 +121,9 @@ def extra_state(model) -> dict[str, Any]:
         "graph": repr(model.configuration.graph),
         "peers_per_itr": model.graph.peers_per_itr,
         "mixing": repr(model.mixing),
-        "steps": model._steps,
+        "steps": model.runtime.steps,
         "algorithm": algorithm(model),
-        **model._outer.state_dict(),
+        **model.runtime.outer.state_dict(),
     }
 
 
@@ -148,13 +148,13 @@ def load(model, state: Mapping[str, Any], *, strict: bool, assign: bool):
         if extra is not None:
             extra.write(model, undo)
         result = nn.Module.load_state_dict(model, module_state, strict=False, assign=assign)
-        model._watch.check(model.module)  # assign=True replaced the tensors gossip works on
+        model.runtime.watch.check(model.module)  # assign=True replaced the tensors gossip works on
         if has_extra and _EXTRA in result.missing_keys:  # written above, not missing
             result.missing_keys.remove(_EXTRA)
         return result
 
     result = _atomically(model.module, assign, write)
-    model._parameters_loaded()
+    model.runtime.parameters_loaded()
     return result
 
 
@@ -183,10 +183,10 @@ def load_foreign(model, foreign: ForeignCheckpoint, *, strict: bool, assign: boo
         round_, kept = model.gossip_round, model.ps_weight
         # The round in flight is absorbed into the parameters it was sent from, before the
         # checkpoint's are loaded over them.
-        model._mix.restore(0, 1.0 if model._mix.lazy_mixing else weight)
-        undo.append(lambda: model._mix.restore(round_, kept))
+        model.runtime.mix.restore(0, 1.0 if model.runtime.mix.lazy_mixing else weight)
+        undo.append(lambda: model.runtime.mix.restore(round_, kept))
         result = module.load_state_dict(foreign.module_state, strict=strict, assign=assign)
-        model._watch.check(module)
+        model.runtime.watch.check(module)
         if foreign.is_numerator and weight != 1.0:
             with torch.no_grad():
                 for p in module.parameters():
@@ -194,7 +194,7 @@ def load_foreign(model, foreign: ForeignCheckpoint, *, strict: bool, assign: boo
         return result
 
     result = _atomically(module, assign, write)
-    model._parameters_loaded()
+    model.runtime.parameters_loaded()
     return result
 
 
@@ -291,7 +291,7 @@ class _Extra:
         graph = model.graph
         if peers != graph.peers_per_itr:
             graph = inner.with_peers(graph, peers)
-        model._outer.check_state_dict(outer)
+        model.runtime.outer.check_state_dict(outer)
         steps = _count(state, "steps", 0, least=0)  # 0: a checkpoint from before the count
         return cls(steps, round_, weight, graph, outer, warning)
 
@@ -301,16 +301,18 @@ class _Extra:
         steps = model.step_count
         # The push-sum state first: restore() absorbs the round in flight into the parameters it
         # was sent from, before the checkpoint's are loaded over them.
-        model._mix.restore(self.round, self.weight)
-        undo.append(lambda: model._mix.restore(round_, weight))
+        model.runtime.mix.restore(self.round, self.weight)
+        undo.append(lambda: model.runtime.mix.restore(round_, weight))
         if self.graph is not graph:
-            model._mix.set_graph(self.graph)
-            undo.append(lambda: model._mix.set_graph(graph))
+            model.runtime.mix.set_graph(self.graph)
+            undo.append(lambda: model.runtime.mix.set_graph(graph))
         model.step_count = self.steps  # the outer schedule goes on where it stopped
         undo.append(lambda: setattr(model, "step_count", steps))
-        kept = model._outer.state_dict()  # a copy: the rules' state_dicts clone their tensors
-        undo.append(lambda: model._outer.load_state_dict(kept))
-        model._outer.load_state_dict(self.outer)
+        kept = (
+            model.runtime.outer.state_dict()
+        )  # a copy: the rules' state_dicts clone their tensors
+        undo.append(lambda: model.runtime.outer.load_state_dict(kept))
+        model.runtime.outer.load_state_dict(self.outer)
 
 
 def _compare_algorithms(
@@ -325,7 +327,7 @@ def _compare_algorithms(
     if saved is not None and not isinstance(saved, Mapping):
         raise ValueError(f"load_state_dict: the checkpoint's algorithm is {saved!r}, not a dict")
     keys = [k for k in state if k not in _PUSH_SUM + _OPTIONAL]
-    wanted = model._outer.state_keys()
+    wanted = model.runtime.outer.state_keys()
     other_gossip = saved is not None and _kind(saved.get("gossip")) != _kind(mine["gossip"])
     other_outer = saved is not None and _kind(saved.get("outer")) != _kind(mine["outer"])
     outer = {} if other_outer else {k: state[k] for k in wanted if k in state}

@@ -3,7 +3,8 @@
 consensus distance, the graph and the groups gossip runs over, ``settle()``, and SGP's
 ``block()`` and ``unbias()``. SGP's scripts read these names.
 
-A mixin of the wrapper, reading its inner mix (``_mix``), its process group and hierarchy.
+A mixin of the wrapper, reading its runtime (``assembly.Runtime``: the inner mix, the process
+group, the hierarchy).
 """
 
 from __future__ import annotations
@@ -33,7 +34,7 @@ class GossipView:
         synchronous modes it is :meth:`sync_comms` on every worker. Raises a failed round's error
         (a peer that died or stalled: PeerTimeoutError naming it, within the timeout)."""
         self._members.check_member()
-        self._members.guard(self._mix.settle)
+        self._members.guard(self.runtime.mix.settle)
         self._node_behind = True  # the gossiping process's parameters moved: its node's receive
         self.sync_comms()
 
@@ -44,7 +45,7 @@ class GossipView:
     @property
     def graph(self) -> GraphBase:
         """The gossip graph, with the number of peers per round now."""
-        return self._mix.graph
+        return self.runtime.mix.graph
 
     @property
     def peers_per_itr(self) -> int:
@@ -67,22 +68,40 @@ class GossipView:
         )
         self.sync_comms()
         _validation.check_ranks_agree(
-            {"peers_per_itr": peers_per_itr, "steps": self._steps},
+            {"peers_per_itr": peers_per_itr, "steps": self.runtime.steps},
             self.process_group,
             self.process_group.rank(),
         )
-        self._mix.set_graph(graph)
+        self.runtime.mix.set_graph(graph)
+
+    @property
+    def gossip_world_size(self) -> int:
+        """The number of gossiping processes: the workers, or one process per machine."""
+        return self.runtime.gossip_world_size
+
+    @property
+    def is_gossip_leader(self) -> bool:
+        """Whether this process gossips (with ``nprocs_per_node > 1``, one process a machine)."""
+        return self.runtime.is_gossip_leader
+
+    @property
+    def wire_summary(self) -> str:
+        """What this worker does, in one line: the mode, the graph, the message format and the
+        bytes it sends per step (logged at rank 0 when a job starts)."""
+        return self.runtime.summary
 
     @property
     def gossip_group(self) -> dist.ProcessGroup:
         """The process group gossip runs over: the process group, or with ``nprocs_per_node >
         1`` one process per machine."""
-        return self.process_group if self._hierarchy is None else self._hierarchy.leaders
+        return (
+            self.process_group if self.runtime.hierarchy is None else self.runtime.hierarchy.leaders
+        )
 
     @property
     def node_group(self) -> dist.ProcessGroup | None:
         """The processes of this machine (``nprocs_per_node > 1``), else None."""
-        return None if self._hierarchy is None else self._hierarchy.node_group
+        return None if self.runtime.hierarchy is None else self.runtime.hierarchy.node_group
 
     # ----------------------------------------------------------------------------- consensus
 
@@ -98,14 +117,16 @@ class GossipView:
         ``log_every`` gives a free estimate.
         """
         _validation.check_type("relative", relative, bool, "a bool")
-        self._mix.raise_if_failed()
+        self.runtime.mix.raise_if_failed()
         return consensus.consensus_distance(
-            [t for _, t in self._named],  # the parameters, or a sharded module's local shards
+            [
+                t for _, t in self.runtime.named
+            ],  # the parameters, or a sharded module's local shards
             self.process_group,
             self.is_gossip_leader,
             self.gossip_world_size,
             relative,
-            shard_group=self._shard_group,
+            shard_group=self.runtime.shard_group,
         )
 
     @property
@@ -113,7 +134,7 @@ class GossipView:
         """The running estimate of :meth:`consensus_distance` taken by this worker's last measured
         round (``log_every > 0``; see :class:`gossip_ext.gossip.consensus.MeasuredEngine`); None
         before the first one, without ``log_every`` and on processes that do not gossip."""
-        return self._mix.estimate
+        return self.runtime.mix.estimate
 
     # ----------------------------------------------------------------------------- push-sum state
 
@@ -121,22 +142,22 @@ class GossipView:
     def ps_weight(self) -> float:
         """This worker's push-sum weight ``w``: the weight of the model its parameters hold (always
         1 under lazy mixing)."""
-        return self._mix.ps_weight
+        return self.runtime.mix.ps_weight
 
     @property
     def round_in_flight(self) -> bool:
         """Whether a gossip round has been started and not yet absorbed."""
-        return self._mix.in_flight
+        return self.runtime.mix.in_flight
 
     @property
     def bytes_sent(self) -> int:
         """Bytes of gossip messages this worker has sent so far (0 on a non-gossiping process)."""
-        return self._mix.bytes_sent
+        return self.runtime.mix.bytes_sent
 
     @property
     def gossip_round(self) -> int:
         """Gossip rounds completed by this worker."""
-        return self._mix.round
+        return self.runtime.mix.round
 
     def ps_numerator(self) -> dict[str, torch.Tensor]:
         """The push-sum numerators ``x = w * z``, one new tensor per parameter name."""

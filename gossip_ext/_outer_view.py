@@ -2,7 +2,8 @@
 optimizers, whether their state started, ``step_count``; and the context it lends an outer step
 (``outer.interface.StepContext``).
 
-A mixin of the wrapper, reading its inner mix (``_mix``) and its outer steps (``_outer``).
+A mixin of the wrapper, reading its runtime (``assembly.Runtime``: the inner mix, the outer
+steps, the clock).
 """
 
 from __future__ import annotations
@@ -20,10 +21,10 @@ class OuterView:
         # Only gossiping processes hold push-sum state; the others contribute nothing and receive
         # the mean with everyone, so no broadcast inside the machine is needed.
         return StepContext(
-            mix=self._mix,
-            weight=lambda: self._mix.ps_weight if self.is_gossip_leader else None,
-            buffer_weight=self._buffer_policy.weight,
-            optimizer=self._optimizer,
+            mix=self.runtime.mix,
+            weight=lambda: self.runtime.mix.ps_weight if self.is_gossip_leader else None,
+            buffer_weight=self.runtime.buffer_policy.weight,
+            optimizer=self.runtime.optimizer,
         )
 
     def average_parameters(self) -> None:
@@ -44,7 +45,7 @@ class OuterView:
         (``tests/test_faults.py``).
         """
         self.sync_comms()
-        self._outer.average_now(self._steps, self._step_context())
+        self.runtime.outer.average_now(self.runtime.steps, self._step_context())
 
     @property
     def outer_optimizer(self) -> torch.optim.Optimizer | None:
@@ -63,33 +64,29 @@ class OuterView:
     def outer_optimizers(self) -> list[torch.optim.Optimizer]:
         """The outer optimizers, one per fragment (``fragments``; one without), in module order;
         empty without ``outer_optimizer``."""
-        return self._outer.outer_optimizers()
+        return self.runtime.outer.outer_optimizers()
 
     @property
     def outer_state_started(self) -> bool:
         """Whether SlowMo's slow parameters or DiLoCo's ``theta_global`` exist: SlowMo's start at
         the first forward, DiLoCo's at construction (and again at the first forward)."""
-        return self._outer.started
+        return self.runtime.outer.started
 
     def start_outer_state(self) -> None:
         """Starts SlowMo's slow parameters (momentum at 0) or DiLoCo's ``theta_global`` (the
         outer optimizer's state is kept) at the current parameters, which must be equal on every
         rank. The first forward does it; call it to start them elsewhere."""
-        self._outer.start()
+        self.runtime.outer.start()
 
     @property
     def step_count(self) -> int:
         """Optimizer steps taken (:meth:`transfer_params` calls): the clock of the outer steps.
         Saved in the checkpoint; set it to move the schedule (every rank alike)."""
-        return self._steps
+        return self.runtime.steps
 
     @step_count.setter
     def step_count(self, value: int) -> None:
         _validation.check_type("step_count", value, int, "an int")
         if value < 0:
             raise ValueError(f"step_count must be >= 0, got {value}")
-        self._steps = value
-
-    @property
-    def _optimizer(self) -> torch.optim.Optimizer | None:
-        return None if self._optimizer_ref is None else self._optimizer_ref()
+        self.runtime.steps = value

@@ -88,6 +88,12 @@ class GossipDataParallel(nn.Module, GossipView, MembershipView, OuterView):
             (``overlap=``, ``global_avg_freq=``, ``sync_every=``, ``membership="HOST:PORT"``,
             ...), translated into the objects by :mod:`gossip_ext.flat_keywords`; not beside them.
 
+    Attributes:
+        module (nn.Module): the wrapped module.
+        runtime (gossip_ext.assembly.Runtime): what the wrapper runs on, as DDP's ``reducer``:
+            the inner mix and its engine, the outer steps, the step clock. Read it; its parts
+            change only through the wrapper's calls.
+
     Example::
 
         >>> dist.init_process_group("gloo")
@@ -142,76 +148,56 @@ class GossipDataParallel(nn.Module, GossipView, MembershipView, OuterView):
         self.start_in_forward, self.nprocs_per_node = config.start_in_forward, nprocs_per_node
         # A module sharded by FSDP2 in its replica gossips its local shards
         # (gossip_ext.sharded.replicas); the group of the replica's processes, or None.
-        self._shard_group = sharded.replica_layout(
+        shard_group = sharded.replica_layout(
             module, process_group, nprocs_per_node, config.membership, gossip_buffers
         )
         named = sharded.local_shards(module)
         device = _validation.check_parameters(module, named)
-        self._buffer_policy = _buffers.BufferPolicy(
+        buffer_policy = _buffers.BufferPolicy(
             module, device, broadcast_buffers=broadcast_buffers, gossip_buffers=gossip_buffers
         )
         _validation.check_no_sparse_gradients(module, nprocs_per_node)
         config.check_device(device)
-        self._named, self._device = named, device
-        self._gossiped = named + self._buffer_policy.gossiped
         # nprocs_per_node > 1: whether the gossiping process may hold parameters that the machine's
         # other processes have not received. Every process of the machine tracks it alike (it
         # changes with transfer_params() and the forward), so they agree on when to broadcast.
         self._node_behind = False
         self._order = _validation.CallOrder(module, config.overlap, config.start_in_forward)
-        self._steps = 0  # transfer_params() calls: the clock of the outer steps
-        # The last optimizer given to register_optimizer() or transfer_params(), whose learning
-        # rates SlowMo reads. A weak reference: its step hook refers to this wrapper, and a cycle
-        # would keep both (and the engine's transport thread) alive until the garbage collector
-        # runs, or past exit.
-        self._optimizer_ref = None
-        self._hierarchy = self._mix = None
-        self._members = membership_runtime.of_job(self, config.membership, process_group,
-            self._shard_group, timeout, device, comm_device,
+        # What the wrapper runs on, and what runs over its group (built by the membership).
+        self.runtime = assembly.Runtime(
+            module, config, named, buffer_policy, device, shard_group, self._order
+        )
+        self._members = membership_runtime.of_job(self.runtime, config.membership,
+            process_group, timeout, comm_device,
             replica_membership=ShardedElasticMembership)  # fmt: skip
         self._members.start()
-        if self._hierarchy is not None:
-            self._hierarchy.hook_gradients([p for _, p in named])
+        if self.runtime.hierarchy is not None:
+            self.runtime.hierarchy.hook_gradients([p for _, p in named])
 
-    def _build(self, initial: bool, peers_per_itr: int | None = None) -> None:
-        """Builds what runs over ``self.process_group``: at a job's start and every epoch."""
-        parts = assembly.build(self, initial, peers_per_itr)
-        self._outer, self._mix, self._hierarchy = parts.outer, parts.mix, parts.hierarchy
-        self._watch, self.gossip_world_size = parts.watch, parts.gossip_world_size
-        self.is_gossip_leader, self.wire_summary = parts.is_gossip_leader, parts.summary
-
-    def _close_mix(self) -> None:
-        """Drops the engine, giving up a round in flight (a worker leaving, an epoch ending)."""
-        if self._mix is not None:
-            self._mix = self._mix.closed()
-
-    def _drop_epoch_parts(self) -> None:
-        """Lets go of what holds the epoch's group (gloo closes connections only when freed)."""
-        self._close_mix()
-        self._outer = self.process_group = None
-
-    def _parameters_loaded(self) -> None:
-        """The parameters were loaded or handed over, not stepped (``_validation.CallOrder``)."""
-        self._order.parameters_loaded()
+    @property
+    def process_group(self) -> dist.ProcessGroup | None:
+        """The group this worker trains in (an elastic job's: its epoch's; None between
+        epochs)."""
+        return self.runtime.process_group
 
     # ----------------------------------------------------------------------------- training
 
     def forward(self, *inputs: Any, **kwargs: Any) -> Any:
         self._members.check_member()
-        if self._shard_group is not None:
+        if self.runtime.shard_group is not None:
             sharded.reshard(self.module)
-        self._watch.check(self.module)
-        self._order.forward(self.training, self._steps)
-        self._members.guard(self._mix.before_forward, self.training)
-        if self._hierarchy is not None:
-            self._hierarchy.receive_parameters()
+        self.runtime.watch.check(self.module)
+        self._order.forward(self.training, self.runtime.steps)
+        self._members.guard(self.runtime.mix.before_forward, self.training)
+        if self.runtime.hierarchy is not None:
+            self.runtime.hierarchy.receive_parameters()
             self._node_behind = False
-        self._outer.before_forward()
+        self.runtime.outer.before_forward()
         if self.training:
-            self._buffer_policy.before_training_forward(self.process_group)
+            self.runtime.buffer_policy.before_training_forward(self.runtime.group)
             if self.start_in_forward:
                 self._transfer(_validation.BY_FORWARD)
-        self._order.module_runs(self.training, self._steps)
+        self._order.module_runs(self.training, self.runtime.steps)
         return self._members.run_module(self.module, *inputs, **kwargs)
 
     def transfer_params(self, optimizer: torch.optim.Optimizer | None = None) -> None:
@@ -233,23 +219,25 @@ class GossipDataParallel(nn.Module, GossipView, MembershipView, OuterView):
             _validation.check_type(
                 "optimizer", optimizer, torch.optim.Optimizer, "a torch.optim.Optimizer"
             )
-            if self._outer.needs_inner_lr:
+            if self.runtime.outer.needs_inner_lr:
                 _validation.check_learning_rates(optimizer)
-            self._optimizer_ref = weakref.ref(optimizer)
+            self.runtime.optimizer_ref = weakref.ref(optimizer)
         self._transfer(_validation.BY_HAND)
 
     def _transfer(self, caller: str) -> None:
         self._members.check_member()
         # Checked on every rank, gossiping or not, so that all of them raise alike.
-        self._watch.check(self.module)
+        self.runtime.watch.check(self.module)
         # A failed round or exact average, before this step counts; also where no round would
         # start (LocalSGD has no engine).
-        self._members.guard(self._mix.raise_if_failed)
+        self._members.guard(self.runtime.mix.raise_if_failed)
         self._order.transfer(caller)
-        if self._outer.needs_inner_lr:
-            _validation.check_slowmo_optimizer(self._outer.sync_every, self._optimizer)
+        if self.runtime.outer.needs_inner_lr:
+            _validation.check_slowmo_optimizer(
+                self.runtime.outer.sync_every, self.runtime.optimizer
+            )
         self._members.at_step_boundary()  # where a membership change takes effect
-        self._steps += 1
+        self.runtime.steps += 1
         self._members.guard(self._end_step)
         self._node_behind = True
         self._order.transferred(caller)
@@ -266,9 +254,9 @@ class GossipDataParallel(nn.Module, GossipView, MembershipView, OuterView):
                 "start_in_forward=True: every training forward starts the gossip round, so "
                 "register_optimizer() would start a second one after every step"
             )
-        if self._outer.needs_inner_lr:
+        if self.runtime.outer.needs_inner_lr:
             _validation.check_learning_rates(optimizer)
-        self._optimizer_ref = weakref.ref(optimizer)
+        self.runtime.optimizer_ref = weakref.ref(optimizer)
         self._members.optimizer_registered(optimizer)  # a joiner's: the donor's state
         return optimizer.register_step_post_hook(
             lambda *_: self._transfer(_validation.BY_OPTIMIZER)
@@ -278,7 +266,11 @@ class GossipDataParallel(nn.Module, GossipView, MembershipView, OuterView):
     def no_sync(self) -> Iterator[None]:
         """Gradient accumulation: backwards inside skip the node-local gradient averaging of
         ``nprocs_per_node > 1`` (as DDP's no_sync). Do not step the optimizer inside."""
-        with contextlib.nullcontext() if self._hierarchy is None else self._hierarchy.no_sync():
+        with (
+            contextlib.nullcontext()
+            if self.runtime.hierarchy is None
+            else self.runtime.hierarchy.no_sync()
+        ):
             yield
 
     def sync_comms(self) -> None:
@@ -288,9 +280,9 @@ class GossipDataParallel(nn.Module, GossipView, MembershipView, OuterView):
         machine's other processes receive the result (collective over the machine)."""
         self._order.step_finished()
         self._members.check_member()
-        self._members.guard(self._mix.drain)
-        if self._hierarchy is not None and self._node_behind:
-            self._hierarchy.receive_parameters()
+        self._members.guard(self.runtime.mix.drain)
+        if self.runtime.hierarchy is not None and self._node_behind:
+            self.runtime.hierarchy.receive_parameters()
             self._node_behind = False
 
     def train(self, mode: bool = True) -> GossipDataParallel:
@@ -304,10 +296,10 @@ class GossipDataParallel(nn.Module, GossipView, MembershipView, OuterView):
         return self
 
     def _end_step(self) -> None:
-        """The gossip round, or the outer step in its place, that ends step ``self._steps``."""
-        self._mix.arm(self._steps)
-        if self._outer.end_step(self._steps, self._step_context):
-            self._mix.after_step()
+        """The gossip round, or the outer step in its place, that ends the step just counted."""
+        self.runtime.mix.arm(self.runtime.steps)
+        if self.runtime.outer.end_step(self.runtime.steps, self._step_context):
+            self.runtime.mix.after_step()
 
     # ----------------------------------------------------------------------------- checkpoint
 

@@ -581,7 +581,7 @@ def _slowmo_sharded(rank: int, world_size: int) -> dict:
         slowmo_num_shards=2,
     )
     trajectory = _train_slowmo(model, module, x[rank], y[rank])
-    state = model._outer.rule
+    state = model.runtime.outer.rule
     return {"trajectory": trajectory, "kept": [t.numel() for t in state.slow + state.buffer]}
 
 

@@ -97,8 +97,8 @@ def _train(rank: int, world_size: int) -> dict:
         _step(model, opt, rank, step)
     return {
         "theta": [t.detach().clone() for t in model.outer_optimizer.param_groups[0]["params"]],
-        "bytes": model._outer.averaging.bytes_per_step(),
-        "neighbours": model._outer.averaging.neighbours,
+        "bytes": model.runtime.outer.averaging.bytes_per_step(),
+        "neighbours": model.runtime.outer.averaging.neighbours,
     }
 
 

@@ -161,7 +161,7 @@ def _estimate_on_two(rank: int, world_size: int) -> dict:
         "off_messages": records.messages[before_off:],
         "off_estimate": off.consensus_estimate,
         # log_every=0 leaves the compiled engine bare: nothing on the hot path.
-        "off_engine_is_bare": type(off._mix.engine) is _C.GossipEngine,
+        "off_engine_is_bare": type(off.runtime.mix.engine) is _C.GossipEngine,
     }
 
 

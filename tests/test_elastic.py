@@ -10,6 +10,7 @@ import re
 import signal
 import sys
 import time
+import types
 from datetime import timedelta
 from pathlib import Path
 
@@ -442,12 +443,10 @@ def test_the_timings_default_to_the_membership_constants_and_are_described():
     odd = gossip_ext.Elastic("h:1", silent_s=0.8)
     with pytest.raises(ValueError, match="a sharded replica keeps the default heartbeat_s=0.1"):
         runtime.of_job(
-            None,
+            types.SimpleNamespace(shard_group=object()),  # a runtime's, of a sharded replica
             odd,
             None,
-            object(),
             timedelta(seconds=1),
-            None,
             None,
             replica_membership=lambda *_: pytest.fail("built despite the timings"),
         )

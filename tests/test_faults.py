@@ -102,7 +102,7 @@ def _a_round_given_up(rank: int, world_size: int, sync_dir: str) -> dict:
     opt.step()
     model.transfer_params()
     before = [p.detach().clone() for p in model.module.parameters()]
-    threading.Timer(0.5, model._mix.abandon, ["worker 1's heartbeat stopped"]).start()
+    threading.Timer(0.5, model.runtime.mix.abandon, ["worker 1's heartbeat stopped"]).start()
     start = time.perf_counter()
     try:
         model(torch.ones(1, 3))

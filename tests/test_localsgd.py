@@ -41,7 +41,7 @@ def _train_localsgd(rank: int, world_size: int) -> dict:
     return {
         "params": [p.detach().clone() for p in model.module.parameters()],
         "bytes_sent": model.bytes_sent,
-        "engine": model._mix.engine is not None,
+        "engine": model.runtime.mix.engine is not None,
     }
 
 

@@ -95,7 +95,7 @@ def _whole(net, model) -> dict:
     from torch.distributed.tensor import DTensor
 
     params = list(net.parameters())
-    outer = model._outer.per_parameter_state()
+    outer = model.runtime.outer.per_parameter_state()
 
     def full(local, p):
         return DTensor.from_local(

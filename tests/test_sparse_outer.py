@@ -126,7 +126,7 @@ def _train(rank: int, world_size: int, fragments: int, f: TopK = FORMAT) -> dict
         "theta": [
             t.detach().clone() for o in model.outer_optimizers for t in o.param_groups[0]["params"]
         ],
-        "bytes": model._outer.averaging.bytes_per_step() if fragments == 1 else None,
+        "bytes": model.runtime.outer.averaging.bytes_per_step() if fragments == 1 else None,
     }
 
 

@@ -111,7 +111,7 @@ def _train(rank: int, world_size: int, options: dict) -> dict:
     return {
         "params": [p.detach().clone() for p in model.module.parameters()],
         "theta": [[t.clone() for t in o.param_groups[0]["params"]] for o in model.outer_optimizers],
-        "bounds": model._outer.rule.bounds,
+        "bounds": model.runtime.outer.rule.bounds,
     }
 
 

@@ -14,36 +14,101 @@ from __future__ import annotations
 import dataclasses
 import weakref
 from collections.abc import Callable, Mapping
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 import torch.distributed as dist
 
 from gossip_ext.averagings import failures
 from gossip_ext.errors import ConfigurationMismatch
+from gossip_ext.gossip.inner import InnerMix
 from gossip_ext.gossip.transport import choose_transport
 from gossip_ext.membership import admission, trust
 from gossip_ext.membership import elastic as _elastic_worker
 from gossip_ext.membership.heartbeats import DEFAULT_TIMINGS
 
 
+class OuterState(Protocol):
+    """What an epoch change does with the outer steps' state (``outer.interface.OuterRuntime``,
+    a layer above): kept across the change, handed to a joiner, aligned to the step count."""
+
+    def state_dict(self) -> dict[str, object]: ...
+
+    def load_state_dict(
+        self, state: Mapping[str, object], members_changed: bool = False
+    ) -> None: ...
+
+    def load_donor_state(self, state: Mapping[str, object]) -> None: ...
+
+    def align_in_flight(self, step: int) -> None: ...
+
+
+class Described(Protocol):
+    """A configuration that describes itself in plain values (``algorithms.Configuration``)."""
+
+    def describe(self, rule: object) -> Mapping[str, object]: ...
+
+
+class Host(Protocol):
+    """The membership's view of the wrapper: its runtime (``assembly.Runtime``), which the
+    membership asks to build what runs over each epoch's group and to let go of it, and whose
+    model, clock, optimizer and outer state an epoch change keeps and a joiner receives."""
+
+    steps: int
+    mix: InnerMix
+
+    @property
+    def module(self) -> torch.nn.Module: ...
+
+    @property
+    def configuration(self) -> Described: ...
+
+    @property
+    def device(self) -> torch.device: ...
+
+    @property
+    def shard_group(self) -> dist.ProcessGroup | None: ...
+
+    @property
+    def outer(self) -> OuterState: ...
+
+    @property
+    def process_group(self) -> dist.ProcessGroup | None: ...
+
+    @property
+    def optimizer(self) -> torch.optim.Optimizer | None: ...
+
+    def build(
+        self,
+        group: dist.ProcessGroup,
+        initial: bool,
+        peers_per_itr: int | None = None,
+        rendezvous: tuple[dist.Store, str] | None = None,
+    ) -> None: ...
+
+    def close_mix(self) -> None: ...
+
+    def drop_epoch_parts(self) -> None: ...
+
+    def parameters_loaded(self) -> None: ...
+
+
 def of_job(
-    wrapper,
+    host: Host,
     membership,
     process_group,
-    shard_group,
     timeout,
-    device,
     comm_device,
     *,
     replica_membership: Callable[..., ElasticMembership],
 ):
     """The wrapper's membership: a static job's group, an elastic job's epochs, or, for a module
     sharded over ``shard_group`` (its replica), the epochs of an elastic job of replicas, which
-    ``replica_membership(wrapper, membership, timeout, device, comm_device, shard_group)`` builds
+    ``replica_membership(host, membership, timeout, comm_device, shard_group)`` builds
     (the wrapper hands the class down: gossip_ext.sharded.elastic builds on this module)."""
+    shard_group = host.shard_group
     if membership is None:
-        return StaticMembership(wrapper, process_group)
+        return StaticMembership(host, process_group)
     if shard_group is not None:
         if membership.timings != DEFAULT_TIMINGS:
             # A replica's processes build their membership clients in gossip_ext.sharded.elastic,
@@ -52,8 +117,8 @@ def of_job(
                 f"membership={membership!r}: a sharded replica keeps the default heartbeat_s="
                 f"{DEFAULT_TIMINGS.heartbeat_s:g} and silent_s={DEFAULT_TIMINGS.silent_s:g}"
             )
-        return replica_membership(wrapper, membership, timeout, device, comm_device, shard_group)
-    return ElasticMembership(wrapper, membership, timeout, device, comm_device)
+        return replica_membership(host, membership, timeout, comm_device, shard_group)
+    return ElasticMembership(host, membership, timeout, comm_device)
 
 
 class StaticMembership:
@@ -62,24 +127,29 @@ class StaticMembership:
     worker_id = None
     epoch = None
 
-    def __init__(self, wrapper, process_group: dist.ProcessGroup | None):
-        self._wrapper = weakref.ref(wrapper)
+    def __init__(self, host: Host, process_group: dist.ProcessGroup | None):
+        self._host = weakref.ref(host)
         self._process_group = process_group
 
     def start(self) -> None:
         """Builds the wrapper's runtime over the group, every rank from rank 0's parameters."""
-        wrapper = self._wrapper()
-        wrapper.process_group = (
-            dist.group.WORLD if self._process_group is None else self._process_group
-        )
-        wrapper._build(initial=True)
+        host = self._host()
+        if host is None:  # the wrapper was collected before it started: nothing to build
+            return
+        group = dist.group.WORLD if self._process_group is None else self._process_group
+        if group is None:
+            raise RuntimeError(
+                "GossipDataParallel: no process group: call torch.distributed."
+                "init_process_group() first, or pass process_group="
+            )
+        host.build(group, initial=True)
         # The engine's threads must not outlive the interpreter: at exit, it is let go of first.
-        weakref.finalize(wrapper, self._close_at_end)
+        weakref.finalize(host, self._close_at_end)
 
     def _close_at_end(self) -> None:
-        wrapper = self._wrapper()
-        if wrapper is not None:
-            wrapper._close_mix()
+        host = self._host()
+        if host is not None:
+            host.close_mix()
 
     def guard(self, fn: Callable, *args) -> Any:
         return fn(*args)
@@ -97,9 +167,6 @@ class StaticMembership:
     def optimizer_registered(self, optimizer: torch.optim.Optimizer) -> None:
         pass
 
-    def nccl_rendezvous(self):
-        return None  # the default store, under a key of the group (gossip_ext.gossip.transport)
-
     def leave(self) -> None:
         raise RuntimeError("leave() is for an elastic job's workers (membership=Elastic(...))")
 
@@ -108,15 +175,15 @@ class ElasticMembership:
     """An elastic job's worker (gossip_ext.membership.elastic): it joins, trains in epochs with a
     process group per epoch over the live workers, moves to the next epoch when a member dies,
     stalls or leaves (the failed round or outer step changed nothing: Note [The parameters are the
-    model]) and hands its state to the workers that join. Holds the wrapper weakly: the elastic
-    watch's thread must not keep it alive."""
+    model]) and hands its state to the workers that join. Holds the wrapper's runtime (``host``)
+    weakly: the elastic watch's thread must not keep it alive."""
 
-    def __init__(self, wrapper, membership, timeout, device, comm_device, worker=None):
+    def __init__(self, host: Host, membership, timeout, comm_device, worker=None):
         # Before joining, so that a worker that cannot gossip is refused without disturbing the
         # job: an epoch's group is gloo; CUDA parameters gossip over an own NCCL communicator of
         # the epoch, or host buffers over the group (comm_device="cpu").
-        choose_transport(device, comm_device, "gloo")
-        self._wrapper = weakref.ref(wrapper)
+        choose_transport(host.device, comm_device, "gloo")
+        self._host = weakref.ref(host)
         # ``worker``: this process's part in the epochs, where it is not a whole worker (a
         # process of a sharded replica: gossip_ext.sharded.elastic).
         self.worker = worker or _elastic_worker.ElasticWorker(
@@ -125,7 +192,7 @@ class ElasticMembership:
             timeout,
             "gloo",
             secret=trust.job_secret(membership.secret),
-            fingerprint=fingerprint_of(wrapper, membership),
+            fingerprint=fingerprint_of(host, membership),
             timings=membership.timings,
         )
         # The donor's optimizer state, until register_optimizer() hands it to the optimizer.
@@ -133,7 +200,7 @@ class ElasticMembership:
         self._holds_state = False
         # Why this worker stopped (removed, or too few workers left): raised by every call.
         self._stopped: BaseException | None = None
-        self.worker.on_silent = _abandon_rounds_of(self._wrapper)
+        self.worker.on_silent = _abandon_rounds_of(self._host)
 
     def start(self) -> None:
         """Joins the job: the first epoch this worker is a member of, and the state of a live
@@ -145,15 +212,24 @@ class ElasticMembership:
             self._change_epoch(failure)  # the donor died during the handoff: another one
         # Leaves when the process exits or the wrapper is collected, whichever is first, as
         # leave() does: a script that returns without calling it is seen to leave, not to die.
-        weakref.finalize(self._wrapper(), self._leave_at_end)
+        weakref.finalize(self._live_host(), self._leave_at_end)
+
+    def _live_host(self) -> Host:
+        """The wrapper's runtime, which lives as long as the wrapper that calls in here."""
+        host = self._host()
+        if host is None:
+            raise RuntimeError("gossip_ext: this elastic worker's GossipDataParallel was collected")
+        return host
 
     @property
     def worker_id(self) -> int:
         return self.worker.worker
 
     @property
-    def epoch(self) -> int:
-        return self.worker.epoch.number
+    def epoch(self) -> int | None:
+        """The epoch this worker trains in; None before it joined one."""
+        epoch = self.worker.epoch
+        return None if epoch is None else epoch.number
 
     def nccl_rendezvous(self):
         return self.worker.nccl_rendezvous()
@@ -202,14 +278,14 @@ class ElasticMembership:
         boundary, without waiting for a timeout."""
         if self.worker.left:
             return
-        wrapper = self._wrapper()
+        host = self._live_host()
         try:
-            wrapper._mix.drain()
+            host.mix.drain()
         except Exception as error:  # noqa: BLE001 - leaving anyway; the model is as it was
             if not _elastic_worker.is_peer_failure(error):
                 raise
         self.worker.leaving_epoch()
-        wrapper._close_mix()
+        host.close_mix()
         self.worker.leave()
 
     def _leave_at_end(self) -> None:
@@ -218,7 +294,7 @@ class ElasticMembership:
         engine, whose threads must not outlive the interpreter; else only leaves."""
         if self.worker.left:
             return
-        if self._wrapper() is None:
+        if self._host() is None:
             self.worker.leave()
             return
         try:
@@ -229,20 +305,20 @@ class ElasticMembership:
     # ----------------------------------------------------------------------------- epochs
 
     @staticmethod
-    def _let_go_of_the_epoch(wrapper) -> None:
+    def _let_go_of_the_epoch(host: Host) -> None:
         """Nothing may keep the epoch's group alive: gloo closes its connections only when the
         group is freed, and a peer still waiting on this worker's messages must see them close
         now rather than time out. A round in flight is dropped, never absorbed."""
-        wrapper._drop_epoch_parts()
+        host.drop_epoch_parts()
 
     def _change_epoch(self, failure: _elastic_worker.Failure | None) -> None:
         """Moves to the next epoch, keeping the model, the optimizer, the step count and the
         outer state; the push-sum weight restarts at 1. Retries while members fail during the
         change itself."""
-        wrapper = self._wrapper()
+        host = self._live_host()
         self.worker.leaving_epoch()
-        outer_state = wrapper._outer.state_dict() if self._holds_state else None
-        self._let_go_of_the_epoch(wrapper)
+        outer_state = host.outer.state_dict() if self._holds_state else None
+        self._let_go_of_the_epoch(host)
         while True:
             try:
                 change = self.worker.next_epoch(failure)
@@ -255,7 +331,7 @@ class ElasticMembership:
             # A member failed while the epoch was being entered: let go of its group as above.
             change = None
             self.worker.leaving_epoch()
-            self._let_go_of_the_epoch(wrapper)
+            self._let_go_of_the_epoch(host)
 
     def _try_to_enter(
         self, change: _elastic_worker.Change, outer_state=None
@@ -289,44 +365,47 @@ class ElasticMembership:
     def _enter_epoch(self, change: _elastic_worker.Change, outer_state=None) -> None:
         """Builds everything over the epoch's group; then the donor hands its state to the
         workers that joined, and a joiner loads it before anything else happens."""
-        wrapper = self._wrapper()
-        wrapper.process_group = change.group
+        host = self._live_host()
         first = not self._holds_state
         # The members noticed the change at different steps (a neighbour of the dead worker one
         # step before the others): they go on from the latest, so that every outer step of the
         # epoch comes at the same step on all of them. They also keep the peers per round that
         # set_peers_per_itr() gave them, which a joiner (0: none of its own) takes on.
         held = torch.tensor(
-            [wrapper._steps, wrapper.graph.peers_per_itr] if self._holds_state else [0, 0],
+            [host.steps, host.mix.graph.peers_per_itr] if self._holds_state else [0, 0],
             dtype=torch.int64,
         )
         dist.all_reduce(held, op=dist.ReduceOp.MAX, group=change.group)
-        wrapper.step_count = int(held[0])
-        wrapper._build(
-            initial=first and change.epoch.number == 0, peers_per_itr=int(held[1]) or None
+        host.steps = int(held[0])
+        host.build(
+            change.group,
+            initial=first and change.epoch.number == 0,
+            peers_per_itr=int(held[1]) or None,
+            rendezvous=self.nccl_rendezvous(),
         )
         if outer_state is not None:
-            wrapper._outer.load_state_dict(outer_state, members_changed=True)
+            host.outer.load_state_dict(outer_state, members_changed=True)
         joined = [change.epoch.rank(j) for j in change.joined]
-        if self.worker.worker in change.joined:
-            state = _elastic_worker.receive_state(change.donor, change.group, wrapper._device)
-            self._take_handoff(wrapper, state)
+        donor = change.donor  # None: nobody joined
+        if donor is not None and self.worker.worker in change.joined:
+            state = _elastic_worker.receive_state(donor, change.group, host.device)
+            self._take_handoff(host, state)
             self.worker.mark_ready()
-        elif joined and change.rank == change.donor:
-            _elastic_worker.send_state(self._handoff(wrapper), joined, change.group)
-        wrapper._outer.align_in_flight(wrapper._steps)
+        elif donor is not None and change.rank == donor:
+            _elastic_worker.send_state(self._handoff(host), joined, change.group)
+        host.outer.align_in_flight(host.steps)
         self._holds_state = True
-        wrapper._parameters_loaded()
+        host.parameters_loaded()
 
-    def _handoff(self, wrapper) -> dict[str, Any]:
+    def _handoff(self, host: Host) -> dict[str, Any]:
         """What a joiner receives from its donor: the model (parameters and buffers), the step
         count, the outer state and the registered optimizer's state (the peers per round it
         learned with every member when the epoch began)."""
-        optimizer = wrapper._optimizer
+        optimizer = host.optimizer
         return {
-            "module": self._model_state(wrapper.module),
-            "steps": wrapper._steps,
-            "outer": wrapper._outer.state_dict(),
+            "module": self._model_state(host.module),
+            "steps": host.steps,
+            "outer": host.outer.state_dict(),
             "optimizer": None if optimizer is None else self._optimizer_state(optimizer),
         }
 
@@ -345,47 +424,47 @@ class ElasticMembership:
     def _load_optimizer_state(
         self, optimizer: torch.optim.Optimizer, state: Mapping[str, Any]
     ) -> None:
-        optimizer.load_state_dict(state)
+        optimizer.load_state_dict(dict(state))
 
-    def _take_handoff(self, wrapper, state: Mapping[str, Any]) -> None:
-        self._load_model_state(wrapper.module, state["module"])
-        wrapper.step_count = int(state["steps"])
-        wrapper._outer.load_donor_state(state["outer"])
+    def _take_handoff(self, host: Host, state: Mapping[str, Any]) -> None:
+        self._load_model_state(host.module, state["module"])
+        host.steps = int(state["steps"])
+        host.outer.load_donor_state(state["outer"])
         self._handed_optimizer_state = state["optimizer"]
-        optimizer = wrapper._optimizer
+        optimizer = host.optimizer
         if optimizer is not None and state["optimizer"] is not None:
             self._load_optimizer_state(optimizer, state["optimizer"])
             self._handed_optimizer_state = None
 
 
-def fingerprint_of(wrapper, membership, shards: int = 1) -> dict[str, object]:
-    """What a worker of ``wrapper``'s job must share with it before it may join
+def fingerprint_of(host: Host, membership, shards: int = 1) -> dict[str, object]:
+    """What a worker of ``host``'s job must share with it before it may join
     (:mod:`gossip_ext.membership.admission`): its configuration, the membership's timings (a
     worker that waited longer for a silent one than the others would accuse no one they do) and
     its parameters' layout (a sharded module's whole parameters: every replica's are the same)."""
-    named = wrapper.module.named_parameters()
+    named = host.module.named_parameters()
     return admission.fingerprint(
         job=membership.job,
         shards=shards,
-        configuration=wrapper.configuration.describe(None),
+        configuration=host.configuration.describe(None),
         membership=dataclasses.asdict(membership.timings),
         parameters=[(n, tuple(p.shape), str(p.dtype)) for n, p in named],
     )
 
 
-def _abandon_rounds_of(model: weakref.ref) -> Callable[[str], None]:
+def _abandon_rounds_of(hosts: weakref.ref[Host]) -> Callable[[str], None]:
     """What an elastic worker's watch calls, from its thread, when a member's heartbeat stopped:
     the wrapper's round in flight, and its outer step's collective, fail at once (a TimeoutError
-    saying why), instead of waiting out the timeout for that member. Holds the wrapper weakly:
-    the watch must not keep it alive."""
+    saying why), instead of waiting out the timeout for that member. Holds the wrapper's runtime
+    weakly: the watch must not keep it alive."""
 
     def abandon(why: str) -> None:
-        wrapper = model()
-        if wrapper is None:
+        host = hosts()
+        if host is None:
             return
-        if wrapper._mix is not None:
-            wrapper._mix.abandon(why)
+        host.mix.abandon(why)
         # The outer steps' collectives over the epoch's group, in flight or still to come.
-        failures.give_up_waits_on(wrapper.process_group, why)
+        if host.process_group is not None:
+            failures.give_up_waits_on(host.process_group, why)
 
     return abandon

@@ -51,7 +51,7 @@ def save(model: nn.Module, checkpoint_id: str, optimizer: torch.optim.Optimizer 
         state[key] = _from_local(
             local.unsqueeze(0), mesh, [Shard(0), Shard(1)], like, layout.replicas
         )
-    outer = model._outer.per_parameter_state()
+    outer = model.runtime.outer.per_parameter_state()
     meta = {
         "steps": model.step_count,
         "optimizer": _optimizer_rest(model, optimizer),
@@ -115,9 +115,9 @@ def load(model: nn.Module, checkpoint_id: str, optimizer: torch.optim.Optimizer 
         for (kind, part, of), row in rows.items():
             if kind == "outer" and of == name:
                 outer.setdefault(part, []).append(row)
-    model._outer.load_per_parameter_state(outer)
+    model.runtime.outer.load_per_parameter_state(outer)
     model.step_count = int(meta["steps"])
-    model._mix.restore(0, 1.0)
+    model.runtime.mix.restore(0, 1.0)
 
 
 # ----------------------------------------------------------------------------- helpers
@@ -180,7 +180,7 @@ class _Layout:
     group), shard ``shard`` of ``shards`` (its rank in the replica's shard mesh)."""
 
     def __init__(self, model: nn.Module):
-        if model._shard_group is None:
+        if model.runtime.shard_group is None:
             raise ValueError(
                 "sharded_checkpoint: the model's module is not sharded (no DTensor parameters); "
                 "save it with torch.save(model.state_dict())"
@@ -188,15 +188,15 @@ class _Layout:
         self.model = model
         self.replicas = dist.get_world_size(model.process_group)
         self.replica = model.process_group.rank()
-        self.shards = dist.get_world_size(model._shard_group)
-        self.shard = model._shard_group.rank()
+        self.shards = dist.get_world_size(model.runtime.shard_group)
+        self.shard = model.runtime.shard_group.rank()
 
     def mesh(self):
         """The 2-D mesh, replicas x shards, of the processes' global ranks (each replica's row
         gathered over the replica group)."""
         from torch.distributed.device_mesh import DeviceMesh
 
-        mine = dist.get_process_group_ranks(self.model._shard_group)
+        mine = dist.get_process_group_ranks(self.model.runtime.shard_group)
         rows = _plain_messages.all_gather(
             mine, self.model.process_group, "a replica's shard processes", [int]
         )
@@ -207,7 +207,7 @@ class _Layout:
             )
         device = next(self.model.module.parameters()).device.type
         return DeviceMesh.from_group(
-            [self.model.process_group, self.model._shard_group],
+            [self.model.process_group, self.model.runtime.shard_group],
             device,
             mesh=torch.tensor(rows),
             mesh_dim_names=("replicate", "shard"),
@@ -247,10 +247,10 @@ def _per_parameter(model, optimizer, saved_names: set[str] | None = None) -> dic
     the checkpoint's entries), the inner optimizer's and the outer state's entries are those the
     checkpoint holds, made empty where this process has none yet."""
     params = list(model.module.named_parameters())
-    locals_ = [t for _, t in model._named]
+    locals_ = [t for _, t in model.runtime.named]
     entries = {_key("module", "", n): (local, p) for (n, p), local in zip(params, locals_)}
     if saved_names is None:
-        outer = model._outer.per_parameter_state() or {}
+        outer = model.runtime.outer.per_parameter_state() or {}
         for part, tensors in outer.items():
             for (name, p), value in zip(params, tensors):
                 entries[_key("outer", part, name)] = (value, p)

@@ -388,22 +388,22 @@ class ShardedElasticMembership(runtime.ElasticMembership):
     at once (a failure waits for the step boundary), and a handoff carries this process's shard
     of the model and of the optimizer state."""
 
-    def __init__(self, wrapper, membership, timeout, device, comm_device, shard_group):
+    def __init__(self, host: runtime.Host, membership, timeout, comm_device, shard_group):
         member = ReplicaMember(
             membership.address,
             membership.min_workers,
             timeout,
             shard_group,
-            device,
+            host.device,
             secret=trust.job_secret(membership.secret),
-            fingerprint=runtime.fingerprint_of(wrapper, membership, shard_group.size()),
+            fingerprint=runtime.fingerprint_of(host, membership, shard_group.size()),
         )
-        super().__init__(wrapper, membership, timeout, device, comm_device, worker=member)
+        super().__init__(host, membership, timeout, comm_device, worker=member)
         # A peer's failure seen by this process, until the replica agrees to change epoch.
         self._failure: elastic_worker.Failure | None = None
         # FSDP2's all-gathers and reduce-scatters, forward and backward: a lost process of the
         # replica raises ReplicaLostError from whichever meets it.
-        replica_collectives.install(wrapper.module, self._lose_replica)
+        replica_collectives.install(host.module, self._lose_replica)
 
     def guard(self, fn: Callable, *args) -> Any:
         """``fn(*args)``; a peer's failure is kept for the step boundary (the epoch's later
