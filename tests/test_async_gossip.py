@@ -74,6 +74,7 @@ def _train(rank, world_size, *, steps=None, seconds=None, delays, staleness, mes
         "w": float(engine.ps_weight()),
         "added": added,
         "steps": taken,
+        "statistics": engine.statistics(),
     }
     engine.close()
     return result
@@ -127,6 +128,25 @@ def test_at_unequal_speeds_it_ends_where_the_reference_fed_the_same_arrivals_end
         for result in results:  # no absorb ever took a round beyond its own + staleness
             for own, event in _absorbs_with_own_round(result["history"]):
                 assert max(r for _, r in event[1]) <= own + staleness
+    _assert_statistics_tell_the_history(results)
+
+
+def _assert_statistics_tell_the_history(results):
+    """Each worker's counts are what its history shows: the shares its schedule named, those
+    sent (the rest held back: nobody left), the messages absorbed and how stale they were."""
+    graph, world_size = NPeerDynamicDirectedExponentialGraph(), len(results)
+    for rank, result in enumerate(results):
+        history, counts = result["history"], result["statistics"]
+        sends = [event for event in history if event[0] == "send"]
+        scheduled = sum(len(graph.out_peers(rank, world_size, event[1])) for event in sends)
+        sent = sum(len(event[2]) for event in sends)
+        lags = [own - r for own, event in _absorbs_with_own_round(history) for _, r in event[1]]
+        assert counts["scheduled"] == scheduled, rank
+        assert counts["sent"] == sent, rank
+        assert counts["held_back"] == scheduled - sent, rank
+        assert counts["messages"] == len(lags), rank
+        assert counts["mean_staleness"] == pytest.approx(sum(lags) / len(lags)), rank
+        assert counts["max_staleness"] == max(lags), rank
 
 
 def _replayed(results):

@@ -29,6 +29,7 @@ or whose connection closes, raises a :class:`~gossip_ext.errors.PeerTimeoutError
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import weakref
 from collections.abc import Sequence
@@ -53,6 +54,38 @@ from gossip_ext.graphs import GraphBase
 # while its receiver steps.
 MAX_BACKLOG = 1
 HELD_LIMIT = 1
+
+
+@dataclasses.dataclass
+class AsyncCounts:
+    """What one worker's asynchronous gossip did: the shares its schedule named (``scheduled``),
+    those held back by flow control (Note [Flow control by absorption]: the peer had not taken
+    the last one), those sent, the messages absorbed, and their staleness: this worker's round
+    when it absorbed a message less the sender's round in it (0: a round of the same count; a
+    sender ahead of this worker gives a negative one)."""
+
+    scheduled: int = 0
+    held_back: int = 0
+    sent: int = 0
+    messages: int = 0
+    staleness_sum: int = 0
+    staleness_max: int = 0
+
+    def absorbed(self, own_round: int, rounds: list[int]) -> None:
+        self.messages += len(rounds)
+        for round_ in rounds:
+            self.staleness_sum += own_round - round_
+            self.staleness_max = max(self.staleness_max, own_round - round_)
+
+    def as_dict(self) -> dict[str, float]:
+        return {
+            "scheduled": self.scheduled,
+            "held_back": self.held_back,
+            "sent": self.sent,
+            "messages": self.messages,
+            "mean_staleness": self.staleness_sum / self.messages if self.messages else 0.0,
+            "max_staleness": self.staleness_max,
+        }
 
 
 class AsyncPushSum:
@@ -99,6 +132,7 @@ class AsyncPushSum:
         # ranks, and of an earlier restore: they are never matched (mailbox.tag).
         self._generation = transport.next_instance(group, "async-tags") * 8
         self._bytes_sent = 0
+        self._counts = AsyncCounts()
         self._failure: BaseException | None = None
         self.history: list[tuple] | None = [] if record else None
         self._departures = mailbox.Departures(
@@ -183,12 +217,15 @@ class AsyncPushSum:
         # bound, one that has not taken this worker's last messages yet (a slow link, a stopped
         # process) is skipped this round rather than waited for or queued for: its share stays
         # here. (A bound instead waits for it, tau rounds later.)
+        scheduled = self.graph.out_peers(self.rank, self.world_size, round_)
+        live = [peer for peer in scheduled if not self._outboxes[peer].ended]
         out_peers = [
             peer
-            for peer in self.graph.out_peers(self.rank, self.world_size, round_)
-            if not self._outboxes[peer].ended
-            and (self.staleness is not None or self._outboxes[peer].backlog < MAX_BACKLOG)
+            for peer in live
+            if self.staleness is not None or self._outboxes[peer].backlog < MAX_BACKLOG
         ]
+        self._counts.scheduled += len(scheduled)
+        self._counts.held_back += len(live) - len(out_peers)
         flat = messages.flatten(self._tensors, self._dtype, self._flat)
         if out_peers:
             out_peers = self._send(round_, out_peers, flat)
@@ -223,6 +260,7 @@ class AsyncPushSum:
             self._raise_nonfinite([])
         sent = [peer for peer in out_peers if self._outboxes[peer].post(round_, message)]
         unsent = len(out_peers) - len(sent)
+        self._counts.sent += len(sent)
         if unsent:
             # A share not sent (its peer left meanwhile) is kept: absorbed back as a message
             # of weight unsent * share, z <- (share z + unsent share q) / ((1 + unsent) share).
@@ -262,6 +300,7 @@ class AsyncPushSum:
             self._raise_nonfinite(arrived)
         messages.write_flat(self._tensors, mixed)
         self._weight = weight
+        self._counts.absorbed(self._round - 1, [r for _, r, _ in arrived])
         if self.history is not None:
             self.history.append(("absorb", tuple((peer, r) for peer, r, _ in arrived)))
 
@@ -339,6 +378,10 @@ class AsyncPushSum:
     @property
     def round(self) -> int:
         return self._round
+
+    def statistics(self) -> dict[str, float]:
+        """What this worker's gossip did so far (:class:`AsyncCounts`), as plain values."""
+        return self._counts.as_dict()
 
     @property
     def bytes_sent(self) -> int:

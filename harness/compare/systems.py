@@ -215,6 +215,11 @@ class System:
     def close(self) -> None:
         pass
 
+    def gossip_statistics(self) -> dict[str, float] | None:
+        """What the system's asynchronous gossip did (messages held back, their staleness), where
+        it counts them; None elsewhere."""
+        return None
+
 
 class _OptimizerStep(System):
     """Systems whose loop is the plain one: forward, backward, optimizer step, schedule step."""
@@ -263,6 +268,9 @@ class _AsyncGossip(_OptimizerStep):
         model = gossip_ext.GossipDataParallel(module, gossip=gossip, timeout=recipe.timeout)
         super().__init__(module, recipe, model)
         model.register_optimizer(self.opt)
+
+    def gossip_statistics(self) -> dict[str, float] | None:
+        return self.model.runtime.mix.engine.statistics()
 
 
 class _AsyncOuter(_OptimizerStep):

@@ -157,6 +157,7 @@ def _train(rank: int, world_size: int, config: UnevenRun) -> dict:
             "extra_ms": 1000 * extra,
             "step_times": step_times,
             "evaluations": evaluations,
+            "gossip": system.gossip_statistics(),
         }
         records: list[dict | None] = [None] * world_size
         dist.all_gather_object(records, record)
