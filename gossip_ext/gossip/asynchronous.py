@@ -69,15 +69,16 @@ class AsyncCounts:
     sent: int = 0
     messages: int = 0
     staleness_sum: int = 0
-    staleness_max: int = 0
+    staleness_max: int | None = None  # None: nothing absorbed yet
 
     def absorbed(self, own_round: int, rounds: list[int]) -> None:
         self.messages += len(rounds)
         for round_ in rounds:
-            self.staleness_sum += own_round - round_
-            self.staleness_max = max(self.staleness_max, own_round - round_)
+            lag = own_round - round_
+            self.staleness_sum += lag
+            self.staleness_max = lag if self.staleness_max is None else max(self.staleness_max, lag)
 
-    def as_dict(self) -> dict[str, float]:
+    def as_dict(self) -> dict[str, float | None]:
         return {
             "scheduled": self.scheduled,
             "held_back": self.held_back,
@@ -379,7 +380,7 @@ class AsyncPushSum:
     def round(self) -> int:
         return self._round
 
-    def statistics(self) -> dict[str, float]:
+    def statistics(self) -> dict[str, float | None]:
         """What this worker's gossip did so far (:class:`AsyncCounts`), as plain values."""
         return self._counts.as_dict()
 

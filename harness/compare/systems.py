@@ -215,7 +215,7 @@ class System:
     def close(self) -> None:
         pass
 
-    def gossip_statistics(self) -> dict[str, float] | None:
+    def gossip_statistics(self) -> dict[str, float | None] | None:
         """What the system's asynchronous gossip did (messages held back, their staleness), where
         it counts them; None elsewhere."""
         return None
@@ -269,7 +269,7 @@ class _AsyncGossip(_OptimizerStep):
         super().__init__(module, recipe, model)
         model.register_optimizer(self.opt)
 
-    def gossip_statistics(self) -> dict[str, float] | None:
+    def gossip_statistics(self) -> dict[str, float | None] | None:
         return self.model.runtime.mix.engine.statistics()
 
 
