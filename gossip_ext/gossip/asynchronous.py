@@ -219,6 +219,11 @@ class AsyncPushSum:
         # process) is skipped this round rather than waited for or queued for: its share stays
         # here. (A bound instead waits for it, tau rounds later.)
         scheduled = self.graph.out_peers(self.rank, self.world_size, round_)
+        for peer in scheduled:
+            # A send that failed (the peer died) is raised here, where its peer is scheduled:
+            # its unconfirmed send stays in the backlog, so flow control would skip the peer
+            # from now on and no later post would raise it.
+            self._outboxes[peer].raise_if_failed()
         live = [peer for peer in scheduled if not self._outboxes[peer].ended]
         out_peers = [
             peer
