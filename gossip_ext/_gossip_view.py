@@ -34,6 +34,7 @@ class GossipView:
         synchronous modes it is :meth:`sync_comms` on every worker. Raises a failed round's error
         (a peer that died or stalled: PeerTimeoutError naming it, within the timeout)."""
         self._members.check_member()
+        self._members.guard(self.runtime.raise_if_failed)
         self._members.guard(self.runtime.mix.settle)
         self._node_behind = True  # the gossiping process's parameters moved: its node's receive
         self.sync_comms()
@@ -117,7 +118,7 @@ class GossipView:
         ``log_every`` gives a free estimate.
         """
         _validation.check_type("relative", relative, bool, "a bool")
-        self.runtime.mix.raise_if_failed()
+        self.runtime.raise_if_failed()
         return consensus.consensus_distance(
             [
                 t for _, t in self.runtime.named

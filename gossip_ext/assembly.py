@@ -114,6 +114,14 @@ class Runtime:
         "or after it left): nothing runs over one"
     )
 
+    def raise_if_failed(self) -> None:
+        """Raises the error of a failed round or outer step, if one failed: it stays raised by
+        every later call that would communicate (Note [A failed outer step] in
+        ``outer.outer_steps``)."""
+        self.mix.raise_if_failed()
+        if self._outer is not None:
+            self._outer.raise_if_failed()
+
     def parameters_loaded(self) -> None:
         """The parameters were loaded or handed over, not stepped (``_validation.CallOrder``)."""
         self._order.parameters_loaded()

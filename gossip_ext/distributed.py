@@ -188,6 +188,7 @@ class GossipDataParallel(nn.Module, GossipView, MembershipView, OuterView):
             sharded.reshard(self.module)
         self.runtime.watch.check(self.module)
         self._order.forward(self.training, self.runtime.steps)
+        self._members.guard(self.runtime.raise_if_failed)  # a failed round or outer step
         self._members.guard(self.runtime.mix.before_forward, self.training)
         if self.runtime.hierarchy is not None:
             self.runtime.hierarchy.receive_parameters()
@@ -230,7 +231,7 @@ class GossipDataParallel(nn.Module, GossipView, MembershipView, OuterView):
         self.runtime.watch.check(self.module)
         # A failed round or exact average, before this step counts; also where no round would
         # start (LocalSGD has no engine).
-        self._members.guard(self.runtime.mix.raise_if_failed)
+        self._members.guard(self.runtime.raise_if_failed)
         self._order.transfer(caller)
         if self.runtime.outer.needs_inner_lr:
             _validation.check_slowmo_optimizer(
@@ -280,6 +281,7 @@ class GossipDataParallel(nn.Module, GossipView, MembershipView, OuterView):
         machine's other processes receive the result (collective over the machine)."""
         self._order.step_finished()
         self._members.check_member()
+        self._members.guard(self.runtime.raise_if_failed)
         self._members.guard(self.runtime.mix.drain)
         if self.runtime.hierarchy is not None and self._node_behind:
             self.runtime.hierarchy.receive_parameters()

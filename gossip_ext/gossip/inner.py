@@ -269,10 +269,6 @@ class InnerMix:
     def raise_if_failed(self) -> None:
         self.rounds.raise_if_failed()
 
-    def fail(self, error: Exception) -> None:
-        """Keeps ``error`` (a failed exact average) raised by every later call."""
-        self.rounds.fail(error)
-
     # ----------------------------------------------------------------------------- state
 
     @property

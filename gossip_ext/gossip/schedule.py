@@ -30,19 +30,9 @@ class RoundSchedule:
         self._synch_freq = synch_freq
         self._unfinished_forwards = 0  # bounded asynchrony: forwards that found a round running
         self._start_deferred = False  # bounded asynchrony: a round owed by transfer_params()
-        self._failure: Exception | None = None  # a failed exact average (see fail)
-
-    def fail(self, error: Exception) -> None:
-        """Keeps ``error``, the failure of an exact average, raised by every later call, as the
-        engine keeps a failed round's: the ranks that saw a collective fail and those that did
-        not are at different collectives, so no later one may run between them."""
-        self._failure = error
 
     def raise_if_failed(self) -> None:
-        """Raises the failure of an exact average or of a round, if one failed."""
-        if self._failure is not None:
-            # The same error each time, with this call's traceback (not every earlier one's).
-            raise self._failure.with_traceback(None)
+        """Raises the failure of a round, if one failed (the engine keeps it)."""
         if self._engine is not None:
             self._engine.raise_if_failed()
 

@@ -49,7 +49,6 @@ import torch.distributed as dist
 
 from gossip_ext.errors import NonFiniteError, PeerTimeoutError
 from gossip_ext.gossip import mailbox, messages, transport
-from gossip_ext.gossip.inner import InnerMix
 from gossip_ext.outer.delayed_nesterov import NesterovOuter
 from gossip_ext.outer.interface import StepContext
 
@@ -210,10 +209,11 @@ class AsyncOuterSteps:
         """After the ``step``-th optimizer step: the outer step, once this worker's period is
         done. Never waits for a peer beyond ``grace``. Returns whether the step's gossip round
         runs (there is none beside an asynchronous outer step)."""
+        self.raise_if_failed()
         self._steps_in_period += 1
         if self._steps_in_period < self._period_steps:
             return True
-        self._guarded(make_context().mix, self._outer_step)
+        self._guarded(self._outer_step)
         return False
 
     def average_now(self, step: int, context: StepContext) -> None:
@@ -228,7 +228,7 @@ class AsyncOuterSteps:
             self.outer.theta.copy_(theta)
             messages.write_flat(self._params, theta)
 
-        self._guarded(context.mix, everything)
+        self._guarded(everything)
 
     def _outer_step(self, settle: bool = False) -> None:
         self.raise_if_failed()
@@ -375,17 +375,18 @@ class AsyncOuterSteps:
 
     # ------------------------------------------------------------------------- failures
 
-    def _guarded(self, mix: InnerMix, body: Callable[[], None]) -> None:
-        """``body()``; an error it raises stays raised by every later call of the wrapper."""
+    def _guarded(self, body: Callable[[], None]) -> None:
+        """``body()``; an error it raises stays raised by every later call (Note [A failed outer
+        step] in ``outer_steps``)."""
         self.raise_if_failed()
         try:
             body()
         except (PeerTimeoutError, NonFiniteError) as error:
             self._failure = error
-            mix.fail(error)
             raise
 
     def raise_if_failed(self) -> None:
+        """Raises the error of an outer step that failed, if one did."""
         if self._failure is not None:
             raise self._failure.with_traceback(None)
 

@@ -9,7 +9,7 @@ SlowMo, DiLoCo and Streaming DiLoCo, each on any averaging) and the asynchronous
 
 The contract: :meth:`OuterRuntime.end_step` after every optimizer step runs whatever that step
 ends with, every collective before any write, so a step that fails leaves the parameters and the
-state as they were and keeps its error raised (through the context's mix, ``StepContext.mix``).
+state as they were and keeps its error, raised again by :meth:`OuterRuntime.raise_if_failed`.
 """
 
 from __future__ import annotations
@@ -76,6 +76,10 @@ class OuterRuntime(Protocol):
 
     def average_now(self, step: int, context: StepContext) -> None:
         """Every worker together: one model now (``average_parameters()``)."""
+
+    def raise_if_failed(self) -> None:
+        """Raises the error of a step that failed, if one did: a failed step is kept here and
+        raised by every later call (Note [A failed outer step] in ``outer_steps``)."""
 
     def bytes_per_step(self, round_bytes: int) -> float | None:
         """Bytes this worker sends per optimizer step for these steps; None where unknown.

@@ -8,8 +8,13 @@ prepares and applies instead, and the step's gossip round follows as usual.
 
 Every way to average is one :class:`gossip_ext.averagings.Averaging`, asked the same three
 things (start, finish, commit); every collective of a step runs before anything is written, so
-one that fails leaves the parameters and the rule's state as they were, and the inner mix keeps
-the error raised (Note [The parameters are the model] in the engine).
+one that fails leaves the parameters and the rule's state as they were (Note [The parameters are
+the model] in the engine), and these steps keep the error raised (Note [A failed outer step]).
+
+A whole-model step reads top to bottom in :meth:`OuterSteps._whole_step`: what is averaged (the
+contribution: the parameters or the pseudo-gradients, with the push-sum weight), how (the
+averaging's start and finish), what the rule makes of the mean, the commit, then the one write;
+its failure is kept here.
 """
 
 from __future__ import annotations
@@ -25,7 +30,6 @@ import torch.distributed as dist
 from gossip_ext.averagings import AllReduceMean, Averaging, Contribution
 from gossip_ext.averagings.buckets import ParameterBuckets
 from gossip_ext.averagings.failures import DEFAULT_TIMEOUT
-from gossip_ext.gossip.inner import InnerMix
 from gossip_ext.outer.interface import StepContext
 from gossip_ext.outer.rules import PlainAverage
 from gossip_ext.outer.streaming import StreamingOuter, without_residuals
@@ -74,6 +78,8 @@ class OuterSteps:
         self.sync_every = sync_every if rule is not None else 0
         # The rule starts (again) at the first forward, after any weights loaded by hand.
         self._start_at_forward = rule is not None
+        # A step that failed, raised again by every later call (Note [A failed outer step]).
+        self._failure: Exception | None = None
 
     @property
     def needs_inner_lr(self) -> bool:
@@ -132,12 +138,13 @@ class OuterSteps:
         averaging's mean, or a plain average, or Streaming DiLoCo's prepares and applies
         (``make_context`` is asked only then). Returns whether the step's gossip round still
         runs. Collective where a step is due."""
+        self.raise_if_failed()
         kind = self.kind(step)
         if kind is None:
             return True
         context = make_context()
         if kind == STREAM:
-            self._guarded(context.mix, lambda: self.rule.run(step, context.weight()))
+            self._guarded(lambda: self.rule.run(step, context.weight()))
         elif kind == OUTER:
             self._whole_step(self.averaging, self.rule, step, context)
         elif kind == AVERAGE:
@@ -167,9 +174,17 @@ class OuterSteps:
 
     def average_now(self, step: int, context: StepContext) -> None:
         """A plain exact average now (``average_parameters()``). Collective."""
+        self.raise_if_failed()
         self._whole_step(self.exact, _PLAIN, step, context)
 
     def _whole_step(self, averaging: Averaging, rule: Any, step: int, context: StepContext) -> None:
+        """One whole-model step, each stage here: the gossip round in flight is absorbed
+        (``before_whole_step``); this worker's contribution (its parameters, or ``theta_global -
+        theta``, with its push-sum weight) is averaged over the workers (``start``, ``finish``),
+        the buffers exactly beside it; the rule makes the new parameters of the mean (DiLoCo's
+        outer optimizer steps ``theta_global`` with the mean pseudo-gradient); the averaging keeps
+        its state of a step that succeeded (``commit``); only then is anything written. A failure
+        on the way writes nothing and is kept (Note [A failed outer step])."""
         averaging.before_whole_step(context.mix)
         weight = context.weight()
 
@@ -186,7 +201,7 @@ class OuterSteps:
             averaging.commit(mean)
             return results, buffers
 
-        results, buffers = self._guarded(context.mix, collect)
+        results, buffers = self._guarded(collect)
         for b, result in enumerate(results):
             self.buckets.write(b, result)
         if buffers is not None:
@@ -194,16 +209,26 @@ class OuterSteps:
                 self.buffer_buckets.write(b, result)
         averaging.after_whole_step(context.mix)
 
-    @staticmethod
-    def _guarded(mix: InnerMix, run: Callable[[], Any]) -> Any:
-        """``run()``; an error it raises stays raised by every later call of the wrapper (the
-        parameters were left as they were here, but perhaps written on ranks whose collectives
-        succeeded)."""
+    # Note [A failed outer step]
+    # ~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+    # A step whose collective failed left this worker's parameters as they were, but perhaps
+    # wrote them on ranks whose collectives succeeded: the ranks are at different collectives, so
+    # no later one (an outer step's, a gossip round's) may run between them. The error stays
+    # here, raised by every later call of these steps and, through the wrapper's runtime
+    # (``assembly.Runtime.raise_if_failed``), by every call of the wrapper that communicates.
+    def _guarded(self, run: Callable[[], Any]) -> Any:
+        """``run()``; an error it raises is kept (Note [A failed outer step])."""
         try:
             return run()
         except Exception as error:
-            mix.fail(error)
+            self._failure = error
             raise
+
+    def raise_if_failed(self) -> None:
+        """Raises the error of a step that failed, if one did (Note [A failed outer step])."""
+        if self._failure is not None:
+            # The same error each time, with this call's traceback (not every earlier one's).
+            raise self._failure.with_traceback(None)
 
     def align_in_flight(self, step: int) -> None:
         """An elastic epoch begins at optimizer step ``step``: Streaming DiLoCo's fragments in
