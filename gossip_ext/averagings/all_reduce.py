@@ -60,10 +60,10 @@ class AllReduceMean(Averaging):
 
     def _read(self, contribution: Contribution, bucket: int, out: torch.Tensor) -> None:
         """This worker's values of ``bucket``, into ``out`` (the message: no copy of its own)."""
-        contribution.buckets.read(bucket, out)
+        contribution.parameter_buckets().read(bucket, out)
 
     def _layout(self, contribution: Contribution) -> list[tuple[int, torch.dtype, torch.device]]:
-        buckets = contribution.buckets
+        buckets = contribution.parameter_buckets()
         return [(n, d, buckets.device(b)) for b, (n, d) in enumerate(buckets.layout())]
 
     def _mean(self, values: list[torch.Tensor]) -> Mean:
@@ -83,12 +83,13 @@ class AllReduceMean(Averaging):
         # The flags go first, and alone: one collective in flight at a time, as a plain
         # all-reduce would have, so a worker that fails fails the others' same collective.
         device = layout[0][2] if layout else torch.device("cpu")
-        check = SenderCheck(self.group, device)
-        flags, flags_work = check.post(None if weight is None else [m[:-1] for m in messages])
+        senders = SenderCheck(self.group, device)
+        flags, flags_work = senders.post(None if weight is None else [m[:-1] for m in messages])
         works = [flags_work]
+        check: SenderCheck | None = senders  # None: the flags were read before sending
         if self.flags_before_sending:
             wait_for_every_worker(works, self.what, self.group, self.timeout)
-            check.raise_if_flagged(flags, self.what)
+            senders.raise_if_flagged(flags, self.what)
             works, check = [], None
         for message in messages:
             if weight is not None and weight != 1.0:

@@ -14,7 +14,6 @@ uniform mixing on any built-in graph) it is the plain mean of the de-biased para
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -37,17 +36,23 @@ def weighted_message_bytes(layout: Sequence[tuple[int, torch.dtype]]) -> int:
     return sum((n + 1) * torch.empty((), dtype=d).element_size() for n, d in layout)
 
 
-def check_saved(what: str, saved: Any, layout: Sequence[tuple[int, torch.dtype]]) -> None:
-    """Raises ValueError naming ``what`` unless ``saved`` (a checkpoint's state kept per bucket)
-    is a list of tensors of ``layout``'s (elements, dtype): checked before any of it is written,
-    so that a checkpoint of another model loads nothing rather than part of itself."""
-    tensors = isinstance(saved, (list, tuple)) and all(isinstance(t, torch.Tensor) for t in saved)
-    found = [(t.numel(), t.dtype) for t in saved] if tensors else type(saved).__name__
+def check_saved(
+    what: str, saved: object, layout: Sequence[tuple[int, torch.dtype]]
+) -> list[torch.Tensor]:
+    """``saved`` (a checkpoint's state kept per bucket) as a list of tensors; raises ValueError
+    naming ``what`` unless it is one of ``layout``'s (elements, dtype): checked before any of it
+    is written, so that a checkpoint of another model loads nothing rather than part of itself."""
+    found: list[tuple[int, torch.dtype]] | str = type(saved).__name__
+    tensors: list[torch.Tensor] = []
+    if isinstance(saved, (list, tuple)) and all(isinstance(t, torch.Tensor) for t in saved):
+        tensors = list(saved)
+        found = [(t.numel(), t.dtype) for t in tensors]
     if found != list(layout):
         raise ValueError(
             f"load_state_dict: the checkpoint's {what} has buckets (elements, dtype) {found}, "
             f"but this model's parameters give {list(layout)}"
         )
+    return tensors
 
 
 class ParameterBuckets:

@@ -27,7 +27,7 @@ outer step has succeeded (Note [The parameters are the model] in the engine).
 from __future__ import annotations
 
 import datetime
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -37,11 +37,15 @@ import torch.distributed as dist
 from gossip_ext._torch_check import _C
 from gossip_ext.averagings.buckets import check_saved, layout_of
 from gossip_ext.averagings.failures import DEFAULT_TIMEOUT, SenderCheck, wait_for_every_worker
-from gossip_ext.averagings.interface import Averaging, Contribution, PseudoGradientMean
+from gossip_ext.averagings.interface import Averaging, Contribution, Mean, PseudoGradientMean
 
 BLOCK = 128  # kQuantBlock of csrc/kernels/block_format.h: shards are whole blocks
 SIXTEEN_BIT = (torch.bfloat16, torch.float16)
-BLOCK_FORMATS = {"int8": "int8", "int4": "int4", torch.float8_e4m3fn: "float8_e4m3fn"}
+BLOCK_FORMATS: dict[torch.dtype | str, str] = {
+    "int8": "int8",
+    "int4": "int4",
+    torch.float8_e4m3fn: "float8_e4m3fn",
+}
 
 
 def _ceil_div(a: int, b: int) -> int:
@@ -76,9 +80,13 @@ class _Codec:
     it, and how messages are read back into a float accumulator."""
 
     def __init__(self, message_dtype: torch.dtype | str):
+        # A 16-bit message is the values in that dtype; a block format's, bytes.
         self.sixteen_bit = message_dtype in SIXTEEN_BIT
-        self.dtype = message_dtype if self.sixteen_bit else torch.uint8
-        self.format = None if self.sixteen_bit else BLOCK_FORMATS[message_dtype]
+        self.dtype, self.format = torch.uint8, ""
+        if isinstance(message_dtype, torch.dtype) and self.sixteen_bit:
+            self.dtype = message_dtype
+        else:
+            self.format = BLOCK_FORMATS[message_dtype]
 
     def message_numel(self, values: int) -> int:
         if self.sixteen_bit:
@@ -123,7 +131,7 @@ class _Kept:
     owner_residuals: list[torch.Tensor]
 
 
-class CompressedMean(Averaging):
+class CompressedMean(Averaging[_Pending]):
     """The exact mean over ``group`` of per-bucket float vectors (pseudo-gradients), sent in
     ``message_dtype`` (torch.bfloat16, torch.float16, torch.float8_e4m3fn, "int8" or "int4") by
     the two-step scheme of this module, with its two error-feedback residuals per bucket.
@@ -186,7 +194,7 @@ class CompressedMean(Averaging):
             size = self.codec.message_numel(shard)
             # This rank's contribution, padded to whole shards, its residual added.
             padded = torch.zeros(shard * n, dtype=dtype, device=self.device)
-            if weight is not None:
+            if values is not None and weight is not None:  # None both on a non-contributor
                 padded[:numel].copy_(values[b]).add_(self.residuals[b])
                 if weight != 1.0:
                     padded[:numel].mul_(weight)
@@ -214,7 +222,8 @@ class CompressedMean(Averaging):
         self.check.raise_if_flagged(pending.flags, self.what)
         n = self.world_size
         total_weight = pending.total_weight.item()
-        staged = PseudoGradientMean([], _Kept(pending.residuals, []))
+        kept = _Kept(pending.residuals, [])
+        staged = PseudoGradientMean([], kept)
         for b, (numel, dtype) in enumerate(self.layout):
             shard = self.shard[b]
             size = self.codec.message_numel(shard)
@@ -232,13 +241,13 @@ class CompressedMean(Averaging):
             for j, message in enumerate(gathered.split(size)):
                 self.codec.accumulate(mean[j * shard : (j + 1) * shard], [message])
             staged.values.append(mean[:numel])
-            staged.kept.owner_residuals.append(mine)
+            kept.owner_residuals.append(mine)
         return staged
 
-    def commit(self, mean: PseudoGradientMean) -> None:
+    def commit(self, mean: Mean) -> None:
         """Keeps the residuals of a step whose every collective succeeded."""
-        self.residuals = mean.kept.residuals
-        self.owner_residuals = mean.kept.owner_residuals
+        kept = mean.kept_as(_Kept)
+        self.residuals, self.owner_residuals = kept.residuals, kept.owner_residuals
 
     def describe(self) -> dict[str, Any]:
         return {"kind": "CompressedMean", "message_dtype": str(self.message_dtype)}
@@ -253,7 +262,9 @@ class CompressedMean(Averaging):
             "owner_residuals": [t.clone() for t in self.owner_residuals],
         }
 
-    def check_state_dict(self, state: dict[str, Any] | None, members_changed: bool = False) -> None:
+    def check_state_dict(
+        self, state: Mapping[str, object] | None, members_changed: bool = False
+    ) -> None:
         if state is None:
             return
         if not members_changed:
@@ -271,7 +282,9 @@ class CompressedMean(Averaging):
             )
         check_saved("outer residuals", state.get("residuals"), layout_of(self.residuals))
 
-    def load_state_dict(self, state: dict[str, Any] | None, members_changed: bool = False) -> None:
+    def load_state_dict(
+        self, state: Mapping[str, object] | None, members_changed: bool = False
+    ) -> None:
         """A checkpoint without residuals (saved by a run that sent full precision) starts them at
         zero. ``members_changed`` (an elastic job's new epoch): this worker's own residuals are
         kept, and the shard owners' start at zero, their shards being other ones now (what they
@@ -281,11 +294,15 @@ class CompressedMean(Averaging):
             for t in self.residuals + self.owner_residuals:
                 t.zero_()
             return
-        self.residuals = [t.detach().to(self.device).clone() for t in state["residuals"]]
+        residuals = check_saved("outer residuals", state["residuals"], layout_of(self.residuals))
+        self.residuals = [t.detach().to(self.device).clone() for t in residuals]
         if members_changed:
             for t in self.owner_residuals:
                 t.zero_()
         else:
-            self.owner_residuals = [
-                t.detach().to(self.device).clone() for t in state["owner_residuals"]
-            ]
+            owner = check_saved(
+                "outer residuals of its shards",
+                state["owner_residuals"],
+                layout_of(self.owner_residuals),
+            )
+            self.owner_residuals = [t.detach().to(self.device).clone() for t in owner]

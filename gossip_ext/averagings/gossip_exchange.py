@@ -105,6 +105,11 @@ class GossipMean(Averaging):
             contribution.weight,
             contribution.round,
         )
+        if weight is None:
+            raise ValueError(
+                "GossipMean: every worker contributes to a gossip average (a process that "
+                "contributes nothing has no in-peers to hand it the mean)"
+            )
         out_peers, in_peers = self.peers(round)
         self_weight, peer_weight = self.mixing.weights(len(out_peers)) if out_peers else (1.0, 0.0)
         kept, received, works = [], [], []

@@ -37,6 +37,7 @@ from gossip_ext.gossip.inner import InnerMix
 
 # What an averaging's start hands its finish: its own business (posted works, buffers).
 Pending = TypeVar("Pending")
+Kept = TypeVar("Kept")
 
 
 class MeanRule(Protocol):
@@ -104,17 +105,31 @@ class Contribution:
         taken earlier (a fragment in flight, a checkpoint's), or a test's."""
         return cls(None, None, weight, round, pseudo_gradients=pseudo_gradients)
 
-    @torch.no_grad()
-    def parameters(self) -> list[torch.Tensor]:
-        """A copy of the parameters, one flat tensor per bucket in its accumulation dtype."""
+    def parameter_buckets(self) -> ParameterBuckets:
+        """The parameters averaged, for an averaging that reads or writes them in place."""
         if self.buckets is None:
             raise ValueError(
                 "this contribution was given as pseudo-gradients "
                 "(Contribution.of_pseudo_gradients): it holds no parameters"
             )
+        return self.buckets
+
+    def gossip_mix(self) -> InnerMix:
+        """The inner gossip, for an averaging that runs its round."""
+        if self.mix is None:
+            raise ValueError(
+                "this contribution carries no inner gossip (mix): an averaging by a gossip "
+                "round needs the wrapper's"
+            )
+        return self.mix
+
+    @torch.no_grad()
+    def parameters(self) -> list[torch.Tensor]:
+        """A copy of the parameters, one flat tensor per bucket in its accumulation dtype."""
+        buckets = self.parameter_buckets()
         return [
-            self.buckets.read(b, torch.empty(n, dtype=dtype, device=self.buckets.device(b)))
-            for b, (n, dtype) in enumerate(self.buckets.layout())
+            buckets.read(b, torch.empty(n, dtype=dtype, device=buckets.device(b)))
+            for b, (n, dtype) in enumerate(buckets.layout())
         ]
 
     @torch.no_grad()
@@ -141,6 +156,15 @@ class Mean:
 
     values: list[torch.Tensor]
     kept: object = None
+
+    def kept_as(self, kind: type[Kept]) -> Kept:
+        """``kept``, which the averaging that made this mean knows to be a ``kind``."""
+        if not isinstance(self.kept, kind):
+            raise TypeError(
+                f"gossip_ext: a mean's kept state is a {type(self.kept).__name__}, where its "
+                f"averaging's commit expects a {kind.__name__}: it was made by another averaging"
+            )
+        return self.kept
 
     def step(
         self,

@@ -25,10 +25,10 @@ class RoundMean(Averaging):
     def finish(self, contribution: Contribution) -> Mean:
         before = contribution.parameters()  # what a round that absorbed NaN leaves them as
         try:
-            contribution.mix.run_round()
+            contribution.gossip_mix().run_round()
         except NonFiniteError:
             for b, values in enumerate(before):
-                contribution.buckets.write(b, values)
+                contribution.parameter_buckets().write(b, values)
             raise
         return ParameterMean(contribution.parameters())
 

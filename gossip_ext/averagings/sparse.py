@@ -33,7 +33,7 @@ from __future__ import annotations
 import dataclasses
 import datetime
 import math
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import torch
@@ -43,7 +43,7 @@ from gossip_ext._torch_check import _C  # noqa: F401  (registers torch.ops.gossi
 from gossip_ext.averagings.buckets import check_saved, layout_of
 from gossip_ext.averagings.compressed import _all_gather
 from gossip_ext.averagings.failures import DEFAULT_TIMEOUT, SenderCheck, wait_for_every_worker
-from gossip_ext.averagings.interface import Averaging, Contribution, PseudoGradientMean
+from gossip_ext.averagings.interface import Averaging, Contribution, Mean, PseudoGradientMean
 
 
 @dataclasses.dataclass(frozen=True)
@@ -140,7 +140,7 @@ class _Pending:
     gathered: list[torch.Tensor]  # per bucket: every rank's message
 
 
-class SparseMean(Averaging):
+class SparseMean(Averaging[_Pending]):
     """The exact weighted mean over ``group`` of per-bucket float vectors (pseudo-gradients),
     sent in the sparse ``format`` (a :class:`TopK`) with an error-feedback residual per bucket,
     each wait bounded by ``timeout``."""
@@ -189,15 +189,15 @@ class SparseMean(Averaging):
         works = [work]
         pending = _Pending(works, flags, total_weight, weight, [], [], [])
         for b, ((numel, dtype), codec) in enumerate(zip(self.layout, self.codecs)):
-            contribution = torch.zeros(numel, dtype=dtype, device=self.device)
-            if weight is not None:
-                contribution.copy_(values[b])
-                contribution.add_(self.residuals[b], alpha=self.format.feedback_decay)
-                contribution.mul_(weight)
-            message = codec.encode(contribution)
+            mine = torch.zeros(numel, dtype=dtype, device=self.device)
+            if values is not None and weight is not None:  # None both on a non-contributor
+                mine.copy_(values[b])
+                mine.add_(self.residuals[b], alpha=self.format.feedback_decay)
+                mine.mul_(weight)
+            message = codec.encode(mine)
             gathered = torch.empty(n * codec.bytes, dtype=torch.uint8, device=self.device)
             works.append(_all_gather(gathered, message, self.group, async_op=True))
-            pending.contributions.append(contribution)
+            pending.contributions.append(mine)
             pending.messages.append(message)
             pending.gathered.append(gathered)
         return pending
@@ -209,7 +209,8 @@ class SparseMean(Averaging):
         wait_for_every_worker(pending.works, self.what, self.group, self.timeout)
         self.check.raise_if_flagged(pending.flags, self.what)
         total_weight, weight = pending.total_weight.item(), pending.weight
-        staged = PseudoGradientMean([], [])
+        kept: list[torch.Tensor] = []  # the residuals after the step
+        staged = PseudoGradientMean([], kept)
         for b, ((numel, dtype), codec) in enumerate(zip(self.layout, self.codecs)):
             chunks = (codec.chunks, self.format.chunk)
             total = torch.zeros(chunks, dtype=dtype, device=self.device)
@@ -217,17 +218,17 @@ class SparseMean(Averaging):
                 codec.add_into(total, other)
             staged.values.append(total.view(-1)[:numel].div_(total_weight))
             if weight is None:
-                staged.kept.append(self.residuals[b])
+                kept.append(self.residuals[b])
                 continue
             carried = torch.zeros(chunks, dtype=dtype, device=self.device)
             codec.add_into(carried, pending.messages[b])
             residual = pending.contributions[b].sub_(carried.view(-1)[:numel]).div_(weight)
-            staged.kept.append(residual)
+            kept.append(residual)
         return staged
 
-    def commit(self, mean: PseudoGradientMean) -> None:
+    def commit(self, mean: Mean) -> None:
         """Keeps the residuals of a step whose every collective succeeded."""
-        self.residuals = mean.kept
+        self.residuals = mean.kept_as(list)
 
     def describe(self) -> dict[str, Any]:
         return {"kind": "SparseMean", "message_dtype": self.format.describe()}
@@ -239,7 +240,9 @@ class SparseMean(Averaging):
             "residuals": [t.clone() for t in self.residuals],
         }
 
-    def check_state_dict(self, state: dict[str, Any] | None, members_changed: bool = False) -> None:
+    def check_state_dict(
+        self, state: Mapping[str, object] | None, members_changed: bool = False
+    ) -> None:
         if state is None:
             return
         saved = (state.get("message_dtype"), state.get("world_size"))
@@ -250,7 +253,9 @@ class SparseMean(Averaging):
             )
         check_saved("outer residuals", state.get("residuals"), layout_of(self.residuals))
 
-    def load_state_dict(self, state: dict[str, Any] | None, members_changed: bool = False) -> None:
+    def load_state_dict(
+        self, state: Mapping[str, object] | None, members_changed: bool = False
+    ) -> None:
         """A checkpoint without residuals starts them at zero; an elastic epoch keeps this
         worker's own (they are its, whoever its peers are)."""
         self.check_state_dict(state, members_changed)
@@ -258,4 +263,5 @@ class SparseMean(Averaging):
             for t in self.residuals:
                 t.zero_()
             return
-        self.residuals = [t.detach().to(self.device).clone() for t in state["residuals"]]
+        residuals = check_saved("outer residuals", state["residuals"], layout_of(self.residuals))
+        self.residuals = [t.detach().to(self.device).clone() for t in residuals]

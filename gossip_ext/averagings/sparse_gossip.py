@@ -39,8 +39,8 @@ from __future__ import annotations
 import dataclasses
 import datetime
 import functools
-from collections.abc import Sequence
-from typing import Any
+from collections.abc import Mapping, Sequence
+from typing import Any, cast
 
 import torch
 import torch.distributed as dist
@@ -52,7 +52,7 @@ from gossip_ext.averagings.failures import (
     raise_nonfinite,
     wait_for_peer,
 )
-from gossip_ext.averagings.interface import Averaging, Contribution, ParameterMean
+from gossip_ext.averagings.interface import Averaging, Contribution, Mean, ParameterMean
 from gossip_ext.averagings.sparse import TopK, _Codec
 from gossip_ext.gossip import transport
 
@@ -96,7 +96,7 @@ class _Kept:
     neighbourhood: list[torch.Tensor]  # per bucket: s_i after the step
 
 
-class SparseGossip(Averaging):
+class SparseGossip(Averaging[_Pending]):
     """CHOCO-gossip of per-bucket parameter vectors (``layout``: (elements, dtype) per bucket)
     with this worker's ``neighbours`` on ``group``, in ``format`` messages, each wait bounded by
     ``timeout`` (see the module)."""
@@ -162,7 +162,8 @@ class SparseGossip(Averaging):
         self._check_finite(pending)
         values, own, inbox = pending.values, pending.own, pending.inbox
         weight = 1.0 / (len(self.neighbours) + 1)
-        staged = ParameterMean([], _Kept([], []))
+        kept = _Kept([], [])
+        staged = ParameterMean([], kept)
         offset = 0
         for b, ((numel, dtype), codec) in enumerate(zip(self.layout, self.codecs)):
             # Whole chunks: this worker's message, then, added into the same buffer once the public
@@ -175,8 +176,8 @@ class SparseGossip(Averaging):
             neighbourhood = self.neighbourhood[b].add(arrived.view(-1)[:numel], alpha=weight)
             mixed = values[b].add(neighbourhood - public, alpha=self.consensus_step)
             staged.values.append(mixed)
-            staged.kept.public.append(public)
-            staged.kept.neighbourhood.append(neighbourhood)
+            kept.public.append(public)
+            kept.neighbourhood.append(neighbourhood)
         return staged
 
     def _check_finite(self, pending: _Pending) -> None:
@@ -223,9 +224,10 @@ class SparseGossip(Averaging):
     def _post_one(self, post, direction: str, peer: int, round_: int):
         return post_for_peer(post, direction, peer, self.what, round_, self.group, self.timeout)
 
-    def commit(self, mean: ParameterMean) -> None:
+    def commit(self, mean: Mean) -> None:
         """Keeps the copies of a step whose exchange succeeded."""
-        self.public, self.neighbourhood = mean.kept.public, mean.kept.neighbourhood
+        kept = mean.kept_as(_Kept)
+        self.public, self.neighbourhood = kept.public, kept.neighbourhood
         self.steps += 1
 
     def describe(self) -> dict[str, Any]:
@@ -246,11 +248,14 @@ class SparseGossip(Averaging):
             "neighbourhood": [t.clone() for t in self.neighbourhood],
         }
 
-    def check_state_dict(self, state: dict[str, Any] | None, members_changed: bool = False) -> None:
+    def check_state_dict(
+        self, state: Mapping[str, object] | None, members_changed: bool = False
+    ) -> None:
         if state is None:
             return
         neighbours = state.get("neighbours")
-        neighbours = None if neighbours is None else list(neighbours)
+        if isinstance(neighbours, (list, tuple)):
+            neighbours = list(neighbours)
         saved = (state.get("message_dtype"), state.get("world_size"), neighbours)
         if saved != (repr(self.format), self.world_size, self.neighbours):
             raise ValueError(
@@ -262,8 +267,15 @@ class SparseGossip(Averaging):
         check_saved(
             "neighbourhood copies", state.get("neighbourhood"), layout_of(self.neighbourhood)
         )
+        if not isinstance(state.get("steps"), int):
+            raise ValueError(
+                "load_state_dict: the checkpoint's sparse gossip state holds no step count "
+                f"(steps), got {state.get('steps')!r}"
+            )
 
-    def load_state_dict(self, state: dict[str, Any] | None, members_changed: bool = False) -> None:
+    def load_state_dict(
+        self, state: Mapping[str, object] | None, members_changed: bool = False
+    ) -> None:
         """Puts back :meth:`state_dict`. A checkpoint without copies (saved by a run that averaged
         otherwise) starts them at zero on every worker: consistent whatever the parameters, but
         the first messages then carry the whole model, a chunk's top values at a time."""
@@ -273,6 +285,11 @@ class SparseGossip(Averaging):
                 t.zero_()
             self.steps = 0
             return
-        self.public = [t.detach().to(self.device).clone() for t in state["public"]]
-        self.neighbourhood = [t.detach().to(self.device).clone() for t in state["neighbourhood"]]
-        self.steps = int(state["steps"])
+        public = check_saved("public copies", state["public"], layout_of(self.public))
+        neighbourhood = check_saved(
+            "neighbourhood copies", state["neighbourhood"], layout_of(self.neighbourhood)
+        )
+        steps = cast(int, state["steps"])  # an int: checked above
+        self.public = [t.detach().to(self.device).clone() for t in public]
+        self.neighbourhood = [t.detach().to(self.device).clone() for t in neighbourhood]
+        self.steps = steps
