@@ -14,8 +14,10 @@ its own process group, as under spawn. A test whose ranks must start from a fres
 
 from __future__ import annotations
 
+import contextlib
 import os
 import pickle
+import signal
 import sys
 import tempfile
 import time
@@ -98,6 +100,22 @@ def error_of(call: Callable[[], Any]) -> tuple[type, str] | None:
     return None
 
 
+@contextlib.contextmanager
+def _time_limit_held():
+    """Stops the clock of the suite's time limit (pytest-timeout's interval timer) while the
+    ranks start, and restarts it with the time that was left: a limit that interrupted the start
+    would leave the ranks already started out of the cleanup that kills them, sleeping on with
+    the run's pipes open (a sub-pytest's caller then waited for them: seen in a full run on a
+    loaded machine, where the server's first fork waited for its imports). Masking the signal
+    would not do: another thread takes it, and Python runs the handler in the main thread."""
+    left, interval = signal.setitimer(signal.ITIMER_REAL, 0)
+    try:
+        yield
+    finally:
+        if left > 0:
+            signal.setitimer(signal.ITIMER_REAL, left, interval)
+
+
 def run_ranks(
     world_size: int, fn: Callable, *args: Any, start_method: str = "forkserver"
 ) -> list[Any]:
@@ -110,13 +128,14 @@ def run_ranks(
     _context(start_method)  # checks the name, and sets what a forkserver preloads
     with tempfile.TemporaryDirectory() as out_dir:
         init_file = os.path.join(out_dir, "store")
-        context = mp.start_processes(
-            _entry,
-            args=(world_size, init_file, out_dir, fn, args),
-            nprocs=world_size,
-            join=False,
-            start_method=start_method,
-        )
+        with _time_limit_held():
+            context = mp.start_processes(
+                _entry,
+                args=(world_size, init_file, out_dir, fn, args),
+                nprocs=world_size,
+                join=False,
+                start_method=start_method,
+            )
         try:
             while not context.join():
                 pass
@@ -156,8 +175,9 @@ def run_ranks_tolerating_deaths(
             context.Process(target=_entry, args=(rank, world_size, init_file, out_dir, fn, args))
             for rank in range(world_size)
         ]
-        for process in processes:
-            process.start()
+        with _time_limit_held():
+            for process in processes:
+                process.start()
         end = time.monotonic() + deadline_s
         try:
             for process in processes:

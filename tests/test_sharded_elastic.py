@@ -74,7 +74,10 @@ def test_a_whole_replica_killed_then_a_replacement_joins_shard_by_shard(job):
     assert all(job.workers[f"r1s{s}"].returncode == -signal.SIGKILL for s in range(SHARDS))
     survivor = finished(job, 0)
     joiner = finished(job, 2)
-    assert joiner[0]["first_step"] > 12
+    # Started once the survivor had taken step 12, it enters at the survivor's next epoch
+    # change: at 12 itself where that change was still under way after step 12 (a full run on
+    # a loaded machine saw it), else later; never earlier.
+    assert joiner[0]["first_step"] >= 12
     assert_started_from_one_donor(joiner, [survivor])
     # From then on two replicas gossip again: their models end equal (2 workers average exactly).
     assert torch.allclose(model_of(survivor), model_of(joiner), atol=1e-5)

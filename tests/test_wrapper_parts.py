@@ -1,5 +1,6 @@
 """The parts GossipDataParallel composes, on their own in one process: the inner mix without an
-engine (LocalSGD's, and a non-gossiping process's) and the buffer policy. The parts with an
+engine (LocalSGD's, and a non-gossiping process's), the outer steps' kept failure and the buffer
+policy. The parts with an
 engine or collectives are tested through the wrapper on real processes (test_distributed.py,
 test_averaging.py, test_diloco.py, test_buffers.py)."""
 
@@ -12,6 +13,8 @@ from torch import nn
 from gossip_ext import _buffers
 from gossip_ext.gossip import inner
 from gossip_ext.graphs import NPeerDynamicDirectedExponentialGraph
+from gossip_ext.outer import outer_steps
+from gossip_ext.outer.interface import StepContext
 
 
 def test_an_inner_mix_without_an_engine_does_nothing_and_reads_as_no_gossip():
@@ -33,14 +36,26 @@ def test_an_inner_mix_without_an_engine_does_nothing_and_reads_as_no_gossip():
     assert mix.lazy_mixing and mix.estimate is None
 
 
-def test_an_inner_mix_keeps_a_failure_raised():
+def test_outer_steps_keep_a_failed_steps_error_raised_by_every_later_call():
+    # Note [A failed outer step]: a plain average every 2 steps, whose collective fails (no
+    # process group here); every later call raises that same error, and communicates nothing.
+    steps = outer_steps.OuterSteps([torch.zeros(3)], [], None, average_every=2)
     mix = inner.InnerMix(
         None, NPeerDynamicDirectedExponentialGraph(), overlap=False, synch_freq=0, every_step=False
     )
-    mix.fail(TimeoutError("peer 3 is gone"))
-    for call in (mix.raise_if_failed, mix.drain, lambda: mix.before_forward(True)):
-        with pytest.raises(TimeoutError, match="peer 3 is gone"):
+    context = StepContext(mix=mix, weight=lambda: 1.0, buffer_weight=lambda weight: weight)
+    assert steps.end_step(1, lambda: context)  # nothing due: the step's round runs
+    with pytest.raises(ValueError, match="process group") as failed:
+        steps.end_step(2, lambda: context)
+    for call in (
+        steps.raise_if_failed,
+        lambda: steps.end_step(3, lambda: context),  # not a step of the average either
+        lambda: steps.average_now(3, context),
+    ):
+        with pytest.raises(ValueError) as again:
             call()
+        assert again.value is failed.value
+    mix.raise_if_failed()  # the inner gossip holds no outer failure
 
 
 def test_a_new_peers_per_itr_is_a_copy_of_the_graph():
