@@ -6,6 +6,7 @@
 #include <torch/csrc/Dtype.h>
 #include <torch/csrc/utils/pybind.h>
 
+#include <algorithm>
 #include <string>
 
 #include "common/error.h"
@@ -19,6 +20,8 @@
 #include "transport/host_staging/host_staging_transport.h"
 #include "transport/inproc/inproc_transport.h"
 #include "transport/loopback/loopback_transport.h"
+#include "transport/mailbox/departures.h"
+#include "transport/mailbox/mailbox.h"
 #include "transport/message_tags.h"
 #include "transport/process_group/process_group_transport.h"
 #ifdef GOSSIP_WITH_CUDA
@@ -91,7 +94,7 @@ void translate_peer_failures(std::exception_ptr error) {
 // Every entry below refuses what it cannot take with a TypeError or ValueError naming the argument
 // (tests/test_bindings_refuse.py holds a case for each). pybind11 refuses a wrong type, and None
 // for an argument taken by value, before the call; None for a smart pointer arrives as a null
-// pointer, which the constructors taking one check, and so does abort_work. Sizes, ranks and
+// pointer, which the constructors taking one check. Sizes, ranks and
 // timeouts are bounded where the C++ class takes them (common/limits.h); what only the binding
 // sees (the messages of Transport.exchange, a Work's timeout) is checked here.
 
@@ -320,21 +323,109 @@ void bind_engine(py::module_& m) {
         py::call_guard<py::gil_scoped_release>());
   m.def("cpu_kernels_isa", &cpu_kernels_isa);
   m.def("quantized_message_bytes", &quantized_message_bytes, py::arg("numel"), py::arg("format"));
-  // torch binds no abort() for a c10d Work; gloo's point-to-point work needs one, since its wait()
-  // is the only place it completes: a thread blocked there for a peer is released by this
-  // (gossip_ext.gossip.mailbox, when asynchronous push-sum lets a peer go).
-  m.def(
-      "abort_work",
-      [](const c10::intrusive_ptr<c10d::Work>& work) {
-        GOSSIP_CHECK_ARG(work, "gossip_ext: abort_work: work must be a c10d Work, got None");
-        work->abort();
-      },
-      py::arg("work"));
   // What the engine's flattening refuses (flat_parameters.h), asked before anything is
   // communicated, so that every rank refuses parameters that overlap, not only those that build
   // an engine.
   m.def("check_disjoint_parameters", &check_disjoint_parameters, py::arg("params"),
         py::arg("names"));
+}
+
+// The channels of asynchronous gossip (transport/mailbox). Every call that can wait releases the
+// interpreter's lock: the channels' own threads never take it. Methods take their object by
+// reference, so that None for self is refused (as a pointer it would arrive as null).
+void bind_mailboxes(py::module_& m) {
+  using Release = py::call_guard<py::gil_scoped_release>;
+  py::class_<Departures, std::shared_ptr<Departures>>(m, "Departures")
+      .def(py::init<c10::intrusive_ptr<c10d::Store>, std::optional<int>,
+                    std::chrono::milliseconds>(),
+           py::arg("store"), py::arg("rank") = py::none(),
+           py::arg("leave_grace") = Departures::kLeaveGrace)
+      .def(
+          "announce", [](Departures& d, int rank) { d.announce(rank); }, py::arg("rank"),
+          Release())
+      .def(
+          "has_left", [](const Departures& d, int rank) { return d.has_left(rank); },
+          py::arg("rank"), Release())
+      .def_property_readonly("rank", [](const Departures& d) { return d.rank(); });
+
+  py::class_<PeerChannel, std::shared_ptr<PeerChannel>>(m, "PeerChannel")
+      .def_property_readonly("peer", [](const PeerChannel& c) { return c.peer(); })
+      .def_property_readonly("ended", [](const PeerChannel& c) { return c.ended(); })
+      .def("raise_if_failed", [](const PeerChannel& c) { c.raise_if_failed(); })
+      .def(
+          "fail",
+          [](PeerChannel& c, const std::string& why, std::optional<int64_t> round) {
+            c.fail(why, round);
+          },
+          py::arg("why"), py::arg("round"), Release())
+      .def("close", [](PeerChannel& c) { c.close(); }, Release());
+
+  py::class_<Mailbox, PeerChannel, std::shared_ptr<Mailbox>>(m, "Mailbox")
+      .def(py::init<std::shared_ptr<Transport>, std::shared_ptr<Departures>, int, int64_t,
+                    std::chrono::milliseconds, int64_t, std::vector<bool>, int64_t,
+                    std::optional<int64_t>>(),
+           py::arg("transport"), py::arg("departures"), py::arg("peer"), py::arg("generation"),
+           py::arg("timeout"), py::arg("nbytes"), py::arg("sends_in_round"), py::arg("start"),
+           py::arg("held_limit") = py::none())
+      .def(
+          "take",
+          [](Mailbox& box, std::optional<int64_t> through) {
+            std::vector<Mailbox::Arrived> taken;
+            {
+              py::gil_scoped_release release;
+              taken = box.take(through);
+            }
+            std::vector<std::pair<int64_t, at::Tensor>> pairs;
+            for (Mailbox::Arrived& a : taken) pairs.emplace_back(a.round, std::move(a.message));
+            return pairs;
+          },
+          py::arg("through") = py::none())
+      .def("arrival_times", [](const Mailbox& box) { return box.arrival_times(); })
+      .def(
+          "wait_until_past", [](Mailbox& box, int64_t round) { box.wait_until_past(round); },
+          py::arg("round"), Release())
+      .def(
+          "wait_for", [](Mailbox& box, int64_t count) { box.wait_for(count); }, py::arg("count"),
+          Release())
+      .def(
+          "wait_for_before",
+          [](Mailbox& box, int64_t count, double seconds) {
+            // Past the longest timeout is as good as never (and would overflow the clock).
+            const double capped = std::clamp(
+                seconds, 0.0, std::chrono::duration<double>(kMaxTimeout).count());
+            return box.wait_for_before(count,
+                                       std::chrono::duration_cast<std::chrono::nanoseconds>(
+                                           std::chrono::duration<double>(capped)));
+          },
+          py::arg("count"), py::arg("seconds"), Release())
+      .def_property_readonly("received", [](const Mailbox& box) { return box.received(); })
+      .def_property_readonly("expected", [](const Mailbox& box) { return box.expected(); });
+
+  py::class_<Outbox, PeerChannel, std::shared_ptr<Outbox>>(m, "Outbox")
+      .def(py::init<std::shared_ptr<Transport>, std::shared_ptr<Departures>, int, int64_t,
+                    std::chrono::milliseconds>(),
+           py::arg("transport"), py::arg("departures"), py::arg("peer"), py::arg("generation"),
+           py::arg("timeout"))
+      .def(
+          "post",
+          [](Outbox& box, int64_t round, at::Tensor message) {
+            return box.post(round, std::move(message));
+          },
+          py::arg("round"), py::arg("message"), Release())
+      .def(
+          "wait_until_past",
+          [](Outbox& box, std::optional<int64_t> round) { box.wait_until_past(round); },
+          py::arg("round") = py::none(), Release())
+      .def_property_readonly("backlog", [](const Outbox& box) { return box.backlog(); })
+      .def_property_readonly("sent", [](const Outbox& box) { return box.sent(); });
+
+  m.def("mailbox_tag", &tags::mailbox_tag, py::arg("generation"), py::arg("sequence"));
+  py::dict header;
+  header["weight"] = MessageHeader::kWeightOffset;
+  header["round"] = MessageHeader::kRoundOffset;
+  header["aux"] = MessageHeader::kAuxOffset;
+  header["bytes"] = MessageHeader::kBytes;
+  m.attr("MESSAGE_HEADER") = header;
 }
 
 }  // namespace
@@ -349,6 +440,7 @@ PYBIND11_MODULE(_C, m) {
         "what this module was compiled with: torch, and CUDA, NCCL and GPU architectures");
   gossip::bind_topology(m);
   gossip::bind_engine(m);
+  gossip::bind_mailboxes(m);
   // The tag registry (transport/message_tags.h): each kind of message's range, [base, base + span).
   py::dict tags;
   tags["round"] = py::make_tuple(gossip::tags::kRoundBase, gossip::tags::kRoundSpan);

@@ -17,8 +17,8 @@ import torch.distributed as dist
 from async_reference import quadratic_step, replay, synchronous_sgp
 from multiprocess import run_ranks, run_ranks_tolerating_deaths
 
+from gossip_ext._torch_check import _C
 from gossip_ext.errors import NonFiniteError, PeerTimeoutError
-from gossip_ext.gossip import mailbox
 from gossip_ext.gossip.asynchronous import AsyncPushSum
 from gossip_ext.gossip.messages import Codec, aux_of, flatten, round_of, weight_of
 from gossip_ext.graphs import NPeerDynamicDirectedExponentialGraph
@@ -250,34 +250,6 @@ def test_a_killed_peer_is_named_by_the_survivors_that_hear_from_it_or_send_to_it
         assert "within 0:00:20" not in outcome.result["message"], outcome.result
 
 
-class _ClosedGroup:
-    """A process group whose connection to every peer is closed already: gloo then fails a
-    receive as it is posted, not in its wait (what a survivor saw once in a full run)."""
-
-    def size(self) -> int:
-        return 4
-
-    def recv(self, tensors, peer, tag):
-        raise RuntimeError(f"[gloo/transport/tcp/pair.cc:553] Connection closed by peer {peer}")
-
-
-def test_a_receive_that_fails_as_it_is_posted_is_the_peers_error(monkeypatch):
-    monkeypatch.setattr(mailbox.Departures, "LEAVE_GRACE_S", 0.05)
-    departures = mailbox.Departures(dist.HashStore(), rank=2)
-    box = mailbox.Mailbox(
-        _ClosedGroup(), NPeerDynamicDirectedExponentialGraph(), peer=1, rank=2, nbytes=64,
-        start=0, timeout=timedelta(seconds=20), departures=departures,
-    )  # fmt: skip
-    deadline = time.monotonic() + 10
-    while box.error is None and time.monotonic() < deadline:
-        time.sleep(0.01)
-    with pytest.raises(PeerTimeoutError, match="saw its connection close") as raised:
-        box.raise_if_failed()
-    assert raised.value.peers == (1,) and raised.value.timeout is None
-    assert departures.has_left(2)  # this worker said it leaves, as after any failure
-    box.close()
-
-
 def _one_finishes_early(rank, world_size):
     param = torch.nn.Parameter(initial(rank))
     engine = _engine(param, staleness=None, timeout=timedelta(seconds=20))
@@ -345,7 +317,7 @@ def _hears_from_nobody(rank, world_size, rounds, done_file):
         open(done_file, "w").close()
     else:
         # Absorbed, not only received: a sender's next share waits for its last to be absorbed
-        # (Note [Flow control by absorption] in gossip_ext/gossip/mailbox.py).
+        # (Note [Flow control by absorption] in gossip_ext/gossip/asynchronous.py).
         _until_told(done_file, engine.finish_round)
     dist.barrier()
     result = (param.detach().clone(), float(engine.ps_weight()), engine.round)
@@ -429,7 +401,7 @@ def _a_peer_leaves_while_its_share_is_sent(rank, world_size, message_dtype):
     if rank == 0:
         # The peer leaves between the round's look at its outbox and the send: the outbox
         # then refuses the message, as Outbox.post does for a peer that has left.
-        with mock.patch.object(mailbox.Outbox, "post", return_value=False):
+        with mock.patch.object(_C.Outbox, "post", return_value=False):
             engine.start_round()
     result = (param.detach().clone(), float(engine.ps_weight()))
     dist.barrier()

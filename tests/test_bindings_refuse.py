@@ -42,6 +42,10 @@ strided = torch.zeros(4, 2)[:, 0]
 engine = _C.GossipEngine([torch.zeros(3)], ["w"], _C.InProcTransport(hub2, 0), options())
 loopback = _C.LoopbackTransport(inproc, 0, 2)
 work = inproc.exchange([], [], 0)
+p2p = _C.InProcTransport(_C.InProcHub(2), 0)
+departures = _C.Departures(dist.HashStore(), 0)
+mailbox = _C.Mailbox(p2p, departures, 1, 0, datetime.timedelta(days=1), 64, [True], 0)
+outbox = _C.Outbox(p2p, departures, 1, 0, datetime.timedelta(days=1))
 day = datetime.timedelta(days=1)
 forever = datetime.timedelta(days=10**6)
 back = datetime.timedelta(milliseconds=-1)
@@ -57,9 +61,68 @@ CASES: dict[str, list[tuple[str, tuple[str, ...] | None, tuple[str, ...]]]] = {
     "built_with_torch": [("_C.built_with_torch(None)", TE, ())],
     "cpu_kernels_isa": [("_C.cpu_kernels_isa(None)", TE, ())],
     "build_info": [("_C.build_info(None)", TE, ())],
-    "abort_work": [
-        ("_C.abort_work(None)", EITHER, ("work", "None")),
-        ("_C.abort_work('x')", TE, ("work",)),
+    "mailbox_tag": [
+        ("_C.mailbox_tag(None, 0)", TE, ("generation",)),
+        ("_C.mailbox_tag(0, 'x')", TE, ("sequence",)),
+        ("_C.mailbox_tag(-1, 2**62)", None, ()),  # wraps into its range (test_message_tags.py)
+    ],
+    "Departures": [
+        ("_C.Departures(None, 0)", EITHER, ("store", "None")),
+        ("_C.Departures('x', 0)", TE, ("store",)),
+        ("_C.Departures(dist.HashStore(), -1)", VE, ("rank", "-1")),
+        ("_C.Departures(dist.HashStore(), 0, back)", VE, ("leave_grace", "-1")),
+        ("_C.Departures(dist.HashStore(), 0, forever)", VE, ("leave_grace",)),
+    ],
+    "Departures.announce": [("departures.announce('x')", TE, ("rank",))],
+    "Departures.has_left": [("departures.has_left(None)", TE, ("rank",))],
+    "PeerChannel": [("_C.PeerChannel()", TE, ())],
+    "PeerChannel.raise_if_failed": [("_C.PeerChannel.raise_if_failed(None)", TE, ())],
+    "PeerChannel.fail": [
+        ("outbox.fail(None, 0)", TE, ("why",)),
+        ("outbox.fail('x', 'y')", TE, ("round",)),
+    ],
+    "PeerChannel.close": [("_C.PeerChannel.close(None)", TE, ())],
+    "Mailbox": [
+        ("_C.Mailbox(None, departures, 1, 0, day, 64, [True], 0)", EITHER, ("transport",)),
+        ("_C.Mailbox(p2p, None, 1, 0, day, 64, [True], 0)", EITHER, ("departures",)),
+        ("_C.Mailbox(p2p, departures, 0, 0, day, 64, [True], 0)", VE, ("peer", "0")),
+        ("_C.Mailbox(p2p, departures, big, 0, day, 64, [True], 0)", VE, ("peer", "100000000")),
+        ("_C.Mailbox(p2p, departures, 1, 0, back, 64, [True], 0)", VE, ("timeout", "-1")),
+        ("_C.Mailbox(p2p, departures, 1, 0, forever, 64, [True], 0)", VE, ("timeout",)),
+        ("_C.Mailbox(p2p, departures, 1, 0, day, 8, [True], 0)", VE, ("nbytes", "8")),
+        ("_C.Mailbox(p2p, departures, 1, 0, day, 2**60, [True], 0)", VE, ("nbytes",)),
+        ("_C.Mailbox(p2p, departures, 1, 0, day, 64, [False], 0)", VE, ("sends_in_round",)),
+        ("_C.Mailbox(p2p, departures, 1, 0, day, 64, [], 0)", VE, ("sends_in_round",)),
+        ("_C.Mailbox(p2p, departures, 1, 0, day, 64, [True], -2)", VE, ("start", "-2")),
+        ("_C.Mailbox(p2p, departures, 1, 0, day, 64, [True], 0, 0)", VE, ("held_limit", "0")),
+    ],
+    "Mailbox.take": [("mailbox.take('x')", TE, ("through",))],
+    "Mailbox.arrival_times": [("_C.Mailbox.arrival_times(None)", TE, ())],
+    "Mailbox.wait_until_past": [
+        ("mailbox.wait_until_past(None)", TE, ("round",)),
+        ("mailbox.wait_until_past(-1)", None, ()),  # round 0 is the first: nothing to wait for
+    ],
+    "Mailbox.wait_for": [
+        ("mailbox.wait_for('x')", TE, ("count",)),
+        ("mailbox.wait_for(0)", None, ()),
+    ],
+    "Mailbox.wait_for_before": [
+        ("mailbox.wait_for_before(1, None)", TE, ("seconds",)),
+        ("mailbox.wait_for_before(1, -5.0)", None, ()),  # a deadline passed: False at once
+        ("mailbox.wait_for_before(0, 1e300)", None, ()),  # "never", capped: no overflow
+    ],
+    "Outbox": [
+        ("_C.Outbox(None, departures, 1, 0, day)", EITHER, ("transport",)),
+        ("_C.Outbox(p2p, departures, 2, 0, day)", VE, ("peer", "2")),
+        ("_C.Outbox(p2p, departures, 1, 0, back)", VE, ("timeout", "-1")),
+    ],
+    "Outbox.post": [
+        ("outbox.post(0, None)", TE, ("message",)),
+        ("outbox.post(None, t)", TE, ("round",)),
+    ],
+    "Outbox.wait_until_past": [
+        ("outbox.wait_until_past('x')", TE, ("round",)),
+        ("outbox.wait_until_past()", None, ()),  # nothing posted: nothing to wait for
     ],
     "mixing_weights": [
         ("_C.mixing_weights(None, 1)", TE, ("options",)),

@@ -7,7 +7,7 @@ from __future__ import annotations
 import itertools
 
 from gossip_ext._torch_check import _C
-from gossip_ext.gossip import mailbox, transport
+from gossip_ext.gossip import transport
 
 KINDS = ("round", "outer_exchange", "mailbox")
 
@@ -34,14 +34,16 @@ def test_each_kinds_tags_stay_in_its_range_as_they_wrap():
         assert transport.outer_exchange_tag(sequence) in ranges["outer_exchange"], sequence
     bits = _C.MESSAGE_TAGS["mailbox_sequence_bits"]
     for generation, sequence in itertools.product((0, 1, 63, 64, 1000), (0, 1, 2**bits, 2**50)):
-        assert mailbox.tag(generation, sequence) in ranges["mailbox"], (generation, sequence)
+        assert _C.mailbox_tag(generation, sequence) in ranges["mailbox"], (generation, sequence)
 
 
 def test_asynchronous_messages_of_two_generations_or_sequences_never_share_a_tag():
     bits = _C.MESSAGE_TAGS["mailbox_sequence_bits"]
     generations = _C.MESSAGE_TAGS["mailbox"][1] >> bits
     # Every generation in a row of them, each with the messages a pair can have in flight.
-    tags = [mailbox.tag(g, s) for g in range(generations) for s in range(8)]
+    tags = [_C.mailbox_tag(g, s) for g in range(generations) for s in range(8)]
     assert len(set(tags)) == len(tags)
-    # The sequence wraps only past 2^bits messages between two workers.
-    assert mailbox.tag(3, 0) == mailbox.tag(3, 2**bits) != mailbox.tag(3, 2**bits - 1)
+    # The sequence wraps only past 2^bits messages between two workers, and never leaves the
+    # range, whatever the numbers.
+    assert _C.mailbox_tag(3, 0) == _C.mailbox_tag(3, 2**bits) != _C.mailbox_tag(3, 2**bits - 1)
+    assert _C.mailbox_tag(-1, -1) in _ranges()["mailbox"]

@@ -17,7 +17,7 @@ constexpr int64_t kRoundSpan = int64_t{1} << 30;
 // averagings/sparse_gossip.py): one tag per round and bucket, wrapped.
 constexpr int64_t kOuterExchangeBase = kRoundBase + kRoundSpan;
 constexpr int64_t kOuterExchangeSpan = int64_t{1} << 29;
-// Asynchronous gossip's messages (gossip/mailbox.py): a generation (an engine on these ranks, or
+// Asynchronous gossip's messages (transport/mailbox): a generation (an engine on these ranks, or
 // one of its restores) above a sequence number per pair of workers.
 constexpr int64_t kMailboxBase = kOuterExchangeBase + kOuterExchangeSpan;
 constexpr int64_t kMailboxGenerationBits = 6;
@@ -25,5 +25,16 @@ constexpr int64_t kMailboxSequenceBits = 23;
 constexpr int64_t kMailboxSpan = int64_t{1} << (kMailboxGenerationBits + kMailboxSequenceBits);
 
 static_assert(kMailboxBase + kMailboxSpan <= (int64_t{1} << 31), "tags must fit in an int");
+
+// The tag of the `sequence`-th asynchronous message from one worker to another in `generation`
+// of their gossip. Both wrap: a few messages to one peer are in flight at most, and generations
+// tell apart only the engines of a few restores or epochs in a row.
+constexpr int64_t mailbox_tag(int64_t generation, int64_t sequence) {
+  constexpr int64_t generations = int64_t{1} << kMailboxGenerationBits;
+  constexpr int64_t sequences = int64_t{1} << kMailboxSequenceBits;
+  const int64_t wrapped_generation = ((generation % generations) + generations) % generations;
+  const int64_t wrapped_sequence = ((sequence % sequences) + sequences) % sequences;
+  return kMailboxBase + (wrapped_generation << kMailboxSequenceBits) + wrapped_sequence;
+}
 
 }  // namespace gossip::tags

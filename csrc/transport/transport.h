@@ -11,6 +11,8 @@
 //   inproc/         N ranks as threads of one process (tests, large simulations)
 //   process_group/  a torch c10d ProcessGroup handed in from Python (gloo, CPU tensors)
 //   nccl/           an own NCCL communicator on an own CUDA stream (CUDA builds only)
+// The first two also carry asynchronous messages (post_send/post_recv), which the mailboxes of
+// asynchronous gossip move on threads of their own (mailbox/).
 #pragma once
 
 #include <chrono>
@@ -21,6 +23,8 @@
 #include <vector>
 
 #include <ATen/core/Tensor.h>
+
+#include "common/error.h"
 
 namespace gossip {
 
@@ -47,6 +51,10 @@ class Work {
   // once wait() returns; the NCCL transport waits for the round's end event and then checks that
   // the watchdog did not abort it.
   virtual void synchronize(std::chrono::milliseconds timeout) { wait(timeout); }
+  // Fails the work and releases whoever waits on it: a mailbox's thread that lets its peer go
+  // (transport/mailbox). A round is released by Transport::abandon instead, so a round's work
+  // needs nothing here.
+  virtual void cancel() {}
 };
 
 class Transport {
@@ -72,6 +80,24 @@ class Transport {
   // does nothing: its rounds then end at the timeout, as before.
   virtual void abandon(const std::string& why) { (void)why; }
   virtual std::string name() const = 0;
+
+  // Note [Asynchronous messages]
+  // ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+  // One message to or from one peer outside any round, under a tag
+  // the caller takes from tags::mailbox_tag (a sender may skip a round's message to a peer, so
+  // messages are numbered per pair, not named by round). The Work is the message's own: it
+  // completes independently of every other one, its wait() blocks the calling thread (a mailbox's
+  // own, transport/mailbox) until the message has moved or `timeout` passed, throwing a
+  // TimeoutError that names the peer, and cancel() releases that wait. The buffer must stay
+  // untouched until the Work completes. A transport that cannot carry them throws ValueError.
+  virtual std::shared_ptr<Work> post_send(int peer, at::Tensor buffer, int64_t tag) {
+    (void)peer, (void)buffer, (void)tag;
+    throw ValueError("gossip_ext: the " + name() + " transport carries no asynchronous messages");
+  }
+  virtual std::shared_ptr<Work> post_recv(int peer, at::Tensor buffer, int64_t tag) {
+    (void)peer, (void)buffer, (void)tag;
+    throw ValueError("gossip_ext: the " + name() + " transport carries no asynchronous messages");
+  }
 };
 
 }  // namespace gossip

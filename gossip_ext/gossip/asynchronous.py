@@ -22,8 +22,8 @@ workers and all messages in flight never change: at quiescence (:meth:`AsyncPush
 weights sum to the number of workers and the mean of the numerators is what the workers hold.
 The parameters hold the de-biased z at every moment a user can see them.
 
-Messages move on threads of their own (``mailbox``): a worker never waits for a peer's step,
-only, where tau says so, for a message. A peer whose message does not come within the timeout,
+Messages move on the compiled engine's threads (``mailbox``): a worker never waits for a peer's
+step, only, where tau says so, for a message. A peer whose message does not come within the timeout,
 or whose connection closes, raises a :class:`~gossip_ext.errors.PeerTimeoutError` naming it.
 """
 
@@ -38,6 +38,7 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
+from gossip_ext._torch_check import _C
 from gossip_ext.errors import NonFiniteError, PeerTimeoutError
 from gossip_ext.gossip import mailbox, messages, transport
 from gossip_ext.graphs import GraphBase
@@ -129,61 +130,41 @@ class AsyncPushSum:
         self._flat_is_exact = all(t.dtype == self._dtype for t in self._tensors)
         self._weight = 1.0
         self._round = 0  # rounds sent
-        # Tells this engine's messages from those of another asynchronous engine on the same
-        # ranks, and of an earlier restore: they are never matched (mailbox.tag).
-        self._generation = transport.next_instance(group, "async-tags") * 8
         self._bytes_sent = 0
         self._counts = AsyncCounts()
         self._failure: BaseException | None = None
         self.history: list[tuple] | None = [] if record else None
-        self._departures = mailbox.Departures(
+        # The generation tells this engine's messages from those of another asynchronous engine
+        # on the same ranks, and of an earlier restore: they are never matched.
+        self._channels = mailbox.Channels(
+            group,
             transport.gossip_store(group, None, "async") if store is None else store,
-            self.rank,
+            transport.next_instance(group, "async-tags") * 8,
+            timeout,
         )
-        # Every peer thread open now. The threads hold their boxes, not this engine, so a
-        # dropped engine is collected, and its finalizer (or the interpreter's exit, whichever
-        # comes first) lets them go: a thread still inside gloo when the interpreter finalizes
-        # aborts the process.
-        self._boxes: list[mailbox.Mailbox | mailbox.Outbox] = []
         self._outboxes = self._open_outboxes(graph.phone_book(self.rank, self.world_size))
         self._mailboxes = self._open_mailboxes([0] * self.world_size)
-        self._finalizer = weakref.finalize(
-            self, mailbox.leave, self._departures, self.rank, self._boxes, "the engine was dropped"
-        )
+        self._finalizer = weakref.finalize(self, self._channels.leave, "the engine was dropped")
         # Every worker starts its rounds together, as it would after DDP's constructor: a worker
         # that began seconds before its peers (their construction slower, on a loaded machine:
         # measured 2.7 s apart on 2 cores) would train alone, its weight held by peers that have
         # not stepped, and meet their untrained models afterwards.
         dist.barrier(group=group)
 
-    def _open_mailboxes(self, rounds: Sequence[int]) -> dict[int, mailbox.Mailbox]:
-        boxes = {
-            peer: mailbox.Mailbox(
-                self._group,
+    def _open_mailboxes(self, rounds: Sequence[int]) -> dict[int, _C.Mailbox]:
+        return {
+            peer: self._channels.mailbox(
                 self.graph,
                 peer,
-                self.rank,
                 self._codec.nbytes,
                 rounds[peer],
-                self.timeout,
-                self._departures,
-                self._generation,
                 held_limit=HELD_LIMIT if self.staleness is None else None,
             )
             for peer in mailbox.in_peers(self.graph, self.rank, self.world_size)
         }
-        self._boxes.extend(boxes.values())
-        return boxes
 
-    def _open_outboxes(self, peers: Sequence[int]) -> dict[int, mailbox.Outbox]:
-        boxes = {
-            peer: mailbox.Outbox(
-                self._group, peer, self.timeout, self._departures, self._generation
-            )
-            for peer in dict.fromkeys(peers)
-        }
-        self._boxes.extend(boxes.values())
-        return boxes
+    def _open_outboxes(self, peers: Sequence[int]) -> dict[int, _C.Outbox]:
+        return {peer: self._channels.outbox(peer) for peer in dict.fromkeys(peers)}
 
     # ------------------------------------------------------------------------- the rounds
 
@@ -280,7 +261,7 @@ class AsyncPushSum:
     def _absorb(self, flat: torch.Tensor | None = None) -> None:
         """Mixes in every message that arrived within the bound; ``flat``: the parameters,
         already flattened."""
-        through = math.inf if self.staleness is None else self._round - 1 + self.staleness
+        through = None if self.staleness is None else self._round - 1 + self.staleness
         arrived = [
             (peer, r, buf) for peer, box in self._mailboxes.items() for r, buf in box.take(through)
         ]
@@ -320,7 +301,7 @@ class AsyncPushSum:
         for peer, inbox in self._mailboxes.items():
             inbox.wait_for(int(counts[peer][self.rank]))
         for outbox in self._outboxes.values():
-            outbox.wait_until_past(math.inf)
+            outbox.wait_until_past(None)
         staleness, self.staleness = self.staleness, None  # take every round that arrived
         try:
             self._absorb()
@@ -367,7 +348,7 @@ class AsyncPushSum:
         job's end, an elastic epoch's). Messages in flight to or from this worker are given up:
         their mass leaves with it, and every model stays de-biased."""
         self._finalizer.detach()
-        mailbox.leave(self._departures, self.rank, self._boxes, why, self._round)
+        self._channels.leave(why, self._round)
 
     def close(self) -> None:
         """Leaves the gossip (:meth:`abandon`) at the end of training."""
@@ -413,14 +394,11 @@ class AsyncPushSum:
         checkpoint's) and re-opens its mailboxes at its peers' restored rounds. Messages that
         were in flight are not in any checkpoint; the weights then sum to less than the number
         of workers, which push-sum's de-biasing absorbs."""
-        for box in self._boxes:
-            box.close()
-        self._boxes.clear()
+        self._channels.reopen()
         mine = torch.tensor([int(round)], dtype=torch.int64)
         rounds = [torch.zeros_like(mine) for _ in range(self.world_size)]
         dist.all_gather(rounds, mine, group=self._group)
         self._round, self._weight = int(round), float(ps_weight)
-        self._generation += 1
         self._outboxes = self._open_outboxes(list(self._outboxes))
         self._mailboxes = self._open_mailboxes([int(r) for r in rounds])
 

@@ -42,7 +42,10 @@ import torch
 from gossip_ext._torch_check import _C
 
 BLOCK = 128  # values per block scale, as kQuantBlock in csrc/kernels/block_format.h
-_HEADER_BYTES = 24  # the weight (float64), the sender's round (int64), aux (float64)
+# The head's layout is the compiled mailboxes' (MessageHeader in csrc/transport/mailbox/mailbox.h),
+# which read the sender's round from it: the weight (float64), the round (int64), aux (float64).
+_WEIGHT, _ROUND, _AUX = (_C.MESSAGE_HEADER[k] for k in ("weight", "round", "aux"))
+_HEADER_BYTES = _C.MESSAGE_HEADER["bytes"]
 _QUANTIZED = {"int8": "int8", "int4": "int4", torch.float8_e4m3fn: "float8_e4m3fn"}
 _SIXTEEN_BITS = (torch.bfloat16, torch.float16)
 
@@ -94,9 +97,9 @@ class Codec:
         ``values``, in the same pass: ``values += feedback * (values - read)``, where ``read``
         is what the receiver will read (:meth:`read`)."""
         message = torch.empty(self.nbytes, dtype=torch.uint8)
-        message[:8].view(torch.float64)[0] = weight
-        message[8:16].view(torch.int64)[0] = round
-        message[16:_HEADER_BYTES].view(torch.float64)[0] = aux
+        message[_WEIGHT : _WEIGHT + 8].view(torch.float64)[0] = weight
+        message[_ROUND : _ROUND + 8].view(torch.int64)[0] = round
+        message[_AUX : _AUX + 8].view(torch.float64)[0] = aux
         host = message[_HEADER_BYTES:]
         body = host if self.device.type == "cpu" else torch.empty_like(host, device=self.device)
         if self.message_dtype is None:
@@ -183,14 +186,14 @@ def write_flat(tensors, flat: torch.Tensor) -> None:
 
 def round_of(message: torch.Tensor) -> int:
     """The sender's round a message (of any codec) carries."""
-    return int(message[8:16].view(torch.int64)[0])
+    return int(message[_ROUND : _ROUND + 8].view(torch.int64)[0])
 
 
 def weight_of(message: torch.Tensor) -> float:
     """The weight a message (of any codec) carries."""
-    return float(message[:8].view(torch.float64)[0])
+    return float(message[_WEIGHT : _WEIGHT + 8].view(torch.float64)[0])
 
 
 def aux_of(message: torch.Tensor) -> float:
     """The sender's ``aux`` value a message (of any codec) carries."""
-    return float(message[16:_HEADER_BYTES].view(torch.float64)[0])
+    return float(message[_AUX : _AUX + 8].view(torch.float64)[0])

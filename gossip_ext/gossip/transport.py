@@ -156,22 +156,12 @@ def nccl_unique_id_key(group: dist.ProcessGroup) -> str:
 # The compiled engine's tag registry (csrc/transport/message_tags.h), read once: every message
 # asks for its tag.
 _OUTER_EXCHANGE_TAGS = _C.MESSAGE_TAGS["outer_exchange"]
-_MAILBOX_TAGS = _C.MESSAGE_TAGS["mailbox"]
-_MAILBOX_SEQUENCE_BITS = _C.MESSAGE_TAGS["mailbox_sequence_bits"]
 
 
 def outer_exchange_tag(sequence: int) -> int:
     """The tag of an outer step's exchange by gossip numbered ``sequence`` (its round and bucket),
     in that kind's range of the compiled engine's tag registry (``_C.MESSAGE_TAGS``,
-    csrc/transport/message_tags.h), apart from every round's and asynchronous message's."""
+    csrc/transport/message_tags.h), apart from every round's and asynchronous message's (whose
+    tags ``_C.mailbox_tag`` makes)."""
     base, span = _OUTER_EXCHANGE_TAGS
     return base + sequence % span
-
-
-def mailbox_tag(generation: int, sequence: int) -> int:
-    """The tag of the ``sequence``-th asynchronous message from one worker to another in the
-    ``generation`` of their gossip, in that kind's range of the tag registry. Both wrap: a few
-    messages to one peer are in flight at most, and generations tell apart only the engines of
-    a few restores or epochs in a row."""
-    (base, span), bits = _MAILBOX_TAGS, _MAILBOX_SEQUENCE_BITS
-    return base + ((generation % (span >> bits)) << bits) + sequence % (1 << bits)

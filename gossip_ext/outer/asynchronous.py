@@ -135,43 +135,22 @@ class AsyncOuterSteps:
         self._merged = dict.fromkeys(range(self.world_size), 0)  # messages merged, per peer
         self._failure: BaseException | None = None
         self.history: list[tuple] | None = [] if record else None
-        self._departures = mailbox.Departures(
+        # The generation tells these steps' messages from another asynchronous engine's on the
+        # same ranks.
+        self._channels = mailbox.Channels(
+            group,
             transport.gossip_store(group, None, "async-outer") if store is None else store,
-            self.rank,
+            transport.next_instance(group, "async-tags") * 8,
+            timeout,
         )
-        # Tells these steps' messages from another asynchronous engine's on the same ranks.
-        self._generation = transport.next_instance(group, "async-tags") * 8
-        self._boxes: list[mailbox.Mailbox | mailbox.Outbox] = []
-        self._open_boxes()
-        # The threads hold their boxes, not these steps, so dropped steps are collected and the
-        # finalizer (or the interpreter's exit) lets the threads go, as AsyncPushSum's.
-        self._finalizer = weakref.finalize(
-            self, mailbox.leave, self._departures, self.rank, self._boxes, "it was dropped"
-        )
-
-    def _open_boxes(self) -> None:
         peers = _EVERYONE.phone_book(self.rank, self.world_size)
-        self._outboxes = {
-            peer: mailbox.Outbox(
-                self._group, peer, self.timeout, self._departures, self._generation
-            )
-            for peer in peers
-        }
+        self._outboxes = {peer: self._channels.outbox(peer) for peer in peers}
         self._mailboxes = {
-            peer: mailbox.Mailbox(
-                self._group,
-                _EVERYONE,
-                peer,
-                self.rank,
-                self._codec.nbytes,
-                0,
-                self.timeout,
-                self._departures,
-                self._generation,
-            )
-            for peer in peers
+            peer: self._channels.mailbox(_EVERYONE, peer, self._codec.nbytes) for peer in peers
         }
-        self._boxes.extend([*self._outboxes.values(), *self._mailboxes.values()])
+        # The finalizer holds the channels, not these steps, so dropped steps are collected and
+        # the finalizer (or the interpreter's exit) lets the threads go, as AsyncPushSum's.
+        self._finalizer = weakref.finalize(self, self._channels.leave, "it was dropped")
 
     # ------------------------------------------------------------------------- starting
 
@@ -238,7 +217,7 @@ class AsyncOuterSteps:
         else:
             self._wait_grace()
         for peer, box in self._mailboxes.items():
-            taken = box.take(float("inf"))
+            taken = box.take(None)
             self._merged[peer] += len(taken)
             for period, buffer in taken:
                 steps = int(messages.weight_of(buffer))
@@ -292,13 +271,13 @@ class AsyncOuterSteps:
             for peer, box in self._mailboxes.items():
                 due = mailbox.next_due(box.arrival_times())
                 if due is not None and due <= soon:
-                    box.wait_for_before(self._merged[peer] + 1, due)
+                    box.wait_for_before(self._merged[peer] + 1, due - time.monotonic())
             return
         if self.grace <= 0:
             return
         deadline = time.monotonic() + self.grace
         for peer, box in self._mailboxes.items():
-            box.wait_for_before(self._merged[peer] + 1, deadline)
+            box.wait_for_before(self._merged[peer] + 1, deadline - time.monotonic())
 
     def _settle(self) -> None:
         """Every worker together: sends every peer all it is owed, then waits until every
@@ -315,7 +294,7 @@ class AsyncOuterSteps:
         for peer, inbox in self._mailboxes.items():
             inbox.wait_for(int(counts[peer][self.rank]))
         for outbox in self._outboxes.values():
-            outbox.wait_until_past(float("inf"))
+            outbox.wait_until_past(None)
 
     def _merge(self, arrived: list[tuple[int, int, torch.Tensor, int]]) -> None:
         """The outer rule on the mean of the pseudo-gradients ``arrived`` (rank, period, values,
@@ -394,7 +373,7 @@ class AsyncOuterSteps:
         """Leaves: says so to the peers, who then neither wait for this worker nor take its
         silence for a failure, and ends the message threads."""
         self._finalizer.detach()
-        mailbox.leave(self._departures, self.rank, self._boxes, "it was closed", self._period)
+        self._channels.leave("it was closed", self._period)
 
     def bytes_per_step(self, round_bytes: int) -> float:
         """At most what this worker sends per inner step: its pseudo-gradient to every other

@@ -128,7 +128,71 @@ class InProcWork final : public Work {
   std::vector<PeerMessage> pending_;  // in posting order
 };
 
+// A send already delivered.
+class DeliveredWork final : public Work {
+ public:
+  bool is_completed() override { return true; }
+  void wait(std::chrono::milliseconds) override {}
+};
+
+// One asynchronous receive. The hub has no way to wake one waiter alone, so cancel() is seen
+// within a slice of the wait.
+class ReceiveWork final : public Work {
+ public:
+  static constexpr std::chrono::milliseconds kSlice{20};
+
+  ReceiveWork(std::shared_ptr<InProcHub> hub, int rank, int peer, int64_t tag, at::Tensor buffer)
+      : hub_(std::move(hub)), rank_(rank), peer_(peer), tag_(tag), buffer_(std::move(buffer)) {}
+
+  bool is_completed() override { return done_.load(std::memory_order_acquire); }
+
+  void wait(std::chrono::milliseconds timeout) override {
+    if (done_.load(std::memory_order_acquire)) return;
+    const auto deadline = std::chrono::steady_clock::now() + timeout;
+    at::Tensor message;
+    while (true) {
+      if (cancelled_.load(std::memory_order_acquire)) {
+        throw TimeoutError(
+            detail::str_cat("gossip_ext: failed to receive from peer ", peer_,
+                            ": the operation was cancelled (inproc transport)"),
+            {{peer_}, std::nullopt, "inproc", std::nullopt});
+      }
+      const auto now = std::chrono::steady_clock::now();
+      if (now >= deadline) {
+        throw TimeoutError(detail::str_cat("gossip_ext: failed to receive from peer ", peer_,
+                                           ": timed out after ", timeout.count(),
+                                           " ms (inproc transport)"),
+                           {{peer_}, std::nullopt, "inproc", timeout});
+      }
+      if (hub_->take_until(peer_, rank_, tag_, &message, std::min(deadline, now + kSlice))) break;
+    }
+    TORCH_CHECK(message.numel() == buffer_.numel(), "gossip_ext: rank ", rank_, " received ",
+                message.numel(), " elements from peer ", peer_, " but expected ",
+                buffer_.numel());
+    buffer_.copy_(message);
+    done_.store(true, std::memory_order_release);
+  }
+
+  void cancel() override { cancelled_.store(true, std::memory_order_release); }
+
+ private:
+  std::shared_ptr<InProcHub> hub_;
+  int rank_, peer_;
+  int64_t tag_;
+  at::Tensor buffer_;
+  std::atomic<bool> done_{false}, cancelled_{false};
+};
+
 }  // namespace
+
+std::shared_ptr<Work> InProcTransport::post_send(int peer, at::Tensor buffer, int64_t tag) {
+  hub_->post(rank_, peer, tag, buffer);
+  return std::make_shared<DeliveredWork>();
+}
+
+std::shared_ptr<Work> InProcTransport::post_recv(int peer, at::Tensor buffer, int64_t tag) {
+  return std::make_shared<ReceiveWork>(hub_, rank_, peer, tag, std::move(buffer));
+}
 
 InProcTransport::InProcTransport(std::shared_ptr<InProcHub> hub, int rank)
     : hub_(std::move(hub)), rank_(rank) {

@@ -62,6 +62,10 @@ class InProcTransport final : public Transport {
   std::shared_ptr<Work> exchange(std::vector<PeerMessage> sends, std::vector<PeerMessage> recvs,
                                  int64_t round) override;
   std::string name() const override { return "inproc"; }
+  // A send is in the receiver's mailbox at once; a receive waits for it (Note [Asynchronous
+  // messages] in transport.h).
+  std::shared_ptr<Work> post_send(int peer, at::Tensor buffer, int64_t tag) override;
+  std::shared_ptr<Work> post_recv(int peer, at::Tensor buffer, int64_t tag) override;
 
  private:
   std::shared_ptr<InProcHub> hub_;

@@ -25,6 +25,50 @@ void abort_quietly(c10d::Work& work) {
   }
 }
 
+// One asynchronous message (Note [Asynchronous messages] in transport.h): its c10d Work, waited on
+// by the thread that calls wait().
+class PointToPointWork final : public Work {
+ public:
+  PointToPointWork(c10::intrusive_ptr<c10d::Work> work, at::Tensor buffer, int peer,
+                   std::string transport, bool is_recv)
+      : work_(std::move(work)),
+        buffer_(std::move(buffer)),
+        peer_(peer),
+        transport_(std::move(transport)),
+        is_recv_(is_recv) {}
+
+  bool is_completed() override { return work_->isCompleted(); }
+
+  void wait(std::chrono::milliseconds timeout) override {
+    const auto started = std::chrono::steady_clock::now();
+    std::string why;
+    try {
+      // c10d reports an aborted Work by returning false.
+      if (work_->wait(timeout)) return;
+      why = "the operation was cancelled";
+    } catch (const std::exception& e) {
+      why = e.what();
+    }
+    // gloo says a wait ran out by its message; the time taken says it whatever the wording.
+    const bool timed_out = why.find("Timed out") != std::string::npos ||
+                           std::chrono::steady_clock::now() - started >= timeout;
+    throw TimeoutError(
+        detail::str_cat("gossip_ext: failed to ", is_recv_ ? "receive from" : "send to", " peer ",
+                        peer_, ": ", why),
+        {{peer_}, std::nullopt, transport_,
+         timed_out ? std::optional<std::chrono::milliseconds>(timeout) : std::nullopt});
+  }
+
+  void cancel() override { abort_quietly(*work_); }
+
+ private:
+  const c10::intrusive_ptr<c10d::Work> work_;
+  const at::Tensor buffer_;  // kept alive until the message has moved
+  const int peer_;
+  const std::string transport_;
+  const bool is_recv_;
+};
+
 }  // namespace
 
 // One posted round: its c10d Work objects in posting order (receives first) and their progress.
@@ -232,6 +276,24 @@ std::shared_ptr<Work> ProcessGroupTransport::exchange(std::vector<PeerMessage> s
   }
   queued_.notify_one();
   return work;
+}
+
+std::shared_ptr<Work> ProcessGroupTransport::post_send(int peer, at::Tensor buffer, int64_t tag) {
+  TORCH_CHECK(buffer.device().is_cpu(), "gossip_ext: the process-group transport needs CPU ",
+              "buffers, got one on ", buffer.device());
+  std::vector<at::Tensor> tensors{buffer};
+  auto work = group_->send(tensors, peer, static_cast<int>(tag));
+  return std::make_shared<PointToPointWork>(std::move(work), std::move(buffer), peer, name(),
+                                            /*is_recv=*/false);
+}
+
+std::shared_ptr<Work> ProcessGroupTransport::post_recv(int peer, at::Tensor buffer, int64_t tag) {
+  TORCH_CHECK(buffer.device().is_cpu(), "gossip_ext: the process-group transport needs CPU ",
+              "buffers, got one on ", buffer.device());
+  std::vector<at::Tensor> tensors{buffer};
+  auto work = group_->recv(tensors, peer, static_cast<int>(tag));
+  return std::make_shared<PointToPointWork>(std::move(work), std::move(buffer), peer, name(),
+                                            /*is_recv=*/true);
 }
 
 void ProcessGroupTransport::progress_loop() {

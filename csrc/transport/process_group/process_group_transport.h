@@ -9,7 +9,7 @@
 // the round's pending c10d Work (which releases the progress thread) and raises
 // gossip::TimeoutError naming the peers whose messages are missing and the round.
 //
-// Tags: message k (in posting order) between two ranks in round t has tag t * 64 + k (mod 2^31),
+// Tags: message k (in posting order) between two ranks in round t has tag t * 64 + k (mod 2^30),
 // so both sides agree without communicating.
 #pragma once
 
@@ -39,6 +39,11 @@ class ProcessGroupTransport final : public Transport {
                                  int64_t round) override;
   void abandon(const std::string& why) override;
   std::string name() const override;
+  // One c10d send or receive each, waited on by the caller's thread, not the progress thread: a
+  // mailbox waits for its peer's next message as long as that peer takes (Note [Asynchronous
+  // messages] in transport.h).
+  std::shared_ptr<Work> post_send(int peer, at::Tensor buffer, int64_t tag) override;
+  std::shared_ptr<Work> post_recv(int peer, at::Tensor buffer, int64_t tag) override;
 
  private:
   void progress_loop();
