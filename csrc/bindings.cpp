@@ -15,13 +15,13 @@
 #include "engine/gossip_engine.h"
 #include "engine/simulate.h"
 #include "kernels/push_sum.h"
+#include "python/async_bindings.h"
+#include "python/message_type.h"
 #include "topology/graph.h"
 #include "topology/mixing.h"
 #include "transport/host_staging/host_staging_transport.h"
 #include "transport/inproc/inproc_transport.h"
 #include "transport/loopback/loopback_transport.h"
-#include "transport/mailbox/departures.h"
-#include "transport/mailbox/mailbox.h"
 #include "transport/message_tags.h"
 #include "transport/process_group/process_group_transport.h"
 #ifdef GOSSIP_WITH_CUDA
@@ -182,26 +182,12 @@ void bind_engine(py::module_& m) {
                        bool allow_lazy_mixing, bool synchronous,
                        std::chrono::milliseconds timeout, bool check_finite,
                        const py::object& message_dtype) {
-             // message_dtype: a 16-bit torch.dtype, torch.float8_e4m3fn, or the name of a block
-             // format ("int8", "int4", "float8_e4m3fn"); None for full precision.
              check_timeout(timeout, "gossip_ext: EngineOptions");
              EngineOptions options{std::move(graph), mixing,      push_sum, allow_lazy_mixing,
                                    synchronous,      timeout,     check_finite};
-             if (py::isinstance<py::str>(message_dtype)) {
-               options.message_format =
-                   parse_block_format(message_dtype.cast<std::string>(), "message_dtype");
-             } else if (!message_dtype.is_none()) {
-               TORCH_CHECK_TYPE(THPDtype_Check(message_dtype.ptr()),
-                                "gossip_ext: EngineOptions: message_dtype must be a torch.dtype, a "
-                                "block format's name or None, got ",
-                                py::str(py::type::of(message_dtype)).cast<std::string>());
-               const auto dtype = message_dtype.cast<at::ScalarType>();
-               if (dtype == at::kFloat8_e4m3fn) {
-                 options.message_format = BlockFormat::kFloat8E4M3;
-               } else {
-                 options.message_dtype = dtype;
-               }
-             }
+             const MessageType type = parse_message_type(message_dtype, "EngineOptions");
+             options.message_dtype = type.dtype;
+             options.message_format = type.format;
              return options;
            }),
            py::arg("graph"), py::arg("mixing"), py::arg("push_sum") = true,
@@ -330,103 +316,6 @@ void bind_engine(py::module_& m) {
         py::arg("names"));
 }
 
-// The channels of asynchronous gossip (transport/mailbox). Every call that can wait releases the
-// interpreter's lock: the channels' own threads never take it. Methods take their object by
-// reference, so that None for self is refused (as a pointer it would arrive as null).
-void bind_mailboxes(py::module_& m) {
-  using Release = py::call_guard<py::gil_scoped_release>;
-  py::class_<Departures, std::shared_ptr<Departures>>(m, "Departures")
-      .def(py::init<c10::intrusive_ptr<c10d::Store>, std::optional<int>,
-                    std::chrono::milliseconds>(),
-           py::arg("store"), py::arg("rank") = py::none(),
-           py::arg("leave_grace") = Departures::kLeaveGrace)
-      .def(
-          "announce", [](Departures& d, int rank) { d.announce(rank); }, py::arg("rank"),
-          Release())
-      .def(
-          "has_left", [](const Departures& d, int rank) { return d.has_left(rank); },
-          py::arg("rank"), Release())
-      .def_property_readonly("rank", [](const Departures& d) { return d.rank(); });
-
-  py::class_<PeerChannel, std::shared_ptr<PeerChannel>>(m, "PeerChannel")
-      .def_property_readonly("peer", [](const PeerChannel& c) { return c.peer(); })
-      .def_property_readonly("ended", [](const PeerChannel& c) { return c.ended(); })
-      .def("raise_if_failed", [](const PeerChannel& c) { c.raise_if_failed(); })
-      .def(
-          "fail",
-          [](PeerChannel& c, const std::string& why, std::optional<int64_t> round) {
-            c.fail(why, round);
-          },
-          py::arg("why"), py::arg("round"), Release())
-      .def("close", [](PeerChannel& c) { c.close(); }, Release());
-
-  py::class_<Mailbox, PeerChannel, std::shared_ptr<Mailbox>>(m, "Mailbox")
-      .def(py::init<std::shared_ptr<Transport>, std::shared_ptr<Departures>, int, int64_t,
-                    std::chrono::milliseconds, int64_t, std::vector<bool>, int64_t,
-                    std::optional<int64_t>>(),
-           py::arg("transport"), py::arg("departures"), py::arg("peer"), py::arg("generation"),
-           py::arg("timeout"), py::arg("nbytes"), py::arg("sends_in_round"), py::arg("start"),
-           py::arg("held_limit") = py::none())
-      .def(
-          "take",
-          [](Mailbox& box, std::optional<int64_t> through) {
-            std::vector<Mailbox::Arrived> taken;
-            {
-              py::gil_scoped_release release;
-              taken = box.take(through);
-            }
-            std::vector<std::pair<int64_t, at::Tensor>> pairs;
-            for (Mailbox::Arrived& a : taken) pairs.emplace_back(a.round, std::move(a.message));
-            return pairs;
-          },
-          py::arg("through") = py::none())
-      .def("arrival_times", [](const Mailbox& box) { return box.arrival_times(); })
-      .def(
-          "wait_until_past", [](Mailbox& box, int64_t round) { box.wait_until_past(round); },
-          py::arg("round"), Release())
-      .def(
-          "wait_for", [](Mailbox& box, int64_t count) { box.wait_for(count); }, py::arg("count"),
-          Release())
-      .def(
-          "wait_for_before",
-          [](Mailbox& box, int64_t count, double seconds) {
-            // Past the longest timeout is as good as never (and would overflow the clock).
-            const double capped = std::clamp(
-                seconds, 0.0, std::chrono::duration<double>(kMaxTimeout).count());
-            return box.wait_for_before(count,
-                                       std::chrono::duration_cast<std::chrono::nanoseconds>(
-                                           std::chrono::duration<double>(capped)));
-          },
-          py::arg("count"), py::arg("seconds"), Release())
-      .def_property_readonly("received", [](const Mailbox& box) { return box.received(); })
-      .def_property_readonly("expected", [](const Mailbox& box) { return box.expected(); });
-
-  py::class_<Outbox, PeerChannel, std::shared_ptr<Outbox>>(m, "Outbox")
-      .def(py::init<std::shared_ptr<Transport>, std::shared_ptr<Departures>, int, int64_t,
-                    std::chrono::milliseconds>(),
-           py::arg("transport"), py::arg("departures"), py::arg("peer"), py::arg("generation"),
-           py::arg("timeout"))
-      .def(
-          "post",
-          [](Outbox& box, int64_t round, at::Tensor message) {
-            return box.post(round, std::move(message));
-          },
-          py::arg("round"), py::arg("message"), Release())
-      .def(
-          "wait_until_past",
-          [](Outbox& box, std::optional<int64_t> round) { box.wait_until_past(round); },
-          py::arg("round") = py::none(), Release())
-      .def_property_readonly("backlog", [](const Outbox& box) { return box.backlog(); })
-      .def_property_readonly("sent", [](const Outbox& box) { return box.sent(); });
-
-  m.def("mailbox_tag", &tags::mailbox_tag, py::arg("generation"), py::arg("sequence"));
-  py::dict header;
-  header["weight"] = MessageHeader::kWeightOffset;
-  header["round"] = MessageHeader::kRoundOffset;
-  header["aux"] = MessageHeader::kAuxOffset;
-  header["bytes"] = MessageHeader::kBytes;
-  m.attr("MESSAGE_HEADER") = header;
-}
 
 }  // namespace
 }  // namespace gossip
@@ -440,7 +329,7 @@ PYBIND11_MODULE(_C, m) {
         "what this module was compiled with: torch, and CUDA, NCCL and GPU architectures");
   gossip::bind_topology(m);
   gossip::bind_engine(m);
-  gossip::bind_mailboxes(m);
+  gossip::bind_asynchronous(m);
   // The tag registry (transport/message_tags.h): each kind of message's range, [base, base + span).
   py::dict tags;
   tags["round"] = py::make_tuple(gossip::tags::kRoundBase, gossip::tags::kRoundSpan);

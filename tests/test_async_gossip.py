@@ -9,7 +9,6 @@ import os
 import signal
 import time
 from datetime import timedelta
-from unittest import mock
 
 import pytest
 import torch
@@ -17,10 +16,10 @@ import torch.distributed as dist
 from async_reference import quadratic_step, replay, synchronous_sgp
 from multiprocess import run_ranks, run_ranks_tolerating_deaths
 
-from gossip_ext._torch_check import _C
 from gossip_ext.errors import NonFiniteError, PeerTimeoutError
+from gossip_ext.gossip import messages
 from gossip_ext.gossip.asynchronous import AsyncPushSum
-from gossip_ext.gossip.messages import Codec, aux_of, flatten, round_of, weight_of
+from gossip_ext.gossip.messages import flatten
 from gossip_ext.graphs import NPeerDynamicDirectedExponentialGraph
 
 LR = 0.3
@@ -317,7 +316,7 @@ def _hears_from_nobody(rank, world_size, rounds, done_file):
         open(done_file, "w").close()
     else:
         # Absorbed, not only received: a sender's next share waits for its last to be absorbed
-        # (Note [Flow control by absorption] in gossip_ext/gossip/asynchronous.py).
+        # (Note [Flow control by absorption] in csrc/engine/async_push_sum.h).
         _until_told(done_file, engine.finish_round)
     dist.barrier()
     result = (param.detach().clone(), float(engine.ps_weight()), engine.round)
@@ -393,57 +392,35 @@ def test_a_peers_nan_is_named_by_its_receiver_which_keeps_its_model(message_dtyp
     assert (model0 - initial(0)).abs().max() < 0.05  # its own send's rounding, kept
 
 
-def _a_peer_leaves_while_its_share_is_sent(rank, world_size, message_dtype):
-    param = torch.nn.Parameter(initial(rank))
-    engine = _engine(
-        param, staleness=None, message_dtype=message_dtype, timeout=timedelta(seconds=20)
-    )
-    if rank == 0:
-        # The peer leaves between the round's look at its outbox and the send: the outbox
-        # then refuses the message, as Outbox.post does for a peer that has left.
-        with mock.patch.object(_C.Outbox, "post", return_value=False):
-            engine.start_round()
-    result = (param.detach().clone(), float(engine.ps_weight()))
-    dist.barrier()
-    engine.close()
-    return result
-
-
-@pytest.mark.parametrize("message_dtype", [None, "int8"])
-def test_a_share_that_could_not_be_sent_stays_with_its_sender(message_dtype):
-    # Rank 0 kept half its weight for the send, and the lossy message's rounding with it; a
-    # share not sent comes back whole: the weight and the model are what they were.
-    (z, weight), _ = run_ranks(2, _a_peer_leaves_while_its_share_is_sent, message_dtype)
-    assert weight == 1.0
-    torch.testing.assert_close(z, initial(0), rtol=0, atol=1e-6)
-
-
 @pytest.mark.extension
 @pytest.mark.parametrize("message_dtype", [None, torch.bfloat16, torch.float16, "int8", "int4"])
 def test_every_codec_keeps_its_rounding_and_absorbs_as_its_formula_says(message_dtype):
     # The compiled kernels behind the asynchronous messages, against their formulas on what the
     # receiver reads: a send keeps f (v - q) in v; an absorb is (a x + q) / w'.
-    codec = Codec(SIZE, torch.float32, message_dtype)
+    codec = messages.codec(SIZE, torch.float32, message_dtype)
     values = torch.linspace(-3.0, 2.0, SIZE)
     kept = values.clone()
-    message = codec.encode(kept, 0.25, 7, aux=1.5, feedback=2.0)
+    message = codec.encode([kept], 0.25, 7, aux=1.5, feedback=2.0)
     assert message.numel() == codec.nbytes
-    assert (weight_of(message), round_of(message), aux_of(message)) == (0.25, 7, 1.5)
-    read = codec.read(message)
+    header = (messages.weight_of(message), messages.round_of(message), messages.aux_of(message))
+    assert header == (0.25, 7, 1.5)
+    (read,) = codec.read(message)
     torch.testing.assert_close(kept, values + 2.0 * (values - read), rtol=0, atol=1e-6)
     # Half a level of the largest block's scale (|v| <= 3): 3 / 14 for int4, 3 / 254 for int8.
     assert (read - values).abs().max() <= (3 / 14 if message_dtype == "int4" else 0.012) + 1e-6
     x = initial(0)
-    flag = torch.zeros(1, dtype=torch.int32)
     expected = (3.0 * x + read) / 4.0
-    codec.absorb(x, message, 3.0, 4.0, flag)
+    codec.absorb([x], message, 3.0, 4.0)
     torch.testing.assert_close(x, expected, rtol=0, atol=1e-6)
-    assert int(flag) == 0 and codec.values_finite(message, kept)
+    assert codec.values_finite(message)
     values[5] = float("nan")
-    message = codec.encode(values.clone(), 1.0, 0)
-    assert not codec.values_finite(message, values)
-    codec.absorb(x, message, 1.0, 2.0, flag)
-    assert int(flag) == 1
+    assert not codec.values_finite(codec.encode([values.clone()], 1.0, 0))
+
+
+def test_a_message_dtype_the_codec_cannot_send_is_refused_by_name():
+    for bad in (torch.float32, 3, "int3"):
+        with pytest.raises(ValueError, match="message_dtype"):
+            messages.codec(SIZE, torch.float32, bad)
 
 
 def test_parameters_gathered_into_a_kept_buffer_equal_a_fresh_copy_whatever_their_dtypes():

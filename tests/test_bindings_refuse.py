@@ -46,6 +46,12 @@ p2p = _C.InProcTransport(_C.InProcHub(2), 0)
 departures = _C.Departures(dist.HashStore(), 0)
 mailbox = _C.Mailbox(p2p, departures, 1, 0, datetime.timedelta(days=1), 64, [True], 0)
 outbox = _C.Outbox(p2p, departures, 1, 0, datetime.timedelta(days=1))
+async_options = _C.AsyncOptions(ring)
+codec = _C.MessageCodec([(4, torch.float32)])
+message = codec.encode([t], 1.0, 0)
+async_engine = _C.AsyncPushSum(
+    [torch.zeros(3)], ["w"], _C.InProcTransport(_C.InProcHub(2), 0),
+    _C.Departures(dist.HashStore(), 0), async_options)
 day = datetime.timedelta(days=1)
 forever = datetime.timedelta(days=10**6)
 back = datetime.timedelta(milliseconds=-1)
@@ -111,6 +117,73 @@ CASES: dict[str, list[tuple[str, tuple[str, ...] | None, tuple[str, ...]]]] = {
         ("mailbox.wait_for_before(1, -5.0)", None, ()),  # a deadline passed: False at once
         ("mailbox.wait_for_before(0, 1e300)", None, ()),  # "never", capped: no overflow
     ],
+    "AsyncOptions": [
+        ("_C.AsyncOptions(None)", TE, ("graph",)),
+        ("_C.AsyncOptions(ring, -1)", VE, ("staleness", "-1")),
+        ("_C.AsyncOptions(ring, timeout=back)", VE, ("timeout", "-1")),
+        ("_C.AsyncOptions(ring, timeout=forever)", VE, ("timeout",)),
+        ("_C.AsyncOptions(ring, message_dtype='int3')", VE, ("message_dtype", "int3")),
+        ("_C.AsyncOptions(ring, message_dtype=3)", TE, ("message_dtype",)),
+        ("_C.AsyncOptions(ring, message_dtype=torch.float32)", VE, ("message_dtype",)),
+    ],
+    "AsyncPushSum": [
+        ("_C.AsyncPushSum([t], ['w'], None, departures, async_options)", EITHER, ("transport",)),
+        ("_C.AsyncPushSum([t], ['w'], p2p, None, async_options)", EITHER, ("departures",)),
+        ("_C.AsyncPushSum([], [], p2p, departures, async_options)", VE, ("param",)),
+        (
+            "_C.AsyncPushSum([torch.zeros(2, dtype=torch.int64)], ['w'], p2p, departures, "
+            "async_options)",
+            EITHER,
+            ("w",),
+        ),
+    ],  # fmt: skip
+    "AsyncPushSum.start_round": [("_C.AsyncPushSum.start_round(None)", TE, ())],
+    "AsyncPushSum.finish_round": [("_C.AsyncPushSum.finish_round(None)", TE, ())],
+    "AsyncPushSum.sent_counts": [("_C.AsyncPushSum.sent_counts(None)", TE, ())],
+    "AsyncPushSum.settle": [
+        ("async_engine.settle(None)", TE, ("sent_to_me",)),
+        ("async_engine.settle([0, 0, 0])", VE, ("sent_to_me", "3")),
+    ],
+    "AsyncPushSum.restore": [
+        ("async_engine.restore(-1, 1.0, [0, 0])", VE, ("round", "-1")),
+        ("async_engine.restore(0, 0.0, [0, 0])", VE, ("ps_weight", "0")),
+        ("async_engine.restore(0, math.nan, [0, 0])", VE, ("ps_weight", "nan")),
+        ("async_engine.restore(0, 1.0, [0])", VE, ("rounds", "1")),
+    ],
+    "AsyncPushSum.abandon": [("async_engine.abandon(None)", TE, ("why",))],
+    "AsyncPushSum.raise_if_failed": [("_C.AsyncPushSum.raise_if_failed(None)", TE, ())],
+    "AsyncPushSum.flat_buffers": [("_C.AsyncPushSum.flat_buffers(None)", TE, ())],
+    "AsyncPushSum.statistics": [("_C.AsyncPushSum.statistics(None)", TE, ())],
+    "AsyncPushSum.history": [
+        ("async_engine.history('x')", TE, ("start",)),
+        ("async_engine.history(10**6)", None, ()),  # past the end: nothing
+    ],
+    "MessageCodec": [
+        ("_C.MessageCodec(None)", TE, ("parts",)),
+        ("_C.MessageCodec([])", VE, ("parts",)),
+        ("_C.MessageCodec([(4, torch.int64)])", VE, ("part 0", "Long")),
+        ("_C.MessageCodec([(-1, torch.float32)])", VE, ("part 0", "-1")),
+        ("_C.MessageCodec([(4, torch.float32)], 'int3')", VE, ("message_dtype", "int3")),
+        ("_C.MessageCodec([(4, torch.float32)], torch.float32)", VE, ("message_dtype",)),
+        ("_C.MessageCodec([(4, torch.float32)], device=None)", TE, ("device",)),
+    ],
+    "MessageCodec.encode": [
+        ("codec.encode([t, t], 1.0, 0)", VE, ("values", "2")),
+        ("codec.encode([torch.zeros(3)], 1.0, 0)", VE, ("values[0]", "4")),
+        ("codec.encode([strided], 1.0, 0)", VE, ("values[0]", "contiguous")),
+        ("codec.encode(None, 1.0, 0)", TE, ("values",)),
+    ],
+    "MessageCodec.read": [("codec.read(torch.zeros(3, dtype=torch.uint8))", VE, ("message", "3"))],
+    "MessageCodec.absorb": [
+        ("codec.absorb([t], torch.zeros(3, dtype=torch.uint8), 1.0, 2.0)", VE, ("message", "3")),
+        ("codec.absorb([], message, 1.0, 2.0)", VE, ("values", "0")),
+    ],
+    "MessageCodec.values_finite": [
+        ("codec.values_finite(torch.zeros(3, dtype=torch.uint8))", VE, ("message", "3")),
+    ],
+    "MessageCodec.weight_of": [("_C.MessageCodec.weight_of(torch.zeros(3))", VE, ("message",))],
+    "MessageCodec.round_of": [("_C.MessageCodec.round_of(None)", TE, ("message",))],
+    "MessageCodec.aux_of": [("_C.MessageCodec.aux_of('x')", TE, ("message",))],
     "Outbox": [
         ("_C.Outbox(None, departures, 1, 0, day)", EITHER, ("transport",)),
         ("_C.Outbox(p2p, departures, 2, 0, day)", VE, ("peer", "2")),

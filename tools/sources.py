@@ -2,7 +2,8 @@
 
 setup.py imports this; CMakeLists.txt applies the same rule with file(GLOB_RECURSE). The rule:
 every .cpp under csrc/ is built; a file under a folder named `cuda` or `nccl`, or any .cu file,
-is built only in a CUDA build; csrc/bindings.cpp belongs to the Python extension only.
+is built only in a CUDA build; csrc/bindings.cpp and csrc/python/ belong to the Python extension
+only.
 
 The extension's objects go to one folder per configuration (Python, torch, CPU or CUDA) under
 build/temp, each at the source's path relative to the checkout with .o for its suffix. The C++

@@ -195,6 +195,7 @@ class InnerMix:
             check_finite=check_finite,
             timeout=link.timeout,
             store=transport.gossip_store(link.group, link.rendezvous, "async"),
+            names=[name for name, _ in named],
         )
         return cls(
             engine,

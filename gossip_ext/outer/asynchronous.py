@@ -106,7 +106,7 @@ class AsyncOuterSteps:
         self._sizes = [t.numel() for t in self._params]
         self._buffer_sizes = [t.numel() for t in self._buffers]
         self._numel = sum(self._sizes)
-        self._codec = messages.Codec(
+        self._codec = messages.codec(
             self._numel + sum(self._buffer_sizes), self._dtype, message_dtype, self._device
         )
         self.outer = NesterovOuter(
@@ -222,7 +222,7 @@ class AsyncOuterSteps:
             for period, buffer in taken:
                 steps = int(messages.weight_of(buffer))
                 self._step_seconds[peer] = messages.aux_of(buffer)
-                arrived.append((peer, period, self._codec.read(buffer), steps))
+                arrived.append((peer, period, self._codec.read(buffer)[0], steps))
         arrived.sort(key=lambda item: (item[0], item[1]))
         self._merge(arrived)
         self._next_period()
@@ -255,10 +255,10 @@ class AsyncOuterSteps:
         """Sends ``peer`` all it is owed, as one message (Note [Owed pseudo-gradients])."""
         owed = self._owed[peer]
         values = owed if buffers is None else torch.cat([owed, buffers])
-        message = self._codec.encode(values, self._owed_steps[peer], self._period, seconds)
+        message = self._codec.encode([values], self._owed_steps[peer], self._period, seconds)
         if self._outboxes[peer].post(self._period, message):
             # What was sent is paid; a lossy message's rounding stays owed.
-            owed.sub_(self._codec.read(message)[: self._numel])
+            owed.sub_(self._codec.read(message)[0][: self._numel])
             self._owed_steps[peer] = 0
 
     def _wait_grace(self) -> None:
