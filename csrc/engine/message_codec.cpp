@@ -12,14 +12,14 @@
 namespace gossip {
 namespace {
 
-int64_t round_up(int64_t value, int64_t multiple) {
+int64_t aligned_to(int64_t value, int64_t multiple) {
   return (value + multiple - 1) / multiple * multiple;
 }
 
-bool is_wide(at::ScalarType dtype) { return dtype == at::kFloat || dtype == at::kDouble; }
+bool travels_compressed_if_asked(at::ScalarType dtype) { return dtype == at::kFloat || dtype == at::kDouble; }
 
 template <typename T>
-T header_field(const at::Tensor& message, int64_t offset) {
+T read_header_field(const at::Tensor& message, int64_t offset) {
   TORCH_CHECK_VALUE(message.device().is_cpu() && message.scalar_type() == at::kByte &&
                         message.is_contiguous() && message.numel() >= MessageHeader::kBytes,
                     "gossip_ext: an asynchronous message must be a contiguous host uint8 tensor "
@@ -49,11 +49,11 @@ MessageCodec::MessageCodec(std::vector<Part> parts, std::optional<at::ScalarType
                      " has numel ", part.numel);
     GOSSIP_CHECK_ARG(at::isFloatingType(part.dtype), "gossip_ext: MessageCodec: part ", p,
                      " must be of a floating dtype, got ", c10::toString(part.dtype));
-    Slot slot{Travel::kOwn, round_up(offset, 8), 0};
-    if (is_wide(part.dtype) && format_) {
+    Slot slot{Travel::kOwn, aligned_to(offset, 8), 0};
+    if (travels_compressed_if_asked(part.dtype) && format_) {
       slot.travel = Travel::kBlocks;
       slot.bytes = quant_message_bytes(part.numel, *format_);
-    } else if (is_wide(part.dtype) && message_dtype_) {
+    } else if (travels_compressed_if_asked(part.dtype) && message_dtype_) {
       slot.travel = Travel::kSixteenBits;
       slot.bytes = part.numel * 2;
     } else {
@@ -173,15 +173,15 @@ bool MessageCodec::values_finite(const at::Tensor& message) const {
 }
 
 double MessageCodec::weight_of(const at::Tensor& message) {
-  return header_field<double>(message, MessageHeader::kWeightOffset);
+  return read_header_field<double>(message, MessageHeader::kWeightOffset);
 }
 
 int64_t MessageCodec::round_of(const at::Tensor& message) {
-  return header_field<int64_t>(message, MessageHeader::kRoundOffset);
+  return read_header_field<int64_t>(message, MessageHeader::kRoundOffset);
 }
 
 double MessageCodec::aux_of(const at::Tensor& message) {
-  return header_field<double>(message, MessageHeader::kAuxOffset);
+  return read_header_field<double>(message, MessageHeader::kAuxOffset);
 }
 
 }  // namespace gossip
