@@ -44,15 +44,6 @@ def sends_in_round(graph: Schedule, sender: int, receiver: int, world_size: int)
     return [receiver in graph.out_peers(sender, world_size, round_) for round_ in range(period)]
 
 
-def in_peers(graph: Schedule, rank: int, world_size: int) -> list[int]:
-    """Every rank that sends to ``rank`` in some round."""
-    return [
-        peer
-        for peer in range(world_size)
-        if peer != rank and any(sends_in_round(graph, peer, rank, world_size))
-    ]
-
-
 class Everyone:
     """The schedule of a message every worker sends to every other one in every round (an
     asynchronous outer step's pseudo-gradient), as a graph's ``phone_book``/``out_peers``."""
