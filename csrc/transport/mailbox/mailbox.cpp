@@ -124,8 +124,7 @@ std::optional<int64_t> Mailbox::expected() const {
 }
 
 template <typename Done>
-void Mailbox::wait_until(Done done) {
-  const auto deadline = std::chrono::steady_clock::now() + timeout_;
+bool Mailbox::wait_lifted(Done done, std::chrono::steady_clock::time_point deadline) {
   std::unique_lock<std::mutex> lock(mutex_);
   // A wait must not wait on its own untaken messages: receive past held_limit meanwhile.
   lifted_ = true;
@@ -137,10 +136,17 @@ void Mailbox::wait_until(Done done) {
   while (!done() && !ended_) {
     raise_if_failed_locked();
     const auto left = deadline - std::chrono::steady_clock::now();
-    if (left <= std::chrono::nanoseconds::zero() || closing_) {
-      raise_waited("'s message of its round ", expected_.value_or(-1));
-    }
+    if (left <= std::chrono::nanoseconds::zero() || closing_) return false;
     wait_a_little(lock, left);
+  }
+  return true;
+}
+
+template <typename Done>
+void Mailbox::wait_until(Done done) {
+  if (!wait_lifted(done, std::chrono::steady_clock::now() + timeout_)) {
+    std::lock_guard<std::mutex> lock(mutex_);
+    raise_waited("'s message of its round ", expected_.value_or(-1));
   }
 }
 
@@ -153,20 +159,8 @@ void Mailbox::wait_for(int64_t count) {
 }
 
 bool Mailbox::wait_for_before(int64_t count, std::chrono::nanoseconds left) {
-  const auto deadline = std::chrono::steady_clock::now() + left;
-  std::unique_lock<std::mutex> lock(mutex_);
-  lifted_ = true;
-  changed_.notify_all();
-  struct Restore {
-    bool& lifted;
-    ~Restore() { lifted = false; }
-  } restore{lifted_};
-  while (received_ < count && !ended_) {
-    raise_if_failed_locked();
-    const auto remaining = deadline - std::chrono::steady_clock::now();
-    if (remaining <= std::chrono::nanoseconds::zero() || closing_) return false;
-    wait_a_little(lock, remaining);
-  }
+  wait_lifted([&] { return received_ >= count; }, std::chrono::steady_clock::now() + left);
+  std::lock_guard<std::mutex> lock(mutex_);
   return received_ >= count;
 }
 

@@ -155,6 +155,11 @@ class Mailbox final : public PeerChannel {
   void run() override;
   bool holds_enough() const;
   std::optional<int64_t> next_round(int64_t start) const;
+  // Waits, the held limit lifted, until done() (holding the lock) or the peer left: true; or
+  // until `deadline` or closing: false. Raises the channel's error.
+  template <typename Done>
+  bool wait_lifted(Done done, std::chrono::steady_clock::time_point deadline);
+  // wait_lifted to the timeout; raises a TimeoutError naming the peer's awaited round past it.
   template <typename Done>
   void wait_until(Done done);
 

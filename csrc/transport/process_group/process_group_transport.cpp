@@ -278,22 +278,23 @@ std::shared_ptr<Work> ProcessGroupTransport::exchange(std::vector<PeerMessage> s
   return work;
 }
 
-std::shared_ptr<Work> ProcessGroupTransport::post_send(int peer, at::Tensor buffer, int64_t tag) {
+std::shared_ptr<Work> ProcessGroupTransport::post_one(int peer, at::Tensor buffer, int64_t tag,
+                                                      bool is_recv) {
   TORCH_CHECK(buffer.device().is_cpu(), "gossip_ext: the process-group transport needs CPU ",
               "buffers, got one on ", buffer.device());
   std::vector<at::Tensor> tensors{buffer};
-  auto work = group_->send(tensors, peer, static_cast<int>(tag));
+  auto work = is_recv ? group_->recv(tensors, peer, static_cast<int>(tag))
+                      : group_->send(tensors, peer, static_cast<int>(tag));
   return std::make_shared<PointToPointWork>(std::move(work), std::move(buffer), peer, name(),
-                                            /*is_recv=*/false);
+                                            is_recv);
+}
+
+std::shared_ptr<Work> ProcessGroupTransport::post_send(int peer, at::Tensor buffer, int64_t tag) {
+  return post_one(peer, std::move(buffer), tag, /*is_recv=*/false);
 }
 
 std::shared_ptr<Work> ProcessGroupTransport::post_recv(int peer, at::Tensor buffer, int64_t tag) {
-  TORCH_CHECK(buffer.device().is_cpu(), "gossip_ext: the process-group transport needs CPU ",
-              "buffers, got one on ", buffer.device());
-  std::vector<at::Tensor> tensors{buffer};
-  auto work = group_->recv(tensors, peer, static_cast<int>(tag));
-  return std::make_shared<PointToPointWork>(std::move(work), std::move(buffer), peer, name(),
-                                            /*is_recv=*/true);
+  return post_one(peer, std::move(buffer), tag, /*is_recv=*/true);
 }
 
 void ProcessGroupTransport::progress_loop() {

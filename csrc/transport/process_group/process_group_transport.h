@@ -47,6 +47,7 @@ class ProcessGroupTransport final : public Transport {
 
  private:
   void progress_loop();
+  std::shared_ptr<Work> post_one(int peer, at::Tensor buffer, int64_t tag, bool is_recv);
 
   c10::intrusive_ptr<c10d::ProcessGroup> group_;
   std::mutex mutex_;
