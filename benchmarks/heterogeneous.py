@@ -81,6 +81,13 @@ STALL_FRACTION = 0.05
 # its uniform-cluster time; under random stalls, its goodput at least GOAL_GOODPUT.
 GOAL_RATIO = 1.15
 GOAL_GOODPUT = 0.9
+# The asynchronous engine's goals, for AsyncSGP int8 beside overlap SGP int8: on the uniform
+# cluster at most its time; with one half-speed worker at most GOAL_OVER_ALONE times the ratio of
+# the workers alone; behind the slow link at most GOAL_SLOW_LINK times its uniform time (the
+# ratio it had before the engine moved into C++).
+ASYNC, OVERLAP = "async_sgp_int8", "overlap_sgp_int8"
+GOAL_OVER_ALONE = 1.05
+GOAL_SLOW_LINK = 1.17
 
 
 def parse_args(argv=None):
@@ -255,6 +262,41 @@ def goals(rows: dict[str, dict[str, dict]], target: float) -> list[str]:
     return said
 
 
+def engine_goals(rows: dict[str, dict[str, dict]], target: float) -> list[str]:
+    """The asynchronous engine's goals (see GOAL_OVER_ALONE), met or missed."""
+
+    def time(setting: str, system: str) -> float | None:
+        if system not in rows.get(setting, {}) or system not in rows["uniform"]:
+            return None
+        return measure.median_time_to(rows[setting][system], target)
+
+    def verdict(met: bool) -> str:
+        return "met" if met else "missed"
+
+    said = []
+    uniform, overlap = time("uniform", ASYNC), time("uniform", OVERLAP)
+    if uniform and overlap:
+        said.append(
+            f"Uniform cluster, {ASYNC} at most {OVERLAP}'s time: {uniform:.1f} s against "
+            f"{overlap:.1f} s, {verdict(uniform <= overlap)}."
+        )
+    slow, alone, alone_slow = time("slow", ASYNC), time("uniform", "alone"), time("slow", "alone")
+    if uniform and slow and alone and alone_slow:
+        ratio, bound = slow / uniform, GOAL_OVER_ALONE * alone_slow / alone
+        said.append(
+            f"One worker at half speed, {ASYNC}'s ratio at most {GOAL_OVER_ALONE}x the workers "
+            f"alone's ({alone_slow / alone:.2f}x): {ratio:.2f}x, {verdict(ratio <= bound)}."
+        )
+    slow_link = time("slow_nic", ASYNC)
+    if uniform and slow_link:
+        ratio = slow_link / uniform
+        said.append(
+            f"Behind the slow link, {ASYNC} at most {GOAL_SLOW_LINK}x its uniform time: "
+            f"{ratio:.2f}x, {verdict(ratio <= GOAL_SLOW_LINK)}."
+        )
+    return said
+
+
 def plot(rows: dict[str, dict[str, dict]], target: float, path: str) -> None:
     """Held-out loss against each cluster's time, a panel per cluster."""
     clusters = {NAMES[setting]: rows[setting] for setting in rows}
@@ -282,7 +324,7 @@ def main(argv=None) -> dict:
         for setting in rows
         if setting != "uniform"
     ]
-    said = goals(rows, target)
+    said = goals(rows, target) + engine_goals(rows, target)
     print("\n\n".join(tables + said), flush=True)
     if args.plot:
         plot(rows, target, args.plot)

@@ -7,6 +7,7 @@ import pytest
 import torch
 from torch import nn
 
+from gossip_ext.averagings import ParameterMean, PseudoGradientMean
 from gossip_ext.averagings.buckets import ParameterBuckets
 from gossip_ext.outer import outer_steps, slow_momentum
 from gossip_ext.outer import rules as outer_rules
@@ -56,7 +57,7 @@ def test_the_outer_optimizer_is_torchs_stepped_on_theta_minus_the_average():
     for k in range(3):
         averages = _flat_averages(params, 0.1 * (k + 1))
         mean = averages[0].clone()
-        new = rule.update(buckets, averages)
+        new = rule.step(ParameterMean(averages), buckets)
         offset = 0
         for t in theta:
             t.grad = t.detach() - mean[offset : offset + t.numel()].view(t.shape)
@@ -76,15 +77,15 @@ def test_the_outer_optimizer_state_round_trips_and_checks_its_layout():
         params, buckets, lambda ps: torch.optim.SGD(ps, lr=0.7, momentum=0.9)
     )
     rule.start(buckets)
-    rule.update(buckets, _flat_averages(params, 0.5))
+    rule.step(ParameterMean(_flat_averages(params, 0.5)), buckets)
     saved = rule.state_dict()
     other = outer_rules.OuterOptimizer(
         params, buckets, lambda ps: torch.optim.SGD(ps, lr=0.7, momentum=0.9)
     )
     other.load_state_dict(saved, buckets)
     assert other.started and torch.equal(other.flat[0], rule.flat[0])
-    a = rule.update(buckets, _flat_averages(params, 0.2))[0].clone()
-    b = other.update(buckets, _flat_averages(params, 0.2))[0]
+    a = rule.step(ParameterMean(_flat_averages(params, 0.2)), buckets)[0].clone()
+    b = other.step(ParameterMean(_flat_averages(params, 0.2)), buckets)[0]
     assert torch.equal(a, b), "the momentum came back with the checkpoint"
     smaller = _params()[:2]
     with pytest.raises(ValueError, match="theta_global has buckets"):
@@ -105,7 +106,35 @@ def test_slowmo_is_heavy_ball_on_the_average_scaled_by_the_inner_lr():
     for k in range(3):
         averages = _flat_averages(params, -0.01 * (k + 1))
         x_avg = averages[0].clone()
-        new = rule.update(buckets, averages, inner)[0]
+        new = rule.step(ParameterMean(averages), buckets, inner)[0]
         u = beta * u + (slow - x_avg) / gamma
         slow = slow - alpha * gamma * u
         torch.testing.assert_close(new, slow, rtol=1e-12, atol=1e-12)
+
+
+def test_each_rule_steps_alike_on_a_mean_of_parameters_and_of_pseudo_gradients():
+    """An averaging of parameters and one of pseudo-gradients hand a rule the same mean in its
+    two forms (``Mean.parameters``, ``Mean.pseudo_gradients``): DiLoCo's and SlowMo's steps
+    agree on both; a plain average, which keeps no global parameters, refuses the second."""
+    params = _params()
+    buckets = ParameterBuckets(params)
+
+    def nesterov(ps):
+        return torch.optim.SGD(ps, lr=0.7, momentum=0.9, nesterov=True)
+
+    inner = torch.optim.SGD(params, lr=0.05)
+    pairs = [
+        tuple(outer_rules.OuterOptimizer(params, buckets, nesterov) for _ in range(2)),
+        tuple(slow_momentum.SlowMomentum(0.5, 0.8, group=None) for _ in range(2)),
+    ]
+    for of_parameters, of_pseudo_gradients in pairs:
+        of_parameters.start(buckets)
+        of_pseudo_gradients.start(buckets)
+        for k in range(3):
+            average = _flat_averages(params, 0.1 * (k + 1))[0]
+            pseudo_gradient = of_pseudo_gradients.theta_global[0] - average
+            a = of_parameters.step(ParameterMean([average.clone()]), buckets, inner)[0]
+            b = of_pseudo_gradients.step(PseudoGradientMean([pseudo_gradient]), buckets, inner)[0]
+            torch.testing.assert_close(a, b, rtol=0, atol=1e-12)
+    with pytest.raises(ValueError, match="global parameters"):
+        outer_rules.PlainAverage().step(PseudoGradientMean([torch.zeros(1)]), buckets, None)

@@ -136,3 +136,32 @@ def test_the_staller_stops_a_process_and_never_leaves_it_stopped():
         staller.kill()
         sleeper.kill()
         sleeper.wait()
+
+
+def test_the_asynchronous_engine_s_goals_are_read_from_the_medians():
+    sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "benchmarks"))
+    import heterogeneous
+
+    def crossing(seconds):  # a run whose loss crosses 3.0 at ``seconds``
+        return {"records": [_record(0, 0.1, 50, [(seconds - 1.0, 10, 4.0), (seconds, 20, 3.0)])]}
+
+    rows = {
+        "uniform": {
+            "alone": crossing(10.0),
+            "overlap_sgp_int8": crossing(12.0),
+            "async_sgp_int8": crossing(11.0),
+        },
+        # The workers alone take 1.5x; AsyncSGP 16 / 11 = 1.45x, within 1.05 * 1.5x.
+        "slow": {"alone": crossing(15.0), "async_sgp_int8": crossing(16.0)},
+        "slow_nic": {"async_sgp_int8": crossing(14.0)},  # 1.27x: over 1.17x
+    }
+    said = heterogeneous.engine_goals(rows, 3.0)
+    assert said == [
+        "Uniform cluster, async_sgp_int8 at most overlap_sgp_int8's time: 11.0 s against 12.0 s, "
+        "met.",
+        "One worker at half speed, async_sgp_int8's ratio at most 1.05x the workers alone's "
+        "(1.50x): 1.45x, met.",
+        "Behind the slow link, async_sgp_int8 at most 1.17x its uniform time: 1.27x, missed.",
+    ]
+    # A cluster not run says nothing.
+    assert heterogeneous.engine_goals({"uniform": rows["uniform"]}, 3.0) == said[:1]

@@ -28,8 +28,8 @@ from gossip_ext.graphs import GraphBase
 from gossip_ext.mixing import MixingBase
 from gossip_ext.outer import outer_steps, slow_momentum
 from gossip_ext.outer import rules as outer_rules
-from gossip_ext.outer.interface import OuterRuntime
-from gossip_ext.outer.streaming import StreamingOuter
+from gossip_ext.outer.interface import OuterRule, OuterRuntime, RuleState
+from gossip_ext.outer.streaming import StreamingOuter, StreamingSteps
 
 
 class Outer(Algorithm, abc.ABC):
@@ -118,7 +118,7 @@ class Average(Outer):
         no_flat_spelling(self)
         return {"global_avg_freq": self.every} if gossips else {"sync_every": self.every}
 
-    def rule(self, params, group, **_) -> outer_rules.OuterRule:
+    def rule(self, params, group, **_) -> OuterRule:
         """Its runtime part: the parameters become the average; where the messages are
         differences from the last average, it keeps that model (``GlobalAverage``)."""
         if self.average.sends_differences:
@@ -341,49 +341,63 @@ class DiLoCo(Outer):
         """Streaming DiLoCo: the outer step in fragments, or overlapped with training."""
         return (self.fragments, self.delay, self.alpha) != (1, 0, 0.0)
 
-    def rule(self, params, group: dist.ProcessGroup, *, graph, mixing, timeout, sizes=None):
-        """Its runtime part over ``group``: the outer optimizer over ``theta_global``, or
-        Streaming DiLoCo's fragments, each averaged as ``average`` says (over ``graph`` and
-        ``mixing``, the inner mix's or ByGossip's own, where it gossips; waits bounded by
-        ``timeout``)."""
-        device = self.average.global_device
+    def rule(
+        self, params, group: dist.ProcessGroup, *, graph, mixing, timeout, sizes=None
+    ) -> RuleState:
+        """Its rule over ``group``: the outer optimizer over ``theta_global``, or Streaming
+        DiLoCo's fragments, each averaged as ``average`` says (over ``graph`` and ``mixing``, the
+        inner mix's or ByGossip's own, where it gossips; waits bounded by ``timeout``)."""
         if self.streamed:
-
-            def averaging(buckets: ParameterBuckets) -> Averaging:
-                return self.average.averaging(
-                    buckets, group, streamed=True, graph=graph, mixing=mixing, timeout=timeout
-                )
-
-            return StreamingOuter(
-                params,
-                self.optimizer,
-                device,
-                averaging,
-                sync_every=self.every,
-                fragments=self.fragments,
-                delay=self.delay,
-                alpha=self.alpha,
-                sizes=sizes,
+            return self._fragments(
+                params, group, graph=graph, mixing=mixing, timeout=timeout, sizes=sizes
             )
+        return self._outer_optimizer(params)
+
+    def _outer_optimizer(self, params) -> outer_rules.OuterOptimizer:
+        device = self.average.global_device
         return outer_rules.OuterOptimizer(params, ParameterBuckets(params), self.optimizer, device)
+
+    def _fragments(
+        self, params, group: dist.ProcessGroup, *, graph, mixing, timeout, sizes
+    ) -> StreamingOuter:
+        def averaging(buckets: ParameterBuckets) -> Averaging:
+            return self.average.averaging(
+                buckets, group, streamed=True, graph=graph, mixing=mixing, timeout=timeout
+            )
+
+        return StreamingOuter(
+            params,
+            self.optimizer,
+            self.average.global_device,
+            averaging,
+            sync_every=self.every,
+            fragments=self.fragments,
+            delay=self.delay,
+            alpha=self.alpha,
+            sizes=sizes,
+        )
 
     def steps(
         self, params, buffers, group: dist.ProcessGroup, *, graph, mixing, timeout, sizes=None
-    ) -> outer_steps.OuterSteps:
-        """Its runtime part: :meth:`rule` every ``every`` steps (or on the fragments' own
-        schedule), its pseudo-gradients averaged as ``average`` says."""
-        averaging = None
-        if not self.streamed:
-            averaging = averaging_of(
-                self.average, params, group, graph=graph, mixing=mixing, timeout=timeout
+    ) -> OuterRuntime:
+        """Its runtime part: the outer optimizer every ``every`` steps on the mean of the
+        pseudo-gradients that ``average`` forms, or the fragments on their own schedule."""
+        if self.streamed:
+            fragments = self._fragments(
+                params, group, graph=graph, mixing=mixing, timeout=timeout, sizes=sizes
+            )
+            return StreamingSteps(
+                params, buffers, group, rule=fragments, sync_every=self.every, timeout=timeout
             )
         return outer_steps.OuterSteps(
             params,
             buffers,
             group,
-            rule=self.rule(params, group, graph=graph, mixing=mixing, timeout=timeout, sizes=sizes),
+            rule=self._outer_optimizer(params),
             sync_every=self.every,
-            averaging=averaging,
+            averaging=averaging_of(
+                self.average, params, group, graph=graph, mixing=mixing, timeout=timeout
+            ),
             timeout=timeout,
         )
 

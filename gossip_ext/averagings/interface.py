@@ -15,9 +15,10 @@ fragment's) asks its :class:`Averaging` for a mean in three calls, the same whoe
    feedback residuals, public copies), once the rule has stepped with ``mean``.
 
 So every collective of a step runs before anything is written (Note [The parameters are the
-model] in the engine). A mean says what it is a mean of: :class:`ParameterMean` (the rule makes
-the new parameters from it) or :class:`PseudoGradientMean` (the rule steps ``theta_global`` with
-it), so the rule is told which without anyone asking the averaging what it is.
+model] in the engine). A mean says what it is a mean of, :class:`ParameterMean` or
+:class:`PseudoGradientMean`, and gives either form: the rule asks for the one it steps with (the
+parameters for a plain average or SlowMo, the pseudo-gradients for DiLoCo's outer optimizer)
+without anyone asking the averaging what it is.
 
 A new way to average is a subclass, built by its configuration object's ``averaging()`` (see
 docs/design.md, "Extending gossip_ext"); nothing else changes.
@@ -28,7 +29,7 @@ from __future__ import annotations
 import abc
 import dataclasses
 from collections.abc import Mapping, Sequence
-from typing import Generic, Protocol, TypeVar
+from typing import Generic, TypeVar
 
 import torch
 
@@ -38,35 +39,6 @@ from gossip_ext.gossip.inner import InnerMix
 # What an averaging's start hands its finish: its own business (posted works, buffers).
 Pending = TypeVar("Pending")
 Kept = TypeVar("Kept")
-
-
-class MeanRule(Protocol):
-    """What a mean asks of the outer rule that steps with it (``outer.rules.OuterRule``, a layer
-    above): a mean of parameters is turned into new parameters by :meth:`update`, a mean of
-    pseudo-gradients steps ``theta_global`` by :meth:`step_with`."""
-
-    @property
-    def started(self) -> bool: ...
-
-    def start(
-        self, buckets: ParameterBuckets, means: Sequence[torch.Tensor] | None = None, /
-    ) -> None: ...
-
-    def update(
-        self,
-        buckets: ParameterBuckets,
-        means: Sequence[torch.Tensor],
-        optimizer: torch.optim.Optimizer | None,
-        /,
-    ) -> list[torch.Tensor]: ...
-
-    def step_with(
-        self,
-        pseudo_gradients: Sequence[torch.Tensor],
-        buckets: ParameterBuckets,
-        optimizer: torch.optim.Optimizer | None,
-        /,
-    ) -> list[torch.Tensor]: ...
 
 
 class Contribution:
@@ -150,7 +122,7 @@ class Contribution:
 
 
 @dataclasses.dataclass
-class Mean:
+class Mean(abc.ABC):
     """A mean over workers, per bucket, before anything is written; ``kept``: what the averaging
     keeps at its commit (its own business)."""
 
@@ -166,42 +138,45 @@ class Mean:
             )
         return self.kept
 
-    def step(
-        self,
-        rule: MeanRule,
-        buckets: ParameterBuckets,
-        optimizer: torch.optim.Optimizer | None = None,
-    ) -> list[torch.Tensor]:
-        """The new parameters, per bucket, that ``rule`` makes of this mean."""
-        raise NotImplementedError
+    @abc.abstractmethod
+    def parameters(self, theta_global: Sequence[torch.Tensor] | None) -> list[torch.Tensor]:
+        """The mean of the workers' parameters, per bucket (``theta_global``: the rule's global
+        parameters, from which a mean of pseudo-gradients is taken; None where it has none)."""
+
+    @abc.abstractmethod
+    def pseudo_gradients(self, theta_global: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+        """The mean of the workers' pseudo-gradients ``theta_global - theta_i``, per bucket, on
+        ``theta_global``'s device."""
 
 
 class ParameterMean(Mean):
     """The mean of the workers' parameters (or a worker's parameters mixed with its peers')."""
 
-    def step(
-        self,
-        rule: MeanRule,
-        buckets: ParameterBuckets,
-        optimizer: torch.optim.Optimizer | None = None,
-    ) -> list[torch.Tensor]:
-        if not rule.started:
-            # No forward ran before this step (a loop without one): the rule starts from the
-            # mean, which makes this step a plain average.
-            rule.start(buckets, self.values)
-        return rule.update(buckets, self.values, optimizer)
+    def parameters(self, theta_global: Sequence[torch.Tensor] | None) -> list[torch.Tensor]:
+        return self.values
+
+    def pseudo_gradients(self, theta_global: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+        """``theta_global - mean``, computed in the mean's own tensors (which it overwrites)."""
+        return [
+            mean.to(theta.device).neg_().add_(theta)
+            for mean, theta in zip(self.values, theta_global)
+        ]
 
 
 class PseudoGradientMean(Mean):
     """The mean of the workers' pseudo-gradients ``theta_global - theta_i``."""
 
-    def step(
-        self,
-        rule: MeanRule,
-        buckets: ParameterBuckets,
-        optimizer: torch.optim.Optimizer | None = None,
-    ) -> list[torch.Tensor]:
-        return rule.step_with(self.values, buckets, optimizer)
+    def parameters(self, theta_global: Sequence[torch.Tensor] | None) -> list[torch.Tensor]:
+        """``theta_global`` minus the mean: the mean of the workers' parameters."""
+        if theta_global is None:
+            raise ValueError(
+                "a mean of pseudo-gradients (theta_global - theta) makes parameters only with the "
+                "global parameters of the rule that took them, and this rule has none"
+            )
+        return [theta - mean.to(theta.device) for theta, mean in zip(theta_global, self.values)]
+
+    def pseudo_gradients(self, theta_global: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+        return [mean.to(theta.device) for mean, theta in zip(self.values, theta_global)]
 
 
 class Averaging(abc.ABC, Generic[Pending]):

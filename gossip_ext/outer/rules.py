@@ -11,79 +11,23 @@ average to its rule, which returns the new parameters:
   :class:`GlobalAverage`, the same from differences to the model of the last average, for
   compressed or sparse messages.
 
-A rule is local: the outer step runs every collective before calling it, so that one that fails
-leaves the rule's state as it was (SlowMo's sharded form, which sends its slices after the update,
-is the exception: see :class:`SlowMomentum`). Each rule says how it starts (``start``), whether it
-starts at construction (``eager``) or at the first forward, and what its checkpoint entry is
-(``state_key``).
+Every rule is an ``interface.OuterRule``: one call, ``step(mean, buckets, optimizer)``, makes the
+new parameters of the workers' mean, asking the mean for the form it steps with
+(``mean.parameters`` or ``mean.pseudo_gradients``). A rule is local: the outer step runs every
+collective before calling it, so that one that fails leaves the rule's state as it was (SlowMo's
+sharded form, which sends its slices after the update, is the exception: see
+``slow_momentum.SlowMomentum``).
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
-from typing import Any
 
 import torch
 
-from gossip_ext.averagings import Averaging
+from gossip_ext.averagings import Mean
 from gossip_ext.averagings.buckets import ParameterBuckets, check_saved
-
-
-class OuterRule:
-    """What every outer step's rule is, to ``outer.OuterSteps`` and the wrapper: Streaming
-    DiLoCo's (``streaming.StreamingOuter``) like SlowMo's and DiLoCo's below. A new outer update
-    is a subclass; nothing outside its module asks which one it is.
-
-    - ``state_key``: its entry in the checkpoint; ``state_dict()`` / ``load_state_dict(state,
-      buckets, members_changed)`` (None: saved before it started; ``members_changed``: the state
-      comes from this worker's previous elastic epoch), which writes nothing unless
-      ``check_state_dict`` with the same arguments passes;
-    - ``eager``: whether it starts at construction as well as at the first forward (``start``);
-      ``started``, ``describe()`` (what every rank must agree on);
-    - ``needs_inner_lr``: whether it reads the inner optimizer's learning rates (``update``'s
-      ``optimizer``);
-    - ``own_schedule``: False for a step every ``sync_every`` steps, with the average
-      (``update(buckets, averages, optimizer)``); True for a rule that runs its own prepares and
-      applies (``has_action(step)``, ``run(step, weight)``), whose work may be in flight between
-      steps (``align_in_flight``);
-    - ``optimizers``: the torch optimizers a user may schedule (an outer learning rate);
-    - ``per_parameter_state()`` / ``load_per_parameter_state(state)``: its state as tensors
-      shaped like each parameter (a sharded replica's: like each local shard), which a checkpoint
-      may cut anew under another mesh (gossip_ext.sharded.checkpoint); None where its state is not
-      all per parameter.
-    """
-
-    state_key: str
-    eager = False
-    needs_inner_lr = False
-    own_schedule = False
-    # The global parameters, one flat tensor per bucket, whose difference from a worker's
-    # parameters is its pseudo-gradient; None for a rule without them.
-    theta_global: list[torch.Tensor] | None = None
-
-    def bytes_per_period(self, averaging: Averaging, round_bytes: int) -> int | None:
-        """Bytes this worker sends in one period of ``sync_every`` steps: one outer step's
-        ``averaging`` (default; None where it does not know). ``round_bytes``: what one round
-        of the inner engine sends."""
-        return averaging.bytes_per_step(round_bytes)
-
-    @property
-    def optimizers(self) -> list[torch.optim.Optimizer]:
-        return []
-
-    def align_in_flight(self, step: int) -> None:
-        """An elastic epoch begins at optimizer step ``step``. Only a rule of its own schedule
-        has anything in flight between steps."""
-
-    def check_state_dict(self, state, buckets, members_changed: bool = False) -> None:
-        """Raises ValueError, writing nothing, where ``load_state_dict`` would refuse ``state``
-        (default: a rule that keeps nothing accepts anything)."""
-
-    def per_parameter_state(self) -> dict[str, list[torch.Tensor]] | None:
-        return None
-
-    def load_per_parameter_state(self, state: dict[str, list[torch.Tensor]]) -> None:
-        raise NotImplementedError(f"{type(self).__name__} has no per-parameter state")
+from gossip_ext.outer.interface import OuterRule
 
 
 class PlainAverage(OuterRule):
@@ -91,21 +35,28 @@ class PlainAverage(OuterRule):
     SlowMo's ``average_every`` steps in between, ``average_parameters()``)."""
 
     state_key = "average"
-    started = True
 
-    def start(self, buckets, averages=None) -> None:
+    @property
+    def started(self) -> bool:
+        return True
+
+    def start(self, buckets: ParameterBuckets, means: Sequence[torch.Tensor] | None = None) -> None:
         """Nothing to start."""
 
     def describe(self) -> str:
         return "PlainAverage"
 
-    def update(self, buckets, averages, optimizer=None) -> list[torch.Tensor]:
-        return list(averages)
+    def step(
+        self, mean: Mean, buckets: ParameterBuckets, optimizer: torch.optim.Optimizer | None
+    ) -> list[torch.Tensor]:
+        return list(mean.parameters(None))
 
-    def state_dict(self) -> dict[str, Any]:
+    def state_dict(self) -> dict[str, object]:
         return {}
 
-    def load_state_dict(self, state, buckets, members_changed: bool = False) -> None:
+    def load_state_dict(
+        self, state: object, buckets: ParameterBuckets, members_changed: bool = False
+    ) -> None:
         """Nothing to load."""
 
     def per_parameter_state(self) -> dict[str, list[torch.Tensor]]:
@@ -187,7 +138,11 @@ class OuterOptimizer(OuterRule):
         by_id = {id(p): v for ps, vs in zip(buckets.params, self._views) for p, v in zip(ps, vs)}
         self.global_params = [by_id[id(p)] for p in params]
         self.optimizer = _build(factory, self.global_params)
-        self.started = False
+        self._started = False
+
+    @property
+    def started(self) -> bool:
+        return self._started
 
     def per_parameter_state(self) -> dict[str, list[torch.Tensor]] | None:
         """``theta_global`` and the outer optimizer's tensors, one per parameter; None before
@@ -195,14 +150,15 @@ class OuterOptimizer(OuterRule):
         of its shape."""
         if not self.started:
             return None
-        state = {"global": list(self.global_params)}
+        found: dict[str, list[torch.Tensor | None]] = {"global": list(self.global_params)}
         for i, view in enumerate(self.global_params):
             for key, value in self.optimizer.state.get(view, {}).items():
                 if isinstance(value, torch.Tensor) and value.shape == view.shape:
-                    state.setdefault(f"optimizer.{key}", [None] * len(self.global_params))[i] = (
+                    found.setdefault(f"optimizer.{key}", [None] * len(self.global_params))[i] = (
                         value
                     )
-        if any(t is None for ts in state.values() for t in ts):
+        state = {name: [t for t in ts if t is not None] for name, ts in found.items()}
+        if any(len(ts) != len(self.global_params) for ts in state.values()):
             return None
         return state
 
@@ -218,7 +174,7 @@ class OuterOptimizer(OuterRule):
                 for view, saved in zip(self.global_params, tensors):
                     slot = self.optimizer.state.setdefault(view, {})
                     slot[key] = saved.to(view.device, view.dtype).clone()
-        self.started = True
+        self._started = True
 
     def describe(self) -> str:
         """What every rank must agree on: the outer optimizer's kind and hyperparameters."""
@@ -229,44 +185,36 @@ class OuterOptimizer(OuterRule):
         return f"{type(self.optimizer).__name__}{groups!r}"
 
     @torch.no_grad()
-    def start(
-        self, buckets: ParameterBuckets, averages: Sequence[torch.Tensor] | None = None
-    ) -> None:
-        """``theta_global`` becomes the parameters (or ``averages``); every rank's are equal when
+    def start(self, buckets: ParameterBuckets, means: Sequence[torch.Tensor] | None = None) -> None:
+        """``theta_global`` becomes the parameters (or ``means``); every rank's are equal when
         it is called. The optimizer's state is left as it is."""
         for b, flat in enumerate(self.flat):
-            if averages is not None:
-                flat.copy_(averages[b])
+            if means is not None:
+                flat.copy_(means[b])
             elif flat.device == buckets.device(b):
                 buckets.read(b, flat)
             else:
                 flat.copy_(buckets.read(b, torch.empty_like(flat, device=buckets.device(b))))
-        self.started = True
+        self._started = True
 
+    # Note [DiLoCo's outer step]
+    # ~~~~~~~~~~~~~~~~~~~~~~~~~~~
+    # Every worker took its pseudo-gradient theta_global - theta_i from the same theta_global, so
+    # the mean of the pseudo-gradients is theta_global minus the mean of the parameters, whichever
+    # of the two the averaging formed. The outer optimizer (SGD with Nesterov momentum in the
+    # paper) steps theta_global with it as its gradient, exactly as torch steps a module's
+    # parameters, and the workers' parameters become theta_global: the outer steps write it once
+    # this returns, after the averaging committed (OuterSteps._whole_step).
     @torch.no_grad()
-    def update(
+    def step(
         self,
-        buckets: ParameterBuckets,
-        averages: Sequence[torch.Tensor],
+        mean: Mean,
+        buckets: ParameterBuckets | None = None,
         optimizer: torch.optim.Optimizer | None = None,
     ) -> list[torch.Tensor]:
-        """Steps ``theta_global`` with ``theta_global - average`` as its gradient (computed in
-        ``averages``, which it overwrites) and returns it, per bucket: the new parameters."""
-        return self.step_with(
-            [
-                average.to(self.device).neg_().add_(self.flat[b])
-                for b, average in enumerate(averages)
-            ]
-        )
-
-    @torch.no_grad()
-    def step_with(
-        self, mean_pseudo_gradients: Sequence[torch.Tensor], buckets=None, optimizer=None
-    ) -> list[torch.Tensor]:
-        """Steps ``theta_global`` with the workers' mean pseudo-gradient (per bucket; read, and
-        kept as the gradient during the step) and returns it: the new parameters."""
-        for b, mean in enumerate(mean_pseudo_gradients):
-            grad = mean.to(self.device)
+        """Steps ``theta_global`` with the workers' mean pseudo-gradient (Note [DiLoCo's outer
+        step]) and returns it: the new parameters, per bucket."""
+        for b, grad in enumerate(mean.pseudo_gradients(self.flat)):
             offset = 0
             for view in self._views[b]:
                 view.grad = grad[offset : offset + view.numel()].view(view.shape)
@@ -278,7 +226,7 @@ class OuterOptimizer(OuterRule):
                 view.grad = None
         return self.flat
 
-    def state_dict(self) -> dict[str, Any]:
+    def state_dict(self) -> dict[str, object]:
         """A snapshot: torch's optimizers hand out their live state tensors, cloned here, as
         ``theta_global`` is, so that a checkpoint kept in memory does not move on with training."""
         return {
@@ -286,17 +234,25 @@ class OuterOptimizer(OuterRule):
             "optimizer": _cloned(self.optimizer.state_dict()),
         }
 
-    def check_state_dict(self, state, buckets, members_changed: bool = False) -> None:
+    def check_state_dict(
+        self, state: object, buckets: ParameterBuckets, members_changed: bool = False
+    ) -> None:
         """``theta_global``'s layout, and the optimizer's groups as torch's ``load_state_dict``
         checks them, so that neither refuses once the other was written."""
         if state is None:
             return
+        if not isinstance(state, Mapping):
+            raise ValueError(
+                f"load_state_dict: the checkpoint's outer state is a {type(state).__name__}, "
+                "not the mapping of theta_global and the outer optimizer's state"
+            )
         check_saved("theta_global", state.get("global"), buckets.layout())
         saved = state.get("optimizer")
         groups = saved.get("param_groups") if isinstance(saved, Mapping) else None
         found = None if groups is None else [len(g.get("params", ())) for g in groups]
         mine = [len(g["params"]) for g in self.optimizer.param_groups]
-        if found != mine or not isinstance(saved.get("state"), Mapping):
+        held = saved.get("state") if isinstance(saved, Mapping) else None
+        if found != mine or not isinstance(held, Mapping):
             raise ValueError(
                 f"load_state_dict: the checkpoint's outer optimizer has parameter groups of "
                 f"{found} parameters, but this model's {type(self.optimizer).__name__} has {mine}"
@@ -304,32 +260,31 @@ class OuterOptimizer(OuterRule):
 
     @torch.no_grad()
     def load_state_dict(
-        self,
-        state: Mapping[str, Any] | None,
-        buckets: ParameterBuckets,
-        members_changed: bool = False,
+        self, state: object, buckets: ParameterBuckets, members_changed: bool = False
     ) -> None:
         """A checkpoint without this state (saved by a run without an outer optimizer) leaves
         ``theta_global`` to start again at the next forward."""
         self.check_state_dict(state, buckets, members_changed)
-        if state is None:
-            self.started = False
+        if not isinstance(state, Mapping):  # None: checked above
+            self._started = False
             return
         for flat, saved in zip(self.flat, state["global"]):
             flat.copy_(saved)
         # torch's optimizers keep the tensors they load: a copy, or training would move the
         # checkpoint's.
         self.optimizer.load_state_dict(_cloned(state["optimizer"]))
-        self.started = True
+        self._started = True
 
 
-def _cloned(optimizer_state: dict[str, Any]) -> dict[str, Any]:
+def _cloned(optimizer_state: Mapping[str, object]) -> dict[str, object]:
     """An optimizer's ``state_dict()`` whose state tensors are copies."""
+    state = optimizer_state["state"]
+    assert isinstance(state, Mapping)  # torch's format, checked by check_state_dict
     return {
         **optimizer_state,
         "state": {
-            index: {k: v.clone() if torch.is_tensor(v) else v for k, v in entry.items()}
-            for index, entry in optimizer_state["state"].items()
+            index: {k: v.clone() if isinstance(v, torch.Tensor) else v for k, v in entry.items()}
+            for index, entry in state.items()
         },
     }
 
@@ -347,7 +302,12 @@ class GlobalAverage(OuterOptimizer):
 
     state_key = "average"
 
-    def __init__(self, params, buckets: ParameterBuckets, device=None):
+    def __init__(
+        self,
+        params: Sequence[torch.Tensor],
+        buckets: ParameterBuckets,
+        device: torch.device | str | None = None,
+    ):
         super().__init__(params, buckets, _plain_step, device)
 
     @property

@@ -1,17 +1,17 @@
 """SlowMo's outer rule (Wang et al., ICLR 2020, Algorithm 1; fairscale's
 SlowMoDistributedDataParallel): a heavy ball on the average, scaled by the inner learning rate,
-its state optionally split over the workers. See ``rules`` for what every rule is."""
+its state optionally split over the workers. See ``interface.OuterRule`` for what every rule is."""
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
-from typing import Any
+from collections.abc import Iterator, Mapping, Sequence
 
 import torch
 import torch.distributed as dist
 
+from gossip_ext.averagings import Mean
 from gossip_ext.averagings.buckets import ParameterBuckets, check_saved
-from gossip_ext.outer.rules import OuterRule
+from gossip_ext.outer.interface import OuterRule
 from gossip_ext.sharded import replicas as sharded
 
 
@@ -30,7 +30,9 @@ def learning_rates(
     return [[lr_of.get(sharded.storage_key(p)) for p in ps] for ps in buckets.params]
 
 
-def _segments(sizes: Sequence[int], lrs: Sequence[float | None]):
+def _segments(
+    sizes: Sequence[int], lrs: Sequence[float | None]
+) -> Iterator[tuple[int, int, float | None]]:
     """(start, end, lr) runs of consecutive parameters with one learning rate: usually a single
     run per bucket, so the update is a few whole-buffer operations."""
     start = 0
@@ -109,33 +111,23 @@ class SlowMomentum(OuterRule):
         takes each worker's; only where every rank keeps all of it (unsharded)."""
         return self.slow if self.shards == 1 else None
 
-    def describe(self) -> tuple:
+    def describe(self) -> tuple[str, float, float, int]:
         return ("SlowMo", self.momentum, self.lr, self.shards)
 
     @torch.no_grad()
-    def step_with(
-        self,
-        mean_differences: Sequence[torch.Tensor],
-        buckets: ParameterBuckets,
-        optimizer: torch.optim.Optimizer,
+    def step(
+        self, mean: Mean, buckets: ParameterBuckets, optimizer: torch.optim.Optimizer | None
     ) -> list[torch.Tensor]:
-        """The SlowMo step from the mean of the workers' ``x_slow - x_i``: ``x_avg`` is
-        ``x_slow`` minus it."""
-        averages = [slow - mean.to(slow.device) for slow, mean in zip(self.slow, mean_differences)]
-        return self.update(buckets, averages, optimizer)
-
-    def update(
-        self,
-        buckets: ParameterBuckets,
-        averages: list[torch.Tensor],
-        optimizer: torch.optim.Optimizer,
-    ) -> list[torch.Tensor]:
-        """The SlowMo step from the exact ``averages`` (full flat buckets), written into them:
-        the new parameters. ``optimizer`` is the base optimizer, whose learning rates scale it."""
+        """The SlowMo step from the workers' mean parameters ``x_avg`` (full flat buckets; from
+        a mean of ``x_slow - x_i``, ``x_slow`` minus it), written into them: the new
+        parameters. ``optimizer`` is the base optimizer, whose learning rates scale it."""
+        if optimizer is None:
+            raise ValueError("SlowMo's step needs the inner optimizer (its learning rates)")
+        averages = mean.parameters(self.theta_global)
         lrs = learning_rates(optimizer, buckets)
         for b, ((lo, _), average) in enumerate(zip(self.ranges(buckets), averages)):
             sizes = [p.numel() for p in buckets.params[b]]
-            self.step(b, average, lo, sizes, lrs[b])
+            self._step_bucket(b, average, lo, sizes, lrs[b])
             if self.shards > 1:
                 # Every shard's owner sends its slice of x_slow to the others.
                 for shard in range(self.shards):
@@ -145,6 +137,12 @@ class SlowMomentum(OuterRule):
                         dist.broadcast(average[s_lo:s_hi], owner, group=self.group)
         return averages
 
+    def _kept(self) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        """``x_slow`` and ``u``, which exist once the rule started."""
+        if self.slow is None or self.buffer is None:
+            raise RuntimeError("SlowMo's state was used before the rule started")
+        return self.slow, self.buffer
+
     def ranges(self, buckets: ParameterBuckets) -> list[tuple[int, int]]:
         """This rank's slice of every bucket."""
         return [
@@ -152,20 +150,20 @@ class SlowMomentum(OuterRule):
         ]
 
     @torch.no_grad()
-    def start(self, buckets: ParameterBuckets, averages: Sequence[torch.Tensor] | None = None):
-        """x_slow starts at the parameters (or at ``averages``, full flat buckets), u at 0."""
+    def start(self, buckets: ParameterBuckets, means: Sequence[torch.Tensor] | None = None) -> None:
+        """x_slow starts at the parameters (or at ``means``, full flat buckets), u at 0."""
         self.slow, self.buffer = [], []
         for b, (lo, hi) in enumerate(self.ranges(buckets)):
             slow = torch.empty(hi - lo, dtype=buckets.dtype(b), device=buckets.device(b))
-            if averages is None:
+            if means is None:
                 buckets.read(b, slow, lo)
             else:
-                slow.copy_(averages[b][lo:hi])
+                slow.copy_(means[b][lo:hi])
             self.slow.append(slow)
             self.buffer.append(torch.zeros_like(slow))
 
     @torch.no_grad()
-    def step(
+    def _step_bucket(
         self,
         bucket: int,
         average: torch.Tensor,
@@ -176,7 +174,7 @@ class SlowMomentum(OuterRule):
         """Updates this rank's slice [lo, ...) of ``bucket`` from its exact ``average`` (the full
         flat bucket; ``sizes`` and ``lrs``: its parameters' elements and learning rates) and
         writes x_slow into that slice of ``average``. In place: no temporary."""
-        slow, buffer = self.slow[bucket], self.buffer[bucket]
+        slow, buffer = (kept[bucket] for kept in self._kept())
         hi = lo + slow.numel()
         for start, end, gamma in _segments(sizes, lrs):
             start, end = max(start, lo), min(end, hi)
@@ -192,19 +190,27 @@ class SlowMomentum(OuterRule):
             x.add_(u, alpha=-self.lr * gamma)
             a.copy_(x)
 
-    def state_dict(self) -> dict[str, Any] | None:
+    def state_dict(self) -> dict[str, object] | None:
         if self.slow is None:
             return None
+        slow, buffer = self._kept()
         return {
-            "slow": [t.clone() for t in self.slow],
-            "momentum": [t.clone() for t in self.buffer],
+            "slow": [t.clone() for t in slow],
+            "momentum": [t.clone() for t in buffer],
             "shards": self.shards,
             "shard": self.shard,
         }
 
-    def check_state_dict(self, state, buckets: ParameterBuckets, members_changed=False) -> None:
+    def check_state_dict(
+        self, state: object, buckets: ParameterBuckets, members_changed: bool = False
+    ) -> None:
         if state is None:
             return
+        if not isinstance(state, Mapping):
+            raise ValueError(
+                f"load_state_dict: the checkpoint's SlowMo state is a {type(state).__name__}, "
+                "not the mapping of x_slow and its momentum"
+            )
         saved = (state.get("shards", 1), state.get("shard", 0))
         if saved != (self.shards, self.shard):
             raise ValueError(
@@ -217,15 +223,12 @@ class SlowMomentum(OuterRule):
         check_saved("SlowMo momentum", state.get("momentum"), expected)
 
     def load_state_dict(
-        self,
-        state: Mapping[str, Any] | None,
-        buckets: ParameterBuckets,
-        members_changed: bool = False,
+        self, state: object, buckets: ParameterBuckets, members_changed: bool = False
     ) -> None:
         """A checkpoint without SlowMo state (saved before it started) starts it again at the
         next forward."""
         self.check_state_dict(state, buckets, members_changed)
-        if state is None:
+        if not isinstance(state, Mapping):  # None: checked above
             self.slow = self.buffer = None
             return
         self.slow = [t.detach().to(buckets.device(b)).clone() for b, t in enumerate(state["slow"])]

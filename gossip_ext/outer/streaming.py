@@ -28,15 +28,19 @@ a run resumed from it sends it again before its next step, so that the apply see
 
 from __future__ import annotations
 
+import datetime
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
 
 import torch
+import torch.distributed as dist
 
 from gossip_ext.averagings import Averaging, Contribution
 from gossip_ext.averagings.buckets import ParameterBuckets, check_saved
-from gossip_ext.outer.rules import OuterOptimizer, OuterOptimizerFactory, OuterRule
+from gossip_ext.averagings.failures import DEFAULT_TIMEOUT
+from gossip_ext.outer.interface import RuleState, StepContext
+from gossip_ext.outer.outer_steps import LockstepOuterSteps
+from gossip_ext.outer.rules import OuterOptimizer, OuterOptimizerFactory
 
 # Builds a fragment's averaging over its buckets.
 AveragingFactory = Callable[[ParameterBuckets], Averaging]
@@ -51,7 +55,8 @@ def fragment_bounds(sizes: Sequence[int], fragments: int) -> list[tuple[int, int
             f"fragments must be at most the number of parameters ({len(sizes)}), got {fragments}"
         )
     total = sum(sizes)
-    bounds, start, running = [], 0, 0
+    bounds: list[tuple[int, int]] = []
+    start, running = 0, 0
     for i, size in enumerate(sizes):
         running += size
         left = fragments - len(bounds) - 1  # fragments still to cut after this one
@@ -98,7 +103,7 @@ class _InFlight:
     """A fragment between its prepare and its apply."""
 
     contribution: Contribution  # what was sent: its pseudo-gradients kept for a checkpoint
-    pending: Any  # the averaging's start's handle
+    pending: object  # the averaging's start's handle, its own business
 
 
 class Fragment:
@@ -139,9 +144,10 @@ class Fragment:
         """Waits for the mean, steps ``theta_global`` with it and sets the fragment's parameters
         to ``alpha * local + (1 - alpha) * theta_global``. Raises, changing nothing, if a
         collective failed."""
+        assert self.in_flight is not None, "the schedule applies only a fragment it prepared"
         mean = self.averaging.finish(self.in_flight.pending)
         # Every collective has succeeded: from here on the step is kept.
-        theta = mean.step(self.rule, self.buckets)
+        theta = self.rule.step(mean, self.buckets)
         self.averaging.commit(mean)
         for b, (n, dtype) in enumerate(self.buckets.layout()):
             result = theta[b].to(self.buckets.device(b), copy=True)
@@ -151,7 +157,7 @@ class Fragment:
             self.buckets.write(b, result)
         self.in_flight = None
 
-    def state_dict(self) -> dict[str, Any]:
+    def state_dict(self) -> dict[str, object]:
         flight = self.in_flight
         return {
             "outer": self.rule.state_dict(),
@@ -166,15 +172,13 @@ class Fragment:
         }
 
 
-class StreamingOuter(OuterRule):
-    """The outer rule of Streaming DiLoCo (see the module's docstring): ``k`` fragments, each with
-    its own outer optimizer built by ``factory`` over its global parameters, on ``schedule``;
+class StreamingOuter(RuleState):
+    """The outer state of Streaming DiLoCo (see the module's docstring): ``k`` fragments, each
+    with its own outer optimizer built by ``factory`` over its global parameters, on ``schedule``;
     each averaged by the averaging that ``averaging`` builds over its buckets."""
 
     state_key = "streaming"
     eager = True
-    needs_inner_lr = False
-    own_schedule = True
 
     def __init__(
         self,
@@ -200,17 +204,21 @@ class StreamingOuter(OuterRule):
         self.schedule = Schedule(sync_every, fragments, delay)
         self.delay = delay
         self.alpha = alpha
-        self.started = False
+        self._started = False
         # Fragments whose in-flight pseudo-gradient a checkpoint restored: sent again before the
         # next step's actions (resend_restored), on every rank alike. None in place of the
         # pseudo-gradients: prepared then, from the parameters (see align_in_flight).
         self._restored: dict[int, tuple[list[torch.Tensor] | None, float | None, int]] = {}
 
     @property
+    def started(self) -> bool:
+        return self._started
+
+    @property
     def optimizers(self) -> list[torch.optim.Optimizer]:
         return [f.rule.optimizer for f in self.fragments]
 
-    def describe(self) -> tuple:
+    def describe(self) -> tuple[object, ...]:
         """What every rank must agree on: the fragments and their optimizers, the schedule."""
         return (
             "StreamingDiLoCo",
@@ -220,19 +228,24 @@ class StreamingOuter(OuterRule):
             [f.rule.describe() for f in self.fragments],
         )
 
-    def bytes_per_period(self, averaging: Averaging, round_bytes: int) -> int | None:
+    def bytes_per_period(self, round_bytes: int) -> int | None:
         """Every fragment is averaged once a period, each by its own averaging."""
-        sent = [f.averaging.bytes_per_step(round_bytes) for f in self.fragments]
-        return None if None in sent else sum(sent)
+        total = 0
+        for fragment in self.fragments:
+            sent = fragment.averaging.bytes_per_step(round_bytes)
+            if sent is None:
+                return None
+            total += sent
+        return total
 
     def has_action(self, step: int) -> bool:
         return bool(self.schedule.actions(step))
 
-    def start(self, buckets: ParameterBuckets = None, averages=None) -> None:
+    def start(self, buckets: ParameterBuckets, means: Sequence[torch.Tensor] | None = None) -> None:
         """Every fragment's ``theta_global`` becomes its parameters (equal on every rank)."""
         for fragment in self.fragments:
             fragment.rule.start(fragment.buckets)
-        self.started = True
+        self._started = True
 
     def resend_restored(self, weight: float | None) -> None:
         """Sends again the pseudo-gradients in flight when the loaded checkpoint was taken, and
@@ -253,7 +266,7 @@ class StreamingOuter(OuterRule):
         with the epoch, or this member was a step ahead) drops it: that fragment's outer step is
         lost for this period, as a DiLoCo outer step that fails with its epoch. A fragment in
         flight is sent again over the new members, with its pseudo-gradient as it was taken."""
-        if not self.started:
+        if not self._started:
             self._restored.clear()
             return
         due = self.schedule.in_flight(step)
@@ -270,7 +283,7 @@ class StreamingOuter(OuterRule):
             else:
                 self.fragments[j].apply(self.alpha)
 
-    def state_dict(self) -> dict[str, Any]:
+    def state_dict(self) -> dict[str, object]:
         fragments = [f.state_dict() for f in self.fragments]
         # Restored and not sent again yet: still in flight, as far as a checkpoint is concerned.
         for j, (pseudo_gradients, weight, round) in self._restored.items():
@@ -283,14 +296,25 @@ class StreamingOuter(OuterRule):
             }
         return {"bounds": self.bounds, "fragments": fragments}
 
-    def check_state_dict(self, state, buckets=None, members_changed: bool = False) -> None:
+    def check_state_dict(
+        self, state: object, buckets: ParameterBuckets, members_changed: bool = False
+    ) -> None:
         """The fragments' bounds, and every fragment's state as its rule and averaging check it:
         a fragment refused after others were written would leave the model's halves apart."""
         if state is None:
             return
+        if not isinstance(state, Mapping):
+            raise ValueError(
+                f"load_state_dict: the checkpoint's Streaming DiLoCo state is a "
+                f"{type(state).__name__}, not the mapping of its fragments"
+            )
         bounds = [tuple(b) for b in state.get("bounds", ())]
         fragments = state.get("fragments")
-        if bounds != self.bounds or len(fragments or ()) != len(self.fragments):
+        if (
+            not isinstance(fragments, Sequence)
+            or bounds != self.bounds
+            or len(fragments) != len(self.fragments)
+        ):
             raise ValueError(
                 f"load_state_dict: the checkpoint's fragments cover parameters {bounds}, but "
                 f"this model's fragments cover {self.bounds}"
@@ -307,14 +331,14 @@ class StreamingOuter(OuterRule):
                 )
 
     def load_state_dict(
-        self, state: Mapping[str, Any] | None, buckets=None, members_changed: bool = False
+        self, state: object, buckets: ParameterBuckets, members_changed: bool = False
     ) -> None:
         """A checkpoint without this state leaves ``theta_global`` to start again at the next
         forward. ``members_changed``: the state of this worker's previous elastic epoch (see
         ``CompressedMean.load_state_dict``)."""
         self.check_state_dict(state, buckets, members_changed)
-        if state is None:
-            self.started = False
+        if not isinstance(state, Mapping):  # None: checked above
+            self._started = False
             return
         self._restored.clear()
         for j, (fragment, saved) in enumerate(zip(self.fragments, state["fragments"])):
@@ -331,14 +355,43 @@ class StreamingOuter(OuterRule):
                     flight["weight"],
                     flight.get("round", 0),
                 )
-        self.started = True
+        self._started = True
+
+    def for_joiner(self, state: object) -> object:
+        """A donor's state without its fragments' compressed means' residuals: they are what the
+        donor still owes the others, not the joiner's to send again."""
+        if not isinstance(state, Mapping):
+            return state
+        return {
+            **state,
+            "fragments": [{**f, "residuals": None} for f in state["fragments"]],
+        }
 
 
-def without_residuals(state: Mapping[str, Any]) -> dict[str, Any]:
-    """``state`` (a StreamingOuter's) without the compressed means' residuals: what a worker that
-    joins an elastic job takes of its donor's. The residuals are what the donor still owes the
-    others, not the joiner's to send again."""
-    return {
-        **state,
-        "fragments": [{**f, "residuals": None} for f in state["fragments"]],
-    }
+class StreamingSteps(LockstepOuterSteps[StreamingOuter]):
+    """Streaming DiLoCo's outer steps: after every optimizer step, the fragments' prepares and
+    applies that ``rule``'s schedule has due, then the step's gossip round as usual."""
+
+    def __init__(
+        self,
+        params: Sequence[torch.Tensor],
+        buffers: Sequence[torch.Tensor],
+        group: dist.ProcessGroup,
+        *,
+        rule: StreamingOuter,
+        sync_every: int,
+        timeout: datetime.timedelta = DEFAULT_TIMEOUT,
+    ):
+        super().__init__(params, buffers, group, rule=rule, sync_every=sync_every, timeout=timeout)
+        self.fragments = rule  # the rule, typed as never None
+
+    def end_step(self, step: int, make_context: Callable[[], StepContext]) -> bool:
+        self.raise_if_failed()
+        if self.fragments.has_action(step):
+            context = make_context()
+            self._guarded(lambda: self.fragments.run(step, context.weight()))
+        return True
+
+    def bytes_per_step(self, round_bytes: int) -> float | None:
+        period = self.fragments.bytes_per_period(round_bytes)
+        return None if period is None else period / self.sync_every
