@@ -19,6 +19,7 @@ LAYERS = {
     "lightning",
     "membership",
     "outer",
+    "plan",
     "sharded",
 }
 
@@ -52,8 +53,8 @@ LAYER_ORDER = (
         "_validation",
     },
     # Other libraries' names over the wrapper and their trainers around it; what the package
-    # tells of itself.
-    {"compat", "lightning", "info"},
+    # tells of itself, and what it predicts of a cluster.
+    {"compat", "lightning", "info", "plan"},
 )
 
 

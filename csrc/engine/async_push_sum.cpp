@@ -15,17 +15,31 @@ namespace {
 // ratio would overflow float32): it is counted in the weight and not mixed.
 constexpr double kNegligibleShare = 1e-30;
 
+// The arguments checked before the parameters are flattened (which makes them views of the
+// engine's buffers): a construction refused leaves the caller's parameters as they were.
+void check_async_arguments(const std::shared_ptr<Transport>& transport,
+                           const std::shared_ptr<Departures>& departures,
+                           const AsyncOptions& options) {
+  GOSSIP_CHECK_ARG(transport != nullptr, "gossip_ext: transport must not be None");
+  GOSSIP_CHECK_ARG(departures != nullptr, "gossip_ext: departures must not be None");
+  check_timeout(options.timeout, "gossip_ext: AsyncPushSum");
+  GOSSIP_CHECK_ARG(!options.staleness || *options.staleness >= 0,
+                   "gossip_ext: staleness must be >= 0 or None, got ",
+                   options.staleness.value_or(0));
+}
+
 }  // namespace
 
 AsyncPushSum::AsyncPushSum(const std::vector<at::Tensor>& params,
                            const std::vector<std::string>& names,
                            std::shared_ptr<Transport> transport,
                            std::shared_ptr<Departures> departures, AsyncOptions options)
-    : groups_(flatten_parameters(params, names)),
+    : groups_((check_async_arguments(transport, departures, options),
+               flatten_parameters(params, names))),
       transport_(std::move(transport)),
       departures_(std::move(departures)),
       options_(std::move(options)),
-      graph_(options_.graph, transport_ ? transport_->world_size() : 1),
+      graph_(options_.graph, transport_->world_size()),
       codec_(
           [&] {
             std::vector<MessageCodec::Part> parts;
@@ -37,12 +51,6 @@ AsyncPushSum::AsyncPushSum(const std::vector<at::Tensor>& params,
           options_.message_dtype, options_.message_format,
           groups_.empty() ? c10::Device(c10::kCPU) : groups_.front().flat.device()),
       generation_(options_.generation) {
-  GOSSIP_CHECK_ARG(transport_ != nullptr, "gossip_ext: transport must not be None");
-  GOSSIP_CHECK_ARG(departures_ != nullptr, "gossip_ext: departures must not be None");
-  check_timeout(options_.timeout, "gossip_ext: AsyncPushSum");
-  GOSSIP_CHECK_ARG(!options_.staleness || *options_.staleness >= 0,
-                   "gossip_ext: staleness must be >= 0 or None, got ",
-                   options_.staleness.value_or(0));
   open_channels(std::vector<int64_t>(static_cast<size_t>(world_size()), 0));
 }
 

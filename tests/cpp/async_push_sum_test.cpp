@@ -5,11 +5,9 @@
 // mean of what they held), a share that could not be sent kept whole by its sender, a NaN refused
 // before it is absorbed, and a silent peer named with its round.
 #include <chrono>
-#include <exception>
 #include <memory>
 #include <numeric>
 #include <string>
-#include <thread>
 #include <vector>
 
 #include <ATen/ATen.h>
@@ -20,6 +18,7 @@
 #include "engine/async_push_sum.h"
 #include "transport/inproc/inproc_transport.h"
 #include "transport/mailbox/departures.h"
+#include "run_ranks.h"
 
 namespace gossip {
 namespace {
@@ -35,26 +34,6 @@ AsyncOptions options(std::optional<int64_t> staleness, milliseconds timeout = mi
   o.staleness = staleness;
   o.timeout = timeout;
   return o;
-}
-
-// Runs body(rank) on one thread per rank; rethrows the first error here.
-template <typename Body>
-void run_ranks(int n, Body body) {
-  std::vector<std::exception_ptr> errors(n);
-  std::vector<std::thread> threads;
-  for (int r = 0; r < n; ++r) {
-    threads.emplace_back([&, r] {
-      try {
-        body(r);
-      } catch (...) {
-        errors[r] = std::current_exception();
-      }
-    });
-  }
-  for (auto& t : threads) t.join();
-  for (auto& e : errors) {
-    if (e) std::rethrow_exception(e);
-  }
 }
 
 // Every rank gossips some rounds, then settles with the counts gathered here.
@@ -119,6 +98,29 @@ class ClosedSends final : public Transport {
  private:
   std::shared_ptr<Transport> inner_;
 };
+
+// Flattening makes the parameters views of the engine's buffers, so the arguments are checked
+// first: a construction refused leaves the caller's parameters where and as they were.
+TEST(AsyncPushSum, ARefusedConstructionLeavesTheParametersAsTheyWere) {
+  auto hub = std::make_shared<InProcHub>(2);
+  auto store = c10::make_intrusive<c10d::HashStore>();
+  const at::Tensor param = initial(0);
+  const at::Tensor values = param.clone();
+  const void* storage = param.data_ptr();
+  const auto build = [&](std::shared_ptr<Transport> transport,
+                         std::shared_ptr<Departures> departures, AsyncOptions o) {
+    AsyncPushSum engine(std::vector<at::Tensor>{param}, std::vector<std::string>{"w"},
+                        std::move(transport), std::move(departures), std::move(o));
+  };
+  auto transport = std::make_shared<InProcTransport>(hub, 0);
+  auto departures = std::make_shared<Departures>(store, 0);
+  EXPECT_THROW(build(nullptr, departures, options(std::nullopt)), ValueError);
+  EXPECT_THROW(build(transport, nullptr, options(std::nullopt)), ValueError);
+  EXPECT_THROW(build(transport, departures, options(-1)), ValueError);
+  EXPECT_THROW(build(transport, departures, options(std::nullopt, milliseconds(-1))), ValueError);
+  EXPECT_EQ(param.data_ptr(), storage);
+  EXPECT_TRUE(at::equal(param, values));
+}
 
 TEST(AsyncPushSum, AShareThatCouldNotBeSentStaysWholeWithItsSender) {
   // Rank 1 said it leaves and its connection closed between the round's look at its outbox and

@@ -29,6 +29,7 @@
 #include "engine/gossip_engine.h"
 #include "transport/host_staging/host_staging_transport.h"
 #include "transport/inproc/inproc_transport.h"
+#include "run_ranks.h"
 
 namespace gossip {
 namespace {
@@ -99,27 +100,17 @@ std::vector<std::vector<RankState>> run_rounds(World& world, int rounds) {
   const int n = world.size();
   std::vector<std::vector<RankState>> trace(rounds + 1, std::vector<RankState>(n));
   for (int r = 0; r < n; ++r) trace[0][r] = state_of(*world.engines[r]);
-  std::vector<std::exception_ptr> errors(n);
-  std::vector<std::thread> threads;
-  for (int r = 0; r < n; ++r) {
-    threads.emplace_back([&, r] {
-      c10::NoGradGuard no_grad;
-      try {
+  run_ranks(
+      n,
+      [&](int r) {
+        c10::NoGradGuard no_grad;
         for (int t = 0; t < rounds; ++t) {
           world.engines[r]->start_round();
           world.engines[r]->finish_round();
           trace[t + 1][r] = state_of(*world.engines[r]);
         }
-      } catch (const std::exception& e) {
-        errors[r] = std::current_exception();
-        world.hub->abort(std::string("rank ") + std::to_string(r) + " failed: " + e.what());
-      }
-    });
-  }
-  for (std::thread& thread : threads) thread.join();
-  for (const std::exception_ptr& error : errors) {
-    if (error) std::rethrow_exception(error);
-  }
+      },
+      [&](int, const std::string& what) { world.hub->abort(what); });
   return trace;
 }
 

@@ -19,6 +19,7 @@
 #include "common/error.h"
 #include "engine/simulate.h"
 #include "transport/inproc/inproc_transport.h"
+#include "run_ranks.h"
 
 namespace gossip {
 namespace {
@@ -29,23 +30,8 @@ constexpr std::chrono::seconds kWait{30};
 // aborts the hub so that no other rank waits for it until the timeout.
 template <typename Body>
 void run_ranks(const std::shared_ptr<InProcHub>& hub, Body body) {
-  const int n = hub->world_size();
-  std::vector<std::exception_ptr> errors(n);
-  std::vector<std::thread> threads;
-  for (int r = 0; r < n; ++r) {
-    threads.emplace_back([&, r] {
-      try {
-        body(r);
-      } catch (const std::exception& e) {
-        errors[r] = std::current_exception();
-        hub->abort("rank " + std::to_string(r) + " failed: " + e.what());
-      }
-    });
-  }
-  for (std::thread& thread : threads) thread.join();
-  for (const std::exception_ptr& error : errors) {
-    if (error) std::rethrow_exception(error);
-  }
+  gossip::run_ranks(hub->world_size(), body,
+                     [&](int, const std::string& what) { hub->abort(what); });
 }
 
 // What rank `src` sends as its `k`-th message to `dst` in `round`: distinct for every tuple.

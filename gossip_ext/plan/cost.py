@@ -1,0 +1,167 @@
+"""What the planner is given (a model, a cluster) and what it says of a mode (a prediction), with
+the few costs every mode is made of: bytes on a link, a collective's latency, a kernel's pass over
+memory, a failure's lost time. Each formula is written out, with its source, in docs/scaling.md.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+
+@dataclasses.dataclass(frozen=True)
+class Model:
+    """The model and its step on one worker.
+
+    ``params``: the parameters' count; ``step_seconds``: one optimizer step's compute
+    (forward, backward, optimizer) on one worker, alone; ``param_bytes``: the bytes of one
+    parameter (and of its gradient and the flat buffers an exact average sends: 4 for float32,
+    2 for bfloat16); ``optimizer_bytes``: the optimizer's state per parameter (Adam's two float32
+    moments: 8); ``width``: the hidden size, which sets PowerSGD's matrices (None: from
+    ``params`` by the GPT family's shape, ``12 (d / 128) d^2`` parameters).
+    """
+
+    params: float
+    step_seconds: float
+    param_bytes: int = 4
+    optimizer_bytes: float = 8.0
+    width: int | None = None
+
+    def __post_init__(self) -> None:
+        if not self.params > 0:
+            raise ValueError(f"Model(params=...): must be positive, got {self.params}")
+        if not self.step_seconds > 0:
+            raise ValueError(f"Model(step_seconds=...): must be positive, got {self.step_seconds}")
+        if self.param_bytes not in (2, 4, 8):
+            raise ValueError(f"Model(param_bytes=...): must be 2, 4 or 8, got {self.param_bytes}")
+
+    @property
+    def hidden(self) -> float:
+        """The hidden size: ``width``, or ``d`` with ``12 (d / 128) d^2 = params``."""
+        return float(self.width) if self.width else (128 * self.params / 12) ** (1 / 3)
+
+    @property
+    def bytes(self) -> float:
+        """One copy of the parameters."""
+        return self.params * self.param_bytes
+
+    def slower(self, factor: float) -> Model:
+        """The same model on a worker ``factor`` times slower."""
+        return dataclasses.replace(self, step_seconds=self.step_seconds * factor)
+
+
+@dataclasses.dataclass(frozen=True)
+class Cluster:
+    """The workers and their network.
+
+    ``link_bits``: each worker's link, bits per second each way (full duplex); ``latency``: one
+    way, seconds; ``slow_fraction`` of the workers (rounded, at least one where it is above 0)
+    compute ``slowdown`` times slower; ``mtbf``: the cluster's mean time between failures (of
+    any one worker), seconds (None: none); a job that restarts after a failure loses ``restart``
+    seconds and, on average, half its ``checkpoint_every``; an elastic job's survivors pause
+    ``epoch_pause`` for each membership change while the failed worker rejoins after ``restart``;
+    ``kernel_bytes``: what the encode and absorb kernels stream per second (memory bandwidth:
+    about 2e12 on an H100's HBM, 2e10 on a CPU socket's DRAM; ``benchmarks/kernels.py``).
+    """
+
+    workers: int
+    link_bits: float
+    latency: float = 0.0
+    slow_fraction: float = 0.0
+    slowdown: float = 1.0
+    mtbf: float | None = None
+    restart: float = 300.0
+    checkpoint_every: float = 1800.0
+    epoch_pause: float = 5.0
+    kernel_bytes: float = 1e12
+
+    def __post_init__(self) -> None:
+        if self.workers < 2:
+            raise ValueError(f"Cluster(workers=...): must be at least 2, got {self.workers}")
+        if not self.link_bits > 0:
+            raise ValueError(f"Cluster(link_bits=...): must be positive, got {self.link_bits}")
+        if not 0.0 <= self.slow_fraction <= 1.0:
+            raise ValueError(
+                f"Cluster(slow_fraction=...): must be in [0, 1], got {self.slow_fraction}"
+            )
+        if not self.slowdown >= 1.0:
+            raise ValueError(f"Cluster(slowdown=...): must be at least 1, got {self.slowdown}")
+        if self.mtbf is not None and not self.mtbf > 0:
+            raise ValueError(f"Cluster(mtbf=...): must be positive or None, got {self.mtbf}")
+
+    @property
+    def slow_workers(self) -> int:
+        """How many workers are slow: ``slow_fraction`` of them, at least one where it is > 0."""
+        if self.slow_fraction == 0.0 or self.slowdown == 1.0:
+            return 0
+        return max(1, round(self.slow_fraction * self.workers))
+
+    def wire(self, sent_bytes: float) -> float:
+        """Seconds for ``sent_bytes`` to cross this worker's link (the bytes it receives cross
+        the other way at the same time)."""
+        return sent_bytes * 8 / self.link_bits
+
+    def tree_latency(self) -> float:
+        """A collective's latency over every worker: ``2 ceil(log2 n)`` one-way hops, as a
+        double binary tree's all-reduce (NCCL's choice where latency dominates)."""
+        return 2 * math.ceil(math.log2(self.workers)) * self.latency
+
+    def kernels(self, touched_bytes: float) -> float:
+        """Seconds for the kernels to stream ``touched_bytes`` through memory."""
+        return touched_bytes / self.kernel_bytes
+
+
+def all_reduce_bytes(workers: int, message_bytes: float) -> float:
+    """What each worker sends in a bandwidth-optimal all-reduce (reduce-scatter, then
+    all-gather) of ``message_bytes``: ``2 (n - 1) / n`` of it."""
+    return 2 * (workers - 1) / workers * message_bytes
+
+
+@dataclasses.dataclass(frozen=True)
+class StepTime:
+    """One worker's optimizer step at a steady pace, and the part of it that bounds it:
+    ``compute``, ``wire``, ``latency`` or ``kernels``."""
+
+    seconds: float
+    bound: str
+
+
+@dataclasses.dataclass(frozen=True)
+class Prediction:
+    """What a mode costs on a cluster (per worker, at the uniform pace unless said).
+
+    ``utilization``: the step's compute over its time; ``goodput``: the steps the workers take
+    over those they could take computing alone, under the cluster's slowness and failures;
+    ``carried``: the share of the gossip messages the links carry (below 1 only where an
+    asynchronous worker sends faster than its link: the rest are held back, and the models mix
+    less); ``memory_bytes``: the parameters, gradients, optimizer state and the mode's own
+    buffers.
+    """
+
+    mode: str
+    step_seconds: float
+    bound: str
+    bytes_per_step: float
+    utilization: float
+    goodput: float
+    memory_bytes: float
+    carried: float = 1.0
+
+
+def restart_goodput(cluster: Cluster) -> float:
+    """The share of time a job that restarts whenever a worker fails keeps: each failure loses
+    every worker the restart and, on average, half a checkpoint interval."""
+    if cluster.mtbf is None:
+        return 1.0
+    return max(0.0, 1.0 - (cluster.restart + cluster.checkpoint_every / 2) / cluster.mtbf)
+
+
+def elastic_goodput(cluster: Cluster) -> float:
+    """The share an elastic job keeps: each failure loses the failed worker its restart (its
+    rejoin from a donor) and the others an epoch change's pause, the loss shared by the n
+    workers."""
+    if cluster.mtbf is None:
+        return 1.0
+    n = cluster.workers
+    lost = (cluster.restart + (n - 1) * cluster.epoch_pause) / (n * cluster.mtbf)
+    return max(0.0, 1.0 - lost)

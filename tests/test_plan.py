@@ -1,0 +1,194 @@
+"""gossip_ext.plan's cost model against cases worked by hand here, and its message sizes against
+the package's own (the compiled codec's and the sparse format's)."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from gossip_ext._torch_check import _C
+from gossip_ext.averagings.sparse import TopK
+from gossip_ext.plan import (
+    DDP,
+    SGP,
+    AsyncSGP,
+    ChocoGossip,
+    Cluster,
+    Model,
+    Periodic,
+    Sharded,
+    SparseLoCo,
+    StreamingDiLoCo,
+    every_mode,
+    message_bytes,
+)
+from gossip_ext.plan import __main__ as cli
+from gossip_ext.plan.modes import topk_message_bytes
+
+MILLION = 1_000_000
+MBIT = 1e6
+
+
+def _model(step=0.3, params=MILLION):
+    return Model(params=params, step_seconds=step)
+
+
+@pytest.mark.parametrize("fmt", ["int8", "int4", "float8_e4m3fn"])
+def test_a_block_message_is_the_compiled_codec_s_size(fmt):
+    for params in (1, 127, 128, 129, MILLION, 7 * 10**9):
+        assert message_bytes(params, fmt) == _C.quantized_message_bytes(params, fmt)
+    assert message_bytes(MILLION, "bfloat16") == 2 * MILLION
+
+
+def test_a_sparse_message_is_the_sparse_format_s_size():
+    for params in (4096, 10_000, MILLION):
+        assert topk_message_bytes(params) == TopK().message_bytes(params)
+        assert topk_message_bytes(params, 1 / 16, 4) == TopK(1 / 16, 4).message_bytes(params)
+
+
+def test_ddp_hides_its_all_reduce_behind_the_backward_until_the_wire_is_longer():
+    # 4 workers send 2 * 3/4 of 4 MB: 6 MB, 48 ms at 1 Gbit/s, inside the 200 ms backward.
+    fast = Cluster(workers=4, link_bits=1000 * MBIT)
+    assert DDP().bytes_per_step(_model(), fast) == 6e6
+    step = DDP().step(_model(), fast)
+    assert step.seconds == pytest.approx(0.3) and step.bound == "compute"
+    # At 100 Mbit/s the wire takes 480 ms: 100 ms of forward, then the all-reduce.
+    slow = Cluster(workers=4, link_bits=100 * MBIT)
+    step = DDP().step(_model(), slow)
+    assert step.seconds == pytest.approx(0.1 + 0.48) and step.bound == "wire"
+    # Latency: 40 MB is two 25 MiB buckets, each 2 ceil(log2 8) = 6 hops of 50 ms.
+    far = Cluster(workers=8, link_bits=1e12, latency=0.05)
+    step = DDP().step(_model(params=10 * MILLION), far)
+    wire = 2 * 7 / 8 * 40e6 * 8 / 1e12
+    assert step.seconds == pytest.approx(0.1 + wire + 2 * 6 * 0.05) and step.bound == "latency"
+
+
+def test_powersgd_sends_its_factors_and_pays_two_collectives_a_bucket():
+    model = Model(params=MILLION, step_seconds=0.3, width=1000)
+    cluster = Cluster(workers=4, link_bits=1e12, latency=0.01, kernel_bytes=1e9)
+    # r (m + k) values for m x k matrices: 1.5 r / d of the model, here 4 * 1.5 / 1000.
+    assert DDP(powersgd_rank=4).bytes_per_step(model, cluster) == pytest.approx(6e6 * 0.006)
+    step = DDP(powersgd_rank=4).step(model, cluster)
+    # Its products stream 3 copies of the gradients (12 ms at 1 GB/s); the backward hides the
+    # two collectives' 2 * 2 * 2 hops of 10 ms.
+    assert step.seconds == pytest.approx(0.012 + 0.3)
+    assert DDP(powersgd_rank=4).buffers(model, cluster) == 8e6
+
+
+def test_sgp_s_round_follows_the_step_or_runs_beside_it():
+    cluster = Cluster(workers=8, link_bits=10 * MBIT, latency=0.02, kernel_bytes=1e9)
+    message = _C.quantized_message_bytes(MILLION, "int8")
+    wire = message * 8 / 10e6
+    kernels = (3 * 4e6 + 2 * message) / 1e9
+    step = SGP("int8").step(_model(), cluster)
+    assert step.seconds == pytest.approx(0.3 + wire + 0.02 + kernels) and step.bound == "wire"
+    step = SGP("int8", overlap=True).step(_model(), cluster)
+    assert step.seconds == pytest.approx(wire + 0.02 + kernels) and step.bound == "wire"
+    # A short round hides behind the step entirely.
+    fast = Cluster(workers=8, link_bits=1e10, latency=0.0, kernel_bytes=1e12)
+    step = SGP("int8", overlap=True).step(_model(), fast)
+    assert step.seconds == pytest.approx(0.3 + (3 * 4e6 + 2 * message) / 1e12)
+    assert step.bound == "compute"
+    assert SGP("int8").bytes_per_step(_model(), cluster) == message
+
+
+def test_asynchronous_gossip_keeps_its_pace_and_holds_back_what_the_link_cannot_carry():
+    cluster = Cluster(workers=4, link_bits=10 * MBIT, kernel_bytes=1e12)
+    message = _C.quantized_message_bytes(MILLION, "int8")
+    model = _model(step=0.1)
+    step = AsyncSGP("int8").step(model, cluster)
+    assert step.seconds == pytest.approx(0.1 + (3 * 4e6 + 2 * message) / 1e12)
+    carried = step.seconds / (message * 8 / 10e6)
+    assert AsyncSGP("int8").carried(model, cluster) == pytest.approx(carried)
+    assert AsyncSGP("int8").bytes_per_step(model, cluster) == pytest.approx(message * carried)
+    # A message per in-peer held (log2 4 = 2) and the one being sent.
+    assert AsyncSGP("int8").buffers(model, cluster) == 3 * message
+
+
+def test_an_outer_step_every_h_steps_costs_its_all_reduce_over_h():
+    cluster = Cluster(workers=4, link_bits=100 * MBIT, kernel_bytes=1e12)
+    step = Periodic("DiLoCo", every=10).step(_model(), cluster)
+    assert step.seconds == pytest.approx(0.3 + (0.48 + 16e6 / 1e12) / 10)
+    assert Periodic("DiLoCo", every=10).bytes_per_step(_model(), cluster) == 6e5
+    assert Periodic("LocalSGD", every=10).buffers(_model(), cluster) == 0
+    assert Periodic("SlowMo", every=10).buffers(_model(), cluster) == 8e6
+
+
+def test_streaming_diloco_stalls_only_for_what_its_delay_does_not_hide():
+    cluster = Cluster(workers=4, link_bits=100 * MBIT)
+    # Each of 4 fragments' all-reduces takes 480 / 4 = 120 ms.
+    hidden = StreamingDiLoCo(every=8, fragments=4, delay=1).step(_model(), cluster)
+    assert hidden.seconds == pytest.approx(0.3) and hidden.bound == "compute"
+    exposed = StreamingDiLoCo(every=8, fragments=4, delay=1).step(_model(step=0.05), cluster)
+    assert exposed.seconds == pytest.approx(0.05 + 4 * (0.12 - 0.05) / 8)
+    assert exposed.bound == "wire"
+
+
+def test_sparse_outer_steps_gather_or_gossip_their_messages():
+    cluster = Cluster(workers=8, link_bits=10 * MBIT, latency=0.0, kernel_bytes=1e12)
+    message = TopK().message_bytes(MILLION)
+    assert SparseLoCo(every=10).bytes_per_step(_model(), cluster) == pytest.approx(7 * message / 10)
+    assert ChocoGossip(every=10).bytes_per_step(_model(), cluster) == pytest.approx(
+        2 * message / 10
+    )
+    step = ChocoGossip(every=10).step(_model(), cluster)
+    assert step.seconds == pytest.approx(0.3 + (2 * message * 8 / 10e6 + 16e6 / 1e12) / 10)
+
+
+def test_a_sharded_replica_s_process_carries_its_shard():
+    cluster = Cluster(workers=16, link_bits=10 * MBIT, latency=0.0, kernel_bytes=1e12)
+    whole, sharded = SGP("int8", overlap=True), Sharded(SGP("int8", overlap=True), shards=4)
+    quarter = Model(params=MILLION / 4, step_seconds=0.3)
+    assert sharded.bytes_per_step(_model(), cluster) == whole.bytes_per_step(quarter, cluster)
+    assert sharded.step(_model(), cluster) == whole.step(quarter, cluster)
+    assert sharded.memory(_model(), cluster) == pytest.approx(whole.memory(quarter, cluster))
+
+
+def test_goodput_counts_a_slow_worker_s_pace_and_failures():
+    # Links fast enough that every mode computes: 1 of 4 workers at half speed.
+    cluster = Cluster(
+        workers=4, link_bits=1e13, slow_fraction=0.25, slowdown=2.0, kernel_bytes=1e15
+    )
+    lockstep, own_pace = SGP("int8", overlap=True), AsyncSGP("int8")
+    # Alone they take 3 / T + 1 / 2T = 3.5 / T steps a second; in lockstep 4 / 2T.
+    assert lockstep.goodput(_model(), cluster) == pytest.approx(2 / 3.5, rel=1e-6)
+    assert own_pace.goodput(_model(), cluster) == pytest.approx(1.0, rel=1e-6)
+    # A failure an hour: a restart loses 5 min and half of a 30 min checkpoint interval; an
+    # elastic job loses the failed worker's 5 min and 5 s of each other worker's, over 4.
+    failing = Cluster(workers=4, link_bits=1e13, mtbf=3600.0, kernel_bytes=1e15)
+    assert DDP().goodput(_model(), failing) == pytest.approx(1 - 1200 / 3600)
+    elastic = (300 + 3 * 5) / (4 * 3600)
+    assert lockstep.goodput(_model(), failing) == pytest.approx(1 - elastic, rel=1e-6)
+
+
+def test_every_mode_is_predicted_and_named_once():
+    model = Model(params=7e9, step_seconds=0.9, param_bytes=2)
+    cluster = Cluster(workers=256, link_bits=10e9, latency=0.03)
+    predictions = [mode.predict(model, cluster) for mode in every_mode()]
+    names = [p.mode for p in predictions]
+    assert len(names) == len(set(names)) == 21
+    for p in predictions:
+        assert p.step_seconds >= model.step_seconds
+        assert p.utilization == pytest.approx(model.step_seconds / p.step_seconds)
+        assert 0.0 <= p.goodput <= 1.0 and 0.0 < p.carried <= 1.0 and p.memory_bytes > 0
+        assert p.bound in ("compute", "wire", "latency", "kernels")
+
+
+def test_the_command_reads_units_and_names_what_it_refuses(capsys):
+    predictions = cli.main(
+        "--workers 256 --params 7e9 --link 10gbit --latency 30ms --step-ms 900 --slow 0.05:2x "
+        "--mtbf 6h".split()
+    )
+    out = capsys.readouterr().out
+    rows = [line for line in out.splitlines() if line.startswith("| ")]
+    assert len(rows) == len(predictions) + 1 and "| AsyncSGP int8 |" in out
+    assert cli.count("1.3B") == 1.3e9 and cli.rate("100mbit") == 1e8
+    assert cli.seconds("30ms") == pytest.approx(0.03) and cli.seconds("6h") == 21600
+    assert cli.slowness("0.05:2x") == (0.05, 2.0)
+    with pytest.raises(SystemExit):
+        cli.main("--workers 256 --params 7e9 --link 10parsecs --step-ms 900".split())
+    assert "a link's rate" in capsys.readouterr().err
+    with pytest.raises(SystemExit, match="workers"):
+        cli.main("--workers 1 --params 7e9 --link 10gbit --step-ms 900".split())
+    assert math.isfinite(predictions[0].step_seconds)
