@@ -154,6 +154,22 @@ def test_goodput_counts_a_slow_worker_s_pace_and_failures():
     # Alone they take 3 / T + 1 / 2T = 3.5 / T steps a second; in lockstep 4 / 2T.
     assert lockstep.goodput(_model(), cluster) == pytest.approx(2 / 3.5, rel=1e-6)
     assert own_pace.goodput(_model(), cluster) == pytest.approx(1.0, rel=1e-6)
+    # The odd worker's link 10 times slower: a lockstep round crosses it every time, so every
+    # worker steps at its pace; the asynchronous workers keep theirs.
+    behind = Cluster(
+        workers=4, link_bits=100 * MBIT, slow_fraction=0.25, link_slowdown=10.0, kernel_bytes=1e15
+    )
+    slowest = Cluster(workers=4, link_bits=10 * MBIT, kernel_bytes=1e15)
+    assert lockstep.goodput(_model(), behind) == pytest.approx(
+        0.3 / lockstep.step(_model(), slowest).seconds
+    )
+    assert own_pace.goodput(_model(), behind) == pytest.approx(1.0)
+    # Stopped a tenth of the time: alone 3 / T + 0.9 / T, in lockstep 4 * 0.9 / T.
+    stalling = Cluster(
+        workers=4, link_bits=1e13, slow_fraction=0.25, stalled=0.1, kernel_bytes=1e15
+    )
+    assert lockstep.goodput(_model(), stalling) == pytest.approx(3.6 / 3.9, rel=1e-6)
+    assert own_pace.goodput(_model(), stalling) == pytest.approx(1.0, rel=1e-6)
     # A failure an hour: a restart loses 5 min and half of a 30 min checkpoint interval; an
     # elastic job loses the failed worker's 5 min and 5 s of each other worker's, over 4.
     failing = Cluster(workers=4, link_bits=1e13, mtbf=3600.0, kernel_bytes=1e15)
@@ -185,7 +201,7 @@ def test_the_command_reads_units_and_names_what_it_refuses(capsys):
     assert len(rows) == len(predictions) + 1 and "| AsyncSGP int8 |" in out
     assert cli.count("1.3B") == 1.3e9 and cli.rate("100mbit") == 1e8
     assert cli.seconds("30ms") == pytest.approx(0.03) and cli.seconds("6h") == 21600
-    assert cli.slowness("0.05:2x") == (0.05, 2.0)
+    assert cli.slowness("0.05:2x") == (0.05, 2.0) and cli.factor("10x") == 10.0
     with pytest.raises(SystemExit):
         cli.main("--workers 256 --params 7e9 --link 10parsecs --step-ms 900".split())
     assert "a link's rate" in capsys.readouterr().err

@@ -47,6 +47,14 @@ def slowness(text: str) -> tuple[float, float]:
     return float(match.group(1)), float(match.group(2))
 
 
+def factor(text: str) -> float:
+    """``10x``: how many times slower."""
+    match = re.fullmatch(r"\s*([0-9.]+)\s*x?\s*", text.lower())
+    if match is None:
+        raise argparse.ArgumentTypeError(f"a factor such as 10x, got {text!r}")
+    return float(match.group(1))
+
+
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python -m gossip_ext.plan", description=__doc__)
     p.add_argument("--workers", type=int, required=True)
@@ -57,7 +65,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--param-bytes", type=int, default=4, help="4: float32, 2: bfloat16")
     p.add_argument("--optimizer-bytes", type=float, default=8.0, help="Adam's: 8 a parameter")
     p.add_argument("--width", type=int, default=None, help="hidden size (PowerSGD's matrices)")
-    p.add_argument("--slow", type=slowness, default=(0.0, 1.0), help="e.g. 0.05:2x")
+    p.add_argument(
+        "--slow", type=slowness, default=(0.0, 1.0), help="the odd workers, e.g. 0.05:2x"
+    )
+    p.add_argument("--slow-link", type=factor, default=1.0, help="their links slower, e.g. 10x")
+    p.add_argument("--stalled", type=float, default=0.0, help="the share of time each is stopped")
     p.add_argument("--mtbf", type=seconds, default=None, help="the cluster's, e.g. 6h")
     p.add_argument("--restart", type=seconds, default=300.0, help="a restarted job's loss")
     p.add_argument("--checkpoint-every", type=seconds, default=1800.0)
@@ -103,6 +115,8 @@ def main(argv: list[str] | None = None) -> list[Prediction]:
             latency=args.latency,
             slow_fraction=args.slow[0],
             slowdown=args.slow[1],
+            link_slowdown=args.slow_link,
+            stalled=args.stalled,
             mtbf=args.mtbf,
             restart=args.restart,
             checkpoint_every=args.checkpoint_every,

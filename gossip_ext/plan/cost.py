@@ -56,10 +56,12 @@ class Cluster:
 
     ``link_bits``: each worker's link, bits per second each way (full duplex); ``latency``: one
     way, seconds; ``slow_fraction`` of the workers (rounded, at least one where it is above 0)
-    compute ``slowdown`` times slower; ``mtbf``: the cluster's mean time between failures (of
-    any one worker), seconds (None: none); a job that restarts after a failure loses ``restart``
-    seconds and, on average, half its ``checkpoint_every``; an elastic job's survivors pause
-    ``epoch_pause`` for each membership change while the failed worker rejoins after ``restart``;
+    are the odd ones: they compute ``slowdown`` times slower, their links are ``link_slowdown``
+    times slower, and each is stopped ``stalled`` of the time; ``mtbf``: the cluster's mean
+    time between failures (of any one worker), seconds (None: none); a job that restarts after a
+    failure loses ``restart`` seconds and, on average, half its ``checkpoint_every``; an elastic
+    job's survivors pause ``epoch_pause`` for each membership change while the failed worker
+    rejoins after ``restart``;
     ``kernel_bytes``: what the encode and absorb kernels stream per second (memory bandwidth:
     about 2e12 on an H100's HBM, 2e10 on a CPU socket's DRAM; ``benchmarks/kernels.py``).
     """
@@ -69,6 +71,8 @@ class Cluster:
     latency: float = 0.0
     slow_fraction: float = 0.0
     slowdown: float = 1.0
+    link_slowdown: float = 1.0
+    stalled: float = 0.0
     mtbf: float | None = None
     restart: float = 300.0
     checkpoint_every: float = 1800.0
@@ -86,15 +90,30 @@ class Cluster:
             )
         if not self.slowdown >= 1.0:
             raise ValueError(f"Cluster(slowdown=...): must be at least 1, got {self.slowdown}")
+        if not self.link_slowdown >= 1.0:
+            raise ValueError(
+                f"Cluster(link_slowdown=...): must be at least 1, got {self.link_slowdown}"
+            )
+        if not 0.0 <= self.stalled < 1.0:
+            raise ValueError(f"Cluster(stalled=...): must be in [0, 1), got {self.stalled}")
         if self.mtbf is not None and not self.mtbf > 0:
             raise ValueError(f"Cluster(mtbf=...): must be positive or None, got {self.mtbf}")
 
     @property
     def slow_workers(self) -> int:
-        """How many workers are slow: ``slow_fraction`` of them, at least one where it is > 0."""
-        if self.slow_fraction == 0.0 or self.slowdown == 1.0:
+        """How many workers are odd: ``slow_fraction`` of them, at least one where it is > 0
+        and they differ at all."""
+        odd = self.slowdown > 1.0 or self.link_slowdown > 1.0 or self.stalled > 0.0
+        if self.slow_fraction == 0.0 or not odd:
             return 0
         return max(1, round(self.slow_fraction * self.workers))
+
+    def slowest_link(self) -> Cluster:
+        """The cluster as a lockstep collective sees it: every link at the slowest one's rate
+        (a ring or a gossip round crosses the slow link each time, and every worker waits)."""
+        if self.slow_workers == 0:
+            return self
+        return dataclasses.replace(self, link_bits=self.link_bits / self.link_slowdown)
 
     def wire(self, sent_bytes: float) -> float:
         """Seconds for ``sent_bytes`` to cross this worker's link (the bytes it receives cross

@@ -81,17 +81,21 @@ class Mode(abc.ABC):
         return own + self.buffers(model, cluster)
 
     def goodput(self, model: Model, cluster: Cluster) -> float:
-        """Steps taken over those the workers could take computing alone: a lockstep mode
-        steps every worker at the slowest one's pace, an asynchronous one each at its own; a
-        failure costs a restart, or an elastic job's rejoin and pauses."""
-        n, slow = cluster.workers, cluster.slow_workers
-        slowed = model.slower(cluster.slowdown)
-        alone = (n - slow) / model.step_seconds + slow / slowed.step_seconds
-        if slow and self.lockstep:
-            taken = n / self.step(slowed, cluster).seconds
+        """Steps taken over those the workers could take computing alone (the odd workers
+        slowed and stopped as they are): a lockstep mode steps every worker at the slowest
+        one's pace over the slowest link, and stops them all while one is stopped; an
+        asynchronous one steps each at its own pace. A failure costs a restart, or an elastic
+        job's rejoin and pauses."""
+        n, odd = cluster.workers, cluster.slow_workers
+        slowed, running = model.slower(cluster.slowdown), 1.0 - cluster.stalled
+        alone = (n - odd) / model.step_seconds + odd * running / slowed.step_seconds
+        if odd and self.lockstep:
+            step = self.step(slowed, cluster.slowest_link()).seconds
+            taken = n * max(0.0, 1.0 - odd * cluster.stalled) / step
         else:
-            fast = self.step(model, cluster).seconds
-            taken = (n - slow) / fast + (slow / self.step(slowed, cluster).seconds if slow else 0)
+            taken = (n - odd) / self.step(model, cluster).seconds
+            if odd:
+                taken += odd * running / self.step(slowed, cluster.slowest_link()).seconds
         kept = elastic_goodput(cluster) if self.elastic else restart_goodput(cluster)
         return taken / alone * kept
 
