@@ -208,3 +208,40 @@ def test_the_command_reads_units_and_names_what_it_refuses(capsys):
     with pytest.raises(SystemExit, match="workers"):
         cli.main("--workers 1 --params 7e9 --link 10gbit --step-ms 900".split())
     assert math.isfinite(predictions[0].step_seconds)
+
+
+def test_the_check_against_this_machine_reads_a_run_s_rows():
+    """benchmarks/plan_check.py on rows made by hand: workers alone at 100 ms a step, DDP's at
+    the planner's own figure and AsyncSGP's a fifth slower than it predicts."""
+    import os
+    import sys
+
+    sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "benchmarks"))
+    import plan_check
+
+    args = plan_check.parse_args(["--rows", "unused", "--bandwidth", "100mbit"])
+    model = Model(params=MILLION, step_seconds=0.1, width=plan_check.WIDTH)
+    uniform = plan_check.clusters(args)["uniform"]
+    ddp = plan_check.MODES["ddp"].step(model, uniform).seconds
+    asynchronous = 1.2 * plan_check.MODES["async_sgp_int8"].step(model, uniform).seconds
+
+    def run(step):
+        return [
+            {"rank": r, "slow": False, "step_times": [step * (i + 1) for i in range(50)]}
+            for r in range(4)
+        ]
+
+    rows = {
+        "uniform": {
+            "alone": {"records": run(0.1)},
+            "ddp": {"records": run(ddp), "params": MILLION},
+            "async_sgp_int8": {"records": run(asynchronous)},
+        }
+    }
+    found = {f["system"]: f for f in plan_check.compare(rows, args)}
+    assert found["ddp"]["step"] == pytest.approx((ddp, ddp))
+    assert found["ddp"]["goodput"] == pytest.approx((0.1 / ddp, 0.1 / ddp), rel=1e-3)
+    predicted, measured = found["async_sgp_int8"]["step"]
+    assert measured == pytest.approx(1.2 * predicted)
+    said = plan_check.goals(list(found.values()))
+    assert said.startswith("Step time within 15%: 1 of 2; missed: async_sgp_int8 (uniform, -17%)")
