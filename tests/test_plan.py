@@ -245,3 +245,13 @@ def test_the_check_against_this_machine_reads_a_run_s_rows():
     assert measured == pytest.approx(1.2 * predicted)
     said = plan_check.goals(list(found.values()))
     assert said.startswith("Step time within 15%: 1 of 2; missed: async_sgp_int8 (uniform, -17%)")
+
+
+def test_the_tables_in_docs_scaling_md_are_the_planner_s():
+    import os
+    import sys
+
+    sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "benchmarks"))
+    import plan_tables
+
+    plan_tables.main(["--check"])  # exits naming the command that rewrites them
