@@ -255,3 +255,23 @@ def test_the_tables_in_docs_scaling_md_are_the_planner_s():
     import plan_tables
 
     plan_tables.main(["--check"])  # exits naming the command that rewrites them
+
+
+@pytest.mark.parametrize(
+    "build,words",
+    [
+        (lambda: Periodic("DiLoCo", every=0), "Periodic(every=...): at least 1, got 0"),
+        (lambda: Periodic("DiLoCo-ish"), "Periodic(kind=...)"),
+        (lambda: SGP("int3"), "SGP(fmt=...)"),
+        (lambda: DDP(powersgd_rank=0), "DDP(powersgd_rank=...): at least 1, got 0"),
+        (lambda: StreamingDiLoCo(fragments=0), "StreamingDiLoCo(fragments=...)"),
+        (lambda: Sharded(shards=0), "Sharded(shards=...)"),
+        (lambda: Cluster(workers=1, link_bits=1e9), "Cluster(workers=...): must be at least 2"),
+        (lambda: Cluster(workers=4, link_bits=1e9, stalled=1.0), "Cluster(stalled=...)"),
+        (lambda: Model(params=0, step_seconds=1.0), "Model(params=...)"),
+    ],
+)
+def test_a_mode_a_model_or_a_cluster_refuses_what_it_cannot_cost(build, words):
+    with pytest.raises(ValueError) as raised:
+        build()
+    assert words in str(raised.value)

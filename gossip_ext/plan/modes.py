@@ -51,6 +51,18 @@ def _largest(parts: dict[str, float]) -> str:
     return max(parts, key=lambda name: parts[name])
 
 
+def _check(mode: object, *, at_least: dict[str, float], fmt: str | None = None) -> None:
+    """Raises ValueError naming the first of ``mode``'s fields below its least value, or a
+    message format it does not know."""
+    for field, least in at_least.items():
+        value = getattr(mode, field)
+        if not value >= least:
+            raise ValueError(f"{type(mode).__name__}({field}=...): at least {least}, got {value}")
+    if fmt is not None and fmt not in FLOAT_BYTES and fmt not in BLOCK_BITS:
+        known = sorted(FLOAT_BYTES) + sorted(BLOCK_BITS)
+        raise ValueError(f"{type(mode).__name__}(fmt=...): one of {known}, got {fmt!r}")
+
+
 class Mode(abc.ABC):
     """One way to train, as the planner sees it: ``lockstep``, every worker keeps the slowest's
     pace (at every step, or at every outer step); ``elastic``, it survives a worker's death
@@ -121,6 +133,15 @@ class DDP(Mode):
     powersgd_rank: int | None = None
     bucket_bytes: float = 25 * 2**20
 
+    def __post_init__(self) -> None:
+        _check(
+            self,
+            at_least={
+                "bucket_bytes": 1,
+                **({"powersgd_rank": 1} if self.powersgd_rank is not None else {}),
+            },
+        )
+
     @property
     def name(self) -> str:  # type: ignore[override]
         return "DDP" if self.powersgd_rank is None else f"DDP + PowerSGD r{self.powersgd_rank}"
@@ -164,6 +185,9 @@ class SGP(Mode):
     overlap: bool = False
     elastic: bool = True
 
+    def __post_init__(self) -> None:
+        _check(self, at_least={}, fmt=self.fmt)
+
     @property
     def name(self) -> str:  # type: ignore[override]
         return f"{'overlap ' if self.overlap else ''}SGP {self.fmt}"
@@ -205,6 +229,9 @@ class AsyncSGP(Mode):
     fmt: str = "int8"
     lockstep: bool = False
 
+    def __post_init__(self) -> None:
+        _check(self, at_least={}, fmt=self.fmt)
+
     @property
     def name(self) -> str:  # type: ignore[override]
         return f"AsyncSGP {self.fmt}"
@@ -237,6 +264,11 @@ class Periodic(Mode):
     every: int = 100
     fmt: str = "float32"
     elastic: bool = True
+
+    def __post_init__(self) -> None:
+        if self.kind not in ("LocalSGD", "SlowMo", "DiLoCo"):
+            raise ValueError(f"Periodic(kind=...): LocalSGD, SlowMo or DiLoCo, got {self.kind!r}")
+        _check(self, at_least={"every": 1}, fmt=self.fmt)
 
     @property
     def name(self) -> str:  # type: ignore[override]
@@ -275,6 +307,9 @@ class StreamingDiLoCo(Mode):
     fmt: str = "float32"
     elastic: bool = True
 
+    def __post_init__(self) -> None:
+        _check(self, at_least={"every": 1, "fragments": 1, "delay": 0}, fmt=self.fmt)
+
     @property
     def name(self) -> str:  # type: ignore[override]
         return f"Streaming DiLoCo H={self.every} k={self.fragments} tau={self.delay} {self.fmt}"
@@ -307,6 +342,9 @@ class SparseLoCo(Mode):
     density: float = 1 / 64
     bits: int = 2
     elastic: bool = True
+
+    def __post_init__(self) -> None:
+        _check(self, at_least={"every": 1, "density": 1e-9, "bits": 1})
 
     @property
     def name(self) -> str:  # type: ignore[override]
@@ -344,6 +382,9 @@ class ChocoGossip(Mode):
     bits: int = 2
     elastic: bool = True
 
+    def __post_init__(self) -> None:
+        _check(self, at_least={"every": 1, "degree": 1, "density": 1e-9, "bits": 1})
+
     @property
     def name(self) -> str:  # type: ignore[override]
         return f"CHOCO gossip H={self.every} top-{self.density:.3g}"
@@ -375,6 +416,9 @@ class Sharded(Mode):
 
     inner: Mode = dataclasses.field(default_factory=lambda: SGP("int8", overlap=True))
     shards: int = 8
+
+    def __post_init__(self) -> None:
+        _check(self, at_least={"shards": 1})
 
     @property
     def name(self) -> str:  # type: ignore[override]
