@@ -24,7 +24,7 @@ from gossip_ext.plan import (
     message_bytes,
 )
 from gossip_ext.plan import __main__ as cli
-from gossip_ext.plan.modes import topk_message_bytes
+from gossip_ext.plan.cost import topk_message_bytes
 
 MILLION = 1_000_000
 MBIT = 1e6

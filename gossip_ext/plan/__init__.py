@@ -12,20 +12,9 @@ or ``python -m gossip_ext.plan --workers 256 --params 7e9 --link 10gbit --latenc
 model's quality under each mode) is said there too.
 """
 
-from gossip_ext.plan.cost import Cluster, Model, Prediction, StepTime
-from gossip_ext.plan.modes import (
-    DDP,
-    SGP,
-    AsyncSGP,
-    ChocoGossip,
-    Mode,
-    Periodic,
-    Sharded,
-    SparseLoCo,
-    StreamingDiLoCo,
-    every_mode,
-    message_bytes,
-)
+from gossip_ext.plan.cost import Cluster, Mode, Model, Prediction, StepTime, message_bytes
+from gossip_ext.plan.modes import DDP, SGP, AsyncSGP, Sharded, every_mode
+from gossip_ext.plan.outer_modes import ChocoGossip, Periodic, SparseLoCo, StreamingDiLoCo
 
 __all__ = [
     "DDP",

@@ -1,10 +1,12 @@
-"""What the planner is given (a model, a cluster) and what it says of a mode (a prediction), with
-the few costs every mode is made of: bytes on a link, a collective's latency, a kernel's pass over
-memory, a failure's lost time. Each formula is written out, with its source, in docs/scaling.md.
+"""What the planner is given (a model, a cluster), what it says of a mode (a prediction), the few
+costs every mode is made of (bytes on a link, a collective's latency, a kernel's pass over memory,
+a message's size, a failure's lost time) and :class:`Mode`, the interface every mode implements.
+Each formula is written out, with its source, in docs/scaling.md.
 """
 
 from __future__ import annotations
 
+import abc
 import dataclasses
 import math
 
@@ -184,3 +186,109 @@ def elastic_goodput(cluster: Cluster) -> float:
     n = cluster.workers
     lost = (cluster.restart + (n - 1) * cluster.epoch_pause) / (n * cluster.mtbf)
     return max(0.0, 1.0 - lost)
+
+
+# The formats a message travels in: the bytes of one value, or the bits of one block code (the
+# block formats add one float32 scale per QUANT_BLOCK values: Note [Quantized messages] in
+# csrc/kernels/block_format.h).
+FLOAT_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
+BLOCK_BITS = {"int8": 8, "float8_e4m3fn": 8, "int4": 4}
+QUANT_BLOCK = 128
+
+
+def message_bytes(params: float, fmt: str) -> float:
+    """The bytes of a model's message in ``fmt``."""
+    if fmt in FLOAT_BYTES:
+        return params * FLOAT_BYTES[fmt]
+    if fmt in BLOCK_BITS:
+        return math.ceil(params * BLOCK_BITS[fmt] / 8) + 4 * math.ceil(params / QUANT_BLOCK)
+    raise ValueError(
+        f"message format: one of {sorted(FLOAT_BYTES) + sorted(BLOCK_BITS)}, got {fmt!r}"
+    )
+
+
+def topk_message_bytes(params: float, density: float = 1 / 64, bits: int = 2) -> float:
+    """A sparse message (``averagings.sparse.TopK``): per chunk of 4096 values, one float32
+    scale, ``k`` int16 positions and ``k`` values of ``bits`` bits."""
+    chunk = 4096
+    k = max(1, round(density * chunk))
+    chunks = math.ceil(params / chunk)
+    return chunks * (4 + 2 * k) + math.ceil(chunks * k * bits / 8)
+
+
+def largest(parts: dict[str, float]) -> str:
+    return max(parts, key=lambda name: parts[name])
+
+
+def check_fields(mode: object, *, at_least: dict[str, float], fmt: str | None = None) -> None:
+    """Raises ValueError naming the first of ``mode``'s fields below its least value, or a
+    message format it does not know."""
+    for field, least in at_least.items():
+        value = getattr(mode, field)
+        if not value >= least:
+            raise ValueError(f"{type(mode).__name__}({field}=...): at least {least}, got {value}")
+    if fmt is not None and fmt not in FLOAT_BYTES and fmt not in BLOCK_BITS:
+        known = sorted(FLOAT_BYTES) + sorted(BLOCK_BITS)
+        raise ValueError(f"{type(mode).__name__}(fmt=...): one of {known}, got {fmt!r}")
+
+
+class Mode(abc.ABC):
+    """One way to train, as the planner sees it: ``lockstep``, every worker keeps the slowest's
+    pace (at every step, or at every outer step); ``elastic``, it survives a worker's death
+    without restarting the job (gossip_ext's ``Elastic`` membership)."""
+
+    name: str
+    lockstep: bool = True
+    elastic: bool = False
+
+    @abc.abstractmethod
+    def step(self, model: Model, cluster: Cluster) -> StepTime:
+        """One worker's optimizer step at a steady pace, every worker computing as ``model``."""
+
+    @abc.abstractmethod
+    def bytes_per_step(self, model: Model, cluster: Cluster) -> float:
+        """What one worker sends per optimizer step."""
+
+    @abc.abstractmethod
+    def buffers(self, model: Model, cluster: Cluster) -> float:
+        """The mode's own memory per worker, beyond the parameters, gradients and optimizer."""
+
+    def carried(self, model: Model, cluster: Cluster) -> float:
+        """The share of the messages the links carry (1 but for an asynchronous mode)."""
+        return 1.0
+
+    def memory(self, model: Model, cluster: Cluster) -> float:
+        own = model.params * (2 * model.param_bytes + model.optimizer_bytes)
+        return own + self.buffers(model, cluster)
+
+    def goodput(self, model: Model, cluster: Cluster) -> float:
+        """Steps taken over those the workers could take computing alone (the odd workers
+        slowed and stopped as they are): a lockstep mode steps every worker at the slowest
+        one's pace over the slowest link, and stops them all while one is stopped; an
+        asynchronous one steps each at its own pace. A failure costs a restart, or an elastic
+        job's rejoin and pauses."""
+        n, odd = cluster.workers, cluster.slow_workers
+        slowed, running = model.slower(cluster.slowdown), 1.0 - cluster.stalled
+        alone = (n - odd) / model.step_seconds + odd * running / slowed.step_seconds
+        if odd and self.lockstep:
+            step = self.step(slowed, cluster.slowest_link()).seconds
+            taken = n * max(0.0, 1.0 - odd * cluster.stalled) / step
+        else:
+            taken = (n - odd) / self.step(model, cluster).seconds
+            if odd:
+                taken += odd * running / self.step(slowed, cluster.slowest_link()).seconds
+        kept = elastic_goodput(cluster) if self.elastic else restart_goodput(cluster)
+        return taken / alone * kept
+
+    def predict(self, model: Model, cluster: Cluster) -> Prediction:
+        step = self.step(model, cluster)
+        return Prediction(
+            mode=self.name,
+            step_seconds=step.seconds,
+            bound=step.bound,
+            bytes_per_step=self.bytes_per_step(model, cluster),
+            utilization=model.step_seconds / step.seconds,
+            goodput=self.goodput(model, cluster),
+            memory_bytes=self.memory(model, cluster),
+            carried=self.carried(model, cluster),
+        )
