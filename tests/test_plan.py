@@ -25,6 +25,7 @@ from gossip_ext.plan import (
 )
 from gossip_ext.plan import __main__ as cli
 from gossip_ext.plan.cost import topk_message_bytes
+from gossip_ext.plan.simulation import simulate
 
 MILLION = 1_000_000
 MBIT = 1e6
@@ -83,8 +84,14 @@ def test_sgp_s_round_follows_the_step_or_runs_beside_it():
     kernels = (3 * 4e6 + 2 * message) / 1e9
     step = SGP("int8").step(_model(), cluster)
     assert step.seconds == pytest.approx(0.3 + wire + 0.02 + kernels) and step.bound == "wire"
+    # Overlapped, the link bounds it: one message after another (Note [A round beside the step]).
     step = SGP("int8", overlap=True).step(_model(), cluster)
-    assert step.seconds == pytest.approx(wire + 0.02 + kernels) and step.bound == "wire"
+    assert step.seconds == pytest.approx(wire) and step.bound == "wire"
+    # A message has two steps less one compute to arrive: 1 s of latency costs a step of
+    # (0.3 + 1.0) / 2, not 1.0.
+    far = Cluster(workers=8, link_bits=1e15, latency=1.0, kernel_bytes=1e15)
+    step = SGP("int8", overlap=True).step(_model(), far)
+    assert step.seconds == pytest.approx(0.65, rel=1e-6) and step.bound == "latency"
     # A short round hides behind the step entirely.
     fast = Cluster(workers=8, link_bits=1e10, latency=0.0, kernel_bytes=1e12)
     step = SGP("int8", overlap=True).step(_model(), fast)
@@ -202,6 +209,10 @@ def test_the_command_reads_units_and_names_what_it_refuses(capsys):
     assert cli.count("1.3B") == 1.3e9 and cli.rate("100mbit") == 1e8
     assert cli.seconds("30ms") == pytest.approx(0.03) and cli.seconds("6h") == 21600
     assert cli.slowness("0.05:2x") == (0.05, 2.0) and cli.factor("10x") == 10.0
+    cli.main("--workers 8 --params 1e6 --link 1gbit --step-ms 100 --jitter 0.1 --steps 40".split())
+    assert "| simulated step | simulated goodput |" in capsys.readouterr().out
+    with pytest.raises(SystemExit, match="jitter"):
+        cli.main("--workers 8 --params 1e6 --link 1gbit --step-ms 100 --jitter -1".split())
     with pytest.raises(SystemExit):
         cli.main("--workers 256 --params 7e9 --link 10parsecs --step-ms 900".split())
     assert "a link's rate" in capsys.readouterr().err
@@ -275,3 +286,54 @@ def test_a_mode_a_model_or_a_cluster_refuses_what_it_cannot_cost(build, words):
     with pytest.raises(ValueError) as raised:
         build()
     assert words in str(raised.value)
+
+
+CLUSTERS = {
+    "compute-bound": Cluster(workers=8, link_bits=1e10, kernel_bytes=1e10),
+    "wire-bound": Cluster(workers=8, link_bits=10 * MBIT, latency=0.002, kernel_bytes=1e10),
+    "latency-bound": Cluster(workers=16, link_bits=1e12, latency=0.2, kernel_bytes=1e10),
+}
+
+
+@pytest.mark.parametrize("name", sorted(CLUSTERS))
+def test_every_step_at_its_mean_the_simulation_gives_the_formulas_step(name):
+    cluster = CLUSTERS[name]
+    for mode in every_mode(every=10, fragments=2, delay=1, shards=4):
+        simulated = simulate(mode, _model(), cluster, steps=400)
+        assert simulated.step_seconds == pytest.approx(
+            mode.step(_model(), cluster).seconds, rel=1e-6
+        ), mode.name
+
+
+def test_with_one_slow_worker_the_simulation_gives_the_formulas_goodput():
+    cluster = Cluster(
+        workers=8, link_bits=10 * MBIT, slow_fraction=0.125, slowdown=2.0, kernel_bytes=1e10
+    )
+    for mode in every_mode(every=10, fragments=2, delay=1, shards=4):
+        simulated = simulate(mode, _model(), cluster, steps=400)
+        assert simulated.goodput == pytest.approx(mode.goodput(_model(), cluster), rel=0.02), (
+            mode.name
+        )
+
+
+def test_varying_steps_cost_a_lockstep_mode_the_slowest_draw_and_an_asynchronous_one_nothing():
+    import random
+
+    jitter, n, steps = 0.2, 64, 400
+    cluster = Cluster(workers=n, link_bits=1e12, kernel_bytes=1e15)
+    lockstep = simulate(
+        Periodic("LocalSGD", every=1), _model(), cluster, steps=steps, jitter=jitter
+    )
+    own_pace = simulate(AsyncSGP("int8"), _model(), cluster, steps=steps, jitter=jitter)
+    # The mean of the largest of n draws, sampled here on its own.
+    rng = random.Random(1)
+    draws = [
+        max(math.exp(jitter * rng.gauss(0, 1) - jitter * jitter / 2) for _ in range(n))
+        for _ in range(steps)
+    ]
+    assert lockstep.step_seconds == pytest.approx(0.3 * sum(draws) / steps, rel=0.03)
+    assert lockstep.step_seconds > 1.3 * 0.3
+    assert own_pace.step_seconds == pytest.approx(0.3, rel=0.03)
+    assert own_pace.goodput == pytest.approx(1.0, rel=1e-3)
+    with pytest.raises(ValueError, match="jitter"):
+        simulate(AsyncSGP("int8"), _model(), cluster, jitter=-1.0)

@@ -9,6 +9,7 @@ import sys
 
 from gossip_ext.plan.cost import Cluster, Model, Prediction
 from gossip_ext.plan.modes import every_mode
+from gossip_ext.plan.simulation import Simulated, simulate
 
 _COUNT = {"": 1.0, "k": 1e3, "m": 1e6, "b": 1e9, "g": 1e9, "t": 1e12}
 _RATE = {"bit": 1.0, "kbit": 1e3, "mbit": 1e6, "gbit": 1e9, "tbit": 1e12}
@@ -81,21 +82,34 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--fragments", type=int, default=4, help="Streaming DiLoCo's")
     p.add_argument("--delay", type=int, default=1, help="Streaming DiLoCo's overlap, in steps")
     p.add_argument("--shards", type=int, default=8, help="processes per sharded replica")
+    p.add_argument(
+        "--jitter",
+        type=float,
+        default=None,
+        help="also simulate each mode's waits, every step drawn around its mean with this "
+        "spread (0.1: about 10%%)",
+    )
+    p.add_argument("--steps", type=int, default=200, help="simulated steps")
     return p.parse_args(argv)
 
 
-def table(predictions: list[Prediction]) -> str:
-    """A Markdown table, one row per mode."""
+def table(predictions: list[Prediction], simulated: list[Simulated] | None = None) -> str:
+    """A Markdown table, one row per mode (with the simulated step and goodput, where given)."""
+    extra = " simulated step | simulated goodput |" if simulated else ""
     rows = [
-        "| mode | step | bound | utilization | goodput | sent per step | memory | carried |",
-        "|---|---|---|---|---|---|---|---|",
+        "| mode | step | bound | utilization | goodput | sent per step | memory | carried |"
+        + extra,
+        "|---|---|---|---|---|---|---|---|" + ("---|---|" if simulated else ""),
     ]
-    for p in predictions:
-        rows.append(
+    for i, p in enumerate(predictions):
+        row = (
             f"| {p.mode} | {p.step_seconds * 1e3:.0f} ms | {p.bound} | {p.utilization:.2f} | "
             f"{p.goodput:.2f} | {p.bytes_per_step / 1e6:,.1f} MB | "
             f"{p.memory_bytes / 2**30:,.1f} GiB | {p.carried:.2f} |"
         )
+        if simulated:
+            row += f" {simulated[i].step_seconds * 1e3:.0f} ms | {simulated[i].goodput:.2f} |"
+        rows.append(row)
     return "\n".join(rows)
 
 
@@ -127,7 +141,16 @@ def main(argv: list[str] | None = None) -> list[Prediction]:
         sys.exit(f"python -m gossip_ext.plan: {error}")
     modes = every_mode(args.every, args.fragments, args.delay, args.shards)
     predictions = [mode.predict(model, cluster) for mode in modes]
-    print(table(predictions))
+    simulated = None
+    if args.jitter is not None:
+        try:
+            simulated = [
+                simulate(mode, model, cluster, steps=args.steps, jitter=args.jitter)
+                for mode in modes
+            ]
+        except ValueError as error:
+            sys.exit(f"python -m gossip_ext.plan: {error}")
+    print(table(predictions, simulated))
     return predictions
 
 

@@ -10,6 +10,8 @@ import abc
 import dataclasses
 import math
 
+from gossip_ext.plan.waits import Schedule
+
 
 @dataclasses.dataclass(frozen=True)
 class Model:
@@ -248,6 +250,11 @@ class Mode(abc.ABC):
     @abc.abstractmethod
     def bytes_per_step(self, model: Model, cluster: Cluster) -> float:
         """What one worker sends per optimizer step."""
+
+    @abc.abstractmethod
+    def schedule(self, model: Model, cluster: Cluster) -> Schedule:
+        """Who a worker waits for before its next step, for ``simulation.simulate``: a new
+        schedule, whose waits at every step's mean give :meth:`step`."""
 
     @abc.abstractmethod
     def buffers(self, model: Model, cluster: Cluster) -> float:

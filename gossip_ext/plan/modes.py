@@ -21,6 +21,7 @@ from gossip_ext.plan.cost import (
     message_bytes,
 )
 from gossip_ext.plan.outer_modes import ChocoGossip, Periodic, SparseLoCo, StreamingDiLoCo
+from gossip_ext.plan.waits import Lockstep, Neighbours, OwnPace, Schedule
 
 
 @dataclasses.dataclass(frozen=True)
@@ -30,6 +31,9 @@ class DDP(Mode):
 
     powersgd_rank: int | None = None
     bucket_bytes: float = 25 * 2**20
+    # The backward's share of a step, which the buckets' all-reduces overlap (4N of a
+    # transformer's 6N flops a token).
+    BACKWARD = 2 / 3
 
     def __post_init__(self) -> None:
         check_fields(
@@ -51,20 +55,30 @@ class DDP(Mode):
             return model.bytes
         return model.bytes * 1.5 * self.powersgd_rank / model.hidden
 
-    def step(self, model: Model, cluster: Cluster) -> StepTime:
+    def _parts(self, model: Model, cluster: Cluster) -> dict[str, float]:
         buckets = math.ceil(model.bytes / self.bucket_bytes)
         collectives = buckets * (1 if self.powersgd_rank is None else 2)
-        parts = {
+        return {
             "wire": cluster.wire(all_reduce_bytes(cluster.workers, self._sent(model))),
             "latency": collectives * cluster.tree_latency(),
         }
+
+    def _kernels(self, model: Model, cluster: Cluster) -> float:
         # PowerSGD's products read the gradient twice and write it once, on the compute stream.
-        kernels = 0.0 if self.powersgd_rank is None else cluster.kernels(3 * model.bytes)
-        backward = 2 * model.step_seconds / 3
+        return 0.0 if self.powersgd_rank is None else cluster.kernels(3 * model.bytes)
+
+    def step(self, model: Model, cluster: Cluster) -> StepTime:
+        parts = self._parts(model, cluster)
+        backward = self.BACKWARD * model.step_seconds
         communication = sum(parts.values())
-        seconds = kernels + model.step_seconds / 3 + max(backward, communication)
+        seconds = self._kernels(model, cluster) + model.step_seconds - backward
+        seconds += max(backward, communication)
         bound = "compute" if communication <= backward else largest(parts)
         return StepTime(seconds, bound)
+
+    def schedule(self, model: Model, cluster: Cluster) -> Schedule:
+        communication = sum(self._parts(model, cluster).values())
+        return Lockstep(communication, self.BACKWARD, self._kernels(model, cluster))
 
     def bytes_per_step(self, model: Model, cluster: Cluster) -> float:
         return all_reduce_bytes(cluster.workers, self._sent(model))
@@ -100,16 +114,29 @@ class SGP(Mode):
             "kernels": cluster.kernels(3 * model.bytes + 2 * message),
         }
 
+    # Note [A round beside the step]
+    # ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+    # Overlapped, the round a worker sends after step k is absorbed at the end of step k + 1, so
+    # its message has two steps less one compute to arrive: with P the step, 2P - T - kernels >=
+    # wire + latency. A link sends one message after another, so P >= wire as well. The step is
+    # the least P that meets both: max(T + kernels, wire, (T + wire + latency + kernels) / 2).
     def step(self, model: Model, cluster: Cluster) -> StepTime:
         parts = self._parts(model, cluster)
+        compute = model.step_seconds + parts["kernels"]
         if self.overlap:
-            round_trip = parts["wire"] + parts["latency"]
-            seconds = max(model.step_seconds, round_trip) + parts["kernels"]
-            if round_trip <= model.step_seconds and parts["kernels"] <= model.step_seconds:
-                return StepTime(seconds, "compute")
-            return StepTime(seconds, largest(parts))
+            in_flight = (compute + parts["wire"] + parts["latency"]) / 2
+            seconds = max(compute, parts["wire"], in_flight)
+            if seconds == compute:
+                return StepTime(
+                    seconds, "compute" if model.step_seconds >= parts["kernels"] else "kernels"
+                )
+            return StepTime(seconds, largest({"wire": parts["wire"], "latency": parts["latency"]}))
         seconds = model.step_seconds + sum(parts.values())
         return StepTime(seconds, largest({"compute": model.step_seconds, **parts}))
+
+    def schedule(self, model: Model, cluster: Cluster) -> Schedule:
+        parts = self._parts(model, cluster)
+        return Neighbours(parts["wire"], parts["latency"], parts["kernels"], self.overlap)
 
     def bytes_per_step(self, model: Model, cluster: Cluster) -> float:
         return message_bytes(model.params, self.fmt)
@@ -139,6 +166,9 @@ class AsyncSGP(Mode):
         kernels = cluster.kernels(3 * model.bytes + 2 * message)
         bound = "compute" if kernels <= model.step_seconds else "kernels"
         return StepTime(model.step_seconds + kernels, bound)
+
+    def schedule(self, model: Model, cluster: Cluster) -> Schedule:
+        return OwnPace(self.step(model, cluster).seconds - model.step_seconds)
 
     def carried(self, model: Model, cluster: Cluster) -> float:
         travel = cluster.wire(message_bytes(model.params, self.fmt)) + cluster.latency
@@ -182,6 +212,9 @@ class Sharded(Mode):
 
     def step(self, model: Model, cluster: Cluster) -> StepTime:
         return self.inner.step(self._shard(model), cluster)
+
+    def schedule(self, model: Model, cluster: Cluster) -> Schedule:
+        return self.inner.schedule(self._shard(model), cluster)
 
     def bytes_per_step(self, model: Model, cluster: Cluster) -> float:
         return self.inner.bytes_per_step(self._shard(model), cluster)

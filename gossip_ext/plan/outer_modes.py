@@ -19,6 +19,15 @@ from gossip_ext.plan.cost import (
     message_bytes,
     topk_message_bytes,
 )
+from gossip_ext.plan.waits import EveryFew, Schedule
+
+
+def _outer_step(model: Model, parts: dict[str, float], every: int) -> StepTime:
+    """A step that pays, every ``every`` steps, an outer step of ``parts`` (its wire, latency and
+    kernels): its mean, and the largest part of it."""
+    per_step = {name: t / every for name, t in parts.items()}
+    seconds = model.step_seconds + sum(per_step.values())
+    return StepTime(seconds, largest({"compute": model.step_seconds, **per_step}))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -50,10 +59,10 @@ class Periodic(Mode):
         }
 
     def step(self, model: Model, cluster: Cluster) -> StepTime:
-        parts = self._parts(model, cluster)
-        seconds = model.step_seconds + sum(parts.values()) / self.every
-        per_step = {name: t / self.every for name, t in parts.items()}
-        return StepTime(seconds, largest({"compute": model.step_seconds, **per_step}))
+        return _outer_step(model, self._parts(model, cluster), self.every)
+
+    def schedule(self, model: Model, cluster: Cluster) -> Schedule:
+        return EveryFew(self.every, sum(self._parts(model, cluster).values()))
 
     def bytes_per_step(self, model: Model, cluster: Cluster) -> float:
         message = message_bytes(model.params, self.fmt)
@@ -81,13 +90,28 @@ class StreamingDiLoCo(Mode):
     def name(self) -> str:  # type: ignore[override]
         return f"Streaming DiLoCo H={self.every} k={self.fragments} tau={self.delay} {self.fmt}"
 
-    def step(self, model: Model, cluster: Cluster) -> StepTime:
+    def _travel(self, model: Model, cluster: Cluster) -> float:
+        """A fragment's all-reduce."""
         fragment = message_bytes(model.params, self.fmt) / self.fragments
-        travel = cluster.wire(all_reduce_bytes(cluster.workers, fragment)) + cluster.tree_latency()
-        stall = max(0.0, travel - self.delay * model.step_seconds)
+        return cluster.wire(all_reduce_bytes(cluster.workers, fragment)) + cluster.tree_latency()
+
+    def _stall(self, model: Model, cluster: Cluster) -> float:
+        """What a fragment's all-reduce takes beyond the ``delay`` steps that hide it."""
+        return max(0.0, self._travel(model, cluster) - self.delay * model.step_seconds)
+
+    def schedule(self, model: Model, cluster: Cluster) -> Schedule:
+        # A fragment applied every ``every / fragments`` steps (rounded), once every worker has
+        # reached it, hidden by ``delay`` of the slowest worker's steps.
+        apart = max(1, round(self.every / self.fragments))
+        share = self.fragments * apart / self.every
+        return EveryFew(apart, self._travel(model, cluster), self.delay, share)
+
+    def step(self, model: Model, cluster: Cluster) -> StepTime:
+        stall = self._stall(model, cluster)
         seconds = model.step_seconds + self.fragments * stall / self.every
         if stall == 0.0:
             return StepTime(seconds, "compute")
+        fragment = message_bytes(model.params, self.fmt) / self.fragments
         wire = cluster.wire(all_reduce_bytes(cluster.workers, fragment))
         return StepTime(seconds, "wire" if wire >= cluster.tree_latency() else "latency")
 
@@ -121,14 +145,18 @@ class SparseLoCo(Mode):
         message = topk_message_bytes(model.params, self.density, self.bits)
         return (cluster.workers - 1) * message
 
-    def step(self, model: Model, cluster: Cluster) -> StepTime:
-        parts = {
-            "wire": cluster.wire(self._sent(model, cluster)) / self.every,
-            "latency": cluster.tree_latency() / self.every,
-            "kernels": cluster.kernels(4 * model.bytes) / self.every,
+    def _parts(self, model: Model, cluster: Cluster) -> dict[str, float]:
+        return {
+            "wire": cluster.wire(self._sent(model, cluster)),
+            "latency": cluster.tree_latency(),
+            "kernels": cluster.kernels(4 * model.bytes),
         }
-        seconds = model.step_seconds + sum(parts.values())
-        return StepTime(seconds, largest({"compute": model.step_seconds, **parts}))
+
+    def step(self, model: Model, cluster: Cluster) -> StepTime:
+        return _outer_step(model, self._parts(model, cluster), self.every)
+
+    def schedule(self, model: Model, cluster: Cluster) -> Schedule:
+        return EveryFew(self.every, sum(self._parts(model, cluster).values()))
 
     def bytes_per_step(self, model: Model, cluster: Cluster) -> float:
         return self._sent(model, cluster) / self.every
@@ -156,15 +184,19 @@ class ChocoGossip(Mode):
     def name(self) -> str:  # type: ignore[override]
         return f"CHOCO gossip H={self.every} top-{self.density:.3g}"
 
-    def step(self, model: Model, cluster: Cluster) -> StepTime:
+    def _parts(self, model: Model, cluster: Cluster) -> dict[str, float]:
         sent = self.degree * topk_message_bytes(model.params, self.density, self.bits)
-        parts = {
-            "wire": cluster.wire(sent) / self.every,
-            "latency": cluster.latency / self.every,
-            "kernels": cluster.kernels(4 * model.bytes) / self.every,
+        return {
+            "wire": cluster.wire(sent),
+            "latency": cluster.latency,
+            "kernels": cluster.kernels(4 * model.bytes),
         }
-        seconds = model.step_seconds + sum(parts.values())
-        return StepTime(seconds, largest({"compute": model.step_seconds, **parts}))
+
+    def step(self, model: Model, cluster: Cluster) -> StepTime:
+        return _outer_step(model, self._parts(model, cluster), self.every)
+
+    def schedule(self, model: Model, cluster: Cluster) -> Schedule:
+        return EveryFew(self.every, sum(self._parts(model, cluster).values()))
 
     def bytes_per_step(self, model: Model, cluster: Cluster) -> float:
         return self.degree * topk_message_bytes(model.params, self.density, self.bits) / self.every
