@@ -337,3 +337,14 @@ def test_varying_steps_cost_a_lockstep_mode_the_slowest_draw_and_an_asynchronous
     assert own_pace.goodput == pytest.approx(1.0, rel=1e-3)
     with pytest.raises(ValueError, match="jitter"):
         simulate(AsyncSGP("int8"), _model(), cluster, jitter=-1.0)
+
+
+@pytest.mark.parametrize("n", [2, 8, 12, 1000])
+def test_the_simulated_gossip_rounds_are_the_engine_s_default_graph(n):
+    from gossip_ext.plan.waits import Neighbours
+
+    graph = _C.Graph(_C.GraphOptions(_C.GraphKind.NPeerDynamicDirectedExponential), n)
+    for k in range(2 * graph.period):
+        for i in range(n):
+            (out_peer,) = graph.out_peers(i, k)
+            assert Neighbours.in_peer(out_peer, k, n) == i

@@ -80,9 +80,10 @@ class EveryFew(Schedule):
 
 
 class Neighbours(Schedule):
-    """A gossip round a step on the exponential graph: at round ``k`` worker ``i`` sends its
-    message to ``i + 2^(k mod log2 n)`` and receives one from ``i - 2^(k mod log2 n)``. A message
-    holds its sender's link for ``wire`` (one after another) and arrives ``latency`` later.
+    """A gossip round a step on the exponential graph (the engine's default, one peer a round):
+    at round ``k`` worker ``i`` sends its message to ``i + 2^(k mod ceil(log2 n))`` and receives
+    one from ``i - 2^(k mod ceil(log2 n))``. A message holds its sender's link for ``wire`` (one
+    after another) and arrives ``latency`` later.
     Synchronous: the next step starts once this round's message arrived and its own was sent.
     ``overlap``: once the previous round's message arrived (the round runs beside the step)."""
 
