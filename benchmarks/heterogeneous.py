@@ -317,7 +317,9 @@ def main(argv=None) -> dict:
     if args.from_rows:
         with open(args.from_rows) as f:
             rows = json.load(f)
+    saved = _runs_counted(rows)
     rows = in_order(run_all(args, protocol, rows))
+    completed = _runs_counted(rows) != saved
     target = measure.final(rows["uniform"]["ddp"]["records"])
     tables = [
         f"### {NAMES[setting].capitalize()}\n\n{table(rows, setting, target)}"
@@ -350,7 +352,7 @@ def main(argv=None) -> dict:
         f"uniform cluster's DDP's final held-out loss, {target:.3f} bits per byte. Goodput: the "
         "steps taken over the steps the workers could have taken computing alone (`alone` on "
         "the same cluster), up to the first worker's last step."
-        + _saved_rows_note(rows, args.systems, bool(args.from_rows))
+        + _saved_rows_note(rows, args.systems, bool(args.from_rows), completed)
         + (
             f" Each asynchronous mode ran {args.repeats} times on every cluster (its arrivals, "
             "and so its mixing, differ from run to run) and its figures are the medians over "
@@ -397,10 +399,22 @@ def summary(rows: dict[str, dict[str, dict]], target: float) -> str:
     return "\n".join(lines)
 
 
-def _saved_rows_note(rows: dict[str, dict[str, dict]], asked: list[str], saved: bool) -> str:
-    """Where the rows came from, when a saved run (--from-rows) gave some of them."""
+def _runs_counted(rows: dict[str, dict[str, dict]]) -> dict[str, dict[str, int]]:
+    """How many runs each system has on each cluster."""
+    return {
+        setting: {system: len(measure.runs(result)) for system, result in systems_.items()}
+        for setting, systems_ in rows.items()
+    }
+
+
+def _saved_rows_note(
+    rows: dict[str, dict[str, dict]], asked: list[str], saved: bool, completed: bool
+) -> str:
+    """Where the rows came from, when a saved run (--from-rows) gave some or all of them."""
     if not saved:
         return ""
+    if not completed:
+        return " Every row comes from one run of the command below, reported again (--from-rows)."
     elsewhere = [system for system in rows["uniform"] if system not in asked]
     named = f" (all of {', '.join(elsewhere)})" if elsewhere else ""
     return (

@@ -56,6 +56,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--slowdown", type=float, default=2.0, help="the run's --slowdown")
     p.add_argument("--nic-slowdown", type=float, default=10.0, help="the run's --nic-slowdown")
     p.add_argument("--kernel-gbytes", type=float, default=10.0, help="this CPU's, GB/s")
+    p.add_argument(
+        "--run",
+        default="python benchmarks/heterogeneous.py --bandwidth 100mbit",
+        help="the command that made --rows, said in the section",
+    )
     p.add_argument("--no-record", action="store_true")
     return p.parse_args(argv)
 
@@ -177,8 +182,8 @@ def main(argv: list[str] | None = None) -> list[dict]:
     print(text + "\n\n" + said)
     if not args.no_record:
         body = (
-            f"The run of `benchmarks/heterogeneous.py --bandwidth {args.bandwidth}` (its section "
-            f"above: {args.workers} workers, 2 shared cores), each system beside the planner's "
+            f"A run of `{args.run}` (the protocol of the heterogeneous section above; "
+            f"{args.workers} workers on 2 cores), each system beside the planner's "
             "mode for it, given the parameters, the link and the step of the model alone "
             f"(`alone`, uniform cluster); kernels at {args.kernel_gbytes:g} GB/s. Step times: "
             "the mean over the workers but the odd one (medians over an asynchronous mode's "
