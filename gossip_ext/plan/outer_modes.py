@@ -6,6 +6,7 @@ their sources, are in docs/scaling.md.
 
 from __future__ import annotations
 
+import abc
 import dataclasses
 
 from gossip_ext.plan.cost import (
@@ -22,16 +23,34 @@ from gossip_ext.plan.cost import (
 from gossip_ext.plan.waits import EveryFew, Schedule
 
 
-def _outer_step(model: Model, parts: dict[str, float], every: int) -> StepTime:
-    """A step that pays, every ``every`` steps, an outer step of ``parts`` (its wire, latency and
-    kernels): its mean, and the largest part of it."""
-    per_step = {name: t / every for name, t in parts.items()}
-    seconds = model.step_seconds + sum(per_step.values())
-    return StepTime(seconds, largest({"compute": model.step_seconds, **per_step}))
+class OuterEvery(Mode):
+    """A mode that communicates only in an outer step every ``every`` steps, every worker
+    waiting for the slowest there: its step is the compute plus a share of that outer step."""
+
+    every: int
+
+    @abc.abstractmethod
+    def outer_parts(self, model: Model, cluster: Cluster) -> dict[str, float]:
+        """One outer step's wire, latency and kernels, seconds."""
+
+    @abc.abstractmethod
+    def outer_bytes(self, model: Model, cluster: Cluster) -> float:
+        """What one worker sends in one outer step."""
+
+    def step(self, model: Model, cluster: Cluster) -> StepTime:
+        per_step = {name: t / self.every for name, t in self.outer_parts(model, cluster).items()}
+        seconds = model.step_seconds + sum(per_step.values())
+        return StepTime(seconds, largest({"compute": model.step_seconds, **per_step}))
+
+    def schedule(self, model: Model, cluster: Cluster) -> Schedule:
+        return EveryFew(self.every, sum(self.outer_parts(model, cluster).values()))
+
+    def bytes_per_step(self, model: Model, cluster: Cluster) -> float:
+        return self.outer_bytes(model, cluster) / self.every
 
 
 @dataclasses.dataclass(frozen=True)
-class Periodic(Mode):
+class Periodic(OuterEvery):
     """An exact average every ``every`` steps and none between (gossip off): ``LocalSGD``,
     ``SlowMo`` (its heavy ball: two model copies) or ``DiLoCo`` (``theta_global`` and the outer
     momentum: two copies), the average's messages in ``fmt``."""
@@ -50,7 +69,7 @@ class Periodic(Mode):
     def name(self) -> str:  # type: ignore[override]
         return f"{self.kind} H={self.every} {self.fmt}"
 
-    def _parts(self, model: Model, cluster: Cluster) -> dict[str, float]:
+    def outer_parts(self, model: Model, cluster: Cluster) -> dict[str, float]:
         message = message_bytes(model.params, self.fmt)
         return {
             "wire": cluster.wire(all_reduce_bytes(cluster.workers, message)),
@@ -58,15 +77,8 @@ class Periodic(Mode):
             "kernels": cluster.kernels(2 * model.bytes + 2 * message),
         }
 
-    def step(self, model: Model, cluster: Cluster) -> StepTime:
-        return _outer_step(model, self._parts(model, cluster), self.every)
-
-    def schedule(self, model: Model, cluster: Cluster) -> Schedule:
-        return EveryFew(self.every, sum(self._parts(model, cluster).values()))
-
-    def bytes_per_step(self, model: Model, cluster: Cluster) -> float:
-        message = message_bytes(model.params, self.fmt)
-        return all_reduce_bytes(cluster.workers, message) / self.every
+    def outer_bytes(self, model: Model, cluster: Cluster) -> float:
+        return all_reduce_bytes(cluster.workers, message_bytes(model.params, self.fmt))
 
     def buffers(self, model: Model, cluster: Cluster) -> float:
         return 0.0 if self.kind == "LocalSGD" else 2 * model.bytes
@@ -125,7 +137,7 @@ class StreamingDiLoCo(Mode):
 
 
 @dataclasses.dataclass(frozen=True)
-class SparseLoCo(Mode):
+class SparseLoCo(OuterEvery):
     """DiLoCo's step every ``every`` steps on a sparse mean (``ByCollective(dtype=TopK())``):
     each worker's top-k message gathered by every other, as sparse messages do not add up."""
 
@@ -141,25 +153,16 @@ class SparseLoCo(Mode):
     def name(self) -> str:  # type: ignore[override]
         return f"SparseLoCo H={self.every} top-{self.density:.3g}"
 
-    def _sent(self, model: Model, cluster: Cluster) -> float:
+    def outer_bytes(self, model: Model, cluster: Cluster) -> float:
         message = topk_message_bytes(model.params, self.density, self.bits)
         return (cluster.workers - 1) * message
 
-    def _parts(self, model: Model, cluster: Cluster) -> dict[str, float]:
+    def outer_parts(self, model: Model, cluster: Cluster) -> dict[str, float]:
         return {
-            "wire": cluster.wire(self._sent(model, cluster)),
+            "wire": cluster.wire(self.outer_bytes(model, cluster)),
             "latency": cluster.tree_latency(),
             "kernels": cluster.kernels(4 * model.bytes),
         }
-
-    def step(self, model: Model, cluster: Cluster) -> StepTime:
-        return _outer_step(model, self._parts(model, cluster), self.every)
-
-    def schedule(self, model: Model, cluster: Cluster) -> Schedule:
-        return EveryFew(self.every, sum(self._parts(model, cluster).values()))
-
-    def bytes_per_step(self, model: Model, cluster: Cluster) -> float:
-        return self._sent(model, cluster) / self.every
 
     def buffers(self, model: Model, cluster: Cluster) -> float:
         # theta_global, the outer momentum and the error feedback's residual.
@@ -167,7 +170,7 @@ class SparseLoCo(Mode):
 
 
 @dataclasses.dataclass(frozen=True)
-class ChocoGossip(Mode):
+class ChocoGossip(OuterEvery):
     """DiLoCo's step every ``every`` steps on CHOCO-gossip in sparse messages
     (``ByCompressedGossip(TopK())``): one message to each of ``degree`` neighbours."""
 
@@ -184,22 +187,15 @@ class ChocoGossip(Mode):
     def name(self) -> str:  # type: ignore[override]
         return f"CHOCO gossip H={self.every} top-{self.density:.3g}"
 
-    def _parts(self, model: Model, cluster: Cluster) -> dict[str, float]:
-        sent = self.degree * topk_message_bytes(model.params, self.density, self.bits)
+    def outer_bytes(self, model: Model, cluster: Cluster) -> float:
+        return self.degree * topk_message_bytes(model.params, self.density, self.bits)
+
+    def outer_parts(self, model: Model, cluster: Cluster) -> dict[str, float]:
         return {
-            "wire": cluster.wire(sent),
+            "wire": cluster.wire(self.outer_bytes(model, cluster)),
             "latency": cluster.latency,
             "kernels": cluster.kernels(4 * model.bytes),
         }
-
-    def step(self, model: Model, cluster: Cluster) -> StepTime:
-        return _outer_step(model, self._parts(model, cluster), self.every)
-
-    def schedule(self, model: Model, cluster: Cluster) -> Schedule:
-        return EveryFew(self.every, sum(self._parts(model, cluster).values()))
-
-    def bytes_per_step(self, model: Model, cluster: Cluster) -> float:
-        return self.degree * topk_message_bytes(model.params, self.density, self.bits) / self.every
 
     def buffers(self, model: Model, cluster: Cluster) -> float:
         # Two public copies, theta_global and the outer momentum.
