@@ -232,7 +232,7 @@ def test_the_check_against_this_machine_reads_a_run_s_rows():
 
     args = plan_check.parse_args(["--rows", "unused", "--bandwidth", "100mbit"])
     model = Model(params=MILLION, step_seconds=0.1, width=plan_check.WIDTH)
-    uniform = plan_check.clusters(args)["uniform"]
+    uniform = plan_check.cluster_of("uniform", [], args)
     ddp = plan_check.MODES["ddp"].step(model, uniform).seconds
     asynchronous = 1.2 * plan_check.MODES["async_sgp_int8"].step(model, uniform).seconds
 
