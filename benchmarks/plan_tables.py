@@ -30,13 +30,15 @@ from gossip_ext.plan import (  # noqa: E402
     Sharded,
     SparseLoCo,
     StreamingDiLoCo,
+    every_mode,
 )
+from gossip_ext.plan import __main__ as plan_cli  # noqa: E402
 from gossip_ext.plan.simulation import simulate  # noqa: E402
 
 DOC = os.path.join(ROOT, "docs", "scaling.md")
 PLOT = os.path.join(ROOT, "docs", "scaling.png")
 # The generated parts of docs/scaling.md, each between its markers.
-PARTS = ("plan_tables", "plan_jitter")
+PARTS = ("plan_tables", "plan_jitter", "plan_example")
 
 WORKERS = (64, 256, 1024)
 PARAMS = {"125M": 125e6, "1.3B": 1.3e9, "7B": 7e9, "70B": 70e9}
@@ -175,14 +177,25 @@ def jitter_table() -> str:
     )
 
 
+def example() -> str:
+    """The page's example: ``python -m gossip_ext.plan`` on the command the page opens with."""
+    m = Model(params=7e9, step_seconds=0.9, param_bytes=2)
+    c = Cluster(
+        workers=256, link_bits=10e9, latency=0.03, slow_fraction=0.05, slowdown=2.0, mtbf=6 * 3600
+    )
+    return plan_cli.table([mode.predict(m, c) for mode in every_mode()])
+
+
 def section(part: str) -> str:
     if part == "plan_tables":
         body = (
             "Written by `python benchmarks/plan_tables.py` (predictions of the formulas above, "
             f"not measurements): {ASSUMED}.\n\n{tables()}"
         )
-    else:
+    elif part == "plan_jitter":
         body = jitter_table()
+    else:
+        body = example()
     return f"<!-- {part}: begin -->\n{body}\n<!-- {part}: end -->"
 
 
