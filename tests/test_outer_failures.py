@@ -277,7 +277,13 @@ def test_a_faulty_worker_gives_a_typed_error_within_the_timeout_and_changes_noth
                 assert FAULTY in result["peers"], (rank, result)
             elapsed = result["raised_at"] - fault_at
             assert elapsed < TIMEOUT_S + SLACK_S, (rank, elapsed, result)
-        assert result["step"] == FAULT_STEP + 1, (rank, result)
+        # The outer step after the fault raises; a streamed fragment is prepared at the fault's
+        # own step and posts its messages then, so where the killed peer's connections are
+        # already closed (a send to it fails as it is posted) that prepare raises first.
+        raising = {FAULT_STEP + 1}
+        if name in STREAMED and fault == "kill":
+            raising.add(FAULT_STEP)
+        assert result["step"] in raising, (rank, result)
         assert result["unchanged"], (rank, result)  # nothing written
         assert result["again"] == result["type"], (rank, result)  # and it stays raised
 
