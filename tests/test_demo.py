@@ -185,9 +185,10 @@ def test_the_demo_with_a_slow_worker_shows_the_lockstep_systems_wait_and_the_asy
             others, slow = (float(x) for x in cells[3].split(" / "))
             steps[cells[0]] = (others, slow)
     assert set(steps) == {"alone", "ddp", "async_diloco_int8"}, out
-    # The slow worker takes about twice the others' step alone; under DDP every worker takes the
-    # slow one's; under AsyncDiLoCo the others keep well under it.
-    assert steps["alone"][1] > 1.6 * steps["alone"][0], steps
+    # The slow worker takes about twice the others' step alone (less on two shared cores, where
+    # its sleep hands the others CPU: 1.59x seen once in a full run); under DDP every worker takes
+    # the slow one's; under AsyncDiLoCo the others keep well under it.
+    assert steps["alone"][1] > 1.4 * steps["alone"][0], steps
     assert steps["ddp"][0] > 0.8 * steps["ddp"][1], steps
     assert steps["async_diloco_int8"][0] < 0.7 * steps["async_diloco_int8"][1], steps
     assert plot.exists()
