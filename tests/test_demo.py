@@ -187,8 +187,11 @@ def test_the_demo_with_a_slow_worker_shows_the_lockstep_systems_wait_and_the_asy
     assert set(steps) == {"alone", "ddp", "async_diloco_int8"}, out
     # The slow worker takes about twice the others' step alone (less on two shared cores, where
     # its sleep hands the others CPU: 1.59x seen once in a full run); under DDP every worker takes
-    # the slow one's; under AsyncDiLoCo the others keep well under it.
+    # the slow one's; under AsyncDiLoCo the others keep under it, and well under their step of DDP.
+    # (0.58-0.64x the slow one's step on a quiet machine; 0.76x seen once in a full run, where the
+    # outer step's exchange shares the two cores with four workers.)
     assert steps["alone"][1] > 1.4 * steps["alone"][0], steps
     assert steps["ddp"][0] > 0.8 * steps["ddp"][1], steps
-    assert steps["async_diloco_int8"][0] < 0.7 * steps["async_diloco_int8"][1], steps
+    assert steps["async_diloco_int8"][0] < 0.85 * steps["async_diloco_int8"][1], steps
+    assert steps["async_diloco_int8"][0] < 0.8 * steps["ddp"][0], steps
     assert plot.exists()
