@@ -171,23 +171,36 @@ class Prediction:
     carried: float = 1.0
 
 
+# Note [Failures' cost]
+# ~~~~~~~~~~~~~~~~~~~~~
+# Failures arrive at random (a Poisson process, the cluster's rate 1 / M). A job that restarts
+# saves its work every C seconds of running and, at a failure, loses what it did since its last
+# save and pays a restart R, which a failure during it starts over. Work of C then takes
+# e^(R/M) (e^(C/M) - 1) M seconds on average (Daly, 2006, without a save's own cost), so the share
+# kept is (C/M) e^(-R/M) / (e^(C/M) - 1): 1 - (R + C/2) / M where failures are rare (Young, 1974),
+# and never below 0 where they are not. An elastic job's worker fails at 1 / (n M) while it runs
+# and is back R later: it runs nM / (nM + R) of the time; each failure stops the other running
+# workers for an epoch change's pause E. simulation.drawn_failures_kept draws the same failures
+# one by one (tests/test_plan.py holds the two together).
 def restart_goodput(cluster: Cluster) -> float:
-    """The share of time a job that restarts whenever a worker fails keeps: each failure loses
-    every worker the restart and, on average, half a checkpoint interval."""
+    """The share of time a job that restarts whenever a worker fails keeps (Note [Failures'
+    cost])."""
     if cluster.mtbf is None:
         return 1.0
-    return max(0.0, 1.0 - (cluster.restart + cluster.checkpoint_every / 2) / cluster.mtbf)
+    c, r = cluster.checkpoint_every / cluster.mtbf, cluster.restart / cluster.mtbf
+    return c * math.exp(-r) / math.expm1(c)
 
 
 def elastic_goodput(cluster: Cluster) -> float:
-    """The share an elastic job keeps: each failure loses the failed worker its restart (its
-    rejoin from a donor) and the others an epoch change's pause, the loss shared by the n
-    workers."""
+    """The share an elastic job keeps: each worker runs ``nM / (nM + R)`` of the time, and each
+    failure pauses the others that run for an epoch change (Note [Failures' cost])."""
     if cluster.mtbf is None:
         return 1.0
-    n = cluster.workers
-    lost = (cluster.restart + (n - 1) * cluster.epoch_pause) / (n * cluster.mtbf)
-    return max(0.0, 1.0 - lost)
+    n, m = cluster.workers, cluster.mtbf
+    running = n * m / (n * m + cluster.restart)
+    # Failures come at running / M; each stops the others that run, (n - 1) running of them.
+    paused = running / m * (n - 1) * running * cluster.epoch_pause / n
+    return max(0.0, running - paused)
 
 
 # The formats a message travels in: the bytes of one value, or the bits of one block code (the

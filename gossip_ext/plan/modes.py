@@ -34,6 +34,9 @@ class DDP(Mode):
     # The backward's share of a step, which the buckets' all-reduces overlap (4N of a
     # transformer's 6N flops a token).
     BACKWARD = 2 / 3
+    # DDP's first bucket, the last layers' gradients (ready first), is this small, so that the
+    # first all-reduce starts early.
+    FIRST_BUCKET_BYTES = 2**20
 
     def __post_init__(self) -> None:
         check_fields(
@@ -55,13 +58,32 @@ class DDP(Mode):
             return model.bytes
         return model.bytes * 1.5 * self.powersgd_rank / model.hidden
 
+    def _buckets(self, model: Model) -> tuple[int, float]:
+        """How many buckets, and the bytes of the one whose gradients are ready last (the first
+        layers'): after the small first bucket, ``bucket_bytes`` ones, the last holding the
+        rest."""
+        rest = max(0.0, model.bytes - self.FIRST_BUCKET_BYTES)
+        if rest == 0.0:
+            return 1, model.bytes
+        full = math.ceil(rest / self.bucket_bytes) - 1
+        return 2 + full, rest - full * self.bucket_bytes
+
+    def _collectives(self) -> int:
+        """A bucket's collectives: one all-reduce, or PowerSGD's two (P, then Q)."""
+        return 1 if self.powersgd_rank is None else 2
+
     def _parts(self, model: Model, cluster: Cluster) -> dict[str, float]:
-        buckets = math.ceil(model.bytes / self.bucket_bytes)
-        collectives = buckets * (1 if self.powersgd_rank is None else 2)
+        buckets, _ = self._buckets(model)
         return {
             "wire": cluster.wire(all_reduce_bytes(cluster.workers, self._sent(model))),
-            "latency": collectives * cluster.tree_latency(),
+            "latency": buckets * self._collectives() * cluster.tree_latency(),
         }
+
+    def _tail(self, model: Model, cluster: Cluster) -> float:
+        """The last bucket's all-reduce, which starts only when the backward ends."""
+        _, last = self._buckets(model)
+        sent = all_reduce_bytes(cluster.workers, last * self._sent(model) / model.bytes)
+        return cluster.wire(sent) + self._collectives() * cluster.tree_latency()
 
     def _kernels(self, model: Model, cluster: Cluster) -> float:
         # PowerSGD's products read the gradient twice and write it once, on the compute stream.
@@ -71,14 +93,19 @@ class DDP(Mode):
         parts = self._parts(model, cluster)
         backward = self.BACKWARD * model.step_seconds
         communication = sum(parts.values())
+        tail = self._tail(model, cluster)
         seconds = self._kernels(model, cluster) + model.step_seconds - backward
-        seconds += max(backward, communication)
+        seconds += max(backward + tail, communication)
+        # Bound by the compute while the buckets' all-reduces keep up with the backward (the
+        # last one's tail grows with the model, not with the step).
         bound = "compute" if communication <= backward else largest(parts)
         return StepTime(seconds, bound)
 
     def schedule(self, model: Model, cluster: Cluster) -> Schedule:
         communication = sum(self._parts(model, cluster).values())
-        return Lockstep(communication, self.BACKWARD, self._kernels(model, cluster))
+        return Lockstep(
+            communication, self.BACKWARD, self._kernels(model, cluster), self._tail(model, cluster)
+        )
 
     def bytes_per_step(self, model: Model, cluster: Cluster) -> float:
         return all_reduce_bytes(cluster.workers, self._sent(model))

@@ -40,18 +40,22 @@ class OwnPace(Schedule):
 class Lockstep(Schedule):
     """Every worker waits for every other at every step (an all-reduce): the step ends when the
     slowest worker's ``communication`` has, which the last ``hidden`` share of each worker's
-    compute (DDP's backward) overlaps, after its ``kernels``."""
+    compute (DDP's backward) overlaps but for its ``tail`` (the part that starts only once the
+    compute ends: DDP's last bucket), after its ``kernels``."""
 
-    def __init__(self, communication: float, hidden: float = 0.0, kernels: float = 0.0):
+    def __init__(
+        self, communication: float, hidden: float = 0.0, kernels: float = 0.0, tail: float = 0.0
+    ):
         self.communication = communication
         self.hidden = hidden
         self.kernels = kernels
+        self.tail = tail
 
     def next_starts(
         self, k: int, starts: Sequence[float], finishes: Sequence[float]
     ) -> list[float]:
         end = max(
-            f + self.kernels + max(0.0, self.communication - self.hidden * (f - s))
+            f + self.kernels + max(self.tail, self.communication - self.hidden * (f - s))
             for s, f in zip(starts, finishes)
         )
         return [end] * len(starts)
