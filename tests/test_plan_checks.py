@@ -1,5 +1,6 @@
-"""benchmarks/plan_papers.py: the planner on published settings, its figures held to the papers'
-where it claims to meet them, and to the hand-worked ones where it solves an input."""
+"""The planner's checks: benchmarks/plan_papers.py on published settings, its figures held to the
+papers' where it claims to meet them and to hand-worked ones where it solves an input; and
+benchmarks/plan_grid.py on an lm_compare run made by hand."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ import sys
 import pytest
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "benchmarks"))
+import plan_grid  # noqa: E402
 import plan_papers  # noqa: E402
 
 
@@ -55,3 +57,30 @@ def test_the_streaming_diloco_table_is_every_published_cell_and_the_planner_asks
             # promises a utilization at less bandwidth than it needed there.
             if r["method"] != "Data-Parallel":
                 assert predicted >= published / plan_papers.STREAMING_TOLERANCE, r
+
+
+def test_the_grid_check_reads_an_lm_compare_run():
+    """Workers alone at 50 ms a step; DDP at the planner's own figure, overlap SGP a fifth slower
+    than it predicts, on one setting of 4 workers at 100 Mbit/s."""
+    from gossip_ext.plan import Cluster, Model
+
+    model = Model(params=440_000, step_seconds=0.05, width=plan_grid.WIDTH)
+    cluster = Cluster(workers=4, link_bits=1e8, kernel_bytes=1e10)
+    ddp = plan_grid.MODES["ddp"].step(model, cluster).seconds
+    sgp = plan_grid.MODES["overlap_sgp_int8"].step(model, cluster).seconds
+    rows = {
+        "alone": {"params": 440_000, "step_ms": 50.0, "wire_bytes_per_step": 0.0},
+        "ddp": {"params": 440_000, "step_ms": 1e3 * ddp, "wire_bytes_per_step": 2.7e6},
+        "overlap_sgp_int8": {"params": 440_000, "step_ms": 1.2e3 * sgp},
+    }
+    run = {"settings": [{"workers": 4, "rate": 1e8, "rows": rows}]}
+    found = {f["system"]: f for f in plan_grid.compare(run, 1e10)}
+    assert found["ddp"]["step"] == pytest.approx((ddp, ddp))
+    # 2 * 3/4 of 440,000 float32 gradients.
+    assert found["ddp"]["bytes"] == pytest.approx((1.5 * 4 * 440_000, 2.7e6))
+    assert found["overlap_sgp_int8"]["bytes"][1] is None
+    said = plan_grid.goals(list(found.values()))
+    assert said == (
+        "Step time within 15%: 1 of 2; missed: overlap_sgp_int8 (4 x 100 Mbit/s, -17%)."
+    )
+    assert "| ddp (DDP) | " in plan_grid.table(list(found.values()))
