@@ -4,6 +4,7 @@ the package's own (the compiled codec's and the sparse format's)."""
 from __future__ import annotations
 
 import math
+import time
 
 import pytest
 
@@ -391,3 +392,27 @@ def test_the_simulated_gossip_rounds_are_the_engine_s_default_graph(n):
         for i in range(n):
             (out_peer,) = graph.out_peers(i, k)
             assert Neighbours.in_peer(out_peer, k, n) == i
+
+
+def test_a_user_s_step_and_the_kernels_speed_are_measured(capsys):
+    from gossip_ext.plan import measure
+
+    calls = []
+
+    def step():
+        calls.append(1)
+        time.sleep(0.02)
+
+    assert measure.step_seconds(step, repeats=5, warmup=2) == pytest.approx(0.02, rel=0.5)
+    assert len(calls) == 7  # the warmup's calls are not timed
+    with pytest.raises(ValueError, match="repeats=...\\): at least 1, got 0"):
+        measure.step_seconds(step, repeats=0)
+    # The absorb kernel streams three float32 buffers of 2^20: well above 100 MB/s on any CPU.
+    assert measure.kernel_bytes("cpu", elements=1 << 20, repeats=3) > 1e8
+    with pytest.raises(ValueError, match="elements"):
+        measure.kernel_bytes("cpu", elements=0)
+    cli.main("--workers 8 --params 1e6 --link 1gbit --step-ms 100 --kernel-gbytes measure".split())
+    assert "the kernels measured on this machine's cpu: " in capsys.readouterr().out
+    with pytest.raises(SystemExit):
+        cli.main("--workers 8 --params 1e6 --link 1gbit --step-ms 100 --kernel-gbytes x".split())
+    assert "GB/s or 'measure', got 'x'" in capsys.readouterr().err

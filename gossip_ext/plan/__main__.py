@@ -7,6 +7,8 @@ import argparse
 import re
 import sys
 
+import torch
+
 from gossip_ext.plan.cost import Cluster, Model, Prediction
 from gossip_ext.plan.modes import every_mode
 from gossip_ext.plan.simulation import Simulated, simulate
@@ -56,6 +58,23 @@ def factor(text: str) -> float:
     return float(match.group(1))
 
 
+def gbytes(text: str) -> float:
+    """GB/s, or ``measure``: the engine's absorb kernel timed on this machine."""
+    if text.strip().lower() == "measure":
+        from gossip_ext.plan import measure
+
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+        found = measure.kernel_bytes(device) / 1e9
+        print(f"the kernels measured on this machine's {device}: {found:.1f} GB/s")
+        return found
+    try:
+        return float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"GB/s or 'measure', got {text!r}"
+        ) from None
+
+
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python -m gossip_ext.plan", description=__doc__)
     p.add_argument("--workers", type=int, required=True)
@@ -76,7 +95,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--checkpoint-every", type=seconds, default=1800.0)
     p.add_argument("--epoch-pause", type=seconds, default=5.0, help="an elastic job's pause")
     p.add_argument(
-        "--kernel-gbytes", type=float, default=1000.0, help="kernels' memory bandwidth, GB/s"
+        "--kernel-gbytes",
+        type=gbytes,
+        default=1000.0,
+        help="the kernels' memory bandwidth, GB/s, or 'measure': the engine's absorb kernel timed "
+        "on this machine's GPU (its CPU where it has none)",
     )
     p.add_argument("--every", type=int, default=100, help="H: steps between outer steps")
     p.add_argument("--fragments", type=int, default=4, help="Streaming DiLoCo's")
