@@ -70,9 +70,7 @@ def gbytes(text: str) -> float:
     try:
         return float(text)
     except ValueError:
-        raise argparse.ArgumentTypeError(
-            f"GB/s or 'measure', got {text!r}"
-        ) from None
+        raise argparse.ArgumentTypeError(f"GB/s or 'measure', got {text!r}") from None
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
