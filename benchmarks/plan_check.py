@@ -59,12 +59,33 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--nic-slowdown", type=float, default=10.0, help="the run's --nic-slowdown")
     p.add_argument("--kernel-gbytes", type=float, default=10.0, help="this CPU's, GB/s")
     p.add_argument(
+        "--host-cpu-ns",
+        default="measure",
+        help="the CPU a byte sent or received costs, ns (gossip_ext.plan.measure."
+        "host_seconds_per_byte), or 'measure' (default): timed now, on its own",
+    )
+    p.add_argument(
+        "--cpu-per-worker", type=float, default=0.5, help="the run's cap on each worker, cores"
+    )
+    p.add_argument(
         "--run",
-        default="python benchmarks/heterogeneous.py --bandwidth 100mbit",
+        default="python benchmarks/heterogeneous.py --bandwidth 100mbit --cpu-per-worker 0.5 "
+        "--systems " + " ".join(["alone", *MODES]) + " --repeats 1 --steps 320 --ddp-steps 160",
         help="the command that made --rows, said in the section",
     )
     p.add_argument("--no-record", action="store_true")
-    return p.parse_args(argv)
+    args = p.parse_args(argv)
+    args.host_cpu = host_cpu_seconds(args.host_cpu_ns)
+    return args
+
+
+def host_cpu_seconds(text: str) -> float:
+    """The CPU seconds a byte sent or received costs: given in ns, or measured now."""
+    if text == "measure":
+        from gossip_ext.plan import measure
+
+        return measure.host_seconds_per_byte()
+    return float(text) * 1e-9
 
 
 def cluster_of(setting: str, alone: list[dict], args: argparse.Namespace) -> Cluster:
@@ -75,6 +96,7 @@ def cluster_of(setting: str, alone: list[dict], args: argparse.Namespace) -> Clu
         workers=args.workers,
         link_bits=netns.parse_rate(args.bandwidth),
         kernel_bytes=args.kernel_gbytes * 1e9,
+        host_seconds_per_byte=args.host_cpu / args.cpu_per_worker,
     )
     one = 1 / args.workers
     if setting == "slow" and odd:
@@ -182,14 +204,17 @@ def main(argv: list[str] | None = None) -> list[dict]:
     found = compare(rows, args)
     text = table(found)
     said = goals(found)
-    print(text + "\n\n" + said)
+    print(f"a byte sent or received: {args.host_cpu * 1e9:.2f} ns of CPU\n\n{text}\n\n{said}")
     if not args.no_record:
         body = (
             f"A run of `{args.run}` (the protocol of the heterogeneous section above; "
             f"{args.workers} workers on 2 cores), each system beside the planner's "
             "mode for it, given the parameters, the link and the step of the model alone "
             "(`alone` on the same cluster, whose odd worker gives the slowdown or the share of "
-            f"time stopped); kernels at {args.kernel_gbytes:g} GB/s. Step times: "
+            f"time stopped); kernels at {args.kernel_gbytes:g} GB/s; a byte sent or received "
+            f"{args.host_cpu * 1e9:.2f} ns of CPU (`gossip_ext.plan.measure."
+            "host_seconds_per_byte`, timed on its own) over the worker's "
+            f"{args.cpu_per_worker:g} core. Step times: "
             "the mean over the workers but the odd one (medians over an asynchronous mode's "
             "runs); the stalling cluster is compared by goodput only.\n\n"
             f'Goals: {said} Why the misses: docs/scaling.md, "Checked against this '

@@ -29,7 +29,7 @@ import results  # noqa: E402  (benchmarks/results.py)
 
 from gossip_ext.plan import DDP, SGP, Cluster, Mode, Model, Periodic, SparseLoCo  # noqa: E402
 from harness import netns  # noqa: E402
-from harness.compare import tuning  # noqa: E402
+from harness.compare import systems, tuning  # noqa: E402
 
 TITLE = "The planner against lm_compare's grid: predicted and measured step times"
 GOAL_STEP = 0.15
@@ -59,6 +59,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--rows", required=True, help="a run of benchmarks/lm_compare.py (--rows)")
     p.add_argument("--kernel-gbytes", type=float, default=10.0, help="this CPU's, GB/s")
+    p.add_argument(
+        "--host-cpu-ns",
+        default="measure",
+        help="the CPU a byte sent or received costs, ns (gossip_ext.plan.measure."
+        "host_seconds_per_byte), or 'measure' (default): timed now, on its own",
+    )
+    p.add_argument("--cores", type=int, default=os.cpu_count(), help="the run's machine's")
     p.add_argument("--no-record", action="store_true")
     return p.parse_args(argv)
 
@@ -67,9 +74,35 @@ def setting_name(workers: int, rate: float) -> str:
     return f"{workers} x {netns.format_rate(rate)}"
 
 
-def compare(run: dict, kernel_bytes: float) -> list[dict]:
+def predicted(
+    system: str, mode: Mode, model: Model, cluster: Cluster, protocol: dict
+) -> tuple[float, float]:
+    """The mean step (seconds) and bytes a step the planner gives ``system`` over the run's
+    steps: PowerSGD's hook all-reduces plainly, as DDP, for its first steps (its warm start)."""
+    step, sent = mode.step(model, cluster).seconds, mode.bytes_per_step(model, cluster)
+    if system.startswith("powersgd"):
+        steps = protocol["steps"]
+        plain = min(steps, systems.powersgd_start(protocol["warmup"]))
+        ddp = DDP(bucket_bytes=float("inf"))
+        step = (plain * ddp.step(model, cluster).seconds + (steps - plain) * step) / steps
+        sent = (plain * ddp.bytes_per_step(model, cluster) + (steps - plain) * sent) / steps
+    return step, sent
+
+
+def host_cpu_seconds(text: str) -> float:
+    """The CPU seconds a byte sent or received costs: given in ns, or measured now."""
+    if text == "measure":
+        from gossip_ext.plan import measure
+
+        return measure.host_seconds_per_byte()
+    return float(text) * 1e-9
+
+
+def compare(run: dict, kernel_bytes: float, host_cpu: float = 0.0, cores: int = 1) -> list[dict]:
     """One entry per setting and system: the predicted and measured step (seconds) and bytes a
-    step (None where the run counted none)."""
+    step (None where the run counted none). ``host_cpu``, the CPU a byte sent or received costs,
+    is paid on the ``cores`` that every worker of the setting shares: a worker's share of them,
+    ``cores / workers``, turns it into time of its step."""
     found = []
     for setting in run["settings"]:
         rows, workers, rate = setting["rows"], setting["workers"], setting["rate"]
@@ -77,21 +110,25 @@ def compare(run: dict, kernel_bytes: float) -> list[dict]:
             continue
         alone = rows["alone"]
         model = Model(params=alone["params"], step_seconds=alone["step_ms"] / 1e3, width=WIDTH)
-        cluster = Cluster(workers=workers, link_bits=rate, kernel_bytes=kernel_bytes)
+        share = min(1.0, cores / workers)
+        cluster = Cluster(
+            workers=workers,
+            link_bits=rate,
+            kernel_bytes=kernel_bytes,
+            host_seconds_per_byte=host_cpu / share,
+        )
         for system, mode in MODES.items():
             if system not in rows:
                 continue
             result = rows[system]
+            step, sent = predicted(system, mode, model, cluster, run["protocol"])
             found.append(
                 {
                     "setting": setting_name(workers, rate),
                     "system": system,
                     "mode": mode.name,
-                    "step": (mode.step(model, cluster).seconds, result["step_ms"] / 1e3),
-                    "bytes": (
-                        mode.bytes_per_step(model, cluster),
-                        result.get("wire_bytes_per_step"),
-                    ),
+                    "step": (step, result["step_ms"] / 1e3),
+                    "bytes": (sent, result.get("wire_bytes_per_step")),
                 }
             )
     return found
@@ -134,16 +171,20 @@ def main(argv: list[str] | None = None) -> list[dict]:
     args = parse_args(argv)
     with open(args.rows) as f:
         run = json.load(f)
-    found = compare(run, args.kernel_gbytes * 1e9)
+    host_cpu = host_cpu_seconds(args.host_cpu_ns)
+    found = compare(run, args.kernel_gbytes * 1e9, host_cpu, args.cores)
     text, said = table(found), goals(found)
-    print(text + "\n\n" + said)
+    print(f"a byte sent or received: {host_cpu * 1e9:.2f} ns of CPU\n\n{text}\n\n{said}")
     if not args.no_record:
         body = (
             "A run of lm_compare's systems (its protocol: the byte-level transformer of 0.44M "
             "parameters, batch 8, one thread a worker, the workers on the machine's 2 cores; 120 "
             "steps each) on its four settings, each system beside the planner's mode for it, "
             "given the parameters, the link and the step of the workers alone on the same "
-            f"setting (`alone`); kernels at {args.kernel_gbytes:g} GB/s. Each cell: the step, "
+            f"setting (`alone`); kernels at {args.kernel_gbytes:g} GB/s; a byte sent or "
+            f"received {host_cpu * 1e9:.2f} ns of CPU (`gossip_ext.plan.measure."
+            "host_seconds_per_byte`, timed on its own), over each worker's share of the "
+            f"{args.cores} cores. Each cell: the step, "
             "predicted / measured (the error); the bytes a worker sent a step, predicted / "
             "counted on its NIC.\n\n"
             f'Goal: {said} Why the misses: docs/scaling.md, "Checked against this machine".'

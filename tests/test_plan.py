@@ -274,7 +274,9 @@ def test_the_check_against_this_machine_reads_a_run_s_rows():
     sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "benchmarks"))
     import plan_check
 
-    args = plan_check.parse_args(["--rows", "unused", "--bandwidth", "100mbit"])
+    args = plan_check.parse_args(
+        ["--rows", "unused", "--bandwidth", "100mbit", "--host-cpu-ns", "0"]
+    )
     model = Model(params=MILLION, step_seconds=0.1, width=plan_check.WIDTH)
     uniform = plan_check.cluster_of("uniform", [], args)
     ddp = plan_check.MODES["ddp"].step(model, uniform).seconds
@@ -411,8 +413,34 @@ def test_a_user_s_step_and_the_kernels_speed_are_measured(capsys):
     assert measure.kernel_bytes("cpu", elements=1 << 20, repeats=3) > 1e8
     with pytest.raises(ValueError, match="elements"):
         measure.kernel_bytes("cpu", elements=0)
+    # Two processes exchanging over gloo: a byte's CPU between a picosecond and a microsecond.
+    assert 1e-12 < measure.host_seconds_per_byte(message_bytes=1 << 20, rounds=5) < 1e-6
     cli.main("--workers 8 --params 1e6 --link 1gbit --step-ms 100 --kernel-gbytes measure".split())
     assert "the kernels measured on this machine's cpu: " in capsys.readouterr().out
     with pytest.raises(SystemExit):
         cli.main("--workers 8 --params 1e6 --link 1gbit --step-ms 100 --kernel-gbytes x".split())
     assert "GB/s or 'measure', got 'x'" in capsys.readouterr().err
+
+
+def test_a_cpu_worker_pays_its_transport_s_copies_on_its_compute():
+    import dataclasses
+
+    gpu = Cluster(workers=4, link_bits=1e12, kernel_bytes=1e15)
+    cpu = dataclasses.replace(gpu, host_seconds_per_byte=1e-9)
+    # One nanosecond a byte sent or received: SGP's message each way, DDP's 2 * 3/4 of the
+    # gradients each way, LocalSGD's all-reduce each way once every 4 steps.
+    message = message_bytes(MILLION, "int8")
+    for mode, sent in [
+        (SGP("int8"), message),
+        (SGP("int8", overlap=True), message),
+        (AsyncSGP("int8"), message),
+        (DDP(), 1.5 * 4 * MILLION),
+        (Periodic("LocalSGD", 4), 1.5 * 4 * MILLION / 4),
+        (StreamingDiLoCo(4, 2, 1), 1.5 * 4 * MILLION / 4),
+    ]:
+        extra = mode.step(_model(), cpu).seconds - mode.step(_model(), gpu).seconds
+        assert extra == pytest.approx(2 * sent * 1e-9, rel=1e-6), mode.name
+        simulated = simulate(mode, _model(), cpu, steps=400)
+        assert simulated.step_seconds == pytest.approx(mode.step(_model(), cpu).seconds, rel=1e-6)
+    with pytest.raises(ValueError, match="host_seconds_per_byte"):
+        Cluster(workers=4, link_bits=1e9, host_seconds_per_byte=-1.0)

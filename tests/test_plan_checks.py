@@ -1,6 +1,7 @@
 """The planner's checks: benchmarks/plan_papers.py on published settings, its figures held to the
 papers' where it claims to meet them and to hand-worked ones where it solves an input; and
-benchmarks/plan_grid.py on an lm_compare run made by hand."""
+benchmarks/plan_grid.py on an lm_compare run made by hand; benchmarks/plan_consensus.py's table
+in docs/scaling.md, its 64-worker column recomputed by the engine."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ import sys
 import pytest
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "benchmarks"))
+import plan_consensus  # noqa: E402
 import plan_grid  # noqa: E402
 import plan_papers  # noqa: E402
 
@@ -73,7 +75,10 @@ def test_the_grid_check_reads_an_lm_compare_run():
         "ddp": {"params": 440_000, "step_ms": 1e3 * ddp, "wire_bytes_per_step": 2.7e6},
         "overlap_sgp_int8": {"params": 440_000, "step_ms": 1.2e3 * sgp},
     }
-    run = {"settings": [{"workers": 4, "rate": 1e8, "rows": rows}]}
+    run = {
+        "protocol": {"steps": 120, "warmup": 20},
+        "settings": [{"workers": 4, "rate": 1e8, "rows": rows}],
+    }
     found = {f["system"]: f for f in plan_grid.compare(run, 1e10)}
     assert found["ddp"]["step"] == pytest.approx((ddp, ddp))
     # 2 * 3/4 of 440,000 float32 gradients.
@@ -84,3 +89,26 @@ def test_the_grid_check_reads_an_lm_compare_run():
         "Step time within 15%: 1 of 2; missed: overlap_sgp_int8 (4 x 100 Mbit/s, -17%)."
     )
     assert "| ddp (DDP) | " in plan_grid.table(list(found.values()))
+    # A byte's CPU, 1 ns, paid on 2 cores by 4 workers: 2 ns of each worker's step for each of
+    # DDP's bytes sent and received.
+    shared = {f["system"]: f for f in plan_grid.compare(run, 1e10, host_cpu=1e-9, cores=2)}
+    extra = shared["ddp"]["step"][0] - ddp
+    assert extra == pytest.approx(2 * 1.5 * 4 * 440_000 * 2e-9, rel=1e-6)
+    # PowerSGD all-reduces plainly for its first 20 steps of 120: a sixth of its steps are DDP's.
+    powersgd = plan_grid.MODES["powersgd_r4"]
+    rows["powersgd_r4"] = {"params": 440_000, "step_ms": 100.0}
+    (entry,) = [f for f in plan_grid.compare(run, 1e10) if f["system"] == "powersgd_r4"]
+    plain = plan_grid.DDP(bucket_bytes=float("inf"))
+    mean = 20 * plain.step(model, cluster).seconds + 100 * powersgd.step(model, cluster).seconds
+    assert entry["step"][0] == pytest.approx(mean / 120)
+
+
+def test_the_consensus_table_is_the_engine_s():
+    from gossip_ext.graphs import NPeerDynamicDirectedExponentialGraph
+
+    plan_consensus.main(["--check"])  # exits naming the command that rewrites it
+    # On the default graph 64 workers are averaged after log2 64 = 6 rounds, not before.
+    found = plan_consensus.distances(NPeerDynamicDirectedExponentialGraph(), 64, None)
+    assert found[6] < 1e-6 < found[5]
+    assert plan_consensus.cell(found) == f"{next(k for k, d in enumerate(found) if d <= 1e-2)} / 6"
+    assert plan_consensus.cell([1.0] * 5) == f">{plan_consensus.CAP} / >{plan_consensus.CAP}"

@@ -99,6 +99,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="the kernels' memory bandwidth, GB/s, or 'measure': the engine's absorb kernel timed "
         "on this machine's GPU (its CPU where it has none)",
     )
+    p.add_argument(
+        "--host-ns-per-byte",
+        type=float,
+        default=0.0,
+        help="CPU workers: what each byte sent or received adds to a step, ns (their CPU cost, "
+        "gossip_ext.plan.measure.host_seconds_per_byte, over each worker's share of a core)",
+    )
     p.add_argument("--every", type=int, default=100, help="H: steps between outer steps")
     p.add_argument("--fragments", type=int, default=4, help="Streaming DiLoCo's")
     p.add_argument("--delay", type=int, default=1, help="Streaming DiLoCo's overlap, in steps")
@@ -157,6 +164,7 @@ def main(argv: list[str] | None = None) -> list[Prediction]:
             checkpoint_every=args.checkpoint_every,
             epoch_pause=args.epoch_pause,
             kernel_bytes=args.kernel_gbytes * 1e9,
+            host_seconds_per_byte=args.host_ns_per_byte * 1e-9,
         )
     except ValueError as error:
         sys.exit(f"python -m gossip_ext.plan: {error}")

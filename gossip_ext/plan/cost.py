@@ -67,7 +67,11 @@ class Cluster:
     job's survivors pause ``epoch_pause`` for each membership change while the failed worker
     rejoins after ``restart``;
     ``kernel_bytes``: what the encode and absorb kernels stream per second (memory bandwidth:
-    about 2e12 on an H100's HBM, 2e10 on a CPU socket's DRAM; ``benchmarks/kernels.py``).
+    about 2e12 on an H100's HBM, 2e10 on a CPU socket's DRAM; ``benchmarks/kernels.py``);
+    ``host_seconds_per_byte``: CPU workers only, what each byte a worker sends or receives adds
+    to its step, on the cores it computes on (the transport's copies and sockets:
+    ``measure.host_seconds_per_byte`` over the share of a core each worker has); 0 on GPUs,
+    whose copies and NICs leave the compute alone.
     """
 
     workers: int
@@ -82,6 +86,7 @@ class Cluster:
     checkpoint_every: float = 1800.0
     epoch_pause: float = 5.0
     kernel_bytes: float = 1e12
+    host_seconds_per_byte: float = 0.0
 
     def __post_init__(self) -> None:
         if self.workers < 2:
@@ -100,6 +105,11 @@ class Cluster:
             )
         if not 0.0 <= self.stalled < 1.0:
             raise ValueError(f"Cluster(stalled=...): must be in [0, 1), got {self.stalled}")
+        if not self.host_seconds_per_byte >= 0.0:
+            raise ValueError(
+                "Cluster(host_seconds_per_byte=...): must be at least 0, got "
+                f"{self.host_seconds_per_byte}"
+            )
         if self.mtbf is not None and not self.mtbf > 0:
             raise ValueError(f"Cluster(mtbf=...): must be positive or None, got {self.mtbf}")
 
@@ -132,6 +142,10 @@ class Cluster:
     def kernels(self, touched_bytes: float) -> float:
         """Seconds for the kernels to stream ``touched_bytes`` through memory."""
         return touched_bytes / self.kernel_bytes
+
+    def host(self, sent_bytes: float) -> float:
+        """Seconds of a CPU worker's step for sending ``sent_bytes`` and receiving as many."""
+        return 2 * sent_bytes * self.host_seconds_per_byte
 
 
 def all_reduce_bytes(workers: int, message_bytes: float) -> float:

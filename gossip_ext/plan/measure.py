@@ -72,3 +72,48 @@ def kernel_bytes(
 
     seconds = step_seconds(absorb, repeats=repeats, warmup=1, device=where)
     return 3 * 4 * elements / seconds
+
+
+def host_seconds_per_byte(*, message_bytes: int = 1 << 22, rounds: int = 20) -> float:
+    """The CPU seconds a byte sent or received over gloo costs on this machine: two processes
+    of one group exchange ``message_bytes`` ``rounds`` times over the loopback's TCP, each
+    counting its own CPU time (every thread's: gloo's included) over the bytes it sent and
+    received. A CPU worker pays it on the cores it computes on (``Cluster.host_seconds_per_byte``,
+    over the share of a core it has); a GPU worker's copies and NIC leave its compute alone."""
+    if message_bytes < 1:
+        raise ValueError(
+            f"host_seconds_per_byte(message_bytes=...): at least 1, got {message_bytes}"
+        )
+    if rounds < 1:
+        raise ValueError(f"host_seconds_per_byte(rounds=...): at least 1, got {rounds}")
+    import tempfile
+
+    import torch.multiprocessing as mp
+
+    with tempfile.TemporaryDirectory() as folder:
+        store = f"{folder}/store"
+        spent = mp.get_context("spawn").SimpleQueue()
+        mp.spawn(_exchange, args=(store, message_bytes, rounds, spent), nprocs=2, join=True)
+        per_rank = [spent.get() for _ in range(2)]
+    return statistics.mean(per_rank) / (2 * message_bytes * rounds)
+
+
+def _exchange(rank: int, store: str, message_bytes: int, rounds: int, spent) -> None:
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=2)
+    try:
+        out = torch.zeros(message_bytes, dtype=torch.uint8)
+        into = torch.empty(message_bytes, dtype=torch.uint8)
+        peer = 1 - rank
+        dist.barrier()
+        begin = time.process_time()
+        for _ in range(rounds):
+            sent = dist.isend(out, peer)
+            dist.recv(into, peer)
+            if sent is not None:  # None only for a rank outside the group
+                sent.wait()
+        spent.put(time.process_time() - begin)
+        dist.barrier()
+    finally:
+        dist.destroy_process_group()

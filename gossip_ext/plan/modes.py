@@ -65,8 +65,8 @@ class DDP(Mode):
         rest = max(0.0, model.bytes - self.FIRST_BUCKET_BYTES)
         if rest == 0.0:
             return 1, model.bytes
-        full = math.ceil(rest / self.bucket_bytes) - 1
-        return 2 + full, rest - full * self.bucket_bytes
+        full = max(0, math.ceil(rest / self.bucket_bytes) - 1)
+        return 2 + full, rest - full * self.bucket_bytes if full else rest
 
     def _collectives(self) -> int:
         """A bucket's collectives: one all-reduce, or PowerSGD's two (P, then Q)."""
@@ -86,8 +86,10 @@ class DDP(Mode):
         return cluster.wire(sent) + self._collectives() * cluster.tree_latency()
 
     def _kernels(self, model: Model, cluster: Cluster) -> float:
-        # PowerSGD's products read the gradient twice and write it once, on the compute stream.
-        return 0.0 if self.powersgd_rank is None else cluster.kernels(3 * model.bytes)
+        # PowerSGD's products read the gradient twice and write it once, on the compute stream;
+        # a CPU worker's transport copies what it sends and receives on its own cores.
+        host = cluster.host(self.bytes_per_step(model, cluster))
+        return host + (0.0 if self.powersgd_rank is None else cluster.kernels(3 * model.bytes))
 
     def step(self, model: Model, cluster: Cluster) -> StepTime:
         parts = self._parts(model, cluster)
@@ -137,8 +139,8 @@ class SGP(Mode):
             "wire": cluster.wire(message),
             "latency": cluster.latency,
             # The send reads the parameters and writes the message; the absorb reads the message
-            # and the parameters and writes them.
-            "kernels": cluster.kernels(3 * model.bytes + 2 * message),
+            # and the parameters and writes them (a CPU worker's transport copies it too).
+            "kernels": cluster.kernels(3 * model.bytes + 2 * message) + cluster.host(message),
         }
 
     # Note [A round beside the step]
@@ -190,7 +192,9 @@ class AsyncSGP(Mode):
 
     def step(self, model: Model, cluster: Cluster) -> StepTime:
         message = message_bytes(model.params, self.fmt)
-        kernels = cluster.kernels(3 * model.bytes + 2 * message)
+        # A CPU worker's transport copies every message it sends and receives, carried or not
+        # (the engine offers each one; what the link cannot take is held back and merged).
+        kernels = cluster.kernels(3 * model.bytes + 2 * message) + cluster.host(message)
         bound = "compute" if kernels <= model.step_seconds else "kernels"
         return StepTime(model.step_seconds + kernels, bound)
 

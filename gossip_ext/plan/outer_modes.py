@@ -74,7 +74,8 @@ class Periodic(OuterEvery):
         return {
             "wire": cluster.wire(all_reduce_bytes(cluster.workers, message)),
             "latency": cluster.tree_latency(),
-            "kernels": cluster.kernels(2 * model.bytes + 2 * message),
+            "kernels": cluster.kernels(2 * model.bytes + 2 * message)
+            + cluster.host(self.outer_bytes(model, cluster)),
         }
 
     def outer_bytes(self, model: Model, cluster: Cluster) -> float:
@@ -116,11 +117,17 @@ class StreamingDiLoCo(Mode):
         # reached it, hidden by ``delay`` of the slowest worker's steps.
         apart = max(1, round(self.every / self.fragments))
         share = self.fragments * apart / self.every
-        return EveryFew(apart, self._travel(model, cluster), self.delay, share)
+        travel = self._travel(model, cluster)
+        return EveryFew(apart, travel, self.delay, share, self._host(model, cluster))
+
+    def _host(self, model: Model, cluster: Cluster) -> float:
+        """A CPU worker's transport copying a step's share of the fragments' bytes."""
+        return cluster.host(self.bytes_per_step(model, cluster))
 
     def step(self, model: Model, cluster: Cluster) -> StepTime:
         stall = self._stall(model, cluster)
-        seconds = model.step_seconds + self.fragments * stall / self.every
+        seconds = model.step_seconds + self._host(model, cluster)
+        seconds += self.fragments * stall / self.every
         if stall == 0.0:
             return StepTime(seconds, "compute")
         fragment = message_bytes(model.params, self.fmt) / self.fragments
@@ -161,7 +168,8 @@ class SparseLoCo(OuterEvery):
         return {
             "wire": cluster.wire(self.outer_bytes(model, cluster)),
             "latency": cluster.tree_latency(),
-            "kernels": cluster.kernels(4 * model.bytes),
+            "kernels": cluster.kernels(4 * model.bytes)
+            + cluster.host(self.outer_bytes(model, cluster)),
         }
 
     def buffers(self, model: Model, cluster: Cluster) -> float:
@@ -194,7 +202,8 @@ class ChocoGossip(OuterEvery):
         return {
             "wire": cluster.wire(self.outer_bytes(model, cluster)),
             "latency": cluster.latency,
-            "kernels": cluster.kernels(4 * model.bytes),
+            "kernels": cluster.kernels(4 * model.bytes)
+            + cluster.host(self.outer_bytes(model, cluster)),
         }
 
     def buffers(self, model: Model, cluster: Cluster) -> float:

@@ -65,20 +65,30 @@ class EveryFew(Schedule):
     """Every worker at its own pace but every ``every`` steps, where all wait for the slowest
     and then pay ``communication`` (an outer step's all-reduce), less what ``hide`` steps of the
     slowest worker's compute overlap (a Streaming DiLoCo fragment's ``delay``), times ``share``
-    (the part of a period's fragments one barrier stands for)."""
+    (the part of a period's fragments one barrier stands for); every step also pays
+    ``per_step`` after its compute (a CPU worker's copies of what it sends)."""
 
-    def __init__(self, every: int, communication: float, hide: int = 0, share: float = 1.0):
+    def __init__(
+        self,
+        every: int,
+        communication: float,
+        hide: int = 0,
+        share: float = 1.0,
+        per_step: float = 0.0,
+    ):
         self.every = self.period = every
         self.communication = communication
         self.hide = hide
         self.share = share
+        self.per_step = per_step
 
     def next_starts(
         self, k: int, starts: Sequence[float], finishes: Sequence[float]
     ) -> list[float]:
+        slowest = max(f - s for s, f in zip(starts, finishes))  # the compute that hides
+        finishes = [f + self.per_step for f in finishes]
         if (k + 1) % self.every:
-            return list(finishes)
-        slowest = max(f - s for s, f in zip(starts, finishes))
+            return finishes
         barrier = self.share * max(0.0, self.communication - self.hide * slowest)
         return [max(finishes) + barrier] * len(finishes)
 

@@ -240,6 +240,12 @@ class _OptimizerStep(System):
         return loss.item()
 
 
+def powersgd_start(warmup: int) -> int:
+    """The steps PowerSGD's hook all-reduces plainly before it compresses (its warm start, as
+    torch's PowerSGDState starts at start_powerSGD_iter): the learning rate's warmup."""
+    return max(2, warmup)
+
+
 class _Ddp(_OptimizerStep):
     def __init__(self, module: nn.Module, recipe: Recipe, powersgd_rank: int | None) -> None:
         if powersgd_rank is None:
@@ -253,7 +259,7 @@ class _Ddp(_OptimizerStep):
             state = powerSGD_hook.PowerSGDState(
                 process_group=None,
                 matrix_approximation_rank=powersgd_rank,
-                start_powerSGD_iter=max(2, recipe.warmup),
+                start_powerSGD_iter=powersgd_start(recipe.warmup),
                 warm_start=True,
                 use_error_feedback=True,
             )
