@@ -63,11 +63,13 @@ def distances(graph: GraphBase, workers: int, fmt: str | None) -> list[float]:
 
 
 def cell(found: list[float]) -> str:
-    """The rounds to each of LEVELS (``>CAP`` where not reached)."""
+    """The rounds to each of LEVELS (``>CAP`` where not reached, with the distance then)."""
     reached = []
     for level in LEVELS:
         k = next((k for k, d in enumerate(found) if d <= level), None)
         reached.append(f">{CAP}" if k is None else str(k))
+    if f">{CAP}" in reached:
+        return " / ".join(reached) + f" ({found[-1]:.0e} after {CAP})"
     return " / ".join(reached)
 
 
@@ -88,7 +90,8 @@ def section() -> str:
         "Written by `python benchmarks/plan_consensus.py` from the compiled engine "
         "(`gossip_ext.simulate`, float32 values, uniform mixing): the rounds until every "
         "worker is within 1% / within 1e-6 of the mean (relative to it), each worker starting "
-        f"from its own draw; `>{CAP}`: not within {CAP} rounds. log2 n is {logs}.\n\n" + table()
+        f"from its own draw; `>{CAP}`: not within {CAP} rounds (the distance then in "
+        f"parentheses). log2 n is {logs}.\n\n" + table()
     )
     return f"<!-- {PART}: begin -->\n{body}\n<!-- {PART}: end -->"
 
