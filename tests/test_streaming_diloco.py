@@ -435,8 +435,11 @@ def test_a_peer_dying_during_a_delayed_gossip_sync_is_named_by_its_neighbour(tmp
         assert result["type"] == "PeerTimeoutError", result  # a TimeoutError
         _assert_unchanged_and_sticky(rank, result)
     first = outcomes[0].result
-    assert first["failed_at_step"] == 1, first  # fragment 0's apply
-    assert "round 1" in first["error"] and "from rank 1" in first["error"], first["error"]
+    # Fragment 0's apply raises; its prepare posts the round's messages at step 0, the step the
+    # dead peer killed itself in, and raises there where its connections are already closed (seen
+    # once in a full run). Either way the error names the round and the peer.
+    assert first["failed_at_step"] in (0, 1), first
+    assert "round 1" in first["error"] and "rank 1" in first["error"], first["error"]
     assert (first["data"]["peers"], first["data"]["round"]) == ((dead,), 1), first["data"]
 
 
