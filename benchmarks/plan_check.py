@@ -58,12 +58,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--slowdown", type=float, default=2.0, help="the run's --slowdown")
     p.add_argument("--nic-slowdown", type=float, default=10.0, help="the run's --nic-slowdown")
     p.add_argument("--kernel-gbytes", type=float, default=10.0, help="this CPU's, GB/s")
-    p.add_argument(
-        "--host-cpu-ns",
-        default="measure",
-        help="the CPU a byte sent or received costs, ns (gossip_ext.plan.measure."
-        "host_seconds_per_byte), or 'measure' (default): timed now, on its own",
-    )
+    add_host_cpu_argument(p)
     p.add_argument(
         "--cpu-per-worker", type=float, default=0.5, help="the run's cap on each worker, cores"
     )
@@ -77,6 +72,16 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args = p.parse_args(argv)
     args.host_cpu = host_cpu_seconds(args.host_cpu_ns)
     return args
+
+
+def add_host_cpu_argument(p: argparse.ArgumentParser) -> None:
+    """--host-cpu-ns, which plan_check and plan_grid both take."""
+    p.add_argument(
+        "--host-cpu-ns",
+        default="measure",
+        help="the CPU a byte sent or received costs, ns (gossip_ext.plan.measure."
+        "host_seconds_per_byte), or 'measure' (default): timed now, on its own",
+    )
 
 
 def host_cpu_seconds(text: str) -> float:

@@ -25,6 +25,7 @@ import sys
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 sys.path.append(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the root: harness/
 
+import plan_check  # noqa: E402  (benchmarks/plan_check.py: the host's cost, as it takes it)
 import results  # noqa: E402  (benchmarks/results.py)
 
 from gossip_ext.plan import DDP, SGP, Cluster, Mode, Model, Periodic, SparseLoCo  # noqa: E402
@@ -59,12 +60,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--rows", required=True, help="a run of benchmarks/lm_compare.py (--rows)")
     p.add_argument("--kernel-gbytes", type=float, default=10.0, help="this CPU's, GB/s")
-    p.add_argument(
-        "--host-cpu-ns",
-        default="measure",
-        help="the CPU a byte sent or received costs, ns (gossip_ext.plan.measure."
-        "host_seconds_per_byte), or 'measure' (default): timed now, on its own",
-    )
+    plan_check.add_host_cpu_argument(p)
     p.add_argument("--cores", type=int, default=os.cpu_count(), help="the run's machine's")
     p.add_argument("--no-record", action="store_true")
     return p.parse_args(argv)
@@ -87,15 +83,6 @@ def predicted(
         step = (plain * ddp.step(model, cluster).seconds + (steps - plain) * step) / steps
         sent = (plain * ddp.bytes_per_step(model, cluster) + (steps - plain) * sent) / steps
     return step, sent
-
-
-def host_cpu_seconds(text: str) -> float:
-    """The CPU seconds a byte sent or received costs: given in ns, or measured now."""
-    if text == "measure":
-        from gossip_ext.plan import measure
-
-        return measure.host_seconds_per_byte()
-    return float(text) * 1e-9
 
 
 def compare(run: dict, kernel_bytes: float, host_cpu: float = 0.0, cores: int = 1) -> list[dict]:
@@ -171,7 +158,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
     args = parse_args(argv)
     with open(args.rows) as f:
         run = json.load(f)
-    host_cpu = host_cpu_seconds(args.host_cpu_ns)
+    host_cpu = plan_check.host_cpu_seconds(args.host_cpu_ns)
     found = compare(run, args.kernel_gbytes * 1e9, host_cpu, args.cores)
     text, said = table(found), goals(found)
     print(f"a byte sent or received: {host_cpu * 1e9:.2f} ns of CPU\n\n{text}\n\n{said}")

@@ -1,6 +1,7 @@
 """The planner's inputs measured rather than given: the push-sum kernels' memory bandwidth on this
-machine's CPU or GPU (``Cluster.kernel_bytes``) and one training step of the user's own model
-(``Model.step_seconds``).
+machine's CPU or GPU (``Cluster.kernel_bytes``), one training step of the user's own model
+(``Model.step_seconds``) and, for CPU workers, the CPU a byte sent or received over gloo costs
+(``Cluster.host_seconds_per_byte``, over each worker's share of a core).
 
     from gossip_ext.plan import measure
     kernel_bytes = measure.kernel_bytes("cuda")
@@ -91,15 +92,17 @@ def host_seconds_per_byte(*, message_bytes: int = 1 << 22, rounds: int = 20) -> 
     import torch.multiprocessing as mp
 
     with tempfile.TemporaryDirectory() as folder:
-        store = f"{folder}/store"
-        spent = mp.get_context("spawn").SimpleQueue()
-        mp.spawn(_exchange, args=(store, message_bytes, rounds, spent), nprocs=2, join=True)
-        per_rank = [spent.get() for _ in range(2)]
+        mp.spawn(_exchange, args=(folder, message_bytes, rounds), nprocs=2, join=True)
+        # Each process writes its CPU seconds as text: nothing another process wrote is
+        # unpickled here.
+        per_rank = [float(open(f"{folder}/cpu{rank}").read()) for rank in range(2)]
     return statistics.mean(per_rank) / (2 * message_bytes * rounds)
 
 
-def _exchange(rank: int, store: str, message_bytes: int, rounds: int, spent) -> None:
+def _exchange(rank: int, folder: str, message_bytes: int, rounds: int) -> None:
     import torch.distributed as dist
+
+    store = f"{folder}/store"
 
     dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=2)
     try:
@@ -113,7 +116,9 @@ def _exchange(rank: int, store: str, message_bytes: int, rounds: int, spent) -> 
             dist.recv(into, peer)
             if sent is not None:  # None only for a rank outside the group
                 sent.wait()
-        spent.put(time.process_time() - begin)
+        spent = time.process_time() - begin
+        with open(f"{folder}/cpu{rank}", "w") as f:
+            f.write(repr(spent))
         dist.barrier()
     finally:
         dist.destroy_process_group()

@@ -192,8 +192,9 @@ class AsyncSGP(Mode):
 
     def step(self, model: Model, cluster: Cluster) -> StepTime:
         message = message_bytes(model.params, self.fmt)
-        # A CPU worker's transport copies every message it sends and receives, carried or not
-        # (the engine offers each one; what the link cannot take is held back and merged).
+        # A CPU worker's transport copies what it sends and receives: charged here for every
+        # message, an upper bound where the link carries fewer (``carried`` below 1), which
+        # keeps the step free of the share it sets.
         kernels = cluster.kernels(3 * model.bytes + 2 * message) + cluster.host(message)
         bound = "compute" if kernels <= model.step_seconds else "kernels"
         return StepTime(model.step_seconds + kernels, bound)
