@@ -91,6 +91,11 @@ std::vector<at::Tensor> AsyncPushSum::flats() const {
   return flats;
 }
 
+void AsyncPushSum::check_silences() {
+  for (auto& [peer, outbox] : outboxes_) outbox->check_silence();
+  for (auto& [peer, mailbox] : mailboxes_) mailbox->check_silence();
+}
+
 template <typename Body>
 void AsyncPushSum::guarded(Body body) {
   raise_if_failed();
@@ -110,11 +115,15 @@ void AsyncPushSum::raise_if_failed() const {
 }
 
 void AsyncPushSum::start_round() {
-  guarded([&] { send_bound_absorb(); });
+  guarded([&] {
+    check_silences();
+    send_bound_absorb();
+  });
 }
 
 void AsyncPushSum::finish_round() {
   guarded([&] {
+    check_silences();
     absorb(options_.staleness ? std::optional<int64_t>(round_ - 1 + *options_.staleness)
                               : std::nullopt);
   });

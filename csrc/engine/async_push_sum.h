@@ -40,9 +40,11 @@
 // parameters hold the de-biased z whenever a caller can see them: a round refused for a NaN or
 // an Inf changes nothing (the messages are checked before they are absorbed).
 //
-// Messages move on the channels' threads (transport/mailbox), never the caller's. A peer whose
-// message does not come within the timeout, or whose connection closes, fails the engine with a
-// TimeoutError naming it, its round and how it was seen; every later call raises the same error.
+// Messages move on the channels' threads (transport/mailbox), never the caller's. A peer silent
+// for the timeout while this worker steps (Note [Silence is measured while this worker trains] in
+// mailbox.h: a pause of every worker's, in the user's barrier, is none), or whose connection
+// closes, fails the engine with a TimeoutError naming it, its round and how it was seen; every
+// later call raises the same error.
 //
 // Thread-safety: an engine is used by one thread at a time; abandon() may come from any thread.
 #pragma once
@@ -150,6 +152,8 @@ class AsyncPushSum {
 
  private:
   void open_channels(const std::vector<int64_t>& rounds);
+  // Raises for a peer silent for the timeout while this worker stepped (PeerChannel).
+  void check_silences();
   void send_bound_absorb();
   std::vector<int> send(int64_t round, const std::vector<int>& out_peers);
   // Absorbs what arrived of rounds <= `through` (none: everything).

@@ -43,6 +43,8 @@ void bind_mailboxes(py::module_& m) {
       .def_property_readonly("peer", [](const PeerChannel& c) { return c.peer(); })
       .def_property_readonly("ended", [](const PeerChannel& c) { return c.ended(); })
       .def("raise_if_failed", [](const PeerChannel& c) { c.raise_if_failed(); })
+      // It may ask the store whether the peer left: without the interpreter's lock.
+      .def("check_silence", [](PeerChannel& c) { c.check_silence(); }, Release())
       .def(
           "fail",
           [](PeerChannel& c, const std::string& why, std::optional<int64_t> round) {

@@ -90,6 +90,10 @@ class Transport {
   // own, transport/mailbox) until the message has moved or `timeout` passed, throwing a
   // TimeoutError that names the peer, and cancel() releases that wait. The buffer must stay
   // untouched until the Work completes. A transport that cannot carry them throws ValueError.
+  // The channels wait with kMaxTimeout: no such message is due at any time, and a deadline that
+  // runs out in gloo closes every connection of the group (Note [Silence is measured while this
+  // worker trains] in mailbox/mailbox.h). They run on a process group of their own, so that the
+  // user's collectives never share a connection with them (gossip_ext/gossip/groups.py).
   virtual std::shared_ptr<Work> post_send(int peer, at::Tensor buffer, int64_t tag) {
     (void)peer, (void)buffer, (void)tag;
     throw ValueError("gossip_ext: the " + name() + " transport carries no asynchronous messages");

@@ -13,6 +13,8 @@ come within the timeout, or whose connection closes, raises a
 
 This module adds the calls every worker makes together, which need the process group: the start
 (a barrier), :meth:`AsyncPushSum.settle` and :meth:`AsyncPushSum.restore` (the peers' counts).
+The messages themselves move on a gloo group of the engine's own (``groups.messages_group``), so
+the user's collectives on ``group`` never share a connection with a receive posted ahead.
 """
 
 from __future__ import annotations
@@ -25,7 +27,7 @@ import torch
 import torch.distributed as dist
 
 from gossip_ext._torch_check import _C
-from gossip_ext.gossip import transport
+from gossip_ext.gossip import groups, transport
 from gossip_ext.graphs import GraphBase
 
 
@@ -60,6 +62,7 @@ class AsyncPushSum:
         self.graph, self.staleness, self.timeout = graph, staleness, timeout
         self.rank, self.world_size = group.rank(), group.size()
         transport.host_messages_device(tensors, "AsyncSGP", group)
+        instance = transport.next_instance(group, "async-tags")
         options = _C.AsyncOptions(
             graph.compiled_options(),
             staleness,
@@ -68,13 +71,15 @@ class AsyncPushSum:
             message_dtype,
             # Tells this engine's messages from those of another asynchronous engine on the
             # same ranks, and of an earlier restore: they are never matched.
-            transport.next_instance(group, "async-tags") * 8,
+            instance * 8,
             record,
         )
-        departures = _C.Departures(
-            transport.gossip_store(group, None, "async") if store is None else store, self.rank
-        )
+        store = transport.gossip_store(group, None, "async") if store is None else store
+        departures = _C.Departures(store, self.rank)
         self._group = group
+        self._messages = groups.messages_group(
+            group, store, timeout, transport.engine_group_name(group, "async", instance)
+        )
         # Every send and absorb of the engine's, with whatever the caller adds between them
         # (the tests add their steps), in order.
         self.history: list[tuple] | None = [] if record else None
@@ -82,14 +87,16 @@ class AsyncPushSum:
         self._engine = _C.AsyncPushSum(
             tensors,
             list(names) if names is not None else [f"parameter {i}" for i in range(len(tensors))],
-            _C.ProcessGroupTransport(group),
+            _C.ProcessGroupTransport(self._messages),
             departures,
             options,
         )
-        # The finalizer holds the compiled engine, not this object: a dropped engine is
-        # collected, and the finalizer (or the interpreter's exit, whichever comes first) lets
-        # its channels' threads go before the process group is torn down.
-        self._finalizer = weakref.finalize(self, self._engine.abandon, "the engine was dropped")
+        # The finalizer holds the compiled engine and its group, not this object: a dropped
+        # engine is collected, and the finalizer (or the interpreter's exit, whichever comes
+        # first) lets its channels' threads go, then their group.
+        self._finalizer = weakref.finalize(
+            self, _leave, self._engine, self._messages, "the engine was dropped"
+        )
         # Every worker starts its rounds together, as it would after DDP's constructor: a worker
         # that began seconds before its peers (their construction slower, on a loaded machine:
         # measured 2.7 s apart on 2 cores) would train alone, its weight held by peers that have
@@ -152,7 +159,7 @@ class AsyncPushSum:
         job's end, an elastic epoch's). Messages in flight to or from this worker are given up:
         their mass leaves with it, and every model stays de-biased."""
         self._finalizer.detach()
-        self._engine.abandon(why)
+        _leave(self._engine, self._messages, why)
 
     def close(self) -> None:
         """Leaves the gossip (:meth:`abandon`) at the end of training."""
@@ -216,3 +223,9 @@ class AsyncPushSum:
             f"{peers_per_itr}): each worker's messages are numbered by its own rounds on one "
             "schedule, which every receiver walks; construct the graph with the peers wanted"
         )
+
+
+def _leave(engine: _C.AsyncPushSum, messages: dist.ProcessGroup, why: str) -> None:
+    """Ends ``engine``'s gossip (its threads joined), then the group its messages moved on."""
+    engine.abandon(why)
+    groups.release(messages)

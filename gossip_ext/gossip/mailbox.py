@@ -4,11 +4,14 @@ The channels are the compiled engine's (csrc/transport/mailbox/mailbox.h): a ``_
 in-peer keeps a receive posted for that peer's next message and queues what arrives, and a
 ``_C.Outbox`` per out-peer confirms the sends in order and lets their buffers go, each on a thread
 of its own that never takes the interpreter's lock, over the transport's asynchronous messages
-(Note [Asynchronous messages] in csrc/transport/transport.h). Messages then move at the network's
-pace whatever the pace of either worker's steps, and a receive that fails (the peer's connection
-closed) or waits past the timeout (the peer stopped) is kept as a
+(Note [Asynchronous messages] in csrc/transport/transport.h), on a gloo group of their own
+(``groups.messages_group``). Messages then move at the network's pace whatever the pace of either
+worker's steps, and a receive that fails (the peer's connection closed) is kept as a
 :class:`~gossip_ext.errors.PeerTimeoutError` naming the peer, its round and how it was seen,
-raised to the training thread at its next call. A peer that said it left (``_C.Departures``, keys
+raised to the training thread at its next call. A peer silent for the timeout while this worker
+steps is named by :meth:`Channels.check_silence`, made at each step (Note [Silence is measured
+while this worker trains] in csrc/transport/mailbox/mailbox.h): a pause of every worker's (the
+user's barrier, an evaluation) is no failure. A peer that said it left (``_C.Departures``, keys
 in a store of the group's) ends its channels without an error.
 
 This module says which rounds a sender's schedule names a receiver in (a pure function of the
@@ -26,6 +29,7 @@ from typing import Protocol
 import torch.distributed as dist
 
 from gossip_ext._torch_check import _C
+from gossip_ext.gossip import groups
 
 
 class Schedule(Protocol):
@@ -56,20 +60,27 @@ class Everyone:
 
 
 class Channels:
-    """One asynchronous engine's channels with its peers on ``group``: it opens them, and
-    :meth:`leave` ends them all. ``store``: where the workers say they leave; ``generation``:
-    tells this engine's messages from another's on the same ranks (``_C.mailbox_tag``), and
-    grows by one at each :meth:`reopen`.
+    """One asynchronous engine's channels with its peers on ``group``'s ranks: it opens them,
+    on a group of its own (``groups.messages_group``, named ``name``), and :meth:`leave` ends them
+    all. ``store``: where the workers say they leave, and meet to build that group;
+    ``generation``: tells this engine's messages from another's on the same ranks
+    (``_C.mailbox_tag``), and grows by one at each :meth:`reopen`.
 
     An engine's finalizer holds its channels, never the engine, so a dropped engine is collected
     and the finalizer (or the interpreter's exit, whichever comes first) lets the threads go."""
 
     def __init__(
-        self, group: dist.ProcessGroup, store: dist.Store, generation: int, timeout: timedelta
+        self,
+        group: dist.ProcessGroup,
+        store: dist.Store,
+        generation: int,
+        timeout: timedelta,
+        name: str,
     ):
         self.rank, self.world_size = group.rank(), group.size()
         self.generation, self.timeout = generation, timeout
-        self._transport = _C.ProcessGroupTransport(group)
+        self._group = groups.messages_group(group, store, timeout, name)
+        self._transport = _C.ProcessGroupTransport(self._group)
         self._departures = _C.Departures(store, self.rank)
         self._open: list[_C.PeerChannel] = []
 
@@ -102,6 +113,12 @@ class Channels:
         self._open.append(box)
         return box
 
+    def check_silence(self) -> None:
+        """At each of this worker's steps: raises the PeerTimeoutError of a channel that failed,
+        or of a peer silent for the timeout while this worker stepped."""
+        for box in self._open:
+            box.check_silence()
+
     def reopen(self) -> None:
         """Closes every channel (what was in flight is given up) and starts a new generation."""
         for box in self._open:
@@ -114,7 +131,8 @@ class Channels:
         PeerTimeoutError saying ``why`` (an engine's ``abandon``, or its finalizer)."""
         self._departures.announce(self.rank)
         for box in self._open:
-            box.fail(why, round_)
+            box.fail(why, round_)  # joins its thread: nothing waits on the group after this
+        groups.release(self._group)
 
 
 # ----------------------------------------------------------------------------- deadlines

@@ -136,6 +136,14 @@ def next_instance(group: dist.ProcessGroup, purpose: str) -> int:
     return instance
 
 
+def engine_group_name(group: dist.ProcessGroup, purpose: str, instance: int) -> str:
+    """The name of the group of its own that an engine's ``instance`` (:func:`next_instance`)
+    for ``purpose`` builds over ``group``'s ranks: unique in this process, whose groups may
+    share an instance number but never their ranks."""
+    ranks = tuple(dist.get_global_rank(group, r) for r in range(dist.get_world_size(group)))
+    return f"gossip_ext_{purpose}_messages_ranks={','.join(map(str, ranks))}_{instance}"
+
+
 def nccl_unique_id_key(group: dist.ProcessGroup) -> str:
     """The store key under which ``group``'s next NCCL transport publishes its unique id.
 

@@ -2,13 +2,11 @@
 
 ``dist.new_group`` splits the default group, which would still contain the dead; and
 ``init_process_group`` would take the default group over from the user. So an epoch's group is
-built the way ``init_process_group`` builds its own (``_new_process_group_helper`` over a
+built as gossip_ext's own groups are (``gossip.groups``: ``_new_process_group_helper`` over a
 PrefixStore of the membership store) and registered, under its own name, with the rank map the
 ``torch.distributed`` functions look up (identity: the epoch's ranks are the only ranks). Those
 functions then take it as ``group=``, as any group. Code that uses it must ask the group itself
 for its rank (``group.rank()``): ``dist.get_rank(group)`` consults the default group.
-
-These are torch's private helpers, isolated here: the one place to change when torch moves them.
 """
 
 from __future__ import annotations
@@ -16,7 +14,8 @@ from __future__ import annotations
 import datetime
 
 import torch.distributed as dist
-from torch.distributed import distributed_c10d as c10d
+
+from gossip_ext.gossip import groups
 
 
 def build(
@@ -33,22 +32,16 @@ def build(
     ``timeout``. ``part``: which of an epoch's groups (a sharded replica's process s builds the
     group of the replicas' processes s, part ``/shard{s}``); one group per part and epoch."""
     name = f"gossip_ext_epoch_{epoch}{part.replace('/', '_')}"
-    group, _ = c10d._new_process_group_helper(
-        world_size,
-        rank,
-        [],
-        backend,
+    return groups.build(
         dist.PrefixStore(f"epoch/{epoch}/group{part}", store),
-        group_name=name,
-        timeout=timeout,
-        group_desc=name,
+        rank,
+        world_size,
+        backend,
+        timeout,
+        name,
     )
-    c10d._world.pg_group_ranks[group] = {r: r for r in range(world_size)}
-    return group
 
 
 def release(group: dist.ProcessGroup | None) -> None:
     """Shuts ``group`` down and forgets it (its pending operations are aborted)."""
-    if group is None or group not in c10d._world.pg_map:
-        return
-    dist.destroy_process_group(group)
+    groups.release(group)

@@ -137,11 +137,13 @@ class AsyncOuterSteps:
         self.history: list[tuple] | None = [] if record else None
         # The generation tells these steps' messages from another asynchronous engine's on the
         # same ranks.
+        instance = transport.next_instance(group, "async-tags")
         self._channels = mailbox.Channels(
             group,
             transport.gossip_store(group, None, "async-outer") if store is None else store,
-            transport.next_instance(group, "async-tags") * 8,
+            instance * 8,
             timeout,
+            transport.engine_group_name(group, "async-outer", instance),
         )
         peers = _EVERYONE.phone_book(self.rank, self.world_size)
         self._outboxes = {peer: self._channels.outbox(peer) for peer in peers}
@@ -189,6 +191,7 @@ class AsyncOuterSteps:
         done. Never waits for a peer beyond ``grace``. Returns whether the step's gossip round
         runs (there is none beside an asynchronous outer step)."""
         self.raise_if_failed()
+        self._guarded(self._channels.check_silence)
         self._steps_in_period += 1
         if self._steps_in_period < self._period_steps:
             return True

@@ -2,7 +2,8 @@
 // Mailbox and Outbox runs a thread of its own while the test's thread takes, posts and waits, so
 // ThreadSanitizer (ctest label `inproc`) sees both sides. What they promise: messages in the
 // sender's order with the rounds their headers carry, the flow-control limit and its lifting, a
-// silent peer named with its round and the timeout, a peer that left let go without an error, a
+// silent peer named with its round and the timeout (by a wait, or by the checks of a worker that
+// keeps stepping, but not after a pause of its own), a peer that left let go without an error, a
 // failure seen as a receive is posted, and close() releasing a thread that waits.
 #include <chrono>
 #include <cstring>
@@ -104,16 +105,56 @@ TEST(Mailbox, ASilentPeerIsNamedWithItsRoundAndTheTimeout) {
     EXPECT_EQ(e.failure().timeout, milliseconds(200));
     EXPECT_NE(std::string(e.what()).find("peer 0"), std::string::npos) << e.what();
   }
-  // The receive itself ran out too: the channel keeps that, and this worker said it leaves.
-  eventually([&] {
-    try {
-      box.raise_if_failed();
-      return false;
-    } catch (const TimeoutError& e) {
-      return std::string(e.what()).find("did not answer within") != std::string::npos;
-    }
-  });
+  // This worker gave up and said it leaves (Note [A failure closes more than its pair]); the
+  // receive itself has no deadline (Note [Silence is measured while this worker trains]), so
+  // the channel has not failed on its own.
   EXPECT_TRUE(p.d0->has_left(1));
+  EXPECT_NO_THROW(box.raise_if_failed());
+}
+
+// check_silence at every step of a worker that keeps stepping names a peer silent for the
+// timeout, and keeps the error.
+TEST(Mailbox, APeerSilentWhileThisWorkerStepsIsNamedByTheChecks) {
+  Pair p;
+  Mailbox box(p.t1, p.d1, 0, 0, milliseconds(200), kBytes, {true}, 5, std::nullopt);
+  const auto began = std::chrono::steady_clock::now();
+  std::optional<TimeoutError> seen;
+  while (!seen && std::chrono::steady_clock::now() - began < std::chrono::seconds(5)) {
+    try {
+      box.check_silence();
+    } catch (const TimeoutError& e) {
+      seen = e;
+    }
+    std::this_thread::sleep_for(milliseconds(10));  // a step
+  }
+  const auto took = std::chrono::steady_clock::now() - began;
+  ASSERT_TRUE(seen) << "a peer silent for 25 timeouts was never named";
+  EXPECT_GE(took, milliseconds(200));
+  EXPECT_LT(took, milliseconds(2000));
+  EXPECT_EQ(seen->failure().peers, std::vector<int>{0});
+  EXPECT_EQ(seen->failure().round, 5);
+  EXPECT_EQ(seen->failure().timeout, milliseconds(200));
+  EXPECT_THROW(box.raise_if_failed(), TimeoutError);
+  EXPECT_TRUE(p.d0->has_left(1));
+}
+
+// A pause of this worker's own longer than the timeout (every worker in the user's barrier) is no
+// silence: the clock starts again at the next step, and a message then is on time.
+TEST(Mailbox, APauseOfThisWorkersOwnIsNoSilence) {
+  Pair p;
+  Mailbox box(p.t1, p.d1, 0, 0, milliseconds(200), kBytes, {true}, 0, std::nullopt);
+  box.check_silence();
+  std::this_thread::sleep_for(milliseconds(500));  // no step: a barrier of the user's
+  for (int step = 0; step < 10; ++step) {
+    EXPECT_NO_THROW(box.check_silence()) << "step " << step;
+    std::this_thread::sleep_for(milliseconds(10));
+  }
+  Outbox out(p.t0, p.d0, 1, 0, kLong);
+  ASSERT_TRUE(out.post(0, message(0)));
+  eventually([&] { return box.received() == 1; });
+  EXPECT_NO_THROW(box.check_silence());
+  EXPECT_FALSE(p.d0->has_left(1));
+  EXPECT_NO_THROW(box.raise_if_failed());
 }
 
 TEST(Mailbox, APeerThatSaidItLeftEndsTheChannelWithoutAnError) {

@@ -5,11 +5,13 @@
 //
 // Note [A failure closes more than its pair]
 // ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
-// gloo closes a worker's connections when one of its operations times out, so the peers of a
-// worker that timed out on a stopped peer see their connections to it close, not the stopped
-// one's silence. The worker that timed out says here that it leaves, and a peer that sees a
-// connection close looks for that word for a moment (kLeaveGrace) before it names the peer as
-// failed: each names the one that stopped.
+// A worker that gives up on a stopped peer raises, and its process usually ends, so its other
+// peers see their connections to it close, not the stopped one's silence. (gloo also closes every
+// connection of a context when one of its waits runs out; the channels' threads never wait with a
+// deadline for that reason: Note [Silence is measured while this worker trains] in mailbox.h.) The
+// worker that gave up says here that it leaves, and a peer that sees a connection close looks for
+// that word for a moment (kLeaveGrace) before it names the peer as failed: each names the one that
+// stopped.
 #pragma once
 
 #include <chrono>

@@ -41,6 +41,7 @@ Mailbox::Mailbox(std::shared_ptr<Transport> transport, std::shared_ptr<Departure
                    "gossip_ext: Mailbox: held_limit must be >= 1 or None, got ",
                    held_limit.value_or(0));
   expected_ = next_round(start);
+  last_arrival_ = std::chrono::steady_clock::now();
   start_thread();
 }
 
@@ -52,6 +53,12 @@ std::optional<int64_t> Mailbox::next_round(int64_t start) const {
     if (sends_in_round_[round % period]) return round;
   }
   return std::nullopt;
+}
+
+std::optional<std::chrono::steady_clock::time_point> Mailbox::waiting_since_locked() const {
+  // A mailbox that holds its limit receives nothing more until this worker takes what it holds.
+  if (!expected_ || holds_enough()) return std::nullopt;
+  return last_arrival_;
 }
 
 bool Mailbox::holds_enough() const {
@@ -75,7 +82,7 @@ void Mailbox::run() {
       work = transport_->post_recv(peer_, buffer, tags::mailbox_tag(generation_, sequence));
     } catch (const std::exception& failure) {
       // A connection already closed fails the receive as it is posted, not in its wait.
-      raise_unless_left(failure, /*timed_out=*/false, expected, "receive from");
+      raise_unless_left(failure, expected, "receive from");
       return;
     }
     if (!wait_for_work(work, expected, "receive from")) return;
@@ -86,6 +93,7 @@ void Mailbox::run() {
       const double now = steady_seconds();
       arrived_.push_back({round, std::move(buffer)});
       arrival_times_.push_back(now);
+      last_arrival_ = std::chrono::steady_clock::now();
       if (arrival_times_.size() > kArrivalsKept) arrival_times_.pop_front();
       ++received_;
       expected_ = next_round(round + 1);
@@ -145,8 +153,12 @@ bool Mailbox::wait_lifted(Done done, std::chrono::steady_clock::time_point deadl
 template <typename Done>
 void Mailbox::wait_until(Done done) {
   if (!wait_lifted(done, std::chrono::steady_clock::now() + timeout_)) {
-    std::lock_guard<std::mutex> lock(mutex_);
-    raise_waited("'s message of its round ", expected_.value_or(-1));
+    int64_t round = 0;
+    {
+      std::lock_guard<std::mutex> lock(mutex_);
+      round = awaited_round_locked();
+    }
+    raise_waited(awaited_words(), round);  // it writes to the store: not under the lock
   }
 }
 

@@ -14,9 +14,21 @@
 // (tags::mailbox_tag), and each carries the sender's round in its header (MessageHeader); the
 // Mailbox walks the rounds in which the sender's schedule names this worker, which is the round a
 // receiver waits for when a staleness bound says it must. A receive or send that fails (the
-// peer's connection closed) or waits longer than the timeout (the peer stopped) is kept as a
-// TimeoutError naming the peer, its round and how it was seen, raised to the training thread at
-// its next call; a peer that said it left (Departures) ends its channel without an error.
+// peer's connection closed) is kept as a TimeoutError naming the peer, its round and how it was
+// seen, raised to the training thread at its next call; a peer that said it left (Departures)
+// ends its channel without an error. A peer that stopped is told by check_silence (Note [Silence
+// is measured while this worker trains]).
+//
+// Note [Silence is measured while this worker trains]
+// ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+// No asynchronous message is due at any given time: while every worker waits in the user's own
+// barrier, evaluates or saves, nobody sends, and that is no failure. So a channel's thread waits
+// for its message without a deadline (kMaxTimeout: gloo closes every connection of its context
+// when one wait runs out, which broke the user's collectives), and a peer's silence is judged by
+// the owner's calls instead: check_silence(), made at each of this worker's steps, raises once the
+// channel has waited (a Mailbox for the peer's next message, an Outbox for the peer to take the
+// oldest send) for longer than the timeout while this worker kept stepping. A gap between two
+// checks longer than the timeout is a pause of this worker's own, and starts the clock again.
 //
 // Thread-safety: every public member may be called from any thread.
 #pragma once
@@ -68,6 +80,10 @@ class PeerChannel {
   void fail(const std::string& why, std::optional<int64_t> round);
   // Cancels the operations in flight and joins the thread. Idempotent.
   void close();
+  // Called by the owner at each of its steps: raises (and keeps) a TimeoutError naming the peer
+  // once the channel has waited for it longer than the timeout while this worker kept stepping
+  // (Note [Silence is measured while this worker trains]). Raises the channel's error, if any.
+  void check_silence();
 
  protected:
   PeerChannel(std::shared_ptr<Transport> transport, std::shared_ptr<Departures> departures,
@@ -79,18 +95,27 @@ class PeerChannel {
   // Cancels what the subclass posted, beyond the operation the thread waits in (closing).
   virtual void cancel_posted() {}
 
-  // On the thread: waits for `work`, the message of the peer's (or this worker's) `round`.
-  // False if the channel is closing or ended; a failure becomes the channel's error.
+  // On the thread: waits for `work`, the message of the peer's (or this worker's) `round`, with
+  // no deadline (Note [Silence is measured while this worker trains]). False if the channel is
+  // closing or ended; a failure becomes the channel's error.
   bool wait_for_work(const std::shared_ptr<Work>& work, int64_t round, const char* what);
-  // After the transport's `failure` to `what` the peer: `ended` if the peer said it was leaving,
-  // else throws a TimeoutError naming it, its round and how it was seen (this worker leaves).
-  void raise_unless_left(const std::exception& failure, bool timed_out, int64_t round,
-                         const char* what);
+  // After the transport's `failure` to `what` the peer (its connection closed): `ended` if the
+  // peer said it was leaving, else throws a TimeoutError naming it and its round (this worker
+  // leaves).
+  void raise_unless_left(const std::exception& failure, int64_t round, const char* what);
   // Holding `lock`: waits for a change, at most `left` and half a second at a time, to look
   // whether the peer said it left (then `ended`).
   void wait_a_little(std::unique_lock<std::mutex>& lock, std::chrono::nanoseconds left);
   // Holding the lock: rethrows the channel's error, if any.
   void raise_if_failed_locked() const;
+  // Holding the lock: since when the channel waits for its peer (none: it waits for nothing),
+  // and the peer's round it waits for.
+  virtual std::optional<std::chrono::steady_clock::time_point> waiting_since_locked() const = 0;
+  virtual int64_t awaited_round_locked() const = 0;
+  // What it waits for, in an error: "'s message of its round " (then the round).
+  virtual const char* awaited_words() const = 0;
+  // This worker gives up waiting for `what_for` of the peer's `round`: it says it leaves (Note [A
+  // failure closes more than its pair]) and throws a TimeoutError naming the peer.
   [[noreturn]] void raise_waited(const std::string& what_for, int64_t round) const;
 
   const std::shared_ptr<Transport> transport_;
@@ -109,6 +134,9 @@ class PeerChannel {
   void run_guarded();
 
   std::shared_ptr<Work> current_;  // what the thread waits in, for close() to cancel
+  // check_silence's clock: its last call, and when this worker's current stretch of steps began.
+  std::optional<std::chrono::steady_clock::time_point> last_check_;
+  std::chrono::steady_clock::time_point stepping_since_;
   std::mutex join_mutex_;          // close() may come from two threads (a finalizer, the owner)
   std::thread thread_;
 };
@@ -153,6 +181,9 @@ class Mailbox final : public PeerChannel {
 
  private:
   void run() override;
+  std::optional<std::chrono::steady_clock::time_point> waiting_since_locked() const override;
+  int64_t awaited_round_locked() const override { return expected_.value_or(-1); }
+  const char* awaited_words() const override { return "'s message of its round "; }
   bool holds_enough() const;
   std::optional<int64_t> next_round(int64_t start) const;
   // Waits, the held limit lifted, until done() (holding the lock) or the peer left: true; or
@@ -171,6 +202,7 @@ class Mailbox final : public PeerChannel {
   std::optional<int64_t> expected_;
   std::deque<Arrived> arrived_;
   std::deque<double> arrival_times_;
+  std::chrono::steady_clock::time_point last_arrival_;  // or the mailbox's opening
 };
 
 // Confirms this worker's sends to one peer, in the order they were posted.
@@ -194,9 +226,15 @@ class Outbox final : public PeerChannel {
   struct Posted {
     int64_t round;
     std::shared_ptr<Work> work;
+    std::chrono::steady_clock::time_point at;
   };
   void run() override;
   void cancel_posted() override;
+  std::optional<std::chrono::steady_clock::time_point> waiting_since_locked() const override;
+  int64_t awaited_round_locked() const override;
+  const char* awaited_words() const override {
+    return " to take this worker's message of round ";
+  }
 
   int64_t sent_ = 0;
   std::deque<Posted> posted_;

@@ -29,12 +29,12 @@ bool Outbox::post(int64_t round, at::Tensor message) {
                                  tags::mailbox_tag(generation_, sequence));
   } catch (const std::exception& failure) {
     // gloo's send throws at once where the peer's connection has closed.
-    raise_unless_left(failure, /*timed_out=*/false, round, "send to");
+    raise_unless_left(failure, round, "send to");
     return false;
   }
   {
     std::lock_guard<std::mutex> lock(mutex_);
-    posted_.push_back({round, std::move(work)});
+    posted_.push_back({round, std::move(work), std::chrono::steady_clock::now()});
     ++sent_;
   }
   changed_.notify_all();
@@ -76,11 +76,22 @@ void Outbox::wait_until_past(std::optional<int64_t> round) {
     raise_if_failed_locked();
     const auto left = deadline - std::chrono::steady_clock::now();
     if (left <= std::chrono::nanoseconds::zero()) {
-      raise_waited(" to take this worker's message of round ", posted_.front().round);
+      const int64_t round = posted_.front().round;
+      lock.unlock();  // raise_waited writes to the store
+      raise_waited(awaited_words(), round);
     }
     wait_a_little(lock, left);
   }
   raise_if_failed_locked();
+}
+
+std::optional<std::chrono::steady_clock::time_point> Outbox::waiting_since_locked() const {
+  if (posted_.empty()) return std::nullopt;
+  return posted_.front().at;  // the peer has not taken this send yet
+}
+
+int64_t Outbox::awaited_round_locked() const {
+  return posted_.empty() ? -1 : posted_.front().round;
 }
 
 int64_t Outbox::backlog() const {

@@ -107,14 +107,16 @@ bool PeerChannel::wait_for_work(const std::shared_ptr<Work>& work, int64_t round
     current_ = work;
   }
   try {
-    work->wait(timeout_);
+    // No deadline: the message is not due at any time (Note [Silence is measured while this
+    // worker trains] in mailbox.h); a failure or close() ends the wait.
+    work->wait(kMaxTimeout);
   } catch (const TimeoutError& failure) {
     {
       std::lock_guard<std::mutex> lock(mutex_);
       current_ = nullptr;
       if (closing_) return false;
     }
-    raise_unless_left(failure, failure.failure().timeout.has_value(), round, what);
+    raise_unless_left(failure, round, what);
     return false;
   }
   std::lock_guard<std::mutex> lock(mutex_);
@@ -122,13 +124,8 @@ bool PeerChannel::wait_for_work(const std::shared_ptr<Work>& work, int64_t round
   return !closing_;
 }
 
-void PeerChannel::raise_unless_left(const std::exception& failure, bool timed_out, int64_t round,
+void PeerChannel::raise_unless_left(const std::exception& failure, int64_t round,
                                     const char* what) {
-  if (timed_out) {
-    // This worker's own wait ran out: gloo closes its connections now, and the peers that see
-    // them close must find it gone (Note [A failure closes more than its pair]).
-    departures_->leaving();
-  }
   if (departures_->has_left_soon(peer_)) {
     {
       std::lock_guard<std::mutex> lock(mutex_);
@@ -138,18 +135,41 @@ void PeerChannel::raise_unless_left(const std::exception& failure, bool timed_ou
     return;
   }
   departures_->leaving();
-  // Say how it was seen: a wait that ran out its timeout, or a connection that closed (the peer
-  // died or left: seen at once, no timeout waited out).
-  const std::string how =
-      timed_out ? "did not answer within " + duration_words(timeout_) + "; the peer may have stalled"
-                : "saw its connection close, without waiting out a timeout; the peer may have "
-                  "died";
   throw TimeoutError(
       detail::str_cat("gossip_ext: asynchronous gossip failed to ", what, " peer ", peer_,
-                      " (its round ", round, "): it ", how, " or left the training loop: ",
+                      " (its round ", round,
+                      "): it saw its connection close, without waiting out a timeout; the peer "
+                      "may have died or left the training loop: ",
                       failure.what()),
-      {{peer_}, round, transport_->name(),
-       timed_out ? std::optional<std::chrono::milliseconds>(timeout_) : std::nullopt});
+      {{peer_}, round, transport_->name(), std::nullopt});
+}
+
+void PeerChannel::check_silence() {
+  const auto now = std::chrono::steady_clock::now();
+  int64_t round = 0;
+  {
+    std::lock_guard<std::mutex> lock(mutex_);
+    raise_if_failed_locked();
+    // A gap between two checks longer than the timeout is this worker's own pause (the user's
+    // barrier, an evaluation): its peers paused with it, so the clock starts again.
+    if (!last_check_ || now - *last_check_ > timeout_) stepping_since_ = now;
+    last_check_ = now;
+    const auto since = waiting_since_locked();
+    if (ended_ || !since || now - std::max(*since, stepping_since_) <= timeout_) return;
+    round = awaited_round_locked();
+  }
+  if (departures_->has_left(peer_)) {  // it finished and said so: silent, and no failure
+    std::lock_guard<std::mutex> lock(mutex_);
+    ended_ = true;
+    return;
+  }
+  try {
+    raise_waited(awaited_words(), round);
+  } catch (const TimeoutError&) {
+    std::lock_guard<std::mutex> lock(mutex_);
+    if (!error_) error_ = std::current_exception();
+    throw;
+  }
 }
 
 void PeerChannel::wait_a_little(std::unique_lock<std::mutex>& lock,
@@ -162,6 +182,7 @@ void PeerChannel::wait_a_little(std::unique_lock<std::mutex>& lock,
 }
 
 void PeerChannel::raise_waited(const std::string& what_for, int64_t round) const {
+  departures_->leaving();  // Note [A failure closes more than its pair]
   throw TimeoutError(
       detail::str_cat("gossip_ext: asynchronous gossip waited ", duration_words(timeout_),
                       " for peer ", peer_, what_for, round,
