@@ -100,3 +100,38 @@ class ConfigurationMismatch(ValueError):
     def __init__(self, message: str, *, ranks: Iterable[int] = ()):
         super().__init__(message)
         self.ranks = _each_once(ranks)
+
+
+class UnprovenPeerError(PermissionError):
+    """A connection of a group gossip_ext built did not prove that the process at its other end
+    holds the job's secret (its answer to a fresh challenge was wrong, malformed or missing), so
+    the group was refused before it carried a byte of the model: an outsider may have taken a
+    member's place on it (gloo hands a pair's connection to whoever first presents the pair's
+    number, which the membership store shows). The members form their next epoch; no honest
+    member is removed for it.
+
+    A :class:`PermissionError`: ``except PermissionError`` catches it.
+
+    Attributes:
+        peers (tuple[int, ...]): the group's ranks whose connection failed the proof, each once.
+    """
+
+    def __init__(self, message: str, *, peers: Iterable[int] = ()):
+        super().__init__(message)
+        self.peers = _each_once(peers)
+
+
+class TamperedStoreError(TimeoutError):
+    """A wait on the membership store ended at the timeout because a value it needed kept being
+    overwritten, deleted or replaced by one not sealed with the job's secret (a process outside
+    the job at the store's port), not because a member was slow.
+
+    A :class:`TimeoutError`: ``except TimeoutError`` catches it.
+
+    Attributes:
+        key (str): the store key that looked tampered with.
+    """
+
+    def __init__(self, message: str, *, key: str):
+        super().__init__(message)
+        self.key = key

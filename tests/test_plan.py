@@ -263,6 +263,18 @@ def test_the_command_reads_units_and_names_what_it_refuses(capsys):
     with pytest.raises(SystemExit, match="workers"):
         cli.main("--workers 1 --params 7e9 --link 10gbit --step-ms 900".split())
     assert math.isfinite(predictions[0].step_seconds)
+    # Numbers no cluster has, and settings no mode takes: one line each, never a traceback.
+    for bad, words in [
+        ("--params 1e400", "finite"),
+        ("--params 1e9 --step-ms nan", "finite"),
+        ("--params 1e9 --fragments 0", "fragments"),
+        ("--params 1e9 --every 0", "every"),
+    ]:
+        with pytest.raises(SystemExit) as stopped:
+            cli.main(f"--workers 4 --link 100mbit --step-ms 1000 {bad}".split())
+        said = str(stopped.value.code) if stopped.value.code not in (None, 2) else ""
+        said += capsys.readouterr().err
+        assert words in said and "Traceback" not in said, (bad, said)
 
 
 def test_the_check_against_this_machine_reads_a_run_s_rows():

@@ -89,6 +89,7 @@ def test_an_outsider_neither_joins_removes_splits_nor_runs_code_and_a_bad_worker
 ):
     secret_file = tmp_path / "secret"
     secret_file.write_text(SECRET + "\n")
+    secret_file.chmod(0o600)
     job = Job(tmp_path / "job", env={trust.SECRET_FILE_ENV: str(secret_file)})
     marker = tmp_path / "payload_ran"
     try:
@@ -215,12 +216,19 @@ def test_the_secret_comes_from_the_argument_the_environment_or_a_file(tmp_path, 
     monkeypatch.delenv(trust.SECRET_ENV)
     (tmp_path / "s").write_text(f"  {SECRET}\n")
     monkeypatch.setenv(trust.SECRET_FILE_ENV, str(tmp_path / "s"))
+    (tmp_path / "s").chmod(0o644)  # as written: readable by every user of the machine
+    with pytest.raises(ValueError, match="readable by other users.*chmod 600"):
+        trust.job_secret()
+    (tmp_path / "s").chmod(0o600)
     assert trust.job_secret() == SECRET.encode()
     monkeypatch.setenv(trust.SECRET_FILE_ENV, str(tmp_path / "missing"))
     with pytest.raises(ValueError, match="GOSSIP_EXT_JOB_SECRET_FILE='.*missing' cannot be read"):
         trust.job_secret()
     with pytest.raises(ValueError, match="at least 16 bytes"):
         trust.job_secret("short")
+    for guessable in ("aaaaaaaaaaaaaaaaaaaaaaaa", "abababababababababababab"):
+        with pytest.raises(ValueError, match="bits of entropy"):
+            trust.job_secret(guessable)
     with pytest.raises(TypeError, match=r"\(secret=...\): secret must be a str or bytes, got int"):
         gossip_ext.Elastic("h:1", secret=12345678901234567890)
     assert SECRET not in repr(gossip_ext.Elastic("h:1", secret=SECRET))

@@ -12,9 +12,23 @@ These are torch's private helpers, isolated here: the one place to change when t
 from __future__ import annotations
 
 import datetime
+import hashlib
+import hmac
+import secrets
+import struct
+import threading
 
+import torch
 import torch.distributed as dist
 from torch.distributed import distributed_c10d as c10d
+
+from gossip_ext.errors import UnprovenPeerError
+
+CHALLENGE_BYTES = 32
+ANSWER_BYTES = hashlib.sha256().digest_size
+# The proof is a group's first exchange, before anything else is posted on it: no tag of the
+# registry (csrc/transport/message_tags.h) is in use yet.
+_CHALLENGE_TAG, _ANSWER_TAG = 0, 1
 
 
 def build(
@@ -67,6 +81,103 @@ def messages_group(
         name,
         global_ranks=ranks,
     )
+
+
+def encode_fields(*fields: bytes | str | int) -> bytes:
+    """``fields`` in one unambiguous string of bytes: each as its 8-byte length, then itself
+    (ints as their decimal digits), so that no two lists of fields encode alike (a separator
+    inside a field could make two of them one)."""
+    parts = []
+    for field in fields:
+        data = str(field).encode() if isinstance(field, (int, str)) else bytes(field)
+        parts.append(struct.pack(">Q", len(data)) + data)
+    return b"".join(parts)
+
+
+def _answer(key: bytes, context: bytes, challenger: int, prover: int, challenge: bytes) -> bytes:
+    message = encode_fields(b"gossip_ext/pair-proof", context, challenger, prover, challenge)
+    return hmac.new(key, message, hashlib.sha256).digest()
+
+
+def prove_pairs(
+    group: dist.ProcessGroup, key: bytes, context: bytes, timeout: datetime.timedelta
+) -> None:
+    """Every connection of ``group`` proves, over the connection itself, that the process at its
+    other end holds ``key`` (a key of this group's own, derived from the job's secret), before the
+    group carries anything else. Collective over ``group``, right after it is built.
+
+    Each rank sends every peer a fresh challenge and answers each peer's with
+    ``HMAC(key, context | challenger | prover | challenge)``; a peer whose answer is wrong,
+    malformed (gloo refuses a message of another size) or missing after ``timeout`` raises
+    :class:`UnprovenPeerError` naming it. The group is then of no use (a wait that ran out closed
+    its connections) and the caller drops it. An outsider who took a member's place on a gloo
+    connection holds the connection, not the secret: it is refused before a byte of the model
+    crosses."""
+    rank, size = group.rank(), group.size()
+    peers = [p for p in range(size) if p != rank]
+    if not peers:
+        return
+    mine = {p: secrets.token_bytes(CHALLENGE_BYTES) for p in peers}
+    theirs = {p: torch.zeros(CHALLENGE_BYTES, dtype=torch.uint8) for p in peers}
+    answers = {p: torch.zeros(ANSWER_BYTES, dtype=torch.uint8) for p in peers}
+    unproven: dict[int, str] = {}
+
+    def exchange(receive: dict[int, torch.Tensor], send: dict[int, bytes], tag: int) -> None:
+        """``send[p]`` to every peer p, ``receive[p]`` from it; a peer whose message does not
+        come is unproven. Receives are posted first, as the engine's rounds post them."""
+        posted, outgoing, sends = [], {}, []
+        for p in peers:
+            try:
+                posted.append((p, group.recv([receive[p]], p, tag)))
+            except Exception as error:  # noqa: BLE001 - a connection already closed
+                unproven.setdefault(p, f"its connection failed: {error}")
+        for p in peers:
+            outgoing[p] = torch.frombuffer(bytearray(send[p]), dtype=torch.uint8)
+            try:
+                sends.append(group.send([outgoing[p]], p, tag))
+            except Exception as error:  # noqa: BLE001 - a connection already closed
+                unproven.setdefault(p, f"its connection failed: {error}")
+
+        # Each wait on a thread of its own, so that they end in the order the messages come: the
+        # first wait that runs out closes every connection of the group (gloo), and an honest
+        # peer's message waited for after it would fail with the outsider's. (gloo completes a
+        # point-to-point message only inside a wait: none can be polled.)
+        def wait(p: int, work: dist.Work, is_recv: bool) -> None:
+            try:
+                work.wait(timeout)
+            except Exception as error:  # noqa: BLE001 - the connection's failure is the finding
+                if is_recv:
+                    unproven.setdefault(p, f"no message: {error}")
+
+        waits = [threading.Thread(target=wait, args=(p, w, True)) for p, w in posted]
+        waits += [threading.Thread(target=wait, args=(-1, w, False)) for w in sends]
+        for thread in waits:
+            thread.start()
+        for thread in waits:
+            thread.join()
+
+    # Each step names only those that failed it: a wait that ran out closes every connection of
+    # the group, and the honest peers' next messages would fail after it.
+    exchange(theirs, mine, _CHALLENGE_TAG)
+    if not unproven:
+        replies = {p: _answer(key, context, p, rank, bytes(theirs[p].tolist())) for p in peers}
+        exchange(answers, replies, _ANSWER_TAG)
+    if not unproven:
+        for p in peers:
+            expected = _answer(key, context, rank, p, mine[p])
+            if not hmac.compare_digest(bytes(answers[p].tolist()), expected):
+                unproven[p] = "a wrong answer"
+    if unproven:
+        failures = "; ".join(
+            f"the connection to rank {p} did not prove it holds the job's secret ({why})"
+            for p, why in sorted(unproven.items())
+        )
+        raise UnprovenPeerError(
+            f"gossip_ext: rank {rank} refused its group ({context.decode(errors='replace')}): "
+            f"{failures}. An outsider may have taken a member's place on it; the group carried "
+            "nothing else",
+            peers=sorted(unproven),
+        )
 
 
 def release(group: dist.ProcessGroup | None) -> None:

@@ -318,16 +318,11 @@ class ElasticWorker:
             )
         building = time.monotonic()
         try:
-            group = epoch_group.build(
-                client.rendezvous_store,
-                epoch.number,
-                epoch.rank(self.worker),
-                len(epoch.members),
-                self.backend,
-                self.timeout,
-            )
+            group = client.build_group(epoch, epoch.rank(self.worker), self.backend)
         except Exception as error:  # noqa: BLE001 - a member died after its check-in
-            # The next epoch's check-in finds who it was.
+            # The next epoch's check-in finds who it was; a connection that failed its proof
+            # (UnprovenPeerError) is a new connection in the next epoch's group, and no member
+            # is accused for it.
             logger.warning("epoch %d: building its group failed: %s", epoch.number, error)
             return None
         self.epoch, self.group = epoch, group

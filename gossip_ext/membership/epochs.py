@@ -2,14 +2,18 @@
 (:mod:`gossip_ext.membership.service`) and how a worker registers, reads and forms epochs with them.
 
 Every value a worker acts on is sealed with the job's secret (:mod:`gossip_ext.membership.trust`):
-one whose seal fails is ignored, as if it had not been written. The counters (``events``,
-``worker_ids``) are hints that something changed, which the sealed values then say.
+one whose seal fails is ignored, as if it had not been written. The store itself is a hint: no
+counter is added to (an outsider's ``set`` of a counter's key makes the service drop every client
+that adds to it), the sealed lists are remembered by every worker that read them and written back
+where the store lost them (:mod:`gossip_ext.membership.ledger`), and every loop over the store
+ends at the timeout in an error naming the key.
 
 The membership is a sequence of epochs, each a sorted list of worker ids (ids are handed out in
 order of registration, so the oldest member is rank 0 of every epoch it is in). Nothing here is
-a global step: a worker's watch thread reads one counter (``events``) with the heartbeats it
-watches, its training steps compare it with their epoch's, and it takes part in forming a new
-epoch only when the membership changed. The keys:
+a global step: a worker's watch thread reads the count of changes (``events``: the entries of
+``registered``, ``gone`` and ``changes`` it knows) with the heartbeats it watches, its training
+steps compare it with their epoch's, and it takes part in forming a new epoch only when the
+membership changed. The keys:
 
 - ``job``: the job's nonce, written by the service (:func:`trust.start_job`);
 - ``fingerprint``: what every worker of the job must be (:mod:`gossip_ext.membership.admission`),
@@ -17,7 +21,9 @@ epoch only when the membership changed. The keys:
 - ``id/ID``: worker id ID claimed by one process (two that read one count take two ids);
 - ``registered``: every worker id that ever registered, appended (``"3,"``);
 - ``gone``: the ids that left or were removed, with why (``"3:died;"``), appended;
-- ``events``: a counter bumped after every registration and every entry of ``gone``;
+- ``changes``: sealed entries ``"ID:TOKEN;"``, a member's word that the membership must be formed
+  again (a failure that accused nobody); the ``events`` count is how many entries of
+  ``registered``, ``gone`` and ``changes`` a worker knows;
 - ``epoch/E``: ``"<events>|<ids>"``, the members of epoch E and the ``events`` count they reflect,
   written once (compare-and-set: the first proposal wins, every worker reads the same list);
 - ``epoch/E/here/ID``: member ID reached epoch E (its check-in);
@@ -47,7 +53,9 @@ from dataclasses import dataclass
 
 import torch.distributed as dist
 
-from gossip_ext.membership import trust
+from gossip_ext.errors import TamperedStoreError
+from gossip_ext.gossip import groups
+from gossip_ext.membership import epoch_group, ledger, trust
 from gossip_ext.membership.heartbeats import (  # noqa: F401 - the protocol's defaults, here too
     CONFIRM_S,
     DEFAULT_TIMINGS,
@@ -129,39 +137,74 @@ class MembershipClient:
                 f"{timeout.total_seconds():g} s; start one with "
                 f"`python -m gossip_ext.membership --port {port}` on {host} ({error})"
             ) from error
-        self.seal = trust.seal_for_job(self.store, secret, address)
+        self.seal = trust.seal_for_job(self.store, secret, address, timeout)
+        self._registered = ledger.Ledger(self.store, self.seal, "registered", ",")
+        self._gone = ledger.Ledger(self.store, self.seal, "gone", ";")
+        self._changes = ledger.Ledger(self.store, self.seal, "changes", ";")
+        self._ledgers = (self._registered, self._gone, self._changes)
         self.worker = -1
         self.heartbeat: Heartbeat | None = None
         self.watch: Watch | None = None
 
     # ----------------------------------------------------------------------------- reading
 
-    def _raw(self, key: str) -> str:
-        return self.store.get(key).decode(errors="replace") if self.store.check([key]) else ""
-
     def _text(self, key: str) -> str:
-        """The value of ``key``; "" where none is written or its seal fails."""
-        raw = self._raw(key)
+        """The value of ``key``; "" where none is written or its seal fails. Never waits."""
+        raw = (trust.peek(self.store, key) or b"").decode(errors="replace")
         return (self.seal.open(key, raw) or "") if raw else ""
-
-    def _entries(self, key: str, end: str) -> list[str]:
-        """The sealed entries appended to ``key``, each ended by ``end``."""
-        opened = (self.seal.open(key, e) for e in self._raw(key).split(end) if e)
-        return [e for e in opened if e is not None]
 
     def put(self, key: str, value: str) -> None:
         """``value`` under ``key``, sealed."""
         self.store.set(key, self.seal.seal(key, value))
 
-    def claim(self, key: str, value: str) -> str:
+    def claim(self, key: str, value: str, deadline: float | None = None) -> str:
         """Writes ``value`` under ``key`` unless another worker of the job wrote first: the value
         that stays, the same on every worker. A value an outsider wrote first is replaced (only
-        if it is still that value: two workers replacing it never overwrite each other)."""
+        if it is still that value: two workers replacing it never overwrite each other), and a
+        key deleted meanwhile is written afresh. TamperedStoreError naming the key where no
+        sealed value stays by ``deadline`` (time.monotonic(); default: the timeout from now)."""
+        if deadline is None:
+            deadline = time.monotonic() + self.timeout.total_seconds()
         mine = self.seal.seal(key, value)
         written = self.store.compare_set(key, "", mine).decode(errors="replace")
-        while self.seal.open(key, written) is None:
-            written = self.store.compare_set(key, written, mine).decode(errors="replace")
-        return self.seal.open(key, written)
+        while (opened := self.seal.open(key, written)) is None:
+            if time.monotonic() > deadline:
+                raise TamperedStoreError(
+                    f"gossip_ext: worker {self.worker} could not claim {key!r} in the membership "
+                    f"store at {self.address} within {self.timeout.total_seconds():g} s: a "
+                    "process without the job's secret keeps writing or deleting it",
+                    key=key,
+                )
+            expected = written if trust.peek(self.store, key) is not None else ""
+            written = self.store.compare_set(key, expected, mine).decode(errors="replace")
+        return opened
+
+    def build_group(
+        self, epoch: Epoch, rank: int, backend: str, part: str = ""
+    ) -> dist.ProcessGroup:
+        """The group of ``epoch`` (its ``part``: ``epoch_group.build``), as rank ``rank``, over
+        the sealed rendezvous; in a job with a secret every connection of it then proves it
+        holds the secret before the group carries anything (``groups.prove_pairs``), or the
+        group is released and UnprovenPeerError raised naming the ranks whose proof failed.
+        Collective over the epoch's members."""
+        group = epoch_group.build(
+            self.rendezvous_store,
+            epoch.number,
+            rank,
+            len(epoch.members),
+            backend,
+            self.timeout,
+            part=part,
+        )
+        key = self.seal.derive("pairs", epoch.number, part)
+        if key is None:
+            return group
+        try:
+            groups.prove_pairs(group, key, f"epoch {epoch.number}{part}".encode(), self.timeout)
+        except BaseException:
+            epoch_group.release(group)
+            raise
+        return group
 
     @property
     def rendezvous_store(self) -> dist.Store:
@@ -169,22 +212,25 @@ class MembershipClient:
         where the job has a secret."""
         if not self.seal.authenticated:
             return self.store
-        return trust.SealedStore(self.store, self.seal)
+        return trust.SealedStore(self.store, self.seal, self.timeout)
 
     def registered(self) -> list[int]:
-        return [int(i) for i in self._entries("registered", ",") if i.isdigit()]
+        return [int(i) for i in self._registered.read() if i.isdigit()]
 
     def gone(self) -> dict[int, str]:
         """Worker id -> why it is gone (the first reason written)."""
         gone: dict[int, str] = {}
-        for entry in self._entries("gone", ";"):
+        for entry in self._gone.read():
             worker, _, why = entry.partition(":")
             if worker.isdigit():
                 gone.setdefault(int(worker), why)
         return gone
 
     def events(self) -> int:
-        return self.store.add("events", 0)
+        """How many changes of the membership this worker knows: the entries of ``registered``,
+        ``gone`` and ``changes``, the store read now (two requests)."""
+        raws = ledger.read_keys(self.store, [book.key for book in self._ledgers])
+        return sum(len(book.merge(raw)) for book, raw in zip(self._ledgers, raws))
 
     def epoch(self, number: int) -> Epoch | None:
         """Epoch ``number`` if it was proposed."""
@@ -211,10 +257,12 @@ class MembershipClient:
         """A new worker id, whose heartbeat starts now; the members form an epoch with it at
         their next step boundary."""
         token = secrets.token_hex(8)
-        while True:
-            worker = self.store.add("worker_ids", 1) - 1
-            if self.claim(f"id/{worker}", token) == token:
-                break
+        # The first id no worker claimed: ids are claimed in order, so the count of those
+        # registered is where to look first (a count an outsider lowered costs a few claims).
+        worker = len(self.registered())
+        deadline = time.monotonic() + self.timeout.total_seconds()
+        while self.claim(f"id/{worker}", token, deadline) != token:
+            worker += 1
         self.worker = worker
         self.heartbeat = Heartbeat(
             self.address, self.timeout, self.seal, self.worker, self.timings.heartbeat_s
@@ -222,8 +270,7 @@ class MembershipClient:
         watcher = MembershipClient(self.address, self.timeout, self.secret, self.timings)
         watcher.worker = self.worker  # its announcements claim in this worker's name
         self.watch = Watch(watcher)
-        self.store.append("registered", self.seal.seal("registered", str(self.worker)) + ",")
-        self.store.add("events", 1)
+        self._registered.add([str(self.worker)])
         return self.worker
 
     def announce_gone(self, workers: Sequence[int], why: str) -> None:
@@ -235,9 +282,7 @@ class MembershipClient:
         if not claimed:
             return
         why = why.replace(";", ",").replace("|", "/").replace(trust.SEPARATOR, "-")
-        entries = (self.seal.seal("gone", f"{w}:{why}") for w in claimed)
-        self.store.append("gone", "".join(f"{e};" for e in entries))
-        self.store.add("events", 1)
+        self._gone.add([f"{w}:{why}" for w in claimed])
 
     def mark_leaving(self, epoch: Epoch) -> None:
         self.put(f"epoch/{epoch.number}/leaving/{self.worker}", "1")
@@ -249,7 +294,7 @@ class MembershipClient:
     def bump(self) -> None:
         """Tells every member that the membership must be formed again (a failure that accused
         nobody: the next check-in finds who is missing)."""
-        self.store.add("events", 1)
+        self._changes.add([f"{self.worker}:{secrets.token_hex(8)}"])
 
     def silent(self, workers: Sequence[int], events: int) -> list[int]:
         """Those of ``workers`` whose heartbeat stays silent for ``confirm_s`` (dead or stopped);
@@ -305,7 +350,7 @@ class MembershipClient:
             time.sleep(POLL_S)
 
     def _here(self, key: str) -> bool:
-        return self.store.check([key]) and self._text(key) == "1"
+        return self._text(key) == "1"
 
     def wait_while_beating(self, key: str, worker: int) -> str:
         """The value of ``key`` once written (and sealed), waiting as long as ``worker``'s

@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING
 
 import torch.distributed as dist
 
-from gossip_ext.membership import trust
+from gossip_ext.membership import ledger, trust
 
 if TYPE_CHECKING:  # the client builds the watch: only its type is needed here
     from gossip_ext.membership.epochs import Epoch, MembershipClient
@@ -58,10 +58,11 @@ DEFAULT_TIMINGS = Timings()
 
 class Beats:
     """The heartbeats of ``workers`` as seen from a check-in or a watch: which stopped for
-    ``timings.silent_s``. Each look reads every beat it needs, and the ``events`` count, in one
-    request (``multi_get``): a watch looks at every beat, and each of N workers reading N - 1 keys
-    one by one made N^2 requests per look at the service. A beat is a sealed count that rose: one
-    that an outsider wrote, or wrote back (an old count), is no beat."""
+    ``timings.silent_s``. Each look reads every beat it needs in one request (``multi_get``,
+    through ``ledger.read_keys``, which never waits on a deleted key): a watch looks at every
+    beat, and each of N workers reading N - 1 keys one by one made N^2 requests per look at the
+    service. A beat is a sealed count that rose: one that an outsider wrote is no beat, and one
+    lower than a count seen before (an old beat written back) is tampering, logged once."""
 
     def __init__(
         self,
@@ -77,17 +78,30 @@ class Beats:
             # multi_get waits for a key that does not exist yet (the store's timeout, minutes):
             # a worker that died before its first beat must still read as silent.
             store.compare_set(f"beat/{w}", "", seal.seal(f"beat/{w}", "0"))
-        self.events = -1  # the ``events`` count at the latest look (it exists: this registered)
+        self._replayed: set[int] = set()  # workers whose beat was seen written back, logged
         now = time.monotonic()
+        self.seen: dict[int, tuple[int, float]] = {}
         self.seen = {w: (beat, now) for w, beat in zip(workers, self._read(workers))}
         self.read_at = now
 
     def _read(self, workers: Sequence[int]) -> list[int]:
-        events, *beats = self.store.multi_get(["events", *(f"beat/{w}" for w in workers)])
-        self.events = _count(events)
-        keys = (f"beat/{w}" for w in workers)
-        opened = (self.seal.open(k, b.decode(errors="replace")) for k, b in zip(keys, beats))
-        return [int(v) if v is not None and v.isdigit() else -1 for v in opened]
+        keys = [f"beat/{w}" for w in workers]
+        beats = ledger.read_keys(self.store, keys)
+        opened = (
+            self.seal.open(k, (b or b"").decode(errors="replace")) for k, b in zip(keys, beats)
+        )
+        counts = [int(v) if v is not None and v.isdigit() else -1 for v in opened]
+        for w, count in zip(workers, counts):
+            if 0 <= count < self.seen.get(w, (-1, 0.0))[0] and w not in self._replayed:
+                self._replayed.add(w)
+                logger.warning(
+                    "gossip_ext: worker %d's heartbeat in the membership store went back from "
+                    "%d to %d: a process outside the job wrote an old beat back",
+                    w,
+                    self.seen[w][0],
+                    count,
+                )
+        return counts
 
     def unchanged(self, workers: Sequence[int]) -> list[int]:
         """Those of ``workers`` whose heartbeat did not rise since this began watching."""
@@ -106,12 +120,6 @@ class Beats:
             elif now - since > self.timings.silent_s:
                 silent.append(w)
         return silent
-
-
-def _count(value: bytes) -> int:
-    """A counter's value; -1 where an outsider wrote something else (it is only a hint)."""
-    text = value.decode(errors="replace").strip()
-    return int(text) if text.lstrip("-").isdigit() else -1
 
 
 class Heartbeat:
@@ -207,9 +215,9 @@ class Watch:
                     why = self._silent(epoch, others, beats)
                     if why is not None:
                         logger.info("gossip_ext epoch %d: %s", epoch.number, why)
+                self.events = max(self.events, self.client.events())
             except Exception:  # noqa: BLE001 - the service is gone; the worker will find out
                 return
-            self.events = max(self.events, beats.events)
             if why is None:
                 continue
             # Again at every look until the worker leaves the epoch: a round it starts after the

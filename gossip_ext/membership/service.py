@@ -61,7 +61,7 @@ def serve(
         wait_for_workers=False,
         master_listen_fd=listening.detach(),  # the store owns the socket from now on
     )
-    trust.start_job(store, secret)
+    answers = trust.start_job(store, secret)  # the workers' challenges, answered
     sealed = (
         "job secret set: only workers that hold it can join"
         if secret is not None
@@ -71,6 +71,8 @@ def serve(
     print(f"{PREFIX} {READY} {address}:{bound_port}, ready; {sealed}", file=sys.stdout, flush=True)
     stop = stop or threading.Event()
     stop.wait()
+    if answers is not None:
+        answers.stop()
 
 
 def _listen(host: str, port: int) -> socket.socket:

@@ -21,15 +21,22 @@ can join, remove members and read the model, and the service and the first worke
 
 from __future__ import annotations
 
+import collections
 import datetime
 import hashlib
 import hmac
 import logging
+import math
 import os
 import secrets
+import threading
+import time
 from typing import Protocol
 
 import torch.distributed as dist
+
+from gossip_ext.errors import TamperedStoreError
+from gossip_ext.gossip import groups
 
 logger = logging.getLogger("gossip_ext.membership.trust")
 
@@ -39,6 +46,11 @@ SECRET_FILE_ENV = "GOSSIP_EXT_JOB_SECRET_FILE"
 JOB_KEY = "job"
 OPEN = "open"
 SEPARATOR = "~"  # between a value and its seal (a seal is hex: no separator inside it)
+# Where workers ask the service for the job's nonce (seal_for_job), and its answers' prefix.
+CHALLENGES_KEY = "challenges"
+CHALLENGE_POLL_S = 0.02
+MAX_ANSWERS_PER_LOOK = 64
+_SENTINEL = "\x00gossip_ext: no value\x00"
 
 OPEN_PORT_WARNING = (
     f"no job secret is set ({SECRET_ENV} or {SECRET_FILE_ENV}): anyone who reaches the "
@@ -55,6 +67,12 @@ def job_secret(given: str | bytes | None = None) -> bytes | None:
     if given is None and os.environ.get(SECRET_FILE_ENV):
         path = os.environ[SECRET_FILE_ENV]
         try:
+            mode = os.stat(path).st_mode
+            if mode & 0o077:
+                raise ValueError(
+                    f"{SECRET_FILE_ENV}={path!r} is readable by other users (mode "
+                    f"{mode & 0o777:o}): `chmod 600 {path}`, as ssh asks of a private key"
+                )
             with open(path, "rb") as file:
                 given = file.read().strip()
         except OSError as error:
@@ -69,7 +87,25 @@ def job_secret(given: str | bytes | None = None) -> bytes | None:
         raise TypeError(f"secret must be a str or bytes, got {type(given).__name__}")
     if len(given) < 16:
         raise ValueError(f"secret must be at least 16 bytes (a random token), got {len(given)}")
+    if _entropy_bits(given) < MIN_SECRET_BITS:
+        raise ValueError(
+            f"secret has about {_entropy_bits(given):.0f} bits of entropy, fewer than "
+            f"{MIN_SECRET_BITS}: a guessable secret seals nothing; use a random token, e.g. "
+            "`python -c 'import secrets; print(secrets.token_hex(32))'`"
+        )
     return given
+
+
+# A secret's entropy below this is refused: 16 random bytes carry 128, a hex token of 16 digits 64.
+MIN_SECRET_BITS = 64
+
+
+def _entropy_bits(secret: bytes) -> float:
+    """An upper estimate of ``secret``'s entropy: its length times the Shannon entropy of its
+    bytes' frequencies. It catches a repeated or short-alphabet secret, not a dictionary word."""
+    counts = collections.Counter(secret)
+    n = len(secret)
+    return max(0.0, -n * sum(c / n * math.log2(c / n) for c in counts.values()))
 
 
 class Seal(Protocol):
@@ -85,6 +121,11 @@ class Seal(Protocol):
         """The value ``written`` under ``key`` carries, or None where its seal fails."""
         ...
 
+    def derive(self, label: str, *fields: str | int) -> bytes | None:
+        """A key of this job's own for ``label`` and ``fields`` (a group's pair proofs), or
+        None where the job has no secret."""
+        ...
+
 
 class Unsealed:
     """No secret: values are written and taken as they are."""
@@ -96,6 +137,9 @@ class Unsealed:
 
     def open(self, key: str, written: str) -> str | None:
         return written
+
+    def derive(self, label: str, *fields: str | int) -> bytes | None:
+        return None
 
 
 class HmacSeal:
@@ -109,8 +153,13 @@ class HmacSeal:
         self._logged: set[str] = set()
 
     def _mac(self, key: str, value: str) -> str:
-        message = b"|".join((self._nonce, key.encode(), value.encode()))
+        # Fields by their lengths, not a separator: no key and value of one seal are another's.
+        message = groups.encode_fields(b"gossip_ext/seal", self._nonce, key, value)
         return hmac.new(self._secret, message, hashlib.sha256).hexdigest()
+
+    def derive(self, label: str, *fields: str | int) -> bytes | None:
+        message = groups.encode_fields(b"gossip_ext/derive", self._nonce, label, *fields)
+        return hmac.new(self._secret, message, hashlib.sha256).digest()
 
     def seal(self, key: str, value: str) -> str:
         return f"{value}{SEPARATOR}{self._mac(key, value)}"
@@ -130,12 +179,21 @@ class HmacSeal:
         return None
 
 
-def seal_for_job(store: dist.Store, secret: bytes | None, address: str) -> Seal:
-    """The seal of the job whose service ``store`` reaches: its nonce checked with ``secret``.
-    Raises PermissionError where the service and this worker disagree on having a secret, or
-    where the service's nonce is not sealed with this secret (another job's service, or another
-    secret)."""
-    written = store.get(JOB_KEY).decode() if store.check([JOB_KEY]) else ""
+def _job_answer(secret: bytes, nonce: str, challenge: str) -> str:
+    message = groups.encode_fields(b"gossip_ext/job", nonce, challenge)
+    return f"{nonce}{SEPARATOR}{hmac.new(secret, message, hashlib.sha256).hexdigest()}"
+
+
+def seal_for_job(
+    store: dist.Store, secret: bytes | None, address: str, timeout: datetime.timedelta
+) -> Seal:
+    """The seal of the job whose service ``store`` reaches. With ``secret``, the job's nonce is
+    asked of the service itself: a fresh challenge, which only the running service (or a holder
+    of the secret) can answer with the nonce it holds, so a nonce of an earlier job of the same
+    secret written back under ``job`` is never taken for this one's. Raises PermissionError where
+    the service and this worker disagree on having a secret or the answer is not sealed with it,
+    TamperedStoreError naming the challenge where no answer comes within ``timeout``."""
+    written = (peek(store, JOB_KEY) or b"").decode(errors="replace")
     if secret is None:
         if written and written != OPEN:
             raise PermissionError(
@@ -144,40 +202,106 @@ def seal_for_job(store: dist.Store, secret: bytes | None, address: str) -> Seal:
                 "the job's secret, or Elastic(..., secret=...)"
             )
         return Unsealed()
-    if written == OPEN or not written:
-        raise PermissionError(
-            f"gossip_ext: this worker has a job secret, but the membership service at {address} "
-            f"was started without one: start it with {SECRET_ENV} (or {SECRET_FILE_ENV}) set to "
-            "the same secret"
-        )
-    nonce, _, _ = written.rpartition(SEPARATOR)
-    if HmacSeal(secret, nonce).open(JOB_KEY, written) is None:
+    challenge = secrets.token_hex(16)
+    store.append(CHALLENGES_KEY, f"{challenge};")
+    key = f"{CHALLENGES_KEY}/{challenge}"
+    # A service started without a secret never answers: once its ``job`` says so, a short wait.
+    patience = timeout.total_seconds() if written != OPEN else min(timeout.total_seconds(), 2.0)
+    deadline = time.monotonic() + patience
+    while (answer := peek(store, key)) is None:
+        if time.monotonic() > deadline:
+            if written == OPEN:
+                raise PermissionError(
+                    f"gossip_ext: this worker has a job secret, but the membership service at "
+                    f"{address} was started without one: start it with {SECRET_ENV} (or "
+                    f"{SECRET_FILE_ENV}) set to the same secret"
+                )
+            raise TamperedStoreError(
+                f"gossip_ext: the membership service at {address} did not answer this worker's "
+                f"challenge ({key!r}) within {timeout.total_seconds():g} s: is it gossip_ext's "
+                "service, and is a process outside the job deleting its keys?",
+                key=key,
+            )
+        time.sleep(CHALLENGE_POLL_S)
+    nonce, _, _ = answer.decode(errors="replace").rpartition(SEPARATOR)
+    if not hmac.compare_digest(
+        answer.decode(errors="replace"), _job_answer(secret, nonce, challenge)
+    ):
         raise PermissionError(
             f"gossip_ext: the membership service at {address} holds another secret than this "
-            "worker's (its job nonce is not sealed with it): is this the job's service, and the "
-            "job's secret?"
+            "worker's (its answer to a fresh challenge is not sealed with it): is this the job's "
+            "service, and the job's secret?"
         )
     return HmacSeal(secret, nonce)
 
 
-def start_job(store: dist.Store, secret: bytes | None) -> None:
-    """The service's side: writes the job's nonce, sealed with ``secret`` (or ``open``)."""
+class JobAnswers:
+    """The service's side of :func:`seal_for_job`: a thread that answers every challenge appended
+    under ``challenges`` with the job's nonce, sealed with the challenge, until stopped. At most
+    MAX_ANSWERS_PER_LOOK a look, so an outsider appending challenges costs the service little."""
+
+    def __init__(self, store: dist.Store, secret: bytes, nonce: str):
+        self._store, self._secret, self._nonce = store, secret, nonce
+        self._stopped = threading.Event()
+        self._thread = threading.Thread(
+            target=self._run, name="gossip_ext job answers", daemon=True
+        )
+        self._thread.start()
+
+    def _run(self) -> None:
+        while not self._stopped.wait(CHALLENGE_POLL_S):
+            try:
+                raw = peek(self._store, CHALLENGES_KEY)
+                if not raw:
+                    continue
+                asked = [c for c in raw.decode(errors="replace").split(";") if _is_challenge(c)]
+                for challenge in asked[:MAX_ANSWERS_PER_LOOK]:
+                    answer = _job_answer(self._secret, self._nonce, challenge)
+                    self._store.set(f"{CHALLENGES_KEY}/{challenge}", answer)
+                # Cleared unless more came meanwhile (they are answered at the next look).
+                self._store.compare_set(CHALLENGES_KEY, raw.decode(errors="replace"), "")
+            except Exception:  # noqa: BLE001 - the store is shutting down with the service
+                return
+
+    def stop(self) -> None:
+        self._stopped.set()
+
+
+def _is_challenge(text: str) -> bool:
+    return len(text) == 32 and all(c in "0123456789abcdef" for c in text)
+
+
+def start_job(store: dist.Store, secret: bytes | None) -> JobAnswers | None:
+    """The service's side: writes ``job`` (the job's nonce, sealed with ``secret``, or ``open``)
+    and, with a secret, starts answering the workers' challenges (stop it with the service)."""
     if secret is None:
         store.set(JOB_KEY, OPEN)
-        return
+        return None
     nonce = secrets.token_hex(16)
     store.set(JOB_KEY, HmacSeal(secret, nonce).seal(JOB_KEY, nonce))
+    return JobAnswers(store, secret, nonce)
+
+
+def peek(store: dist.Store, key: str) -> bytes | None:
+    """``key``'s value, or None where none is written; never waits (``get`` waits for a missing
+    key, and an outsider may delete any key): compare_set with a sentinel neither writes nor
+    waits."""
+    value = store.compare_set(key, _SENTINEL, _SENTINEL)
+    return None if value == _SENTINEL.encode() else value
 
 
 class SealedStore(dist.Store):
     """A store whose values are sealed, for torch's own rendezvous over the membership store (an
-    epoch group's addresses, an NCCL unique id): a value whose seal fails raises, and the group is
-    not built (the members form the next epoch). Implements what those rendezvous call."""
+    epoch group's addresses, an NCCL unique id). A value whose seal fails is waited past: the
+    member's own may still come, or come back (an outsider wrote first, or over it); one that is
+    not sealed by ``timeout`` raises TamperedStoreError naming the key, and the group is not built
+    (the members form the next epoch). Implements what those rendezvous call."""
 
-    def __init__(self, store: dist.Store, seal: Seal):
+    def __init__(self, store: dist.Store, seal: Seal, timeout: datetime.timedelta):
         super().__init__()
         self._store = store
         self._seal = seal
+        self._timeout = timeout
 
     def set(self, key: str, value: bytes | str) -> None:
         if isinstance(value, str):
@@ -185,12 +309,18 @@ class SealedStore(dist.Store):
         self._store.set(key, self._seal.seal(key, bytes(value).hex()))
 
     def get(self, key: str) -> bytes:
-        value = self._seal.open(key, self._store.get(key).decode())
-        if value is None:
-            raise RuntimeError(
-                f"gossip_ext: {key!r} in the membership store is not sealed with the job's "
-                "secret (written by a process outside the job): not connecting"
-            )
+        deadline = time.monotonic() + self._timeout.total_seconds()
+        while (
+            value := self._seal.open(key, self._store.get(key).decode(errors="replace"))
+        ) is None:
+            if time.monotonic() > deadline:
+                raise TamperedStoreError(
+                    f"gossip_ext: {key!r} in the membership store held no value sealed with the "
+                    f"job's secret for {self._timeout.total_seconds():g} s (a process outside the "
+                    "job wrote over it): not connecting",
+                    key=key,
+                )
+            time.sleep(CHALLENGE_POLL_S)
         return bytes.fromhex(value)
 
     def add(self, key: str, amount: int) -> int:

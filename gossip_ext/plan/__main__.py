@@ -4,6 +4,7 @@ on a cluster, from the command line (docs/scaling.md says how each figure is mad
 from __future__ import annotations
 
 import argparse
+import math
 import re
 import sys
 
@@ -24,7 +25,21 @@ def _number_with_unit(text: str, units: dict[str, float], what: str) -> float:
         raise argparse.ArgumentTypeError(
             f"{what}: a number with one of the units {sorted(u for u in units if u)}, got {text!r}"
         )
-    return float(match.group(1)) * units[match.group(2)]
+    value = float(match.group(1)) * units[match.group(2)]
+    if not math.isfinite(value):
+        raise argparse.ArgumentTypeError(f"{what}: a finite number, got {text!r}")
+    return value
+
+
+def finite(text: str) -> float:
+    """A finite float (argparse's ``float`` takes ``inf`` and ``nan``)."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"a number, got {text!r}") from None
+    if not math.isfinite(value):
+        raise argparse.ArgumentTypeError(f"a finite number, got {text!r}")
+    return value
 
 
 def count(text: str) -> float:
@@ -79,15 +94,15 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--params", type=count, required=True, help="e.g. 7e9 or 1.3B")
     p.add_argument("--link", type=rate, required=True, help="each worker's link, e.g. 10gbit")
     p.add_argument("--latency", type=seconds, default=0.0, help="one way, e.g. 30ms")
-    p.add_argument("--step-ms", type=float, required=True, help="one step's compute, alone")
+    p.add_argument("--step-ms", type=finite, required=True, help="one step's compute, alone")
     p.add_argument("--param-bytes", type=int, default=4, help="4: float32, 2: bfloat16")
-    p.add_argument("--optimizer-bytes", type=float, default=8.0, help="Adam's: 8 a parameter")
+    p.add_argument("--optimizer-bytes", type=finite, default=8.0, help="Adam's: 8 a parameter")
     p.add_argument("--width", type=int, default=None, help="hidden size (PowerSGD's matrices)")
     p.add_argument(
         "--slow", type=slowness, default=(0.0, 1.0), help="the odd workers, e.g. 0.05:2x"
     )
     p.add_argument("--slow-link", type=factor, default=1.0, help="their links slower, e.g. 10x")
-    p.add_argument("--stalled", type=float, default=0.0, help="the share of time each is stopped")
+    p.add_argument("--stalled", type=finite, default=0.0, help="the share of time each is stopped")
     p.add_argument("--mtbf", type=seconds, default=None, help="the cluster's, e.g. 6h")
     p.add_argument("--restart", type=seconds, default=300.0, help="a restarted job's loss")
     p.add_argument("--checkpoint-every", type=seconds, default=1800.0)
@@ -101,7 +116,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     p.add_argument(
         "--host-ns-per-byte",
-        type=float,
+        type=finite,
         default=0.0,
         help="CPU workers: what each byte sent or received adds to a step, ns (their CPU cost, "
         "gossip_ext.plan.measure.host_seconds_per_byte, over each worker's share of a core)",
@@ -112,7 +127,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--shards", type=int, default=8, help="processes per sharded replica")
     p.add_argument(
         "--jitter",
-        type=float,
+        type=finite,
         default=None,
         help="also simulate each mode's waits, every step drawn around its mean with this "
         "spread (0.1: about 10%%)",
@@ -166,10 +181,10 @@ def main(argv: list[str] | None = None) -> list[Prediction]:
             kernel_bytes=args.kernel_gbytes * 1e9,
             host_seconds_per_byte=args.host_ns_per_byte * 1e-9,
         )
-    except ValueError as error:
+        modes = every_mode(args.every, args.fragments, args.delay, args.shards)
+        predictions = [mode.predict(model, cluster) for mode in modes]
+    except (ValueError, OverflowError) as error:
         sys.exit(f"python -m gossip_ext.plan: {error}")
-    modes = every_mode(args.every, args.fragments, args.delay, args.shards)
-    predictions = [mode.predict(model, cluster) for mode in modes]
     simulated = None
     if args.jitter is not None:
         try:

@@ -39,7 +39,7 @@ import torch.distributed as dist
 
 from gossip_ext import _plain_messages
 from gossip_ext.membership import elastic as elastic_worker
-from gossip_ext.membership import epoch_group, runtime, trust
+from gossip_ext.membership import runtime, trust
 from gossip_ext.membership.epochs import Epoch, MembershipClient, RemovedError, Watch
 from gossip_ext.sharded import replica_collectives, replicas
 
@@ -250,16 +250,10 @@ class ReplicaMember:
         built = 1
         if self.leader is None:
             try:
-                self._group = epoch_group.build(
-                    self.client.rendezvous_store,
-                    epoch.number,
-                    epoch.rank(replica),
-                    len(epoch.members),
-                    "gloo",
-                    self.timeout,
-                    part=f"/shard{self.shard}",
+                self._group = self.client.build_group(
+                    epoch, epoch.rank(replica), "gloo", part=f"/shard{self.shard}"
                 )
-            except Exception:  # noqa: BLE001 - a member died after its leader's check-in
+            except Exception:  # noqa: BLE001 - a member died, or a connection failed its proof
                 built = 0
         every = torch.tensor([built], dtype=torch.int32, device=self.device)
         self._replica_collective(dist.all_reduce, every, op=dist.ReduceOp.MIN)
