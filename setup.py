@@ -95,6 +95,10 @@ def _extension():
     # +cpu and a +cu130 build differ too), for _C.built_with_torch(): the package refuses to run
     # under another torch, whose ABI may differ (gossip_ext/_torch_check.py).
     define_macros = [("GOSSIP_EXT_TORCH_VERSION", f'"{torch.__version__}"')]
+    if sources.openssl_found():
+        # Sealed messages (csrc/transport/sealed): AES-256-GCM from the system's libcrypto.
+        define_macros.append(("GOSSIP_WITH_OPENSSL", "1"))
+        link_flags.append("-lcrypto")
 
     if cuda:
         _check_cuda_home()

@@ -16,6 +16,9 @@
 #include "engine/simulate.h"
 #include "kernels/push_sum.h"
 #include "python/async_bindings.h"
+#ifdef GOSSIP_WITH_OPENSSL
+#include "python/sealed_bindings.h"
+#endif
 #include "python/message_type.h"
 #include "topology/graph.h"
 #include "topology/mixing.h"
@@ -58,6 +61,11 @@ py::dict build_info() {
   info["cuda"] = py::none();
   info["nccl"] = py::none();
   info["cuda_archs"] = py::none();
+#endif
+#ifdef GOSSIP_WITH_OPENSSL
+  info["sealed_messages"] = true;  // csrc/transport/sealed: AES-256-GCM from libcrypto
+#else
+  info["sealed_messages"] = false;
 #endif
   return info;
 }
@@ -330,6 +338,10 @@ PYBIND11_MODULE(_C, m) {
   gossip::bind_topology(m);
   gossip::bind_engine(m);
   gossip::bind_asynchronous(m);
+#ifdef GOSSIP_WITH_OPENSSL
+  // Sealed messages exist only where libcrypto was found at build time (tools/sources.py).
+  gossip::bind_sealed_transport(m);
+#endif
   // The tag registry (transport/message_tags.h): each kind of message's range, [base, base + span).
   py::dict tags;
   tags["round"] = py::make_tuple(gossip::tags::kRoundBase, gossip::tags::kRoundSpan);

@@ -141,13 +141,15 @@ class Runtime:
         initial: bool,
         peers_per_itr: int | None = None,
         rendezvous: tuple[dist.Store, str] | None = None,
+        sealing: transport.Sealing | None = None,
     ) -> None:
         """Builds everything that runs over ``group``: the outer steps, the inner mix and its
         engine, after the ranks agreed on the configuration. ``initial``: every rank then starts
         from rank 0's parameters (a job's start); else each keeps its own (an elastic epoch's).
         ``peers_per_itr``: the peers per round, where an elastic epoch goes on with another
         number than the graph was constructed with; ``rendezvous``: where an NCCL transport's
-        ranks meet (None: the default store). Writes the parameters (the broadcast)."""
+        ranks meet (None: the default store); ``sealing``: how the engine's messages are sealed
+        on the wire (None: as they lie). Writes the parameters (the broadcast)."""
         config, named = self.configuration, self.named
         # Tensors that overlap in memory would be untied by the engine's flattening. The engine
         # refuses them, naming them, but only on the ranks that build one and after the
@@ -204,6 +206,7 @@ class Runtime:
                 self.device,
                 config.timeout,
                 rendezvous,
+                sealing,
                 log_every=config.log_every,
                 verbose=config.verbose,
                 in_place=self.shard_group is None,

@@ -126,6 +126,7 @@ def configuration(args: argparse.Namespace) -> dict:
         args.membership,
         min_workers=args.min_workers,
         **{name: value for name, value in timings.items() if value is not None},
+        **({"messages": args.messages} if args.messages else {}),
     )
     return {"gossip": gossip, "outer": outer, "membership": membership}
 
@@ -147,6 +148,7 @@ def main() -> int:
     parser.add_argument(
         "--peers-at", default="", help="STEP:N: set_peers_per_itr(N) after this step"
     )
+    parser.add_argument("--messages", default="", help="Elastic(messages=): sealed, ...")
     parser.add_argument("--init-seed", type=int, default=0)
     parser.add_argument("--device", default="cpu", help="where the model lives: cpu, cuda:N")
     parser.add_argument("--step-seconds", type=float, default=0.0, help="sleep per step")

@@ -6,7 +6,7 @@ import dataclasses
 import math
 
 from gossip_ext.algorithms._base import Algorithm, check_argument, where
-from gossip_ext.membership.epochs import parse_address
+from gossip_ext.membership.epochs import MESSAGES, SEALED, parse_address
 from gossip_ext.membership.heartbeats import (
     CONFIRM_BEATS,
     HEARTBEAT_S,
@@ -30,6 +30,13 @@ class Elastic(Algorithm):
     ``job`` names the job: a worker of another job (another name, model or configuration) is
     refused before it registers, naming what differs.
 
+    ``messages`` (default ``"sealed"``), with a secret: how gossip_ext's own point-to-point
+    messages of an epoch travel: ``"sealed"`` (each carries an AES-GCM tag keyed per epoch and
+    link, checked before a byte is absorbed), ``"encrypted"`` (the bodies encrypted too) or
+    ``"plain"``. Without a secret every message is plain (``"encrypted"`` is refused: there is
+    nothing to key it with). gloo's collectives and NCCL's traffic are never sealed
+    (docs/elastic.md, Security).
+
     ``heartbeat_s`` (default 0.1) is how often each worker's heartbeat beats and its watch looks
     at the others'; ``silent_s`` (default 1.5, at least five beats) how long a heartbeat must be
     silent before its worker is taken for dead or stopped and the others go on without it. A
@@ -47,6 +54,7 @@ class Elastic(Algorithm):
     job: str = ""
     heartbeat_s: float = HEARTBEAT_S
     silent_s: float = SILENT_S
+    messages: str = SEALED
 
     def __post_init__(self) -> None:
         check_argument(self, "address", self.address, str, "a str 'HOST:PORT'")
@@ -60,6 +68,11 @@ class Elastic(Algorithm):
                 f"{where(self, 'secret')} must be a str or bytes, got {type(self.secret).__name__}"
             )
         check_argument(self, "job", self.job, str, "a str")
+        if self.messages not in MESSAGES:
+            raise ValueError(
+                f"{where(self, 'messages')} must be one of {', '.join(map(repr, MESSAGES))}, "
+                f"got {self.messages!r}"
+            )
         for name in ("heartbeat_s", "silent_s"):
             value = getattr(self, name)
             check_argument(self, name, value, (int, float), "a number of seconds")

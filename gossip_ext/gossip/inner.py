@@ -53,6 +53,8 @@ class Link:
     device: torch.device
     timeout: timedelta
     rendezvous: tuple[dist.Store, str] | None = None
+    # How the rounds' messages are sealed on the wire (an elastic epoch's, with a job secret).
+    sealing: transport.Sealing | None = None
     log_every: int = 0
     verbose: bool = False
     # False: the tensors' storage is another owner's (FSDP2's shards), and the engine gossips
@@ -142,7 +144,12 @@ class InnerMix:
             message_dtype=message_dtype,
         )
         carrier = transport.make_transport(
-            link.transport_kind, link.group, link.device, link.timeout, link.rendezvous
+            link.transport_kind,
+            link.group,
+            link.device,
+            link.timeout,
+            link.rendezvous,
+            link.sealing,
         )
         tensors = [t for _, t in named]
         engine: FlatEngine

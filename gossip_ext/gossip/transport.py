@@ -10,6 +10,8 @@ exchange the communicator's unique id. A static job's transports use the default
 from __future__ import annotations
 
 import collections
+import dataclasses
+from collections.abc import Callable
 from datetime import timedelta
 from typing import Any
 
@@ -88,23 +90,64 @@ _NCCL_TRANSPORTS: collections.Counter[tuple[int, ...]] = collections.Counter()
 _STORES: collections.Counter[tuple[str, tuple[int, ...]]] = collections.Counter()
 
 
+@dataclasses.dataclass(frozen=True)
+class Sealing:
+    """How an epoch's point-to-point messages are sealed on the wire (Note [Sealed messages] in
+    csrc/transport/sealed/sealed_transport.h): ``key(sender, receiver)``, the 32-byte key of one
+    direction of a link (ranks of the epoch's group); ``encrypt``: the bodies too."""
+
+    key: Callable[[int, int], bytes]
+    encrypt: bool = False
+
+    def wrap(self, inner: Any, group: dist.ProcessGroup) -> Any:
+        """``inner`` (a transport of host buffers over ``group``) with every message sealed."""
+        if not available_sealing():
+            raise ValueError(
+                "this gossip_ext build has no sealed messages (it was built without OpenSSL's "
+                "libcrypto): install libssl-dev (or openssl-devel) and rebuild, or pass "
+                "Elastic(..., messages='plain')"
+            )
+        rank = group.rank()
+        keys = {
+            peer: (self.key(rank, peer), self.key(peer, rank))
+            for peer in range(group.size())
+            if peer != rank
+        }
+        return _C.SealedTransport(inner, keys, self.encrypt)
+
+
+def available_sealing() -> bool:
+    """Whether this build seals messages (built where OpenSSL's libcrypto was found)."""
+    return hasattr(_C, "SealedTransport")
+
+
 def make_transport(
     kind: str,
     group: dist.ProcessGroup,
     device: torch.device,
     timeout: timedelta,
     rendezvous: tuple[dist.Store, str] | None = None,
+    sealing: Sealing | None = None,
 ) -> Any:
     """The transport of ``kind`` (``NCCL``, ``PROCESS_GROUP`` or ``HOST_STAGING``)
-    over ``group``. Collective for NCCL: every rank of ``group`` builds its transport together,
-    its ranks meeting in the ``rendezvous`` store under its key (default: the default store,
-    under :func:`nccl_unique_id_key`)."""
+    over ``group``, its messages sealed by ``sealing`` (host messages only: an NCCL transport's
+    cannot be, and is refused). Collective for NCCL: every rank of ``group`` builds its transport
+    together, its ranks meeting in the ``rendezvous`` store under its key (default: the default
+    store, under :func:`nccl_unique_id_key`)."""
     if kind == NCCL:
+        if sealing is not None:
+            raise ValueError(
+                "sealed messages travel from host memory, and an NCCL transport's cannot be "
+                "sealed: pass comm_device='cpu' (host buffers over gloo, sealed), or "
+                "Elastic(..., messages='plain') on a network you trust"
+            )
         if rendezvous is None:
             rendezvous = (dist.distributed_c10d._get_default_store(), nccl_unique_id_key(group))
         store, key = rendezvous
         return _C.NcclTransport(store, key, group.rank(), group.size(), device.index, timeout)
     transport = _C.ProcessGroupTransport(group)
+    if sealing is not None:
+        transport = sealing.wrap(transport, group)
     if kind == HOST_STAGING:
         transport = _C.HostStagingTransport(transport)
     return transport

@@ -37,10 +37,12 @@ import torch.distributed as dist
 
 from gossip_ext._plain_messages import tensor_bytes
 from gossip_ext.errors import PeerTimeoutError
+from gossip_ext.gossip.transport import Sealing
 from gossip_ext.membership import admission, epoch_group
 from gossip_ext.membership.epochs import (
     DEFAULT_TIMINGS,
     LEFT,
+    SEALED,
     Epoch,
     MembershipClient,
     RemovedError,
@@ -128,8 +130,10 @@ class ElasticWorker:
         secret: bytes | None = None,
         fingerprint: Mapping[str, object] | None = None,
         timings: Timings = DEFAULT_TIMINGS,
+        messages: str = SEALED,
     ):
         self.client = MembershipClient(address, timeout, secret, timings)
+        self.messages = messages  # how the epochs' messages travel (Elastic(messages=...))
         self.shards = shards  # the processes of each replica (1: unsharded)
         self.fingerprint = dict(fingerprint or {}, shards=shards)
         self.min_workers = min_workers
@@ -334,6 +338,7 @@ class ElasticWorker:
         )
         logger.info(
             "gossip_ext epoch %d: worker %d is rank %d of %d; left %s, joined %s; members %s; "
+            "its messages %s; "
             "the change took %.3f s (until check-in %.3f s, check-in %.3f s, group %.3f s)",
             epoch.number,
             self.worker,
@@ -342,12 +347,17 @@ class ElasticWorker:
             left,
             joined,
             list(epoch.members),
+            self.messages if self.client.seal.authenticated else "plain (an open job)",
             change.seconds,
             checking_in - start,
             building - checking_in,
             time.monotonic() - building,
         )
         return change
+
+    def message_sealing(self) -> Sealing | None:
+        """How this epoch's gossip messages are sealed on the wire (None: as they lie)."""
+        return self.client.link_sealing(self.epoch, self.messages)
 
     def nccl_rendezvous(self) -> tuple[dist.Store, str]:
         """Where the ranks of this epoch's NCCL transport meet: a key of the epoch in the

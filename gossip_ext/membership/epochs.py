@@ -54,7 +54,7 @@ from dataclasses import dataclass
 import torch.distributed as dist
 
 from gossip_ext.errors import TamperedStoreError
-from gossip_ext.gossip import groups
+from gossip_ext.gossip import groups, transport
 from gossip_ext.membership import epoch_group, ledger, trust
 from gossip_ext.membership.heartbeats import (  # noqa: F401 - the protocol's defaults, here too
     CONFIRM_S,
@@ -69,6 +69,9 @@ from gossip_ext.membership.heartbeats import (  # noqa: F401 - the protocol's de
 )
 
 POLL_S = 0.01  # how often a waiting worker looks again at a key another worker will write
+# How an epoch's own messages travel (Elastic(messages=...)): Note [Sealed messages].
+PLAIN, SEALED, ENCRYPTED = "plain", "sealed", "encrypted"
+MESSAGES = (PLAIN, SEALED, ENCRYPTED)
 
 
 def parse_address(address: str, name: str = "membership") -> tuple[str, int]:
@@ -205,6 +208,23 @@ class MembershipClient:
             epoch_group.release(group)
             raise
         return group
+
+    def link_sealing(self, epoch: Epoch, messages: str, part: str = "") -> transport.Sealing | None:
+        """How the engine's messages of ``epoch`` (its ``part``) are sealed on the wire, as
+        ``messages`` ("plain", "sealed", "encrypted") asks: each direction of each link keyed by
+        the job's secret, the epoch and both workers' ids (Note [Sealed messages]). None in a job
+        without a secret, or with "plain"."""
+        seal = self.seal
+        if messages == PLAIN or not seal.authenticated:
+            return None
+        members = epoch.members
+
+        def key(sender: int, receiver: int) -> bytes:
+            derived = seal.derive("link", epoch.number, part, members[sender], members[receiver])
+            assert derived is not None  # an authenticated seal derives
+            return derived
+
+        return transport.Sealing(key, encrypt=messages == ENCRYPTED)
 
     @property
     def rendezvous_store(self) -> dist.Store:

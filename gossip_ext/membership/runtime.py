@@ -22,9 +22,10 @@ import torch.distributed as dist
 from gossip_ext.averagings import failures
 from gossip_ext.errors import ConfigurationMismatch
 from gossip_ext.gossip.inner import InnerMix
-from gossip_ext.gossip.transport import choose_transport
+from gossip_ext.gossip.transport import Sealing, available_sealing, choose_transport
 from gossip_ext.membership import admission, trust
 from gossip_ext.membership import elastic as _elastic_worker
+from gossip_ext.membership.epochs import ENCRYPTED, PLAIN
 from gossip_ext.membership.heartbeats import DEFAULT_TIMINGS
 
 
@@ -84,6 +85,7 @@ class Host(Protocol):
         initial: bool,
         peers_per_itr: int | None = None,
         rendezvous: tuple[dist.Store, str] | None = None,
+        sealing: Sealing | None = None,
     ) -> None: ...
 
     def close_mix(self) -> None: ...
@@ -91,6 +93,21 @@ class Host(Protocol):
     def drop_epoch_parts(self) -> None: ...
 
     def parameters_loaded(self) -> None: ...
+
+
+def check_messages(messages: str, secret: bytes | None) -> None:
+    """Refuses, before joining, an ``Elastic(messages=...)`` this job or build cannot keep."""
+    if messages == ENCRYPTED and secret is None:
+        raise ValueError(
+            "Elastic(messages='encrypted') needs the job's secret to key the messages with: set "
+            f"{trust.SECRET_ENV} (or {trust.SECRET_FILE_ENV}), or Elastic(..., secret=...)"
+        )
+    if messages != PLAIN and secret is not None and not available_sealing():
+        raise ValueError(
+            f"Elastic(messages={messages!r}): this gossip_ext build has no sealed messages (it "
+            "was built without OpenSSL's libcrypto): install libssl-dev (or openssl-devel) and "
+            "rebuild, or pass messages='plain' on a network you trust"
+        )
 
 
 def of_job(
@@ -183,6 +200,8 @@ class ElasticMembership:
         # job: an epoch's group is gloo; CUDA parameters gossip over an own NCCL communicator of
         # the epoch, or host buffers over the group (comm_device="cpu").
         choose_transport(host.device, comm_device, "gloo")
+        secret = trust.job_secret(membership.secret)
+        check_messages(membership.messages, secret)
         self._host = weakref.ref(host)
         # ``worker``: this process's part in the epochs, where it is not a whole worker (a
         # process of a sharded replica: gossip_ext.sharded.elastic).
@@ -191,9 +210,10 @@ class ElasticMembership:
             membership.min_workers,
             timeout,
             "gloo",
-            secret=trust.job_secret(membership.secret),
+            secret=secret,
             fingerprint=fingerprint_of(host, membership),
             timings=membership.timings,
+            messages=membership.messages,
         )
         # The donor's optimizer state, until register_optimizer() hands it to the optimizer.
         self._handed_optimizer_state = None
@@ -382,6 +402,7 @@ class ElasticMembership:
             initial=first and change.epoch.number == 0,
             peers_per_itr=int(held[1]) or None,
             rendezvous=self.nccl_rendezvous(),
+            sealing=self.worker.message_sealing(),
         )
         if outer_state is not None:
             host.outer.load_state_dict(outer_state, members_changed=True)

@@ -38,8 +38,9 @@ import torch
 import torch.distributed as dist
 
 from gossip_ext import _plain_messages
+from gossip_ext.gossip.transport import Sealing
 from gossip_ext.membership import elastic as elastic_worker
-from gossip_ext.membership import runtime, trust
+from gossip_ext.membership import epochs, runtime, trust
 from gossip_ext.membership.epochs import Epoch, MembershipClient, RemovedError, Watch
 from gossip_ext.sharded import replica_collectives, replicas
 
@@ -110,8 +111,10 @@ class ReplicaMember:
         *,
         secret: bytes | None = None,
         fingerprint: Mapping[str, object] | None = None,
+        messages: str = epochs.SEALED,
     ):
         self.shard_group, self.timeout = shard_group, timeout
+        self.messages = messages  # how the shard groups' messages travel (Elastic(messages=...))
         self.shard, self.shards = shard_group.rank(), shard_group.size()
         self.device = device  # of the replica group's collectives (FSDP2's device)
         self.leader = None
@@ -124,6 +127,7 @@ class ReplicaMember:
                 shards=self.shards,
                 secret=secret,
                 fingerprint=fingerprint,
+                messages=messages,
             )
             self.client = self.leader.client
         else:
@@ -372,6 +376,10 @@ class ReplicaMember:
         holder, self._group = [self._group], None
         elastic_worker.let_go(holder, in_background=in_background)
 
+    def message_sealing(self) -> Sealing | None:
+        """How this epoch's gossip messages of this shard are sealed on the wire."""
+        return self.client.link_sealing(self.epoch, self.messages, part=f"/shard{self.shard}")
+
     def nccl_rendezvous(self) -> tuple[dist.Store, str]:
         prefix = f"epoch/{self.epoch.number}/nccl/shard{self.shard}"
         return dist.PrefixStore(prefix, self.client.rendezvous_store), "unique_id"
@@ -391,6 +399,7 @@ class ShardedElasticMembership(runtime.ElasticMembership):
             host.device,
             secret=trust.job_secret(membership.secret),
             fingerprint=runtime.fingerprint_of(host, membership, shard_group.size()),
+            messages=membership.messages,
         )
         super().__init__(host, membership, timeout, comm_device, worker=member)
         # A peer's failure seen by this process, until the replica agrees to change epoch.
