@@ -23,6 +23,16 @@ extras=(ninja "setuptools>=77" wheel)
 [ "${1:-}" = "--demo" ] && extras+=(matplotlib tqdm torchft==0.2.0 decent-dp==0.2.3)
 PIP_ROOT_USER_ACTION=ignore "$PYTHON" -m pip install --quiet "${extras[@]}"
 
+# Sealed messages (csrc/transport/sealed) need OpenSSL's libcrypto and its headers: installed from
+# Debian's packages where missing and apt-get can reach them. Without them the build still
+# succeeds, with no sealed messages (python -m gossip_ext.info says so; tools/sources.py decides).
+if [ ! -f /usr/include/openssl/evp.h ] && command -v apt-get >/dev/null 2>&1; then
+  SUDO=""
+  [ "$(id -u)" -eq 0 ] || SUDO="sudo"
+  { $SUDO apt-get update -qq && $SUDO apt-get install -y -qq libssl-dev; } ||
+    echo "tools/build.sh: libssl-dev could not be installed: building without sealed messages"
+fi
+
 # Root installs in a container are the norm here: pip need not warn about them.
 export PIP_ROOT_USER_ACTION=ignore
 mkdir -p build

@@ -66,7 +66,9 @@ def report() -> dict[str, object]:
     built = _C.build_info()
     return {
         "gossip_ext": __version__,
-        "built_with": {key: built[key] for key in ("torch", "cuda", "nccl", "cuda_archs")},
+        "built_with": {
+            key: built[key] for key in ("torch", "cuda", "nccl", "cuda_archs", "sealed_messages")
+        },
         "running": {
             "torch": torch.__version__,
             "cuda": torch.version.cuda,
@@ -92,6 +94,12 @@ def format_report(facts: dict[str, object]) -> str:
         f"running: torch {running['torch']} (CUDA {running['cuda'] or 'none'}, "
         f"{running['gpus']} GPU(s) visible), Python {running['python']}",
         f"CPU kernels: {facts['cpu_kernels']}",
+        "sealed messages (Elastic(messages=...)): "
+        + (
+            "AES-256-GCM from OpenSSL's libcrypto"
+            if built["sealed_messages"]
+            else "not in this build (no libcrypto headers when it was built)"
+        ),
         "transports:",
     ]
     for t in facts["transports"]:
