@@ -26,6 +26,7 @@
 #include "transport/inproc/inproc_transport.h"
 #include "transport/loopback/loopback_transport.h"
 #include "transport/message_tags.h"
+#include "transport/process_group/liveness.h"
 #include "transport/process_group/process_group_transport.h"
 #ifdef GOSSIP_WITH_CUDA
 #include "transport/nccl/nccl_bindings.h"
@@ -267,6 +268,15 @@ void bind_engine(py::module_& m) {
       m, "ProcessGroupTransport")
       .def(py::init<c10::intrusive_ptr<c10d::ProcessGroup>>(), py::arg("process_group"));
 
+  // Note [A silence is confirmed over the group] (transport/process_group/liveness.h).
+  py::class_<LivenessResponder, std::shared_ptr<LivenessResponder>>(m, "LivenessResponder")
+      .def(py::init<c10::intrusive_ptr<c10d::ProcessGroup>>(), py::arg("process_group"))
+      .def("close", &LivenessResponder::close, py::call_guard<py::gil_scoped_release>());
+  m.def("ping", &ping, py::arg("process_group"), py::arg("peer"), py::arg("timeout"),
+        py::call_guard<py::gil_scoped_release>(),
+        "Whether `peer` of `process_group` answers a ping within `timeout` (its "
+        "LivenessResponder): Note [A silence is confirmed over the group].");
+
   py::class_<HostStagingTransport, Transport, std::shared_ptr<HostStagingTransport>>(
       m, "HostStagingTransport")
       .def(py::init<std::shared_ptr<Transport>>(), py::arg("inner"));
@@ -347,6 +357,7 @@ PYBIND11_MODULE(_C, m) {
   tags["round"] = py::make_tuple(gossip::tags::kRoundBase, gossip::tags::kRoundSpan);
   tags["outer_exchange"] =
       py::make_tuple(gossip::tags::kOuterExchangeBase, gossip::tags::kOuterExchangeSpan);
+  tags["liveness"] = py::make_tuple(gossip::tags::kLivenessBase, gossip::tags::kLivenessSpan);
   tags["mailbox"] = py::make_tuple(gossip::tags::kMailboxBase, gossip::tags::kMailboxSpan);
   tags["mailbox_sequence_bits"] = gossip::tags::kMailboxSequenceBits;
   m.attr("MESSAGE_TAGS") = tags;

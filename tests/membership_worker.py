@@ -99,9 +99,9 @@ def momentum(opt: torch.optim.Optimizer) -> list[torch.Tensor | None]:
 def die_during_handoff(flag: str) -> None:
     """The first worker of the job to be a donor (the one that creates ``flag``) dies during its
     handoff, after the first part (the size) is sent."""
-    from gossip_ext.membership import elastic
+    from gossip_ext.membership import handoff
 
-    send = elastic.send_state
+    send = handoff.send_state
 
     def send_then_die(state, joiners, group):
         try:
@@ -114,7 +114,7 @@ def die_during_handoff(flag: str) -> None:
         time.sleep(0.2)
         os.kill(os.getpid(), signal.SIGKILL)
 
-    elastic.send_state = send_then_die
+    handoff.send_state = send_then_die
 
 
 def configuration(args: argparse.Namespace) -> dict:

@@ -67,14 +67,14 @@ def reads_after_losing(model, x, forward_read, raised_in: str) -> dict:
 
 def die_while_receiving() -> None:
     """This process SIGKILLs itself in its handoff, once its donor sent the size of the state."""
-    from gossip_ext.membership import elastic
+    from gossip_ext.membership import handoff
 
-    def receive_then_die(donor, group, device):
+    def receive_then_die(donor, group, device, limit):
         size = torch.empty(1, dtype=torch.int64)
         dist.recv(size, donor, group)
         os.kill(os.getpid(), signal.SIGKILL)
 
-    elastic.receive_state = receive_then_die
+    handoff.receive_state = receive_then_die
 
 
 def main() -> int:

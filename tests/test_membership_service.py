@@ -267,7 +267,7 @@ def test_a_step_boundary_asks_the_service_nothing_and_sees_a_change_from_the_wat
     worker.client.register()  # worker 0; events 1
     try:
         worker.epoch = epochs.Epoch(0, (0, 1), events=worker.client.events())
-        worker.client.watch.follow(worker.epoch, [1], lambda why: None)
+        worker.client.watch.follow(worker.epoch, [1], lambda why: None, lambda workers: [])
         asked, worker.client.store = worker.client.store, _NoRequests()
         start = time.monotonic()
         while time.monotonic() - start < 3 * epochs.HEARTBEAT_S:

@@ -9,7 +9,7 @@ import itertools
 from gossip_ext._torch_check import _C
 from gossip_ext.gossip import transport
 
-KINDS = ("round", "outer_exchange", "mailbox")
+KINDS = ("round", "outer_exchange", "liveness", "mailbox")
 
 
 def _ranges() -> dict[str, range]:

@@ -85,3 +85,24 @@ def test_fields_encode_unambiguously():
     assert groups.encode_fields("a|b", "c") != groups.encode_fields("a", "b|c")
     assert groups.encode_fields("ab", "") != groups.encode_fields("a", "b")
     assert groups.encode_fields(12) == groups.encode_fields("12")
+
+
+def _handoff_of(rank, world_size, announced):
+    from gossip_ext.membership import handoff
+
+    group = dist.group.WORLD
+    if rank == 0:  # the donor's side, announcing a size of its choosing
+        dist.send(torch.tensor([announced], dtype=torch.int64), 1, group)
+        return None
+    limit = handoff.handoff_limit(torch.nn.Linear(8, 2))
+    try:
+        handoff.receive_state(0, group, torch.device("cpu"), limit)
+    except ValueError as error:
+        return str(error)
+    return "taken"
+
+
+def test_a_handoff_announcing_more_than_the_job_can_take_is_refused_before_allocating():
+    for announced in (10**15, 0, -5):
+        refused = run_ranks(2, _handoff_of, announced)[1]
+        assert f"a state of {announced} bytes" in refused and "before anything" in refused

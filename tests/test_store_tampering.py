@@ -11,7 +11,7 @@ from datetime import timedelta
 
 import pytest
 import torch.distributed as dist
-from elastic_job import STEPS, Job, free_port
+from elastic_job import SILENT_S, STEPS, Job, free_port
 
 from gossip_ext.errors import TamperedStoreError
 from gossip_ext.membership import epochs, service, trust
@@ -171,3 +171,32 @@ def test_the_nonce_comes_from_the_running_service_not_from_what_the_store_shows(
     with pytest.raises(TamperedStoreError, match="challenge"):
         trust.seal_for_job(mute, SECRET.encode(), f"127.0.0.1:{mute.port}", timedelta(seconds=1))
     assert time.monotonic() - began < 3.0
+
+
+def test_a_members_beat_written_back_over_it_removes_nobody(tmp_path):
+    """The outsider copies each member's latest sealed beat and writes it back over the key a
+    thousand times a second, for longer than the silence that removes a member: the beats look
+    stopped, the watchers ping the members over the epoch's group, the members answer, and nobody
+    is announced gone (Note [A silence is confirmed over the group])."""
+    job = Job(tmp_path / "job", env=_secret_file(tmp_path))
+    try:
+        for name in ("w0", "w1"):
+            job.start(name, "--min-workers", "2", "--step-seconds", "0.2")
+        job.wait_for_step("w0", 4)
+        raw = dist.TCPStore("127.0.0.1", job.port, is_master=False, timeout=timedelta(seconds=5))
+        old = {w: raw.get(f"beat/{w}") for w in (0, 1)}
+        end = time.monotonic() + 3 * SILENT_S
+        while time.monotonic() < end:
+            for w, beat in old.items():
+                raw.set(f"beat/{w}", beat)
+            time.sleep(0.001)
+        job.wait(120)
+        results = {name: job.result(name) for name in ("w0", "w1")}
+        logs = {name: job.log(name) for name in ("w0", "w1")}
+    finally:
+        job.close()
+    for name, result in results.items():
+        assert result["error"] is None and result["removed"] is None, (name, logs[name])
+        assert result["final_step"] == STEPS, (name, logs[name])
+        assert {s["world_size"] for s in result["steps"]} == {2}, result["steps"]
+    assert any("answered over the epoch's group" in log for log in logs.values()), logs

@@ -22,7 +22,7 @@ from torch import nn
 
 import gossip_ext
 from gossip_ext.flat_keywords import from_flat
-from gossip_ext.membership import admission, elastic, epochs, service, trust
+from gossip_ext.membership import admission, elastic, epochs, handoff, service, trust
 
 SECRET = "a job secret, 16 bytes or more"
 DILOCO = ("--mode", "diloco")
@@ -241,10 +241,10 @@ def test_a_handoff_loads_tensors_and_plain_values_only(tmp_path):
     payload = io.BytesIO()
     torch.save({"module": _Marker(marker)}, payload)
     with pytest.raises(pickle.UnpicklingError):
-        elastic.load_handoff(payload.getvalue(), torch.device("cpu"))
+        handoff.load_handoff(payload.getvalue(), torch.device("cpu"))
     assert not marker.exists()
     state = {"module": {"w": torch.ones(2)}, "steps": 3, "outer": {"n": (1, 2.0)}}
     payload = io.BytesIO()
     torch.save(state, payload)
-    loaded = elastic.load_handoff(payload.getvalue(), torch.device("cpu"))
+    loaded = handoff.load_handoff(payload.getvalue(), torch.device("cpu"))
     assert torch.equal(loaded["module"]["w"], torch.ones(2)) and loaded["outer"] == {"n": (1, 2.0)}

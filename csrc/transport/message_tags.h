@@ -16,10 +16,15 @@ constexpr int64_t kRoundSpan = int64_t{1} << 30;
 // An outer step's exchange by gossip, dense or sparse (averagings/gossip_exchange.py,
 // averagings/sparse_gossip.py): one tag per round and bucket, wrapped.
 constexpr int64_t kOuterExchangeBase = kRoundBase + kRoundSpan;
-constexpr int64_t kOuterExchangeSpan = int64_t{1} << 29;
+constexpr int64_t kOuterExchangeSpan = int64_t{1} << 28;
+// An elastic epoch's liveness checks (process_group/liveness.h): a ping and its answer.
+constexpr int64_t kLivenessBase = kOuterExchangeBase + kOuterExchangeSpan;
+constexpr int64_t kLivenessSpan = int64_t{1} << 28;
+constexpr int64_t kPingTag = kLivenessBase;
+constexpr int64_t kPongTag = kLivenessBase + 1;
 // Asynchronous gossip's messages (transport/mailbox): a generation (an engine on these ranks, or
 // one of its restores) above a sequence number per pair of workers.
-constexpr int64_t kMailboxBase = kOuterExchangeBase + kOuterExchangeSpan;
+constexpr int64_t kMailboxBase = kLivenessBase + kLivenessSpan;
 constexpr int64_t kMailboxGenerationBits = 6;
 constexpr int64_t kMailboxSequenceBits = 23;
 constexpr int64_t kMailboxSpan = int64_t{1} << (kMailboxGenerationBits + kMailboxSequenceBits);

@@ -1,14 +1,14 @@
-"""One worker of an elastic job: its epochs, how it notices a change, how it hands its state on.
+"""One worker of an elastic job: its epochs, how it notices a change, who it answers for.
 
 A worker joins through the membership service (:mod:`gossip_ext.membership.service`; its protocol in
 :mod:`gossip_ext.membership.epochs`) and trains in epochs, each with a process group of its own over
-that epoch's members (:mod:`._epoch_group`). At every step boundary it compares the service's event
-counter, as its watch thread last read it, with its epoch's; when the membership changed (a worker
+that epoch's members (:mod:`.epoch_group`). At every step boundary it compares the count of the
+membership's changes, as its watch thread last read it, with its epoch's; when the membership changed (a worker
 registered, left, or was announced dead) it moves to the next epoch there. When a round or a
 collective fails because a peer died or stalled, the worker announces the peers the error is about
 (a :class:`~gossip_ext.PeerTimeoutError`'s ``peers``, never read out of its message) unless a change
 is already pending, which explains the failure, and moves on the same way; a worker that is not a
-neighbour of the dead one learns it from the counter, without waiting for a timeout of its own.
+neighbour of the dead one learns it from the count, without waiting for a timeout of its own.
 Forming an epoch is the only moment the members wait for each other: each checks in, and one that
 does not within the timeout is removed.
 
@@ -16,26 +16,23 @@ What moves with a worker from one epoch to the next is its own: its model, its o
 step count and outer state. The push-sum weight restarts at 1 in every epoch (a dead worker's
 share of the mass is dropped; see docs/elastic.md). A worker that joins a running job receives the
 state of one member that was already training (the donor: the oldest such member) before its
-first forward, and never seeds anyone with its own initialisation.
+first forward (:mod:`.handoff`), and never seeds anyone with its own initialisation.
 """
 
 from __future__ import annotations
 
 import datetime
 import gc
-import io
 import logging
 import threading
 import time
 import weakref
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
 
-import torch
 import torch.distributed as dist
 
-from gossip_ext._plain_messages import tensor_bytes
+from gossip_ext._torch_check import _C
 from gossip_ext.errors import PeerTimeoutError
 from gossip_ext.gossip.transport import Sealing
 from gossip_ext.membership import admission, epoch_group
@@ -143,6 +140,7 @@ class ElasticWorker:
         self.group: dist.ProcessGroup | None = None
         self.left = False
         self.ready = False  # holds the job's state (see mark_ready)
+        self._responder: _C.LivenessResponder | None = None
         # Called from the watch's thread when a member's heartbeat stops (epochs.Watch): gives up
         # whatever this worker waits on from it. Set by the wrapper.
         self.on_silent: Callable[[str], None] = lambda why: None
@@ -295,6 +293,15 @@ class ElasticWorker:
         named = [w for w in named if w != self.worker and not client.leaving(epoch, w)]
         if named:
             named = client.silent(named, epoch.events)
+        alive = self.answering(named)
+        if alive:
+            logger.warning(
+                "gossip_ext epoch %d: worker(s) %s answered over the epoch's group though "
+                "their round failed and their heartbeat looked silent: not accused",
+                epoch.number,
+                alive,
+            )
+        named = [w for w in named if w not in alive]
         if named:
             client.announce_gone(named, f"its round failed in epoch {epoch.number}")
         elif client.events() == epoch.events:
@@ -331,7 +338,10 @@ class ElasticWorker:
             return None
         self.epoch, self.group = epoch, group
         others = [m for m in epoch.members if m != self.worker]
-        self.client.watch.follow(epoch, others, self.on_silent)
+        # Answers the others' pings while the group lives (Note [A silence is confirmed over
+        # the group] in csrc/transport/process_group/liveness.h).
+        self._responder = _C.LivenessResponder(group)
+        self.client.watch.follow(epoch, others, self.on_silent, self.answering)
         left = [] if previous is None else sorted(set(previous.members) - set(epoch.members))
         change = Change(
             epoch, group, epoch.rank(self.worker), left, joined, time.monotonic() - start
@@ -397,12 +407,25 @@ class ElasticWorker:
             if self.client.heartbeat is not None:
                 self.client.heartbeat.stop()
 
+    def answering(self, workers: Sequence[int]) -> list[int]:
+        """Those of ``workers`` (members of this epoch) that answer a ping over the epoch's group
+        within the job's ``confirm_s``: alive, whatever the store shows of their beats (Note [A
+        silence is confirmed over the group])."""
+        group, epoch = self.group, self.epoch
+        if group is None or epoch is None:
+            return []
+        wait = datetime.timedelta(seconds=self.client.timings.confirm_s)
+        return [w for w in workers if w in epoch.members and _C.ping(group, epoch.rank(w), wait)]
+
     def _release(self, *, in_background: bool = False) -> None:
         """Lets go of the epoch's group. Its connections close only when it is freed (gloo has
         no close), which the peers still waiting on this worker must see now. Freeing it waits
         for its worker threads, and one still inside a collective that a failure left behind
         waits there for the whole timeout (``abort()`` does not reach it): after a failure the
         group is freed ``in_background``, so that the epoch change does not wait with it."""
+        if self._responder is not None:
+            self._responder.close()  # before its group goes: it waits in a receive of the group
+            self._responder = None
         holder, self.group = [self.group], None
         let_go(holder, in_background=in_background)
 
@@ -433,37 +456,3 @@ def _free(holder: list[dist.ProcessGroup]) -> None:
 
 
 # ----------------------------------------------------------------------------- the handoff
-
-
-def send_state(state: dict[str, Any], joiners: list[int], group: dist.ProcessGroup) -> None:
-    """The donor's side of the handoff: ``state`` (tensors and plain values) to each joiner's
-    rank, as one serialized message."""
-    payload = io.BytesIO()
-    torch.save(state, payload)
-    data = torch.frombuffer(bytearray(payload.getbuffer()), dtype=torch.uint8)
-    size = torch.tensor([data.numel()], dtype=torch.int64)
-    for rank in joiners:
-        dist.send(size, rank, group)
-        dist.send(data, rank, group)
-
-
-def receive_state(donor: int, group: dist.ProcessGroup, device: torch.device) -> dict[str, Any]:
-    """A joiner's side of the handoff: the donor's state, its CUDA tensors on ``device`` (the
-    donor's GPU index means nothing here) and its host tensors on the host."""
-    size = torch.empty(1, dtype=torch.int64)
-    dist.recv(size, donor, group)
-    data = torch.empty(int(size.item()), dtype=torch.uint8)
-    dist.recv(data, donor, group)
-    return load_handoff(tensor_bytes(data), device)
-
-
-def load_handoff(data: bytes, device: torch.device) -> dict[str, Any]:
-    """The state a donor sent as ``data``: tensors and plain values only (``weights_only``), so
-    that a payload never runs code here; CUDA tensors on ``device``."""
-
-    def place(storage, location: str):
-        if location.startswith("cuda") and device.type == "cuda":
-            return storage.cuda(device.index)
-        return storage
-
-    return torch.load(io.BytesIO(data), map_location=place, weights_only=True)

@@ -107,6 +107,12 @@ class Beats:
         """Those of ``workers`` whose heartbeat did not rise since this began watching."""
         return [w for w, b in zip(workers, self._read(workers)) if b <= self.seen[w][0]]
 
+    def heard(self, workers: Sequence[int]) -> None:
+        """``workers`` are alive now (they answered otherwise): their silences start again."""
+        now = time.monotonic()
+        for w in workers:
+            self.seen[w] = (self.seen[w][0], now)
+
     def silent(self, workers: Sequence[int]) -> list[int]:
         now = time.monotonic()
         if now - self.read_at < self.timings.heartbeat_s / 2:  # a watch looks every beat or so
@@ -173,7 +179,10 @@ class Watch:
         self.client = client  # a connection of its own, announcing in this worker's name
         worker = client.worker
         self._lock = threading.Lock()
-        self._following: tuple[Epoch, list[int], Callable[[str], None]] | None = None
+        self._following: (
+            tuple[Epoch, list[int], Callable[[str], None], Callable[[Sequence[int]], list[int]]]
+            | None
+        ) = None
         # The highest ``events`` count its looks read: the worker compares it with its epoch's at
         # every step boundary, so that no step waits on a request to the service.
         self.events = -1
@@ -183,10 +192,18 @@ class Watch:
         )
         self.thread.start()
 
-    def follow(self, epoch: Epoch, others: Sequence[int], on_silent: Callable[[str], None]):
-        """Watches ``others`` (the epoch's members but this worker) until :meth:`pause`."""
+    def follow(
+        self,
+        epoch: Epoch,
+        others: Sequence[int],
+        on_silent: Callable[[str], None],
+        answering: Callable[[Sequence[int]], list[int]],
+    ):
+        """Watches ``others`` (the epoch's members but this worker) until :meth:`pause`.
+        ``answering(workers)``: those of them that answer over the epoch's group (Note [A
+        silence is confirmed over the group]), asked before any is announced gone."""
         with self._lock:
-            self._following = (epoch, list(others), on_silent)
+            self._following = (epoch, list(others), on_silent, answering)
 
     def pause(self) -> None:
         """Stops watching (this worker is leaving its epoch): once it returns, ``on_silent`` is
@@ -206,13 +223,13 @@ class Watch:
                 following = self._following
             if following is None:
                 continue
-            epoch, others, on_silent = following
+            epoch, others, on_silent, answering = following
             try:
                 if watched is not following:
                     beats = Beats(self.client.store, self.client.seal, others, timings)
                     watched, why = following, None
                 elif why is None:
-                    why = self._silent(epoch, others, beats)
+                    why = self._silent(epoch, others, beats, answering)
                     if why is not None:
                         logger.info("gossip_ext epoch %d: %s", epoch.number, why)
                 self.events = max(self.events, self.client.events())
@@ -226,7 +243,13 @@ class Watch:
                 if self._following is following:
                     on_silent(why)
 
-    def _silent(self, epoch: Epoch, others: list[int], beats: Beats) -> str | None:
+    def _silent(
+        self,
+        epoch: Epoch,
+        others: list[int],
+        beats: Beats,
+        answering: Callable[[Sequence[int]], list[int]],
+    ) -> str | None:
         """Why to give up on the members whose heartbeat stopped (announced gone), or None."""
         silent = beats.silent(others)
         if not silent:
@@ -234,6 +257,19 @@ class Watch:
         gone = self.client.gone()
         # One that left on purpose closed its connections: its rounds fail at once.
         silent = [w for w in silent if gone.get(w) != LEFT]
+        # One that answers over the epoch's group is alive: its beats in the store were written
+        # over (Note [A silence is confirmed over the group]).
+        alive = answering(silent)
+        if alive:
+            logger.warning(
+                "gossip_ext epoch %d: worker(s) %s answered over the epoch's group though their "
+                "heartbeat in the membership store looked silent: a process outside the job is "
+                "writing their beats back; not announced gone",
+                epoch.number,
+                alive,
+            )
+            beats.heard(alive)
+        silent = [w for w in silent if w not in alive]
         if not silent:
             return None
         self.client.announce_gone(silent, f"its heartbeat stopped in epoch {epoch.number}")

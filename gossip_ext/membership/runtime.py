@@ -23,7 +23,7 @@ from gossip_ext.averagings import failures
 from gossip_ext.errors import ConfigurationMismatch
 from gossip_ext.gossip.inner import InnerMix
 from gossip_ext.gossip.transport import Sealing, available_sealing, choose_transport
-from gossip_ext.membership import admission, trust
+from gossip_ext.membership import admission, handoff, trust
 from gossip_ext.membership import elastic as _elastic_worker
 from gossip_ext.membership.epochs import ENCRYPTED, PLAIN
 from gossip_ext.membership.heartbeats import DEFAULT_TIMINGS
@@ -409,11 +409,12 @@ class ElasticMembership:
         joined = [change.epoch.rank(j) for j in change.joined]
         donor = change.donor  # None: nobody joined
         if donor is not None and self.worker.worker in change.joined:
-            state = _elastic_worker.receive_state(donor, change.group, host.device)
+            limit = handoff.handoff_limit(host.module)
+            state = handoff.receive_state(donor, change.group, host.device, limit)
             self._take_handoff(host, state)
             self.worker.mark_ready()
         elif donor is not None and change.rank == donor:
-            _elastic_worker.send_state(self._handoff(host), joined, change.group)
+            handoff.send_state(self._handoff(host), joined, change.group)
         host.outer.align_in_flight(host.steps)
         self._holds_state = True
         host.parameters_loaded()

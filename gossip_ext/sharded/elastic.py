@@ -31,7 +31,7 @@ same shard process of one live replica: no process ever holds the whole model.
 from __future__ import annotations
 
 import datetime
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any, NoReturn
 
 import torch
@@ -42,57 +42,13 @@ from gossip_ext.gossip.transport import Sealing
 from gossip_ext.membership import elastic as elastic_worker
 from gossip_ext.membership import epochs, runtime, trust
 from gossip_ext.membership.epochs import Epoch, MembershipClient, RemovedError, Watch
-from gossip_ext.sharded import replica_collectives, replicas
+from gossip_ext.sharded import replica_collectives, replica_messages, replicas
 
 
 class ReplicaLostError(RemovedError):
     """A process of this replica died or left, so the replica left the job: its other processes
     stop with this error, and the other replicas train on. Start a whole new replica (all of its
     shard processes) to replace it: it receives the model shard by shard from a live one."""
-
-
-# What a leader tells its replica's other processes about an error that stopped it, by name.
-_STOPPING_ERRORS = {e.__name__: e for e in (RemovedError, TimeoutError, ValueError)}
-
-
-def _raise_if_stopped(message: tuple | list) -> None:
-    """Raises what stopped the leader, as it was raised there, on the replica's other processes."""
-    if message[0] == "stopped":
-        _, kind, text = message
-        raise _STOPPING_ERRORS.get(kind, RuntimeError)(text)
-
-
-# The leader's messages to its replica's other processes, as JSON (never a pickle: a value of
-# the store or a process's bytes are only ever parsed): the replica's id once it registered, the
-# epoch it formed with who left and joined, or what stopped it. And a shard process's failure.
-_STOPPED = ("stopped", str, str)
-_REGISTERED = _plain_messages.OneOf(("registered", int), _STOPPED)
-_TOLD = _plain_messages.OneOf(
-    ("epoch", {"number": int, "members": [int], "events": int}, [int], [int]), _STOPPED
-)
-_FAILURE = _plain_messages.OneOf(None, {"text": str, "peers": [int]})
-
-
-def _epoch_message(change: elastic_worker.Change) -> list:
-    epoch = change.epoch
-    described = {"number": epoch.number, "members": list(epoch.members), "events": epoch.events}
-    return ["epoch", described, list(change.left), list(change.joined)]
-
-
-def _read_told(data: bytes | str, what: str, replica: int) -> tuple:
-    """A message of the leader (:data:`_TOLD`), its epoch an :class:`Epoch` again, checked: the
-    epoch must hold this replica."""
-    message = _plain_messages.decode(data, what, _TOLD)
-    if message[0] != "epoch":
-        return tuple(message)
-    _, described, left, joined = message
-    epoch = Epoch(described["number"], tuple(described["members"]), described["events"])
-    if replica not in epoch.members:
-        raise _plain_messages.MalformedMessage(
-            f"{what}: epoch {epoch.number}'s members {list(epoch.members)} do not hold this "
-            f"replica (worker {replica})"
-        )
-    return "epoch", epoch, left, joined
 
 
 class ReplicaMember:
@@ -176,7 +132,7 @@ class ReplicaMember:
                 self._broadcast(("stopped", type(error).__name__, str(error)))
                 raise
         message = self._broadcast(message)
-        _raise_if_stopped(message)
+        replica_messages.raise_if_stopped(message)
         self.client.worker = message[1]
         return self._next(lambda: self.leader.join())
 
@@ -202,7 +158,11 @@ class ReplicaMember:
                 return False, None
             mine = None if failure is None else {"text": failure.text, "peers": failure.peers}
             failures = _plain_messages.all_gather(
-                mine, self.shard_group, "a shard process's failure", _FAILURE, self.device
+                mine,
+                self.shard_group,
+                "a shard process's failure",
+                replica_messages.FAILURE,
+                self.device,
             )
         except Exception as error:
             if not elastic_worker.is_peer_failure(error):
@@ -244,10 +204,10 @@ class ReplicaMember:
             except Exception as error:
                 self._tell(["stopped", type(error).__name__, str(error)])
                 raise
-            self._tell(_epoch_message(change))
+            self._tell(replica_messages.epoch_message(change))
         else:
             message = self._told()
-        _raise_if_stopped(message)
+        replica_messages.raise_if_stopped(message)
         _, epoch, left, joined = message
         replica = self.worker
         self.epoch = epoch
@@ -263,12 +223,14 @@ class ReplicaMember:
         self._replica_collective(dist.all_reduce, every, op=dist.ReduceOp.MIN)
         if not every.item():
             return None
-        self._watch().follow(epoch, [m for m in epoch.members if m != replica], self.on_silent)
+        others = [m for m in epoch.members if m != replica]
+        self._watch().follow(epoch, others, self.on_silent, self.answering)
         rank = epoch.rank(replica)
         return elastic_worker.Change(epoch, self.group, rank, list(left), list(joined), 0.0)
 
     def _tell(self, message: list) -> None:
-        """The leader's side: ``message`` (:data:`_TOLD`) to the replica's other processes."""
+        """The leader's side: ``message`` (``replica_messages.TOLD``) to the replica's other
+        processes."""
         self._messages += 1
         key = f"replica/{self.worker}/told/{self._messages}"
         self.client.put(key, _plain_messages.encode(message).decode())
@@ -282,17 +244,20 @@ class ReplicaMember:
             data = self.client.wait_while_beating(key, self.worker)
         except TimeoutError as error:
             self.lose_replica(error)
-        return _read_told(data, f"the replica leader's message {key!r}", self.worker)
+        return replica_messages.read_told(
+            data, f"the replica leader's message {key!r}", self.worker
+        )
 
     def _broadcast(self, message: tuple | None) -> list:
-        """The leader's ``message`` (:data:`_REGISTERED`) on every process of the replica."""
+        """The leader's ``message`` (``replica_messages.REGISTERED``) on every process of the
+        replica."""
         leader = dist.get_global_rank(self.shard_group, 0)
         return self._replica_collective(
             _plain_messages.broadcast,
             message,
             leader,
             what="the replica leader's registration",
-            shape=_REGISTERED,
+            shape=replica_messages.REGISTERED,
             device=self.device,
         )
 
@@ -375,6 +340,12 @@ class ReplicaMember:
             return  # the leader's group is its worker's: released there
         holder, self._group = [self._group], None
         elastic_worker.let_go(holder, in_background=in_background)
+
+    def answering(self, workers: Sequence[int]) -> list[int]:
+        """Those of ``workers`` (replicas) whose leader answers over the leaders' epoch group
+        (Note [A silence is confirmed over the group]); none asked from another process of the
+        replica, which holds no responder's group: its watch goes by the store alone."""
+        return self.leader.answering(workers) if self.leader is not None else []
 
     def message_sealing(self) -> Sealing | None:
         """How this epoch's gossip messages of this shard are sealed on the wire."""

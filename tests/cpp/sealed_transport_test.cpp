@@ -33,7 +33,8 @@ std::vector<uint8_t> key(uint8_t seed) { return std::vector<uint8_t>(32, seed); 
 // Rank r's keys for its one peer: its own sends under 10 + r, the peer's under 10 + peer.
 std::map<int, LinkKeys> keys_of(int rank, uint8_t forge = 0) {
   const int peer = 1 - rank;
-  return {{peer, {key(static_cast<uint8_t>(10 + rank + forge)), key(static_cast<uint8_t>(10 + peer))}}};
+  const auto own = static_cast<uint8_t>(10 + rank + forge);
+  return {{peer, {key(own), key(static_cast<uint8_t>(10 + peer))}}};
 }
 
 // A transport between the two ranks that lets a test change the bytes on the wire: an inner
