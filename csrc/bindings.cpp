@@ -271,7 +271,10 @@ void bind_engine(py::module_& m) {
   // Note [A silence is confirmed over the group] (transport/process_group/liveness.h).
   py::class_<LivenessResponder, std::shared_ptr<LivenessResponder>>(m, "LivenessResponder")
       .def(py::init<c10::intrusive_ptr<c10d::ProcessGroup>>(), py::arg("process_group"))
-      .def("close", &LivenessResponder::close, py::call_guard<py::gil_scoped_release>());
+      // By reference: None for `self` is refused (a member pointer would take it as null).
+      .def(
+          "close", [](LivenessResponder& responder) { responder.close(); },
+          py::call_guard<py::gil_scoped_release>());
   m.def("ping", &ping, py::arg("process_group"), py::arg("peer"), py::arg("timeout"),
         py::call_guard<py::gil_scoped_release>(),
         "Whether `peer` of `process_group` answers a ping within `timeout` (its "

@@ -88,6 +88,10 @@ CASES: dict[str, list[tuple[str, tuple[str, ...] | None, tuple[str, ...]]]] = {
         ("outbox.fail('x', 'y')", TE, ("round",)),
     ],
     "PeerChannel.close": [("_C.PeerChannel.close(None)", TE, ())],
+    "PeerChannel.check_silence": [
+        ("_C.PeerChannel.check_silence(None)", TE, ()),
+        ("mailbox.check_silence()", None, ()),
+    ],
     "Mailbox": [
         ("_C.Mailbox(None, departures, 1, 0, day, 64, [True], 0)", EITHER, ("transport",)),
         ("_C.Mailbox(p2p, None, 1, 0, day, 64, [True], 0)", EITHER, ("departures",)),
@@ -322,6 +326,21 @@ CASES: dict[str, list[tuple[str, tuple[str, ...] | None, tuple[str, ...]]]] = {
     "ProcessGroupTransport": [
         ("_C.ProcessGroupTransport(None)", EITHER, ("process_group", "None")),
         ("_C.ProcessGroupTransport('x')", TE, ("process_group",)),
+    ],
+    "LivenessResponder": [
+        ("_C.LivenessResponder(None)", EITHER, ("process_group", "None")),
+        ("_C.LivenessResponder('x')", TE, ("process_group",)),
+    ],
+    "LivenessResponder.close": [("_C.LivenessResponder.close(None)", TE, ())],
+    "ping": [
+        ("_C.ping(None, 1, day)", EITHER, ("process_group", "None")),
+        ("_C.ping('x', 1, day)", TE, ("process_group",)),
+    ],
+    "SealedTransport": [
+        ("_C.SealedTransport(None, {}, False)", EITHER, ("inner", "None")),
+        ("_C.SealedTransport(p2p, {1: (b'x', b'y')})", VE, ("32 bytes", "peer 1")),
+        ("_C.SealedTransport(p2p, {0: (b'k' * 32, b'k' * 32)})", VE, ("peer 0",)),
+        ("_C.SealedTransport(p2p, {1: (b'k' * 32, b'k' * 32)}, 'x')", TE, ("encrypt",)),
     ],
     "HostStagingTransport": [
         ("_C.HostStagingTransport(None)", EITHER, ("inner", "None")),

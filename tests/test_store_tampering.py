@@ -39,6 +39,7 @@ def _an_earlier_jobs_nonce(tmp_path) -> str:
         earlier.close()
 
 
+@pytest.mark.slow("two elastic jobs' services, four workers, one of them joining after the attacks")
 def test_counters_overwritten_lists_deleted_and_an_old_nonce_written_back_stop_nothing(tmp_path):
     old_nonce = _an_earlier_jobs_nonce(tmp_path)
     job = Job(tmp_path / "job", env=_secret_file(tmp_path))
@@ -173,6 +174,7 @@ def test_the_nonce_comes_from_the_running_service_not_from_what_the_store_shows(
     assert time.monotonic() - began < 3.0
 
 
+@pytest.mark.slow("an elastic job trained through a replay three silences long")
 def test_a_members_beat_written_back_over_it_removes_nobody(tmp_path):
     """The outsider copies each member's latest sealed beat and writes it back over the key a
     thousand times a second, for longer than the silence that removes a member: the beats look

@@ -13,6 +13,7 @@ from __future__ import annotations
 import time
 from datetime import timedelta
 
+import pytest
 import torch
 import torch.distributed as dist
 from multiprocess import run_ranks
@@ -95,6 +96,7 @@ def _collectives_around_steps(rank, world_size):
     return seconds, finals
 
 
+@pytest.mark.slow("nine modes on 4 ranks, with two pauses past the timeout in which nobody steps")
 def test_a_users_barrier_and_all_reduce_return_promptly_under_every_mode_and_after_pauses():
     results = run_ranks(4, _collectives_around_steps)
     for rank, (seconds, _) in enumerate(results):

@@ -59,7 +59,8 @@ bool wait_aborting_at(const c10::intrusive_ptr<c10d::Work>& work,
 
 LivenessResponder::LivenessResponder(c10::intrusive_ptr<c10d::ProcessGroup> group)
     : group_(std::move(group)) {
-  GOSSIP_CHECK_ARG(group_, "LivenessResponder: group must be a process group, got None");
+  GOSSIP_CHECK_ARG(group_,
+                   "LivenessResponder: process_group must be a process group, got None");
   thread_ = std::thread([this] { run(); });
 }
 
@@ -109,7 +110,7 @@ void LivenessResponder::close() {
 
 bool ping(const c10::intrusive_ptr<c10d::ProcessGroup>& group, int peer,
           std::chrono::milliseconds timeout) {
-  GOSSIP_CHECK_ARG(group, "ping: group must be a process group, got None");
+  GOSSIP_CHECK_ARG(group, "ping: process_group must be a process group, got None");
   GOSSIP_CHECK_ARG(peer >= 0 && peer < group->getSize() && peer != group->getRank(),
                    "ping: peer must be another rank of the group, got ", peer);
   check_timeout(timeout, "ping");
