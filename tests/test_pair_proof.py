@@ -106,3 +106,33 @@ def test_a_handoff_announcing_more_than_the_job_can_take_is_refused_before_alloc
     for announced in (10**15, 0, -5):
         refused = run_ranks(2, _handoff_of, announced)[1]
         assert f"a state of {announced} bytes" in refused and "before anything" in refused
+
+
+def _liveness(rank, world_size):
+    from gossip_ext._torch_check import _C
+
+    group, store = dist.group.WORLD, dist.distributed_c10d._get_default_store()
+    wait = timedelta(seconds=2)
+    if rank == 1:
+        responder = _C.LivenessResponder(group)
+        store.set("answering", "1")
+        store.wait(["asked"])
+        responder.close()  # stops answering, as a stopped process would
+        store.set("closed", "1")
+        store.wait(["done"])
+        return None
+    store.wait(["answering"])
+    answered = _C.ping(group, 1, wait)
+    store.set("asked", "1")
+    store.wait(["closed"])
+    began = time.monotonic()
+    silent = _C.ping(group, 1, wait)
+    took = time.monotonic() - began
+    store.set("done", "1")
+    return answered, silent, took
+
+
+def test_a_member_answers_a_ping_over_the_group_and_one_that_stopped_answering_does_not():
+    answered, silent, took = run_ranks(2, _liveness)[0]
+    assert answered and not silent
+    assert 1.9 <= took < 4.0  # the ping's own wait, then aborted: no gloo wait ran out

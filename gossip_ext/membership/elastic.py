@@ -4,11 +4,11 @@ A worker joins through the membership service (:mod:`gossip_ext.membership.servi
 :mod:`gossip_ext.membership.epochs`) and trains in epochs, each with a process group of its own over
 that epoch's members (:mod:`.epoch_group`). At every step boundary it compares the count of the
 membership's changes, as its watch thread last read it, with its epoch's; when the membership
-changed (a worker registered, left, or was announced dead) it moves to the next epoch there. When a round or a
-collective fails because a peer died or stalled, the worker announces the peers the error is about
-(a :class:`~gossip_ext.PeerTimeoutError`'s ``peers``, never read out of its message) unless a change
-is already pending, which explains the failure, and moves on the same way; a worker that is not a
-neighbour of the dead one learns it from the count, without waiting for a timeout of its own.
+changed (a worker registered, left, or was announced dead) it moves to the next epoch there. When a
+round or a collective fails because a peer died or stalled, the worker announces the peers the error
+is about (a :class:`~gossip_ext.PeerTimeoutError`'s ``peers``, never read out of its message) unless
+a change is already pending, which explains the failure, and moves on the same way; a worker that is
+not a neighbour of the dead one learns it from the count, without waiting for a timeout of its own.
 Forming an epoch is the only moment the members wait for each other: each checks in, and one that
 does not within the timeout is removed.
 
